@@ -1,0 +1,1 @@
+"""verl adapter for weightsync (see README, "verl integration")."""

@@ -1,0 +1,33 @@
+"""The ``weightsync`` command. Each subcommand lives in its own module."""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+
+# subcommand -> (module with add_arguments(parser) and run(args) -> int, one-line help)
+SUBCOMMANDS = {
+    "bench": ("weightsync.bench", "measure sync throughput of transports against baselines and the copy ceiling"),
+    "doctor": ("weightsync.doctor", "print platform, versions and which transports can run here"),
+    "status": ("weightsync.status_cli", "print the status of a running coordinator"),
+    "reap": ("weightsync.status_cli", "remove shared-memory segments left by dead processes"),
+}
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="weightsync", description=__doc__)
+    sub = parser.add_subparsers(dest="command", required=True)
+    for name, (module, help_text) in SUBCOMMANDS.items():
+        p = sub.add_parser(name, help=help_text, description=help_text)
+        p.set_defaults(_module=module)
+        mod = importlib.import_module(module)
+        getattr(mod, f"add_{name}_arguments", getattr(mod, "add_arguments", lambda _p: None))(p)
+    args = parser.parse_args(argv)
+    mod = importlib.import_module(args._module)
+    run = getattr(mod, f"run_{args.command}", None) or mod.run
+    return int(run(args) or 0)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

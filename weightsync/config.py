@@ -1,0 +1,187 @@
+"""One config object for the whole service, loadable from a mapping or the environment.
+
+Every field is validated on construction, so a bad value fails where it is written
+(a YAML file, a Hydra override, an environment variable), not deep inside a transfer.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import os
+from collections.abc import Mapping
+from typing import Any
+
+from .errors import ConfigError
+
+TRANSPORTS = ("auto", "shm", "broadcast", "ipc")
+BACKENDS = ("auto", "gloo", "nccl", "hccl")
+DEVICES = ("auto", "cpu", "cuda", "npu")
+ENV_PREFIX = "WEIGHTSYNC_"
+MiB = 1 << 20
+
+
+@dataclasses.dataclass(frozen=True)
+class SyncConfig:
+    """How weights move. Field docs are the user-facing reference (see README)."""
+
+    # which transport moves bucket bytes; "auto" picks by placement (see README)
+    transport: str = "auto"
+    # collective backend of the broadcast transport; "auto" follows the device
+    backend: str = "auto"
+    # device the receivers load on; "auto" detects npu > cuda > cpu
+    device: str = "auto"
+    # bucket size; also the unit of checksums and pipelining
+    bucket_mb: float = 64.0
+    # byte alignment of every tensor inside a bucket (power of two, >= 16)
+    align_bytes: int = 256
+    # verify a per-bucket xxh3 checksum before any byte of the bucket is loaded
+    checksum: bool = True
+    # keep the previous version's data until every receiver committed the new one,
+    # so a receiver that fails part-way can roll back instead of going stale
+    keep_previous: bool = True
+    # a batch generated with version v may train step s only if s - v <= max_staleness
+    max_staleness: int = 1
+    # deadline for registration, rendezvous and manifest agreement
+    connect_timeout_s: float = 120.0
+    # deadline for one version, from the barrier to the last receiver's report
+    sync_timeout_s: float = 300.0
+    # parties ping the coordinator this often ...
+    heartbeat_interval_s: float = 1.0
+    # ... and a party silent for this long is reported as dead or stalled
+    heartbeat_timeout_s: float = 10.0
+    # Ray actor name (and namespace) of the coordinator; one per job
+    coordinator_name: str = "weightsync"
+    namespace: str = ""
+    # where shared-memory segments live and how many one session may hold at once
+    shm_dir: str = "/dev/shm"
+    shm_max_segments: int = 3
+    # address the broadcast rendezvous store binds to ("auto": this node's Ray address)
+    rendezvous_host: str = "auto"
+    rendezvous_port: int = 0
+
+    def __post_init__(self) -> None:
+        _check_choice("transport", self.transport, TRANSPORTS)
+        _check_choice("backend", self.backend, BACKENDS)
+        _check_choice("device", self.device, DEVICES)
+        if not self.bucket_mb > 0:
+            raise ConfigError(f"bucket_mb must be > 0, got {self.bucket_mb!r}")
+        a = self.align_bytes
+        if a < 16 or a & (a - 1):
+            raise ConfigError(f"align_bytes must be a power of two >= 16, got {a!r}")
+        if self.bucket_bytes < a:
+            raise ConfigError(
+                f"bucket_mb={self.bucket_mb} gives a bucket of {self.bucket_bytes} bytes, "
+                f"smaller than align_bytes={a}"
+            )
+        if self.max_staleness < 0:
+            raise ConfigError(f"max_staleness must be >= 0, got {self.max_staleness!r}")
+        for key in ("connect_timeout_s", "sync_timeout_s", "heartbeat_interval_s", "heartbeat_timeout_s"):
+            value = getattr(self, key)
+            if not value > 0:
+                raise ConfigError(f"{key} must be a positive number of seconds, got {value!r}")
+        if self.heartbeat_timeout_s <= self.heartbeat_interval_s:
+            raise ConfigError(
+                f"heartbeat_timeout_s ({self.heartbeat_timeout_s}) must exceed "
+                f"heartbeat_interval_s ({self.heartbeat_interval_s})"
+            )
+        if self.shm_max_segments < 2:
+            raise ConfigError(f"shm_max_segments must be >= 2, got {self.shm_max_segments!r}")
+        if not 0 <= self.rendezvous_port < 65536:
+            raise ConfigError(f"rendezvous_port must be in 0..65535, got {self.rendezvous_port!r}")
+        if not self.coordinator_name:
+            raise ConfigError("coordinator_name must not be empty")
+
+    @property
+    def bucket_bytes(self) -> int:
+        """Bucket size in bytes, rounded down to the alignment."""
+        raw = int(self.bucket_mb * MiB)
+        return raw - raw % self.align_bytes
+
+    # -- loading ---------------------------------------------------------------------
+
+    @classmethod
+    def from_mapping(cls, mapping: Any, base: SyncConfig | None = None) -> SyncConfig:
+        """Build from a dict or an OmegaConf-like mapping; unknown keys are errors."""
+        if mapping is None:
+            return base or cls()
+        if not isinstance(mapping, Mapping) and not hasattr(mapping, "keys"):
+            raise ConfigError(f"weightsync config must be a mapping, got {type(mapping).__name__}")
+        fields = _fields()
+        values: dict[str, Any] = {}
+        for key in mapping.keys():
+            key = str(key)
+            if key not in fields:
+                raise ConfigError(_unknown_key(key, fields))
+            values[key] = _coerce(key, mapping[key], fields[key])
+        return dataclasses.replace(base or cls(), **values)
+
+    @classmethod
+    def from_env(cls, environ: Mapping[str, str] | None = None, base: SyncConfig | None = None) -> SyncConfig:
+        """Apply ``WEIGHTSYNC_<FIELD>`` variables on top of ``base``; unknown ones are errors."""
+        environ = os.environ if environ is None else environ
+        fields = _fields()
+        values: dict[str, Any] = {}
+        for name, raw in environ.items():
+            if not name.startswith(ENV_PREFIX):
+                continue
+            key = name[len(ENV_PREFIX):].lower()
+            if key not in fields:
+                raise ConfigError(_unknown_key(key, fields, env_name=name))
+            values[key] = _coerce(key, raw, fields[key], env_name=name)
+        return dataclasses.replace(base or cls(), **values)
+
+    @classmethod
+    def load(cls, mapping: Any = None, environ: Mapping[str, str] | None = None) -> SyncConfig:
+        """Mapping first, then the environment on top (env wins, as for a one-off override)."""
+        return cls.from_env(environ, base=cls.from_mapping(mapping))
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+
+def _fields() -> dict[str, type]:
+    hints = {"str": str, "float": float, "int": int, "bool": bool}
+    return {f.name: hints[f.type] for f in dataclasses.fields(SyncConfig)}
+
+
+def _unknown_key(key: str, fields: Mapping[str, type], env_name: str | None = None) -> str:
+    where = f"environment variable {env_name}" if env_name else f"key '{key}'"
+    close = difflib.get_close_matches(key, list(fields), n=1)
+    hint = f" (did you mean '{close[0]}'?)" if close else ""
+    return f"unknown weightsync config {where}{hint}; known keys: {', '.join(sorted(fields))}"
+
+
+def _coerce(key: str, value: Any, kind: type, env_name: str | None = None) -> Any:
+    where = env_name or key
+    if kind is bool:
+        if isinstance(value, bool):
+            return value
+        text = str(value).strip().lower()
+        if text in ("1", "true", "yes", "on"):
+            return True
+        if text in ("0", "false", "no", "off"):
+            return False
+        raise ConfigError(f"{where} must be a boolean, got {value!r}")
+    if kind is str:
+        if not isinstance(value, str):
+            raise ConfigError(f"{where} must be a string, got {value!r}")
+        return value
+    if isinstance(value, bool):
+        raise ConfigError(f"{where} must be a number, got {value!r}")
+    try:
+        number = float(value) if kind is float else int(str(value).strip()) if isinstance(value, str) else value
+    except ValueError:
+        raise ConfigError(f"{where} must be {'a number' if kind is float else 'an integer'}, got {value!r}") from None
+    if kind is int and (not isinstance(number, int) or isinstance(number, bool)):
+        if isinstance(number, float) and number.is_integer():
+            return int(number)
+        raise ConfigError(f"{where} must be an integer, got {value!r}")
+    if kind is float and not isinstance(number, (int, float)):
+        raise ConfigError(f"{where} must be a number, got {value!r}")
+    return kind(number)
+
+
+def _check_choice(key: str, value: Any, choices: tuple[str, ...]) -> None:
+    if value not in choices:
+        raise ConfigError(f"{key} must be one of {', '.join(choices)}; got {value!r}")

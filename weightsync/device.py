@@ -1,0 +1,72 @@
+"""Everything device-specific that is not a transport: which platform this process runs on
+and which physical device it holds. Kept in one place so the rest stays device-agnostic."""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+from typing import Any
+
+import torch
+
+
+def npu_available() -> bool:
+    if importlib.util.find_spec("torch_npu") is None:
+        return False
+    try:
+        import torch_npu  # noqa: F401  (registers torch.npu)
+
+        return bool(torch.npu.is_available())
+    except Exception:
+        return False
+
+
+def platform() -> str:
+    """'npu', 'cuda' or 'cpu': the accelerator this process can use, NPU first."""
+    if npu_available():
+        return "npu"
+    if torch.cuda.is_available():
+        return "cuda"
+    return "cpu"
+
+
+def resolve(device: str = "auto") -> torch.device:
+    """The torch device for a config value; 'auto' is the current device of the platform."""
+    kind = platform() if device == "auto" else device
+    if kind == "cpu":
+        return torch.device("cpu")
+    if kind == "cuda":
+        return torch.device("cuda", torch.cuda.current_device())
+    if kind == "npu":
+        import torch_npu  # noqa: F401
+
+        return torch.device("npu", torch.npu.current_device())
+    raise ValueError(f"unknown device kind {device!r}")
+
+
+def set_current(device: torch.device) -> None:
+    """Make ``device`` current in the calling thread (the NPU current device is per thread)."""
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    elif device.type == "npu":
+        torch.npu.set_device(device)
+
+
+def visible_devices_var(kind: str) -> str | None:
+    return {"cuda": "CUDA_VISIBLE_DEVICES", "npu": "ASCEND_RT_VISIBLE_DEVICES"}.get(kind)
+
+
+def physical_index(device: torch.device) -> int | None:
+    """The physical device id behind a (possibly renumbered) logical index."""
+    if device.type == "cpu" or device.index is None:
+        return None
+    var = visible_devices_var(device.type)
+    listed = os.environ.get(var or "", "")
+    ids = [x.strip() for x in listed.split(",") if x.strip()]
+    if ids and device.index < len(ids) and ids[device.index].isdigit():
+        return int(ids[device.index])
+    return device.index
+
+
+def describe(device: torch.device) -> dict[str, Any]:
+    return {"type": device.type, "index": device.index, "physical": physical_index(device)}

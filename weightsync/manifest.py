@@ -1,0 +1,181 @@
+"""The manifest: the ordered (name, dtype, shape) list a version carries.
+
+Pure functions only: building a manifest from tensors, and checking one manifest against
+what a receiver's model expects, before any byte moves.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Callable, Iterable, Mapping
+from typing import Any
+
+import torch
+import xxhash
+
+from .errors import ManifestError
+
+# Every dtype a CPU torch can allocate and copy bit-exactly. Sub-byte "bits" types are left out:
+# no model stores weights in them and torch cannot slice them by bytes.
+_DTYPE_NAMES = (
+    "bool", "uint8", "int8", "int16", "int32", "int64", "uint16", "uint32", "uint64",
+    "float16", "bfloat16", "float32", "float64", "complex64", "complex128",
+    "float8_e4m3fn", "float8_e4m3fnuz", "float8_e5m2", "float8_e5m2fnuz", "float8_e8m0fnu",
+)
+DTYPES: dict[str, torch.dtype] = {n: getattr(torch, n) for n in _DTYPE_NAMES if hasattr(torch, n)}
+_NAME_OF = {dtype: name for name, dtype in DTYPES.items()}
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    try:
+        return _NAME_OF[dtype]
+    except KeyError:
+        raise ManifestError(f"dtype {dtype} is not supported by weightsync") from None
+
+
+def dtype_of(name: str) -> torch.dtype:
+    try:
+        return DTYPES[name]
+    except KeyError:
+        raise ManifestError(f"unknown dtype name {name!r}") from None
+
+
+@dataclasses.dataclass(frozen=True)
+class TensorSpec:
+    name: str
+    dtype: str
+    shape: tuple[int, ...]
+
+    @property
+    def torch_dtype(self) -> torch.dtype:
+        return dtype_of(self.dtype)
+
+    @property
+    def itemsize(self) -> int:
+        return self.torch_dtype.itemsize
+
+    @property
+    def numel(self) -> int:
+        return math.prod(self.shape)
+
+    @property
+    def nbytes(self) -> int:
+        return self.numel * self.itemsize
+
+    def describe(self) -> str:
+        return f"{self.dtype}{list(self.shape)}"
+
+
+@dataclasses.dataclass(frozen=True)
+class Manifest:
+    specs: tuple[TensorSpec, ...]
+
+    def __post_init__(self) -> None:
+        seen: set[str] = set()
+        for spec in self.specs:
+            if spec.name in seen:
+                raise ManifestError(f"duplicate tensor name {spec.name!r} in manifest")
+            seen.add(spec.name)
+
+    def __len__(self) -> int:
+        return len(self.specs)
+
+    def __iter__(self):
+        return iter(self.specs)
+
+    def __getitem__(self, i: int) -> TensorSpec:
+        return self.specs[i]
+
+    @property
+    def total_bytes(self) -> int:
+        return sum(s.nbytes for s in self.specs)
+
+    def index(self) -> dict[str, int]:
+        return {s.name: i for i, s in enumerate(self.specs)}
+
+    def to_wire(self) -> list[list[Any]]:
+        return [[s.name, s.dtype, list(s.shape)] for s in self.specs]
+
+    @classmethod
+    def from_wire(cls, wire: Iterable[Any]) -> Manifest:
+        specs = []
+        for item in wire:
+            if not (isinstance(item, (list, tuple)) and len(item) == 3):
+                raise ManifestError(f"malformed manifest entry {item!r}")
+            name, dtype, shape = item
+            if not isinstance(name, str) or not isinstance(dtype, str):
+                raise ManifestError(f"malformed manifest entry {item!r}")
+            dtype_of(dtype)
+            if not all(isinstance(d, int) and d >= 0 for d in shape):
+                raise ManifestError(f"tensor {name!r} has an invalid shape {shape!r}")
+            specs.append(TensorSpec(name, dtype, tuple(shape)))
+        return cls(tuple(specs))
+
+    def digest(self) -> str:
+        """Identifies the layout: equal digests mean the same names, dtypes, shapes, order."""
+        h = xxhash.xxh3_128()
+        for s in self.specs:
+            h.update(f"{s.name}\0{s.dtype}\0{','.join(map(str, s.shape))}\n".encode())
+        return h.hexdigest()
+
+
+def spec_of(name: str, tensor: Any) -> TensorSpec:
+    """The spec of one offered tensor, refusing inputs we cannot send as they are."""
+    if isinstance(tensor, TensorSpec):
+        return TensorSpec(name, tensor.dtype, tuple(tensor.shape))
+    if hasattr(tensor, "full_tensor") and hasattr(tensor, "placements"):
+        raise ManifestError(
+            f"tensor {name!r} is a DTensor (sharded); call .full_tensor() on every rank "
+            "(it is a collective) and pass the result"
+        )
+    if not isinstance(tensor, torch.Tensor):
+        raise ManifestError(f"tensor {name!r} is a {type(tensor).__name__}, not a torch.Tensor")
+    if tensor.is_sparse or tensor.layout != torch.strided:
+        raise ManifestError(f"tensor {name!r} has layout {tensor.layout}; only dense tensors can be sent")
+    return TensorSpec(name, dtype_name(tensor.dtype), tuple(tensor.shape))
+
+
+def build_manifest(named: Mapping[str, Any] | Iterable[tuple[str, Any]]) -> Manifest:
+    """Manifest of named tensors (or specs), in the order given."""
+    items = named.items() if isinstance(named, Mapping) else named
+    return Manifest(tuple(spec_of(name, t) for name, t in items))
+
+
+Expected = Mapping[str, Any] | Callable[[Manifest], list[str]]
+
+
+def check_manifest(manifest: Manifest, expected: Expected, strict: bool = True) -> None:
+    """Raise ManifestError naming every tensor the receiver cannot accept.
+
+    ``expected`` is the receiver's view of its model: a mapping name -> tensor or TensorSpec
+    (names compared exactly), or a callable returning a list of problems (for engines whose
+    parameter names differ from the trainer's, such as vLLM's fused projections).
+    With ``strict``, a tensor the receiver expects but the manifest lacks is a problem too.
+    """
+    if callable(expected) and not isinstance(expected, Mapping):
+        problems = list(expected(manifest))
+    else:
+        problems = []
+        want = {name: spec_of(name, t) for name, t in expected.items()}
+        for spec in manifest:
+            mine = want.get(spec.name)
+            if mine is None:
+                problems.append(f"unknown tensor {spec.name!r} ({spec.describe()}): the receiver's model has no such name")
+            elif mine.dtype != spec.dtype:
+                problems.append(f"tensor {spec.name!r} has dtype {spec.dtype}, the receiver expects {mine.dtype}")
+            elif mine.shape != spec.shape:
+                problems.append(
+                    f"tensor {spec.name!r} has shape {list(spec.shape)}, the receiver expects {list(mine.shape)}"
+                )
+        if strict:
+            offered = {s.name for s in manifest}
+            missing = [n for n in want if n not in offered]
+            if missing:
+                shown = ", ".join(repr(n) for n in missing[:5])
+                more = f" and {len(missing) - 5} more" if len(missing) > 5 else ""
+                problems.append(f"missing tensor(s) {shown}{more}: the receiver expects them but the sender offers none")
+    if problems:
+        shown = "; ".join(problems[:10])
+        more = f" (+{len(problems) - 10} more)" if len(problems) > 10 else ""
+        raise ManifestError(f"manifest rejected: {shown}{more}")

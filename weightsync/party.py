@@ -1,0 +1,96 @@
+"""What senders and receivers share: registration, heartbeats, the transport context."""
+
+from __future__ import annotations
+
+import os
+import socket
+import threading
+from typing import Any
+
+import ray
+
+from .config import SyncConfig
+from .coordinator import Coordinator
+from .device import describe, resolve
+from .manifest import Manifest
+from .plan import plan_buckets
+from .transports.base import TransportContext
+
+
+def node_identity() -> tuple[str, str]:
+    """(host address, Ray node id): parties with equal hosts share /dev/shm."""
+    if ray.is_initialized():
+        try:
+            return ray.util.get_node_ip_address(), ray.get_runtime_context().get_node_id()
+        except Exception:
+            pass
+    return socket.gethostname(), ""
+
+
+class Party:
+    role = "party"
+
+    def __init__(self, coordinator: Coordinator, *, name: str, rank: int,
+                 config: SyncConfig | None = None, device: str | None = None):
+        self.coordinator = coordinator
+        self.config = config or coordinator.config
+        self.name, self.rank = name, rank
+        self.device = resolve(device or self.config.device)
+        host, node_id = node_identity()
+        self.host = host
+        reply = coordinator.call(
+            "register", rpc_timeout=self.config.connect_timeout_s, role=self.role, name=name, rank=rank,
+            host=host, os_pid=os.getpid(), node_id=node_id, device=describe(self.device),
+        )
+        self.party: int = reply["party"]
+        self.session: str = reply["session"]
+        self._closed = False
+        self._stop = threading.Event()
+        self._beat = threading.Thread(target=self._heartbeat, name=f"weightsync-heartbeat-{name}", daemon=True)
+        self._beat.start()
+
+    def _call(self, op: str, **args: Any) -> Any:
+        return self.coordinator.call(op, party=self.party, **args)
+
+    def _heartbeat(self) -> None:
+        interval = self.config.heartbeat_interval_s
+        while not self._stop.wait(interval):
+            try:
+                self.coordinator.call("heartbeat", rpc_timeout=interval * 2, party=self.party)
+            except Exception:
+                pass  # the coordinator reports us silent if this keeps failing
+
+    def _account(self, kind: str, delta: int) -> None:
+        try:
+            self._call("resource", kind=kind, delta=delta)
+        except Exception:
+            pass  # accounting must never break a transfer or a shutdown
+
+    def _context(self, manifest: Manifest, digest: str) -> TransportContext:
+        plan = plan_buckets(manifest, self.config.bucket_bytes, self.config.align_bytes)
+        return TransportContext(
+            config=self.config, plan=plan, manifest=manifest, digest=digest, session=self.session,
+            name=self.name, rank=self.rank, device=self.device, account=self._account,
+            coordinator=self.coordinator,
+        )
+
+    def _close_transport(self) -> None:
+        pass
+
+    def close(self) -> None:
+        """Release transport resources and leave the session. Idempotent."""
+        if self._closed:
+            return
+        self._closed = True
+        self._close_transport()
+        self._stop.set()
+        try:
+            self._call("leave")
+        except Exception:
+            pass
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()

@@ -1,0 +1,237 @@
+"""Bucket planning, packing and unpacking: pure functions over tensors and byte buffers.
+
+A plan lays a manifest out into fixed-size buckets. It depends only on the manifest, the
+bucket size and the alignment, so sender and every receiver compute the same plan on their
+own and it is reused for every version of a session.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable, Iterable, Iterator, Mapping
+from typing import Any
+
+import torch
+import xxhash
+
+from .errors import ChecksumError, ManifestError
+from .manifest import Manifest, spec_of
+
+
+@dataclasses.dataclass(frozen=True)
+class Slice:
+    """Bytes [start, start + nbytes) of tensor ``tensor`` live at ``offset`` in bucket ``bucket``."""
+
+    tensor: int
+    bucket: int
+    offset: int
+    start: int
+    nbytes: int
+
+
+@dataclasses.dataclass(frozen=True)
+class Bucket:
+    index: int
+    nbytes: int  # bytes used, the extent checksummed and moved
+    slices: tuple[Slice, ...]
+
+
+@dataclasses.dataclass(frozen=True)
+class BucketPlan:
+    bucket_bytes: int
+    align: int
+    buckets: tuple[Bucket, ...]
+    # per tensor, its slices in byte order (one unless the tensor is larger than a bucket)
+    tensor_slices: tuple[tuple[Slice, ...], ...]
+
+    @property
+    def payload_bytes(self) -> int:
+        return sum(s.nbytes for b in self.buckets for s in b.slices)
+
+    @property
+    def bucket_count(self) -> int:
+        return len(self.buckets)
+
+
+def _align_up(n: int, a: int) -> int:
+    return (n + a - 1) // a * a
+
+
+def plan_buckets(manifest: Manifest, bucket_bytes: int, align: int = 256) -> BucketPlan:
+    """Place tensors in order; one larger than a bucket is split into element-aligned chunks."""
+    if align < 16 or align & (align - 1):
+        raise ValueError(f"align must be a power of two >= 16, got {align}")
+    if bucket_bytes < align or bucket_bytes % align:
+        raise ValueError(f"bucket_bytes ({bucket_bytes}) must be a positive multiple of align ({align})")
+    buckets: list[list[Slice]] = [[]]
+    per_tensor: list[tuple[Slice, ...]] = []
+    cursor = 0
+    for i, spec in enumerate(manifest):
+        n = spec.nbytes
+        cursor = _align_up(cursor, align)
+        if cursor + n > bucket_bytes and (n <= bucket_bytes or cursor >= bucket_bytes):
+            # a tensor that fits in a bucket never straddles two; a big one fills what is left
+            buckets.append([])
+            cursor = 0
+        mine = []
+        start = 0
+        while True:
+            take = min(n - start, bucket_bytes - cursor)
+            piece = Slice(i, len(buckets) - 1, cursor, start, take)
+            buckets[-1].append(piece)
+            mine.append(piece)
+            start += take
+            cursor += take
+            if start >= n:
+                break
+            # bucket_bytes and align are multiples of 16, so every chunk ends on an element
+            buckets.append([])
+            cursor = 0
+        per_tensor.append(tuple(mine))
+    built = tuple(
+        Bucket(b, max((s.offset + s.nbytes for s in sl), default=0), tuple(sl)) for b, sl in enumerate(buckets)
+    )
+    if built and not built[-1].slices:
+        built = built[:-1]
+    return BucketPlan(bucket_bytes, align, built, tuple(per_tensor))
+
+
+def checksum(buf: torch.Tensor) -> int:
+    """xxh3-64 of a host uint8 buffer, without copying it."""
+    if buf.device.type != "cpu":
+        buf = buf.cpu()
+    return xxhash.xxh3_64_intdigest(memoryview(buf.numpy()))
+
+
+def verify(bucket_index: int, buf: torch.Tensor, expected: int, version: int) -> None:
+    got = checksum(buf)
+    if got != expected:
+        raise ChecksumError(
+            f"bucket {bucket_index} of version {version} is corrupted: xxh3 {got:016x}, sender wrote {expected:016x}"
+        )
+
+
+def _flat_bytes(t: torch.Tensor) -> torch.Tensor:
+    # reshape copies only when the tensor is not contiguous; view(uint8) is free
+    return t.reshape(-1).view(torch.uint8)
+
+
+def pack_stream(
+    plan: BucketPlan,
+    manifest: Manifest,
+    named: Mapping[str, torch.Tensor] | Iterable[tuple[str, torch.Tensor]],
+    bucket_buffer: Callable[[int], torch.Tensor],
+) -> Iterator[int]:
+    """Copy tensors into their buckets in plan order, yielding each bucket index once full.
+
+    ``bucket_buffer(b)`` returns the uint8 destination of bucket ``b`` (at least
+    ``plan.buckets[b].nbytes`` long); it is called once per bucket, right before the first
+    byte is written, so a transport can hand out a recycled buffer. Tensors are checked
+    against the manifest as they arrive; a mismatch raises ManifestError naming the tensor.
+    """
+    if isinstance(named, Mapping):
+        _check_names(manifest, named)
+        named = named.items()
+    last_of_bucket = {b.index: max((s.tensor for s in b.slices), default=-1) for b in plan.buckets}
+    ready_after: dict[int, list[int]] = {}
+    for b, last in last_of_bucket.items():
+        ready_after.setdefault(last, []).append(b)
+    buffers: dict[int, torch.Tensor] = {}
+    seen: set[str] = set()
+    i = -1
+    for i, (name, tensor) in enumerate(named):
+        _check_one(manifest, i, name, tensor, seen)
+        for piece in plan.tensor_slices[i]:
+            dst = buffers.get(piece.bucket)
+            if dst is None:
+                dst = buffers[piece.bucket] = bucket_buffer(piece.bucket)
+            if piece.nbytes == 0:
+                continue
+            window = dst[piece.offset : piece.offset + piece.nbytes]
+            if piece.nbytes == manifest[i].nbytes and not tensor.is_contiguous():
+                # strided copy straight into the bucket, no temporary contiguous tensor
+                window.view(tensor.dtype).view(tensor.shape).copy_(tensor)
+            else:
+                window.copy_(_flat_bytes(tensor)[piece.start : piece.start + piece.nbytes])
+        for b in ready_after.get(i, ()):
+            buffers.pop(b, None)
+            yield b
+    if i + 1 < len(manifest):
+        missing = [s.name for s in manifest.specs[i + 1 :]]
+        shown = ", ".join(repr(n) for n in missing[:5])
+        raise ManifestError(f"missing tensor(s) {shown}: {len(missing)} of {len(manifest)} were not given")
+
+
+def _check_names(manifest: Manifest, named: Mapping[str, Any]) -> None:
+    """Whole-version check for a mapping, so nothing is written when any name is off."""
+    want = manifest.index()
+    unknown = [n for n in named if n not in want]
+    if unknown:
+        raise ManifestError(f"unknown tensor {unknown[0]!r}: not in the session's manifest")
+    missing = [s.name for s in manifest if s.name not in named]
+    if missing:
+        shown = ", ".join(repr(n) for n in missing[:5])
+        raise ManifestError(f"missing tensor(s) {shown}: {len(missing)} of {len(manifest)} were not given")
+    for i, (name, t) in enumerate(named.items()):
+        if manifest[i].name != name:
+            raise ManifestError(
+                f"tensor {name!r} is out of order: position {i} of the manifest is {manifest[i].name!r}"
+            )
+        _check_spec(manifest, i, name, t)
+
+
+def _check_one(manifest: Manifest, i: int, name: str, tensor: Any, seen: set[str]) -> None:
+    if name in seen:
+        raise ManifestError(f"duplicate tensor name {name!r} in one version")
+    seen.add(name)
+    if i >= len(manifest):
+        raise ManifestError(f"unknown tensor {name!r}: not in the session's manifest ({len(manifest)} tensors)")
+    if manifest[i].name != name:
+        if name in manifest.index():
+            raise ManifestError(
+                f"tensor {name!r} is out of order: position {i} of the manifest is {manifest[i].name!r}"
+            )
+        raise ManifestError(f"unknown tensor {name!r}: not in the session's manifest")
+    _check_spec(manifest, i, name, tensor)
+
+
+def _check_spec(manifest: Manifest, i: int, name: str, tensor: Any) -> None:
+    got, want = spec_of(name, tensor), manifest[i]
+    if got.dtype != want.dtype:
+        raise ManifestError(f"tensor {name!r} has dtype {got.dtype}, the manifest says {want.dtype}")
+    if got.shape != want.shape:
+        raise ManifestError(f"tensor {name!r} has shape {list(got.shape)}, the manifest says {list(want.shape)}")
+
+
+class Unpacker:
+    """Turns received buckets back into (name, tensor) pairs, reassembling split tensors.
+
+    Whole tensors come back as views of the bucket buffer: valid only until the transport
+    reuses it, which is after ``load_weights`` returned. Split tensors are rebuilt in a
+    buffer of their own, allocated once and reused across versions.
+    """
+
+    def __init__(self, plan: BucketPlan, manifest: Manifest):
+        self.plan = plan
+        self.manifest = manifest
+        self._assembly: dict[int, torch.Tensor] = {}
+
+    def unpack(self, bucket_index: int, buf: torch.Tensor) -> list[tuple[str, torch.Tensor]]:
+        out = []
+        for piece in self.plan.buckets[bucket_index].slices:
+            spec = self.manifest[piece.tensor]
+            dtype = spec.torch_dtype
+            if piece.nbytes == spec.nbytes:
+                if spec.nbytes == 0:
+                    out.append((spec.name, torch.empty(spec.shape, dtype=dtype, device=buf.device)))
+                else:
+                    window = buf[piece.offset : piece.offset + piece.nbytes]
+                    out.append((spec.name, window.view(dtype).view(spec.shape)))
+                continue
+            whole = self._assembly.get(piece.tensor)
+            if whole is None or whole.device != buf.device:
+                whole = self._assembly[piece.tensor] = torch.empty(spec.nbytes, dtype=torch.uint8, device=buf.device)
+            whole[piece.start : piece.start + piece.nbytes].copy_(buf[piece.offset : piece.offset + piece.nbytes])
+            if piece.start + piece.nbytes == spec.nbytes:
+                out.append((spec.name, whole.view(dtype).view(spec.shape)))
+        return out

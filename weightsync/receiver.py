@@ -1,0 +1,167 @@
+"""Rollout side. A receiver serves exactly one complete version at a time, or none.
+
+One version, end to end:  apply(v)
+  -> coordinator.session(): manifest, checked against the model before any byte moves
+  -> coordinator.wait_version(v): where the bytes are
+  -> transport.receive(): bucket by bucket -> verify checksum -> Unpacker -> load_weights
+  -> post_load() once -> coordinator.report(ok) ... now serving v
+On a failure after the first bucket was loaded, the previous version is loaded again when
+the transport still has it (rollback), else the receiver serves nothing until it catches up.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Iterable
+from typing import Any
+
+import torch
+
+from . import transports
+from .config import SyncConfig
+from .coordinator import ABORTED, Coordinator
+from .errors import ManifestError, VersionError, WeightSyncError
+from .manifest import Expected, Manifest, check_manifest
+from .party import Party
+from .plan import Unpacker, verify
+
+LoadWeights = Callable[[Iterable[tuple[str, torch.Tensor]]], Any]
+
+
+class WeightReceiver(Party):
+    """Rollout-side end of a session.
+
+    ``load_weights`` follows vLLM's contract: it receives (name, tensor) pairs and copies
+    them into the model; the tensors are views of transport buffers, valid during the call
+    only. ``post_load`` (e.g. vLLM's ``process_weights_after_loading``) runs once per
+    version after the last bucket. ``expected`` describes the model for the manifest check
+    (see :func:`weightsync.manifest.check_manifest`); None skips the check.
+    """
+
+    role = "receiver"
+
+    def __init__(self, coordinator: Coordinator, load_weights: LoadWeights, *, name: str | None = None,
+                 rank: int = 0, post_load: Callable[[], Any] | None = None, expected: Expected | None = None,
+                 strict: bool = True, config: SyncConfig | None = None, device: str | None = None):
+        super().__init__(coordinator, name=name or f"rollout-{rank}", rank=rank, config=config, device=device)
+        self.load_weights, self.post_load = load_weights, post_load
+        self.expected, self.strict = expected, strict
+        self.transport: transports.ReceiverTransport | None = None
+        self.unpacker: Unpacker | None = None
+        self._version: int | None = None
+        self._touched = False  # a bucket of the version being applied reached the model
+        self._info: dict[str, Any] = {}  # where the served version's bytes are (for rollback)
+        self.last_metrics: dict[str, float] = {}
+
+    @property
+    def version(self) -> int | None:
+        """The version whose weights this receiver holds completely, or None."""
+        return self._version
+
+    def _ensure_session(self, timeout: float) -> None:
+        if self.transport is not None:
+            return
+        session = self._call("session", timeout=timeout)
+        manifest = Manifest.from_wire(session["manifest"])
+        if manifest.digest() != session["digest"]:
+            raise ManifestError("the manifest received differs from its digest")
+        if self.expected is not None:
+            try:
+                check_manifest(manifest, self.expected, strict=self.strict)
+            except ManifestError as exc:
+                self._call("verdict", accepted=False, why=str(exc))
+                raise
+        self._call("verdict", accepted=True)
+        ctx = self._context(manifest, session["digest"])
+        self.transport = transports.receiver_class(session["transport"])(ctx, session["info"])
+        self.unpacker = Unpacker(ctx.plan, manifest)
+
+    def apply(self, version: int | None = None, timeout: float | None = None, wait: bool = True) -> int | None:
+        """Receive and load ``version`` (None: the newest one on its way, else the latest
+        committed one newer than what is served). With ``wait=False`` return at once when
+        there is nothing newer. Returns the version served afterwards."""
+        timeout = self.config.sync_timeout_s if timeout is None else timeout
+        self._ensure_session(self.config.connect_timeout_s)
+        if version is not None and self._version is not None and version <= self._version:
+            if version == self._version:
+                return self._version
+            raise VersionError(f"receiver '{self.name}' serves version {self._version}; version {version} goes backwards")
+        target = self._call("wait_version", version=version, timeout=timeout, wait=wait)
+        v = target["version"]
+        if v is None or v == self._version:
+            return self._version
+        deadline = time.monotonic() + timeout
+        prev, prev_info = self._version, self._info
+        try:
+            self.last_metrics = self._load(v, target["info"], deadline)
+        except BaseException as exc:
+            reason = f"{type(exc).__name__}: {exc}"
+            if self._touched:
+                reason += self._rollback(prev, prev_info, deadline)
+            self._report(v, ok=False, reason=reason)
+            raise
+        self._version, self._info = v, target["info"]
+        self._report(v, ok=True, metrics=self.last_metrics)
+        return v
+
+    def catch_up(self) -> int | None:
+        """Load the latest committed version if it is newer than the served one."""
+        return self.apply(None, wait=False)
+
+    def _load(self, version: int, info: dict[str, Any], deadline: float, replay: bool = False) -> dict[str, float]:
+        def check() -> None:
+            if replay:
+                return  # a replayed version is complete; its later fate does not matter
+            state = self._call("state", version=version)
+            if state["state"] == ABORTED:
+                raise VersionError(f"version {version} was aborted: {state['reason']}")
+
+        self._touched = False
+        t0 = time.perf_counter()
+        wait_s = verify_s = load_s = 0.0
+        nbytes = 0
+        t = time.perf_counter()
+        for b, buf, expected in self.transport.receive(version, info, deadline, check):
+            t1 = time.perf_counter()
+            wait_s += t1 - t
+            if expected is not None:
+                verify(b, buf, expected, version)
+            t2 = time.perf_counter()
+            pairs = self.unpacker.unpack(b, buf)
+            if pairs:
+                if not self._touched:
+                    # from here on the model holds a mix of versions until the last bucket
+                    self._touched, self._version = True, None
+                self.load_weights(pairs)
+            nbytes += buf.numel()
+            t = time.perf_counter()
+            verify_s += t2 - t1
+            load_s += t - t2
+        t3 = time.perf_counter()
+        if self.post_load is not None:
+            self.post_load()
+        post_s = time.perf_counter() - t3
+        total = time.perf_counter() - t0
+        return {"wait_s": wait_s, "verify_s": verify_s, "load_s": load_s, "post_load_s": post_s,
+                "total_s": total, "bytes": nbytes, "gbps": nbytes / total / 1e9 if total > 0 else 0.0}
+
+    def _rollback(self, prev: int | None, info: dict[str, Any], deadline: float) -> str:
+        if prev is None or not self.config.keep_previous or not self.transport.can_replay(prev, info):
+            return f"; serves no version until the next sync (previous version {prev} is not at hand)"
+        try:
+            self._load(prev, info, max(deadline, time.monotonic() + self.config.sync_timeout_s), replay=True)
+        except WeightSyncError as exc:
+            return f"; rollback to version {prev} failed too ({exc}); serves no version"
+        self._version = prev
+        return f"; rolled back to version {prev}"
+
+    def _report(self, version: int, ok: bool, reason: str = "", metrics: dict | None = None) -> None:
+        try:
+            self._call("report", version=version, ok=ok, serving=self._version, reason=reason, metrics=metrics or {})
+        except WeightSyncError:
+            if ok:
+                raise
+
+    def _close_transport(self) -> None:
+        if self.transport is not None:
+            self.transport.close()

@@ -1,0 +1,33 @@
+"""Human-readable rendering of the coordinator's status()."""
+
+from __future__ import annotations
+
+from typing import Any
+
+
+def format_status(status: dict[str, Any]) -> str:
+    lines = [
+        f"weightsync session {status['session']}: transport={status['transport']} "
+        f"({status.get('transport_reason', '')})",
+        f"  manifest: {status['manifest_tensors']} tensors, {status['payload_bytes'] / 2**20:.1f} MiB; "
+        f"latest committed version: {status['latest_committed']}",
+        "  parties:",
+    ]
+    for p in status["parties"]:
+        state = "alive" if p["alive"] else "DOWN"
+        extra = f" applying={p['applying']}" if p.get("applying") is not None else ""
+        why = f" -- {p['why']}" if p.get("why") else ""
+        served = f" serving={p['serving']}{extra} manifest={p['manifest']}" if p["role"] == "receiver" else ""
+        lines.append(f"    {p['role']:<8} {p['name']:<16} rank={p['rank']:<3} {state:<5}{served} silent={p['silent_s']:.1f}s{why}")
+    if status["versions"]:
+        lines.append("  versions:")
+    for v in status["versions"]:
+        speed = f" {v['gbps']:.2f} GB/s" if v.get("gbps") else ""
+        barrier = f" barrier={v['barrier_s'] * 1e3:.1f}ms" if v.get("barrier_s") is not None else ""
+        stage = v["phases_s"].get("stage_s")
+        stage_txt = f" stage={stage * 1e3:.1f}ms" if stage is not None else ""
+        reason = f" reason: {v['reason']}" if v.get("reason") else ""
+        lines.append(f"    v{v['version']:<6} {v['state']:<12} slot={v['slot']}{stage_txt}{barrier}{speed}{reason}")
+    if status.get("resources"):
+        lines.append("  open resources: " + ", ".join(f"{k}={n}" for k, n in sorted(status["resources"].items())))
+    return "\n".join(lines)

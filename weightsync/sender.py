@@ -1,0 +1,180 @@
+"""Trainer side. Rank 0 stages and sends; other trainer ranks iterate in lockstep only.
+
+One version, end to end:  stage(v, named_tensors)
+  -> manifest check and bucket plan (first version only; reused afterwards)
+  -> coordinator.begin_stage(v) picks the storage slot
+  -> transport.stage(): pack_stream() copies tensors into buckets, bucket by bucket
+  -> coordinator.staged(v)                     ... the trainer is free again
+sync(v)  -> coordinator.begin_sync(v) -> transport.send(v) -> coordinator.wait_outcome(v)
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import dataclasses
+import time
+from collections.abc import Iterable, Mapping
+from typing import Any
+
+import torch
+
+from . import transports
+from .config import SyncConfig
+from .coordinator import Coordinator
+from .errors import VersionError
+from .manifest import Manifest, build_manifest
+from .party import Party
+from .plan import pack_stream
+from .selection import choose_transport
+
+NamedTensors = Mapping[str, torch.Tensor] | Iterable[tuple[str, torch.Tensor]]
+
+
+@dataclasses.dataclass
+class SyncResult:
+    """What one version cost. ``metrics`` is the coordinator's per-version record."""
+
+    version: int
+    stage_s: float
+    barrier_s: float
+    bytes: int
+    metrics: dict[str, Any]
+
+    @property
+    def gbps(self) -> float:
+        total = self.stage_s + self.barrier_s
+        return self.bytes / total / 1e9 if total > 0 else float("inf")
+
+
+class StagedVersion:
+    """Handle of a staged (or staging) version; ``wait()`` re-raises a staging error."""
+
+    def __init__(self, version: int, future: concurrent.futures.Future):
+        self.version, self._future = version, future
+
+    def done(self) -> bool:
+        return self._future.done()
+
+    def wait(self, timeout: float | None = None) -> float:
+        """Seconds the staging took, once it finished."""
+        return self._future.result(timeout)
+
+
+class WeightSender(Party):
+    """Trainer-side end of a session.
+
+    ``rank`` is the trainer rank: rank 0 sends, every other rank must still call ``stage``
+    and ``sync`` with the same versions (their tensor iteration may run collectives such as
+    FSDP's ``full_tensor()``), and sends nothing.
+    """
+
+    role = "sender"
+
+    def __init__(self, coordinator: Coordinator, *, rank: int = 0, name: str | None = None,
+                 config: SyncConfig | None = None, expected_receivers: int | None = None,
+                 device: str | None = None):
+        super().__init__(coordinator, name=name or f"trainer-{rank}", rank=rank, config=config, device=device)
+        self.expected_receivers = expected_receivers
+        self.manifest: Manifest | None = None
+        self.transport: transports.SenderTransport | None = None
+        self.transport_name: str | None = None
+        self._staged: dict[int, StagedVersion] = {}
+        self._pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix=f"weightsync-stage-{self.name}")
+
+    @property
+    def sends(self) -> bool:
+        return self.rank == 0
+
+    # -- session set-up ------------------------------------------------------------------
+
+    def publish(self, manifest: Manifest) -> None:
+        """Fix the session's layout and transport; done by the first ``stage`` if not before."""
+        if self.transport is not None:
+            return
+        digest = manifest.digest()
+        ctx = self._context(manifest, digest)
+        count = self.expected_receivers or 0
+        receivers = self._call("receivers", count=count, timeout=self.config.connect_timeout_s)
+        name, reason = choose_transport(self.config.transport, {"host": self.host}, receivers)
+        transport = transports.sender_class(name)(ctx)
+        try:
+            self._call("publish", manifest=manifest.to_wire(), digest=digest, payload_bytes=ctx.plan.payload_bytes,
+                       transport=name, reason=reason, info=transport.session_info())
+        except BaseException:
+            transport.close()
+            raise
+        self.manifest, self.transport, self.transport_name, self.plan = manifest, transport, name, ctx.plan
+
+    # -- per version ---------------------------------------------------------------------
+
+    def stage(self, version: int, named_tensors: NamedTensors, background: bool = False) -> StagedVersion:
+        """Pack ``version`` for sending; may run while the rollout is still generating.
+
+        With ``background=True`` the packing runs in a thread and this returns at once; the
+        tensors must then stay unchanged until the handle is done (``sync`` waits for it).
+        """
+        if version in self._staged:
+            raise VersionError(f"version {version} was already staged by {self.name}")
+        if background:
+            future = self._pool.submit(self._stage, version, named_tensors)
+        else:
+            future = concurrent.futures.Future()
+            try:
+                future.set_result(self._stage(version, named_tensors))
+            except BaseException as exc:
+                future.set_exception(exc)
+                raise
+        handle = self._staged[version] = StagedVersion(version, future)
+        return handle
+
+    def _stage(self, version: int, named: NamedTensors) -> float:
+        t0 = time.perf_counter()
+        if not self.sends:
+            for _ in (named.items() if isinstance(named, Mapping) else named):
+                pass  # lockstep: the iteration itself may be a collective on this rank
+            return time.perf_counter() - t0
+        if self.transport is None:
+            if not isinstance(named, Mapping):
+                named = list(named)  # the first version fixes the manifest: we need it whole
+            self.publish(build_manifest(named))
+        slot = self._call("begin_stage", version=version)["slot"]
+        try:
+            info = self.transport.stage(
+                version, slot,
+                fill=lambda bucket_buffer: pack_stream(self.plan, self.manifest, named, bucket_buffer),
+                announce=lambda early: self._call("stage_info", version=version, info=early),
+            )
+            stage_s = time.perf_counter() - t0
+            self._call("staged", version=version, info=info, stage_s=stage_s)
+        except BaseException as exc:
+            try:
+                self._call("abort", version=version, reason=f"staging failed: {type(exc).__name__}: {exc}")
+            except Exception:
+                pass
+            raise
+        return stage_s
+
+    def sync(self, version: int, timeout: float | None = None) -> SyncResult:
+        """The barrier: returns once every receiver committed ``version``; raises SyncFailed
+        naming who failed, within ``timeout`` (default ``sync_timeout_s``)."""
+        handle = self._staged.get(version)
+        if handle is None:
+            raise VersionError(f"sync({version}) was called but {self.name} never staged version {version}")
+        stage_s = handle.wait()
+        timeout = self.config.sync_timeout_s if timeout is None else timeout
+        t0 = time.perf_counter()
+        try:
+            if self.sends:
+                self._call("begin_sync", version=version)
+                self.transport.send(version, time.monotonic() + timeout)
+            outcome = self._call("wait_outcome", version=version, timeout=timeout)
+        finally:
+            for old in [v for v in self._staged if v <= version]:
+                del self._staged[old]
+        barrier_s = time.perf_counter() - t0
+        return SyncResult(version, stage_s, barrier_s, outcome.get("bytes", 0), outcome)
+
+    def _close_transport(self) -> None:
+        self._pool.shutdown(wait=True)
+        if self.transport is not None:
+            self.transport.close()

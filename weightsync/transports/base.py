@@ -1,0 +1,89 @@
+"""The small interface every transport implements.
+
+A transport only moves bucket bytes. Planning, packing, checksums, unpacking, loading and
+the version protocol live in the sender, the receiver and the coordinator, so one version
+takes the same path through the code whatever the transport.
+"""
+
+from __future__ import annotations
+
+import abc
+import dataclasses
+from collections.abc import Callable, Iterator
+from typing import Any, ClassVar
+
+import torch
+
+from ..config import SyncConfig
+from ..manifest import Manifest
+from ..plan import BucketPlan
+
+# fill(bucket_buffer) packs the version into the buffers bucket_buffer(b) hands out and
+# yields each bucket index as soon as that bucket is complete
+Fill = Callable[[Callable[[int], torch.Tensor]], Iterator[int]]
+# a received bucket: (index, uint8 bytes of the bucket, the sender's checksum or None)
+Received = tuple[int, torch.Tensor, "int | None"]
+
+
+@dataclasses.dataclass
+class TransportContext:
+    config: SyncConfig
+    plan: BucketPlan
+    manifest: Manifest
+    digest: str  # manifest digest: segments and groups of another layout are refused
+    session: str
+    name: str  # this party's name, for error messages
+    rank: int
+    device: torch.device
+    # called with (kind, +1/-1) when a segment or handle is opened or closed (status() shows it)
+    account: Callable[[str, int], None] = lambda kind, delta: None
+    # the coordinator client, for transports that need membership (broadcast)
+    coordinator: Any = None
+
+
+class SenderTransport(abc.ABC):
+    name: ClassVar[str]
+    # receivers may start reading a version while the sender is still staging it
+    pipelined: ClassVar[bool] = False
+
+    def __init__(self, ctx: TransportContext):
+        self.ctx = ctx
+
+    def session_info(self) -> dict[str, Any]:
+        """Published once through the coordinator for every receiver (rendezvous, ...)."""
+        return {"pipelined": self.pipelined}
+
+    @abc.abstractmethod
+    def stage(self, version: int, slot: int, fill: Fill, announce: Callable[[dict[str, Any]], None]) -> dict[str, Any]:
+        """Pack ``version``; may run while receivers are still busy. ``slot`` is the
+        coordinator's choice of reusable storage (a transport that keeps no versions ignores
+        it). ``announce(info)`` publishes early info to receivers (pipelined transports).
+        Returns the per-version info receivers need."""
+
+    def send(self, version: int, deadline: float) -> None:
+        """The barrier part of a transfer (collectives); nothing for storage transports."""
+
+    def close(self) -> None:
+        pass
+
+
+class ReceiverTransport(abc.ABC):
+    name: ClassVar[str]
+
+    def __init__(self, ctx: TransportContext, session_info: dict[str, Any]):
+        self.ctx = ctx
+        self.session_info = session_info
+
+    @abc.abstractmethod
+    def receive(self, version: int, info: dict[str, Any], deadline: float,
+                check: Callable[[], None]) -> Iterator[Received]:
+        """Yield the buckets of ``version`` in plan order. A yielded buffer stays valid until
+        the next one is requested. ``check()`` raises if the version was aborted; call it
+        while waiting. Raise DeadlineExceeded past ``deadline`` (time.monotonic())."""
+
+    def can_replay(self, version: int, info: dict[str, Any]) -> bool:
+        """True if ``version`` can be received again (rollback after a failed apply)."""
+        return False
+
+    def close(self) -> None:
+        pass

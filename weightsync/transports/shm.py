@@ -1,0 +1,292 @@
+"""Shared-memory transport: the sender writes each version once into a host segment in
+/dev/shm and every receiver on the node reads it from there.
+
+Segments are slots reused across versions (allocated once, not per version). The
+coordinator picks the slot so that the version any receiver serves stays intact: a receiver
+that fails part-way re-reads its previous version (rollback), and one that joins late reads
+the latest committed version, all without the trainer.
+
+Segment layout: a header page of uint64 words, then the buckets, each page-aligned.
+  [0] magic  [1] layout digest  [2] bucket count  [3] version being written
+  [8 + 2b] version + 1 once bucket b is complete (0 while it is written)  [9 + 2b] its xxh3
+The sender writes the bytes of a bucket, then its checksum, then its ready word, so a
+receiver may read bucket b as soon as the word says so: staging and receiving overlap.
+"""
+
+from __future__ import annotations
+
+import errno
+import mmap
+import os
+import re
+import secrets
+import time
+import warnings
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import numpy as np
+import torch
+
+from ..errors import CapacityError, DeadlineExceeded, ProtocolError
+from ..plan import BucketPlan, checksum
+from .base import Fill, ReceiverTransport, Received, SenderTransport, TransportContext
+
+MAGIC = 0x5753594E43534D31  # "WSYNCSM1"
+PAGE = 4096
+PREFIX = "wsync_"
+_NAME = re.compile(r"^wsync_(\d+)_([0-9a-f]{32})$")
+_HEAD_WORDS = 8
+
+
+def _align(n: int, a: int = PAGE) -> int:
+    return (n + a - 1) // a * a
+
+
+def layout(plan: BucketPlan) -> tuple[int, list[int]]:
+    """(segment size, byte offset of each bucket) for a plan."""
+    offset = _align(8 * (_HEAD_WORDS + 2 * plan.bucket_count))
+    bases = []
+    for b in plan.buckets:
+        bases.append(offset)
+        offset += _align(max(b.nbytes, 1))
+    return offset, bases
+
+
+def digest_word(digest: str) -> int:
+    return int(digest[:16], 16)
+
+
+def segment_name() -> str:
+    # 128 random bits: another user or job cannot guess the name; the pid lets a later
+    # process reap segments whose creator died
+    return f"{PREFIX}{os.getpid()}_{secrets.token_hex(16)}"
+
+
+def reap_stale(directory: str = "/dev/shm") -> list[str]:
+    """Unlink our segments whose creating process is gone; returns what was removed."""
+    removed = []
+    try:
+        names = os.listdir(directory)
+    except FileNotFoundError:
+        return removed
+    for name in names:
+        m = _NAME.match(name)
+        if not m:
+            continue
+        try:
+            os.kill(int(m.group(1)), 0)
+            continue  # creator alive
+        except ProcessLookupError:
+            pass
+        except PermissionError:
+            continue  # alive, someone else's
+        try:
+            os.unlink(os.path.join(directory, name))
+            removed.append(name)
+        except FileNotFoundError:
+            pass
+    return removed
+
+
+def our_segments(directory: str = "/dev/shm") -> list[str]:
+    try:
+        return sorted(n for n in os.listdir(directory) if _NAME.match(n))
+    except FileNotFoundError:
+        return []
+
+
+class Segment:
+    """One mapped segment. The creator owns (and unlinks) it; others attach read-only."""
+
+    def __init__(self, path: str, size: int, create: bool):
+        self.path, self.size, self.owner = path, size, create
+        flags = os.O_RDWR | os.O_CREAT | os.O_EXCL if create else os.O_RDONLY
+        self.fd = os.open(path, flags | getattr(os, "O_CLOEXEC", 0), 0o600)
+        try:
+            if create:
+                os.ftruncate(self.fd, size)
+                # reserve the pages now: a full /dev/shm fails here with ENOSPC, not later
+                # with SIGBUS in the middle of a copy
+                os.posix_fallocate(self.fd, 0, size)
+            elif os.fstat(self.fd).st_size < size:
+                raise ProtocolError(f"segment {os.path.basename(path)} is truncated: "
+                                    f"{os.fstat(self.fd).st_size} bytes, expected {size}")
+            prot = mmap.PROT_READ | (mmap.PROT_WRITE if create else 0)
+            # MAP_POPULATE maps every page up front; the slot is reused, so this is paid once
+            self.mm = mmap.mmap(self.fd, size, flags=mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0), prot=prot)
+        except BaseException:
+            os.close(self.fd)
+            if create:
+                os.unlink(path)
+            raise
+        with warnings.catch_warnings():
+            # receivers map read-only on purpose: an engine that wrote into a loaded view
+            # would fault instead of silently corrupting the segment for other receivers
+            warnings.simplefilter("ignore", UserWarning)
+            self.bytes = torch.frombuffer(self.mm, dtype=torch.uint8)
+        self.header = np.frombuffer(self.mm, dtype=np.uint64, count=PAGE // 8)
+
+    @property
+    def name(self) -> str:
+        return os.path.basename(self.path)
+
+    def close(self) -> None:
+        self.bytes = self.header = None  # drop our exports so the mapping can close
+        try:
+            self.mm.close()
+        except BufferError:
+            pass  # a caller still holds a view; the mapping goes when that view does
+        os.close(self.fd)
+        if self.owner:
+            try:
+                os.unlink(self.path)
+            except FileNotFoundError:
+                pass
+
+
+def check_space(directory: str, need: int, what: str) -> None:
+    st = os.statvfs(directory)
+    free = st.f_bavail * st.f_frsize
+    if need > free:
+        raise CapacityError(
+            f"{what} needs {need / 2**20:.1f} MiB in {directory} but only {free / 2**20:.1f} MiB are free "
+            f"(grow /dev/shm, e.g. docker --shm-size, or pick another transport)"
+        )
+
+
+class ShmSender(SenderTransport):
+    name = "shm"
+    pipelined = True
+
+    def __init__(self, ctx: TransportContext):
+        super().__init__(ctx)
+        self.directory = ctx.config.shm_dir
+        reap_stale(self.directory)
+        self.size, self.bases = layout(ctx.plan)
+        self.slots: dict[int, Segment] = {}
+
+    def _slot(self, slot: int) -> Segment:
+        seg = self.slots.get(slot)
+        if seg is None:
+            check_space(self.directory, self.size, f"a segment for {len(self.ctx.manifest)} tensors")
+            path = os.path.join(self.directory, segment_name())
+            try:
+                seg = Segment(path, self.size, create=True)
+            except OSError as exc:
+                if exc.errno == errno.ENOSPC:
+                    raise CapacityError(f"{self.directory} ran out of space allocating {self.size} bytes") from None
+                raise
+            self.ctx.account("shm_segments", +1)
+            head = seg.header
+            head[0], head[1], head[2] = MAGIC, digest_word(self.ctx.digest), self.ctx.plan.bucket_count
+            self.slots[slot] = seg
+        return seg
+
+    def stage(self, version: int, slot: int, fill: Fill, announce: Callable[[dict[str, Any]], None]) -> dict[str, Any]:
+        seg = self._slot(slot)
+        head = seg.header
+        head[_HEAD_WORDS::2][: self.ctx.plan.bucket_count] = 0  # invalidate every bucket first
+        head[3] = version
+        info = {"segment": seg.name, "size": self.size, "readable": True}
+        announce(info)
+        sums = []
+        ready = np.uint64(version + 1)
+        for b in fill(lambda b: seg.bytes[self.bases[b]: self.bases[b] + self.ctx.plan.buckets[b].nbytes]):
+            n = self.ctx.plan.buckets[b].nbytes
+            word = _HEAD_WORDS + 2 * b
+            if self.ctx.config.checksum:
+                # hashed right after packing, while the bucket is still in cache
+                s = checksum(seg.bytes[self.bases[b]: self.bases[b] + n])
+                head[word + 1] = s
+                sums.append(s)
+            head[word] = ready
+        return {**info, "checksums": sums}
+
+    def close(self) -> None:
+        for seg in self.slots.values():
+            seg.close()
+            self.ctx.account("shm_segments", -1)
+        self.slots.clear()
+
+
+class ShmReceiver(ReceiverTransport):
+    name = "shm"
+
+    def __init__(self, ctx: TransportContext, session_info: dict[str, Any]):
+        super().__init__(ctx, session_info)
+        self.directory = ctx.config.shm_dir
+        self.size, self.bases = layout(ctx.plan)
+        self.attached: dict[str, Segment] = {}
+
+    def _attach(self, name: str) -> Segment:
+        seg = self.attached.get(name)
+        if seg is None:
+            if not _NAME.match(name):
+                raise ProtocolError(f"refusing segment name {name!r}: not one of ours")
+            try:
+                seg = Segment(os.path.join(self.directory, name), self.size, create=False)
+            except FileNotFoundError:
+                raise ProtocolError(f"segment {name} is gone (its sender exited?)") from None
+            if seg.header[0] != MAGIC or seg.header[1] != digest_word(self.ctx.digest):
+                seg.close()
+                raise ProtocolError(f"segment {name} holds another layout than this session's manifest")
+            if len(self.attached) >= self.ctx.config.shm_max_segments:
+                # the sender recycles at most shm_max_segments slots; drop the oldest mapping
+                oldest = next(iter(self.attached))
+                self.attached.pop(oldest).close()
+                self.ctx.account("shm_mappings", -1)
+            self.attached[name] = seg
+            self.ctx.account("shm_mappings", +1)
+        return seg
+
+    def receive(self, version: int, info: dict[str, Any], deadline: float,
+                check: Callable[[], None]) -> Iterator[Received]:
+        seg = self._attach(info["segment"])
+        head = seg.header
+        ready = version + 1
+        sums = info.get("checksums") or None
+        for b, bucket in enumerate(self.ctx.plan.buckets):
+            word = _HEAD_WORDS + 2 * b
+            self._wait_ready(head, word, ready, version, b, deadline, check)
+            expected = int(head[word + 1]) if self.ctx.config.checksum else None
+            if sums is not None and expected is not None and sums[b] != expected:
+                raise ProtocolError(f"bucket {b} of version {version}: header checksum differs from the sender's report")
+            yield b, seg.bytes[self.bases[b]: self.bases[b] + bucket.nbytes], expected
+            if int(head[word]) != ready:
+                raise ProtocolError(f"bucket {b} of version {version} was overwritten while it was loaded")
+
+    @staticmethod
+    def _wait_ready(head: np.ndarray, word: int, ready: int, version: int, b: int,
+                    deadline: float, check: Callable[[], None]) -> None:
+        if int(head[word]) == ready:
+            return
+        pause, next_check = 20e-6, time.monotonic() + 0.2
+        while int(head[word]) != ready:
+            now = time.monotonic()
+            if now >= deadline:
+                raise DeadlineExceeded(f"bucket {b} of version {version} was not written before the deadline")
+            if now >= next_check:
+                check()  # raises if the coordinator aborted the version (sender died, ...)
+                next_check = now + 0.2
+            time.sleep(pause)
+            pause = min(pause * 2, 2e-3)
+
+    def can_replay(self, version: int, info: dict[str, Any]) -> bool:
+        name = info.get("segment")
+        if not name:
+            return False
+        try:
+            seg = self._attach(name)
+        except ProtocolError:
+            return False
+        head = seg.header
+        return int(head[3]) == version and all(
+            int(head[_HEAD_WORDS + 2 * b]) == version + 1 for b in range(self.ctx.plan.bucket_count)
+        )
+
+    def close(self) -> None:
+        for seg in self.attached.values():
+            seg.close()
+            self.ctx.account("shm_mappings", -1)
+        self.attached.clear()
