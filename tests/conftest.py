@@ -1,0 +1,93 @@
+"""Shared fixtures: one local Ray cluster for the whole run, coordinators with unique names,
+and checks that no shared-memory segment or Ray process outlives the tests."""
+
+from __future__ import annotations
+
+import itertools
+import os
+
+import pytest
+
+from weightsync.transports.shm import our_segments, reap_stale
+
+_ids = itertools.count()
+
+
+def pytest_collection_modifyitems(config, items):
+    import torch
+
+    from weightsync.device import npu_available
+
+    skip_cuda = pytest.mark.skip(reason="needs a CUDA GPU")
+    skip_npu = pytest.mark.skip(reason="needs an Ascend NPU with torch_npu")
+    for item in items:
+        if "cuda" in item.keywords and not torch.cuda.is_available():
+            item.add_marker(skip_cuda)
+        if "npu" in item.keywords and not npu_available():
+            item.add_marker(skip_npu)
+
+
+@pytest.fixture(scope="session")
+def ray_cluster():
+    import ray
+
+    # logical CPUs only: actors in the tests take num_cpus=0 and share the 2 real cores
+    ray.init(num_cpus=8, include_dashboard=False, log_to_driver=False, logging_level="ERROR",
+             object_store_memory=600 * 2**20, runtime_env={"env_vars": {"RAY_DEDUP_LOGS": "0"}})
+    yield ray
+    ray.shutdown()
+
+
+@pytest.fixture
+def coordinator_factory(ray_cluster):
+    """make(config_dict) -> Coordinator with a unique name; killed after the test."""
+    from weightsync import Coordinator
+
+    made = []
+
+    def make(config: dict | None = None, **kwargs):
+        cfg = {"heartbeat_interval_s": 0.2, "heartbeat_timeout_s": 3.0, "sync_timeout_s": 60.0,
+               "connect_timeout_s": 60.0, **(config or {})}
+        coord = Coordinator.create(cfg, name=f"ws-test-{os.getpid()}-{next(_ids)}", **kwargs)
+        made.append(coord)
+        return coord
+
+    yield make
+    for coord in made:
+        coord.shutdown()
+
+
+@pytest.fixture
+def actors(ray_cluster):
+    """Track Ray actors a test starts; each is closed (if it can be) and killed afterwards."""
+    started = []
+
+    class Tracker:
+        def add(self, handle):
+            started.append(handle)
+            return handle
+
+    yield Tracker()
+    for handle in started:
+        try:
+            ray_cluster.get(handle.close.remote(), timeout=10)
+        except Exception:
+            pass
+        ray_cluster.kill(handle)
+
+
+@pytest.fixture(scope="session", autouse=True)
+def shm_clean():
+    """Fail the run if a test leaves a segment of ours in /dev/shm."""
+    before = set(our_segments())
+    yield
+    import time
+
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline:
+        reap_stale()  # segments of processes killed on purpose by fault tests
+        left = set(our_segments()) - before
+        if not left:
+            return
+        time.sleep(0.5)
+    pytest.fail(f"segments left in /dev/shm after the tests: {sorted(left)}")
