@@ -79,7 +79,7 @@ class Version:
             "version": self.version, "state": self.state, "slot": self.slot, "reason": self.reason,
             "participants": list(self.participants), "committed": list(self.committed),
             "failed": dict(self.failed), "phases_s": dict(self.phases), "receivers": dict(self.receivers),
-            "bytes": payload_bytes,
+            "bytes": payload_bytes, "info": dict(self.info),
         }
         if self.finished is not None and self.sync_started is not None:
             barrier = self.finished - self.sync_started

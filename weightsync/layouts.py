@@ -77,5 +77,7 @@ def materialize(manifest: Manifest, seed: int = 0, device: str = "cpu") -> dict[
     out = {}
     for spec in manifest:
         raw = torch.randint(0, 256, (spec.nbytes,), dtype=torch.uint8, generator=gen)
+        if spec.dtype == "bool":
+            raw &= 1  # only 0/1 are valid bool bytes
         out[spec.name] = raw.view(spec.torch_dtype).view(spec.shape).to(device)
     return out

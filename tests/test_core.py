@@ -1,0 +1,192 @@
+"""The version protocol over the shm transport, with real Ray actors in separate processes."""
+
+import os
+
+import pytest
+import ray
+import torch
+
+from weightsync import ManifestError, SyncFailed, VersionError, WeightReceiver, WeightSender
+from weightsync.layouts import layout, materialize
+from weightsync.manifest import Manifest, TensorSpec
+from weightsync.testing import RolloutWorker, ToyEngine, TrainerWorker, same_bits
+
+Rollout = ray.remote(RolloutWorker).options(num_cpus=0)
+Trainer = ray.remote(TrainerWorker).options(num_cpus=0)
+
+# tiny layout with a 64 KiB bucket: the embedding (1000 x 64 bf16 = 125 KiB) is split in chunks
+CFG = {"transport": "shm", "bucket_mb": 1 / 16}
+MANIFEST = layout("tiny")
+
+
+def assert_weights(worker, version):
+    expected = materialize(MANIFEST, seed=version)
+    got = ray.get(worker.weights.remote())
+    bad = [n for n in expected if not same_bits(got[n], expected[n])]
+    assert not bad, f"{len(bad)} tensors differ from version {version}, e.g. {bad[:3]}"
+
+
+def start(coordinator_factory, actors, receivers=2, config=CFG, **kw):
+    coord = coordinator_factory(config)
+    rs = [actors.add(Rollout.remote(coord, MANIFEST.to_wire(), f"rollout-{i}", rank=i, config=config, **kw))
+          for i in range(receivers)]
+    trainer = actors.add(Trainer.remote(coord, MANIFEST.to_wire(), config=config, expected_receivers=receivers))
+    return coord, rs, trainer
+
+
+def test_twenty_versions_bit_exact(coordinator_factory, actors):
+    assert max(s.nbytes for s in MANIFEST) > CFG["bucket_mb"] * 2**20, "layout must exercise chunking"
+    coord, rs, trainer = start(coordinator_factory, actors)
+    for v in range(1, 21):
+        applied = [r.apply.remote(v) for r in rs]
+        result = ray.get(trainer.step.remote(v))
+        assert ray.get(applied) == [v, v]
+        assert result["metrics"]["state"] == "COMMITTED"
+        assert sorted(result["metrics"]["committed"]) == ["rollout-0", "rollout-1"]
+        for r in rs:
+            assert_weights(r, v)
+    counters = ray.get(rs[0].counters.remote())
+    assert counters["post_loads"] == 20, "post-load hook runs once per version"
+    status = coord.status()
+    assert status["latest_committed"] == 20
+    assert {p["name"]: p["serving"] for p in status["parties"] if p["role"] == "receiver"} == {
+        "rollout-0": 20, "rollout-1": 20}
+    assert "COMMITTED" in coord.format_status()
+
+
+def test_prestaged_version_then_barrier(coordinator_factory, actors):
+    coord, rs, trainer = start(coordinator_factory, actors, receivers=1)
+    ray.get(trainer.stage.remote(5))
+    assert coord.call("metrics", version=5)["state"] == "STAGED"
+    applied = rs[0].apply.remote(5)
+    result = ray.get(trainer.sync.remote(5))
+    assert ray.get(applied) == 5 and result["metrics"]["state"] == "COMMITTED"
+    assert_weights(rs[0], 5)
+
+
+def test_late_joiner_serves_latest_committed(coordinator_factory, actors):
+    coord, rs, trainer = start(coordinator_factory, actors, receivers=1)
+    for v in (1, 2, 3):
+        applied = rs[0].apply.remote(v)
+        ray.get(trainer.step.remote(v))
+        ray.get(applied)
+    late = actors.add(Rollout.remote(coord, MANIFEST.to_wire(), "late", rank=9, config=CFG))
+    assert ray.get(late.version.remote()) is None
+    assert ray.get(late.apply.remote(None, None, False)) == 3, "catches up without the trainer"
+    assert_weights(late, 3)
+    # and takes part in the next version like everyone else
+    applied = [r.apply.remote(4) for r in (rs[0], late)]
+    ray.get(trainer.step.remote(4))
+    assert ray.get(applied) == [4, 4]
+    assert_weights(late, 4)
+
+
+def _corrupt(coord, version, bucket_offset):
+    info = coord.call("metrics", version=version)["info"]
+    path = os.path.join("/dev/shm", info["segment"])
+    with open(path, "r+b") as f:
+        f.seek(bucket_offset)
+        byte = f.read(1)
+        f.seek(bucket_offset)
+        f.write(bytes([byte[0] ^ 0x40]))
+
+
+@pytest.mark.parametrize("where", ["first-bucket", "later-bucket"])
+def test_corrupted_bucket_is_not_applied(coordinator_factory, actors, where):
+    from weightsync.plan import plan_buckets
+    from weightsync.transports.shm import layout as seg_layout
+
+    coord, rs, trainer = start(coordinator_factory, actors, receivers=2)
+    applied = [r.apply.remote(1) for r in rs]
+    ray.get(trainer.step.remote(1))
+    ray.get(applied)
+    ray.get(trainer.stage.remote(2))
+    plan = plan_buckets(MANIFEST, int(CFG["bucket_mb"] * 2**20), 256)
+    _, bases = seg_layout(plan)
+    bucket = 0 if where == "first-bucket" else plan.bucket_count - 1
+    _corrupt(coord, 2, bases[bucket] + 3)
+    applied = [r.apply.remote(2) for r in rs]
+    with pytest.raises(SyncFailed) as err:
+        ray.get(trainer.sync.remote(2))
+    assert set(err.value.failed) == {"rollout-0", "rollout-1"}
+    assert all("ChecksumError" in why and f"bucket {bucket}" in why for why in err.value.failed.values())
+    for ref in applied:
+        with pytest.raises(Exception, match="corrupted"):
+            ray.get(ref)
+    for r in rs:
+        assert ray.get(r.version.remote()) == 1, "still serves the previous version"
+        assert_weights(r, 1)
+    if where == "later-bucket":
+        assert "rolled back to version 1" in err.value.failed["rollout-0"]
+    # the next clean version goes through
+    applied = [r.apply.remote(3) for r in rs]
+    ray.get(trainer.step.remote(3))
+    assert ray.get(applied) == [3, 3]
+    assert_weights(rs[1], 3)
+
+
+@pytest.mark.parametrize(
+    "change,pattern",
+    [
+        (lambda specs: [TensorSpec("model.bogus", s.dtype, s.shape) if i == 3 else s for i, s in enumerate(specs)],
+         "unknown tensor 'model.bogus'"),
+        (lambda specs: [TensorSpec(s.name, s.dtype, (s.shape[0] + 1,) + s.shape[1:]) if i == 1 else s
+                        for i, s in enumerate(specs)], "has shape"),
+        (lambda specs: [TensorSpec(s.name, "float32", s.shape) if i == 2 else s for i, s in enumerate(specs)],
+         "has dtype float32"),
+    ],
+    ids=["unknown-name", "wrong-shape", "wrong-dtype"],
+)
+def test_manifest_mismatch_fails_before_anything_is_applied(coordinator_factory, actors, change, pattern):
+    coord = coordinator_factory(CFG)
+    sender_manifest = Manifest(tuple(change(list(MANIFEST))))
+    good = actors.add(Rollout.remote(coord, MANIFEST.to_wire(), "good", config=CFG))
+    trainer = actors.add(Trainer.remote(coord, sender_manifest.to_wire(), config=CFG, expected_receivers=1))
+    applied = good.apply.remote(1)
+    with pytest.raises(SyncFailed, match=pattern):
+        ray.get(trainer.step.remote(1))
+    with pytest.raises(ManifestError, match=pattern):
+        ray.get(applied)
+    counters = ray.get(good.counters.remote())
+    assert counters["loads"] == 0 and ray.get(good.version.remote()) is None, "not a byte was loaded"
+    assert any(p["manifest"] == "rejected" for p in coord.status()["parties"])
+
+
+def test_version_going_backwards_or_reused_is_refused(coordinator_factory, actors):
+    coord, rs, trainer = start(coordinator_factory, actors, receivers=1)
+    applied = rs[0].apply.remote(7)
+    ray.get(trainer.step.remote(7))
+    ray.get(applied)
+    with pytest.raises(VersionError, match="version 6 goes backwards"):
+        ray.get(trainer.stage.remote(6))
+    with pytest.raises(VersionError, match="version 7 is reused"):
+        ray.get(trainer.stage.remote(7))
+    with pytest.raises(VersionError, match="never staged"):
+        ray.get(trainer.sync.remote(8))
+    assert ray.get(rs[0].version.remote()) == 7
+    assert_weights(rs[0], 7)
+
+
+def test_in_process_api_and_resources_return_to_zero(coordinator_factory):
+    """The README example shape: sender and receiver objects, no actors of our own."""
+    coord = coordinator_factory(CFG)
+    engine = ToyEngine(MANIFEST)
+    receiver = WeightReceiver(coord, engine.load_weights, name="local", post_load=engine.post_load,
+                              expected=engine.params)
+    sender = WeightSender(coord, expected_receivers=1)
+    try:
+        weights = materialize(MANIFEST, seed=11)
+        sender.stage(11, weights)
+        import threading
+
+        t = threading.Thread(target=receiver.apply, args=(11,))
+        t.start()
+        result = sender.sync(11)
+        t.join(30)
+        assert receiver.version == 11 and result.bytes == MANIFEST.total_bytes
+        assert all(same_bits(engine.params[n], w) for n, w in weights.items())
+        assert coord.status()["resources"]["shm_segments"] == 1
+    finally:
+        receiver.close()
+        sender.close()
+    assert all(n == 0 for n in coord.status()["resources"].values())

@@ -1,0 +1,183 @@
+"""Bucket plan, pack and unpack: pure functions, checked exhaustively and by property tests."""
+
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from weightsync import ManifestError
+from weightsync.manifest import DTYPES, Manifest, TensorSpec, build_manifest, check_manifest
+from weightsync.plan import Unpacker, checksum, pack_stream, plan_buckets
+from weightsync.testing import same_bits
+
+
+def random_tensor(dtype: torch.dtype, shape, seed: int) -> torch.Tensor:
+    n = 1
+    for d in shape:
+        n *= d
+    gen = torch.Generator().manual_seed(seed)
+    raw = torch.randint(0, 256, (n * dtype.itemsize,), dtype=torch.uint8, generator=gen)
+    if dtype == torch.bool:
+        raw &= 1  # a bool byte other than 0/1 is not a valid bool; torch may normalise it
+    return raw.view(dtype).view(shape)
+
+
+def roundtrip(named: dict, bucket_bytes: int, align: int = 256) -> dict:
+    manifest = build_manifest(named)
+    plan = plan_buckets(manifest, bucket_bytes, align)
+    buffers = {}
+
+    def bucket_buffer(b):
+        buffers[b] = torch.full((bucket_bytes,), 0xAB, dtype=torch.uint8)
+        return buffers[b]
+
+    order = list(pack_stream(plan, manifest, named, bucket_buffer))
+    assert order == list(range(plan.bucket_count)), "buckets complete in order, each once"
+    out = {}
+    unpacker = Unpacker(plan, manifest)
+    for b in order:
+        for name, t in unpacker.unpack(b, buffers[b]):
+            assert name not in out
+            out[name] = t.clone()
+    return out
+
+
+@pytest.mark.parametrize("dtype_name", sorted(DTYPES))
+def test_every_dtype_roundtrips_bit_exact(dtype_name):
+    dtype = DTYPES[dtype_name]
+    named = {
+        "whole": random_tensor(dtype, (7, 5), 1),
+        "split": random_tensor(dtype, (300,), 2),  # larger than the 1 KiB bucket below
+        "empty": torch.empty((0, 3), dtype=dtype),
+        "scalar": random_tensor(dtype, (), 3),
+        "strided": random_tensor(dtype, (6, 9), 4).t(),
+    }
+    assert not named["strided"].is_contiguous()
+    out = roundtrip(named, 1024)
+    assert set(out) == set(named)
+    for name, t in named.items():
+        assert same_bits(out[name], t), name
+
+
+@st.composite
+def layouts(draw):
+    count = draw(st.integers(1, 12))
+    names = [f"t{i}" for i in range(count)]
+    dtypes = draw(st.lists(st.sampled_from(sorted(DTYPES)), min_size=count, max_size=count))
+    shapes = draw(st.lists(st.lists(st.integers(0, 40), min_size=0, max_size=3), min_size=count, max_size=count))
+    align = draw(st.sampled_from([16, 64, 256]))
+    bucket_bytes = align * draw(st.integers(1, 24))
+    return [TensorSpec(n, d, tuple(s)) for n, d, s in zip(names, dtypes, shapes)], bucket_bytes, align
+
+
+@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(layouts())
+def test_plan_invariants(case):
+    specs, bucket_bytes, align = case
+    manifest = Manifest(tuple(specs))
+    plan = plan_buckets(manifest, bucket_bytes, align)
+    assert plan == plan_buckets(manifest, bucket_bytes, align), "deterministic"
+    for i, spec in enumerate(manifest):
+        pieces = plan.tensor_slices[i]
+        assert sum(p.nbytes for p in pieces) == spec.nbytes
+        start = 0
+        for p in pieces:
+            assert p.start == start and p.tensor == i
+            assert p.offset % align == 0 or p.start > 0 or p.nbytes == 0
+            assert p.nbytes % spec.itemsize == 0 or p is pieces[-1]
+            start += p.nbytes
+        if spec.nbytes <= bucket_bytes:
+            assert len(pieces) == 1, "a tensor that fits a bucket is never split"
+    for b in plan.buckets:
+        spans = sorted((s.offset, s.offset + s.nbytes) for s in b.slices if s.nbytes)
+        for (_, end), (start, _) in zip(spans, spans[1:]):
+            assert end <= start, "no overlap inside a bucket"
+        assert all(end <= bucket_bytes for _, end in spans)
+        assert b.nbytes <= bucket_bytes
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(layouts(), st.integers(0, 2**31))
+def test_pack_unpack_roundtrip_property(case, seed):
+    specs, bucket_bytes, align = case
+    named = {s.name: random_tensor(s.torch_dtype, s.shape, seed + i) for i, s in enumerate(specs)}
+    out = roundtrip(named, bucket_bytes, align)
+    for name, t in named.items():
+        assert same_bits(out[name], t), name
+
+
+def _pack(named_iter, manifest, bucket_bytes=4096):
+    plan = plan_buckets(manifest, bucket_bytes, 256)
+    return list(pack_stream(plan, manifest, named_iter, lambda b: torch.empty(bucket_bytes, dtype=torch.uint8)))
+
+
+BASE = {"a": torch.ones(4, 4), "b": torch.zeros(8, dtype=torch.int32), "c": torch.ones(3, dtype=torch.bfloat16)}
+
+
+@pytest.mark.parametrize(
+    "offered,pattern",
+    [
+        ([("a", BASE["a"]), ("b", BASE["b"]), ("zzz", BASE["c"])], "unknown tensor 'zzz'"),
+        ([("a", BASE["a"]), ("b", BASE["b"])], "missing tensor.*'c'"),
+        ([("a", torch.ones(4, 5)), ("b", BASE["b"]), ("c", BASE["c"])], r"'a' has shape \[4, 5\]"),
+        ([("a", BASE["a"]), ("b", BASE["b"].float()), ("c", BASE["c"])], "'b' has dtype float32"),
+        ([("a", BASE["a"]), ("a", BASE["a"]), ("c", BASE["c"])], "duplicate tensor name 'a'"),
+        ([("b", BASE["b"]), ("a", BASE["a"]), ("c", BASE["c"])], "'b' is out of order"),
+    ],
+)
+def test_pack_stream_rejects_bad_input_naming_the_tensor(offered, pattern):
+    manifest = build_manifest(BASE)
+    with pytest.raises(ManifestError, match=pattern):
+        _pack(iter(offered), manifest)
+    with pytest.raises(ManifestError, match=pattern.replace("duplicate tensor name", "duplicate|out of order|missing")):
+        _pack(iter(offered), manifest)
+
+
+def test_mapping_input_is_checked_whole_before_any_byte_is_written():
+    manifest = build_manifest(BASE)
+    plan = plan_buckets(manifest, 4096, 256)
+    touched = []
+    bad = {"a": BASE["a"], "b": BASE["b"], "c": torch.ones(4, dtype=torch.bfloat16)}
+    with pytest.raises(ManifestError, match="'c' has shape"):
+        list(pack_stream(plan, manifest, bad, lambda b: touched.append(b) or torch.empty(4096, dtype=torch.uint8)))
+    assert touched == [], "no bucket buffer was requested"
+
+
+def test_dtensor_like_input_is_refused_with_advice():
+    class FakeDTensor:
+        shape, dtype, placements = (2,), torch.float32, ("Shard(0)",)
+
+        def full_tensor(self):
+            return torch.ones(2)
+
+    with pytest.raises(ManifestError, match="DTensor.*full_tensor"):
+        build_manifest({"w": FakeDTensor()})
+
+
+def test_check_manifest_names_each_problem():
+    manifest = build_manifest(BASE)
+    model = {"a": torch.ones(4, 4), "b": torch.zeros(9, dtype=torch.int32), "c": torch.ones(3), "d": torch.ones(1)}
+    with pytest.raises(ManifestError) as err:
+        check_manifest(manifest, model)
+    text = str(err.value)
+    assert "'b' has shape [8]" in text and "'c' has dtype bfloat16" in text and "missing tensor(s) 'd'" in text
+    with pytest.raises(ManifestError, match="unknown tensor 'c'"):
+        check_manifest(manifest, {"a": torch.ones(4, 4), "b": torch.zeros(8, dtype=torch.int32)})
+    check_manifest(manifest, {**model, "b": BASE["b"], "c": BASE["c"]}, strict=False)  # extra 'd' tolerated
+
+
+def test_checksum_sees_a_single_flipped_bit():
+    buf = torch.zeros(1 << 16, dtype=torch.uint8)
+    before = checksum(buf)
+    buf[12345] ^= 1
+    assert checksum(buf) != before
+
+
+def test_manifest_wire_roundtrip_and_digest():
+    manifest = build_manifest(BASE)
+    again = Manifest.from_wire(manifest.to_wire())
+    assert again == manifest and again.digest() == manifest.digest()
+    other = build_manifest({**BASE, "c": torch.ones(4, dtype=torch.bfloat16)})
+    assert other.digest() != manifest.digest()
+    with pytest.raises(ManifestError):
+        Manifest.from_wire([["x", "not_a_dtype", [1]]])
