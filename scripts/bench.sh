@@ -1,0 +1,9 @@
+#!/usr/bin/env bash
+# The main job on a fresh machine: set-up, then the sync-throughput benchmark on CPU over the
+# built-in Qwen2.5-0.5B layout (no download). Extra arguments go to `weightsync bench`.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+bash scripts/setup.sh plot
+. .venv/bin/activate
+mkdir -p results
+exec weightsync bench --model qwen2.5-0.5b --device cpu --json results/bench.json --plot results/bench.png "$@"
