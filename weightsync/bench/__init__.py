@@ -1,9 +1,10 @@
-"""``weightsync bench`` (being written)."""
+"""``weightsync bench``: sync throughput of the transports against Ray's object store, a
+per-tensor collective broadcast and the machine's copy ceiling, measured in one run.
 
+Modules: cli (arguments, the run), actors (trainer / rollout Ray actors), runner (rows),
+baselines of the collective kind via collective_glue, ceiling, memory, layouts, report.
+"""
 
-def add_bench_arguments(parser):
-    pass
+from .cli import add_bench_arguments, run_bench
 
-
-def run_bench(args):
-    raise SystemExit("weightsync bench: not implemented yet")
+__all__ = ["add_bench_arguments", "run_bench"]

@@ -1,0 +1,248 @@
+"""The benchmark's parties: one trainer and N rollout workers as Ray actors.
+
+They hold their model for the whole run, so every row (each transport, bucket size and
+baseline) moves the same bytes between the same processes; only the session changes. The
+sync rows go through the public WeightSender / WeightReceiver, exactly as a user's code.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+import warnings
+from typing import Any
+
+import torch
+import xxhash
+
+from ..config import SyncConfig
+from ..coordinator import Coordinator
+from ..layouts import materialize
+from ..manifest import Manifest
+from ..receiver import WeightReceiver
+from ..sender import WeightSender
+from .memory import PeakTracker
+
+
+def _flat(t: torch.Tensor) -> torch.Tensor:
+    return t.reshape(-1).view(torch.uint8)
+
+
+def digest(tensors: dict[str, torch.Tensor]) -> str:
+    """xxh3 over every tensor's bytes, in order: equal digests mean bit-exact weights."""
+    h = xxhash.xxh3_64()
+    for name, t in tensors.items():
+        h.update(name.encode())
+        if t.numel():
+            h.update(memoryview(_flat(t.detach().cpu().contiguous()).numpy()))
+    return h.hexdigest()
+
+
+def _collective():
+    """weightsync.bench.collective if it is installed (written separately), else None."""
+    try:
+        from . import collective
+    except ImportError:
+        return None
+    return collective
+
+
+class BenchEngine:
+    """A lean stand-in for an inference engine: parameters resident from the start, and
+    vLLM's ``load_weights`` contract (copy the given views in place)."""
+
+    def __init__(self, manifest: Manifest, device: str = "cpu"):
+        self.params: dict[str, torch.Tensor] = {}
+        for s in manifest:
+            t = torch.empty(s.shape, dtype=s.torch_dtype, device=device)
+            if t.numel():
+                _flat(t).fill_(0)  # touch every page now, so the first sync pays no page faults
+            self.params[s.name] = t
+
+    def load_weights(self, weights) -> None:
+        params = self.params
+        for name, tensor in weights:
+            params[name].copy_(tensor)
+
+    def post_load(self) -> None:
+        pass
+
+
+class BenchTrainer:
+    """Trainer rank 0: holds the model, bumps a few bytes of every tensor per version (so
+    each version differs while the bytes moved stay the same) and sends."""
+
+    def __init__(self, manifest_wire: list, device: str = "cpu", weights_path: str | None = None, seed: int = 0):
+        self.manifest = Manifest.from_wire(manifest_wire)
+        self.device = device
+        if weights_path:
+            from .layouts import load_weights
+
+            self.tensors = {n: t.to(device) for n, t in load_weights(weights_path, self.manifest).items()}
+        else:
+            self.tensors = materialize(self.manifest, seed=seed, device=device)
+        self._flats = [_flat(t) for t in self.tensors.values() if t.numel()]
+        self.sender: WeightSender | None = None
+        self.peak = PeakTracker()
+        self.state: dict[str, Any] = {}
+
+    def pid(self) -> int:
+        return os.getpid()
+
+    def bump(self, version: int) -> None:
+        stamp = torch.tensor(list(version.to_bytes(8, "little")), dtype=torch.uint8, device=self.device)
+        for f in self._flats:
+            n = min(8, f.numel())
+            f[:n].copy_(stamp[:n])
+
+    def digest(self) -> str:
+        return digest(self.tensors)
+
+    def start_peak(self) -> None:
+        self.peak.start()
+
+    def peak_extra(self) -> int:
+        return self.peak.extra()
+
+    # -- weightsync sessions --------------------------------------------------------------
+
+    def open(self, coordinator: Coordinator, config: dict, receivers: int) -> None:
+        self.sender = WeightSender(coordinator, config=SyncConfig.load(config), expected_receivers=receivers)
+        self.peak.start()
+
+    def step(self, version: int) -> dict[str, Any]:
+        """One version as a trainer runs it: stage, then the barrier."""
+        self.bump(version)
+        t0 = time.monotonic()
+        stage_s = self.sender.stage(version, self.tensors).wait()
+        r = self.sender.sync(version)
+        return {"t0": t0, "end": time.monotonic(), "stage_s": stage_s, "barrier_s": r.barrier_s,
+                "metrics": r.metrics}
+
+    def stage(self, version: int) -> float:
+        self.bump(version)
+        return self.sender.stage(version, self.tensors).wait()
+
+    def sync(self, version: int) -> dict[str, Any]:
+        r = self.sender.sync(version)
+        return {"end": time.monotonic(), "stage_s": r.stage_s, "barrier_s": r.barrier_s, "metrics": r.metrics}
+
+    def shm_bytes(self) -> int:
+        """Bytes of this process's segments in the shm directory (0 for other transports)."""
+        directory = self.sender.config.shm_dir if self.sender else "/dev/shm"
+        prefix = f"wsync_{os.getpid()}_"
+        total = 0
+        try:
+            for name in os.listdir(directory):
+                if name.startswith(prefix):
+                    total += os.stat(os.path.join(directory, name)).st_blocks * 512
+        except OSError:
+            pass
+        return total
+
+    def close_session(self) -> dict[str, Any]:
+        out = {"peak_extra": self.peak.extra(), "shm_bytes": self.shm_bytes(),
+               "transport": self.sender.transport_name if self.sender else None}
+        if self.sender is not None:
+            self.sender.close()
+            self.sender = None
+        return out
+
+    # -- Ray object store baselines --------------------------------------------------------
+
+    def ray_put(self, kind: str, version: int) -> dict[str, Any]:
+        import ray
+
+        self.bump(version)
+        t0 = time.monotonic()
+        if kind == "ray-user":
+            # what a user writes: the state dict of torch tensors, through the object store
+            obj: Any = dict(self.tensors)
+        else:
+            # the best Ray path: numpy views, written once into the store and read zero-copy
+            obj = {n: _flat(t.cpu()).numpy() for n, t in self.tensors.items()}
+        ref = ray.put(obj)
+        # nested in a list so Ray hands the receivers the reference, not the value
+        return {"t0": t0, "put_s": time.monotonic() - t0, "ref": [ref]}
+
+    # -- collective baselines (weightsync.bench.collective) --------------------------------
+
+    def collective_call(self, fn: str, *args: Any, **kwargs: Any) -> Any:
+        mod = _collective()
+        return getattr(mod, fn)(self, *args, **kwargs)
+
+    def close(self) -> None:
+        if self.sender is not None:
+            self.sender.close()
+            self.sender = None
+
+
+class BenchRollout:
+    """One rollout worker: a BenchEngine fed by a WeightReceiver (or by a baseline)."""
+
+    def __init__(self, manifest_wire: list, name: str, rank: int, device: str = "cpu"):
+        self.manifest = Manifest.from_wire(manifest_wire)
+        self.name, self.rank, self.device = name, rank, device
+        self.engine = BenchEngine(self.manifest, device)
+        self.receiver: WeightReceiver | None = None
+        self.peak = PeakTracker()
+        self.state: dict[str, Any] = {}
+
+    def pid(self) -> int:
+        return os.getpid()
+
+    def digest(self) -> str:
+        return digest(self.engine.params)
+
+    def start_peak(self) -> None:
+        self.peak.start()
+
+    def peak_extra(self) -> int:
+        return self.peak.extra()
+
+    def open(self, coordinator: Coordinator, config: dict) -> None:
+        self.receiver = WeightReceiver(
+            coordinator, self.engine.load_weights, name=self.name, rank=self.rank, post_load=self.engine.post_load,
+            expected={s.name: s for s in self.manifest}, config=SyncConfig.load(config),
+        )
+        self.peak.start()
+
+    def apply(self, version: int) -> dict[str, Any]:
+        served = self.receiver.apply(version)
+        return {"end": time.monotonic(), "version": served, "metrics": dict(self.receiver.last_metrics)}
+
+    def close_session(self) -> dict[str, Any]:
+        out = {"peak_extra": self.peak.extra()}
+        if self.receiver is not None:
+            self.receiver.close()
+            self.receiver = None
+        return out
+
+    def ray_load(self, refs: list) -> dict[str, Any]:
+        import ray
+
+        obj = ray.get(refs[0])
+        specs = {s.name: s for s in self.manifest}
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", UserWarning)  # zero-copy numpy arrays are read-only
+
+            def pairs():
+                for name, value in obj.items():
+                    if isinstance(value, torch.Tensor):
+                        yield name, value
+                    else:
+                        s = specs[name]
+                        yield name, torch.from_numpy(value).view(s.torch_dtype).view(s.shape)
+
+            self.engine.load_weights(pairs())
+        del obj
+        return {"end": time.monotonic()}
+
+    def collective_call(self, fn: str, *args: Any, **kwargs: Any) -> Any:
+        mod = _collective()
+        return getattr(mod, fn)(self, *args, **kwargs)
+
+    def close(self) -> None:
+        if self.receiver is not None:
+            self.receiver.close()
+            self.receiver = None

@@ -1,0 +1,205 @@
+"""Turns benchmark rows into ratios, goal checks, a terminal table, JSON and a PNG plot.
+Pure functions over the result dict (see README, "Benchmark JSON schema")."""
+
+from __future__ import annotations
+
+import json
+import math
+from typing import Any
+
+SCHEMA = "weightsync.bench/1"
+BASELINES = ("ray-user", "ray-numpy", "bcast-per-tensor", "bcast-flat")
+
+
+def _ok(row: dict[str, Any]) -> bool:
+    return row["kind"] != "unavailable" and not row.get("error") and bool(row.get("median_s"))
+
+
+def add_ratios(result: dict[str, Any]) -> None:
+    """Fill ``ceiling_ratio``, ``barrier_copy_ratio`` and ``speedup_vs`` of every row."""
+    ceiling = result["ceiling"]
+    copy_s = result["payload_bytes"] / (ceiling["gbps"] * 1e9)
+    rows = result["rows"]
+    for row in rows:
+        row["ceiling_ratio"] = row["gbps"] / ceiling["gbps"] if _ok(row) and row.get("gbps") else None
+        row["barrier_copy_ratio"] = row["barrier_s"] / copy_s if _ok(row) and row.get("barrier_s") else None
+        row["speedup_vs"] = {}
+        if not _ok(row):
+            continue
+        for base in rows:
+            if base["kind"] == "baseline" and base is not row and _ok(base) and base["receivers"] == row["receivers"]:
+                key = base["name"] if base.get("bucket_mb") is None else f"{base['name']}@{base['bucket_mb']:g}MiB"
+                row["speedup_vs"][key] = base["median_s"] / row["median_s"]
+
+
+def _best(rows: list[dict[str, Any]], **match: Any) -> dict[str, Any] | None:
+    pool = [r for r in rows if _ok(r) and all(r.get(k) == v for k, v in match.items())]
+    return max(pool, key=lambda r: r["gbps"]) if pool else None
+
+
+def goal_checks(result: dict[str, Any]) -> list[dict[str, Any]]:
+    """The issue's done-when criteria, evaluated on this run's rows (where it has them)."""
+    rows, out = result["rows"], []
+
+    def check(name: str, value: float | None, op: str, target: float, detail: str) -> None:
+        if value is None:
+            return
+        ok = value >= target if op == ">=" else value <= target
+        out.append({"check": name, "value": value, "op": op, "target": target, "ok": ok, "detail": detail})
+
+    best = _best([r for r in rows if r["kind"] == "transport"], receivers=1)
+    if best is not None:
+        label = f"{best['name']} @ {best['bucket_mb']:g} MiB, 1 receiver"
+        for base, target in (("ray-user", 10.0), ("ray-numpy", 1.3)):
+            b = _best(rows, name=base, receivers=1)
+            if b is not None:
+                check(f"best transport vs {base}", b["median_s"] / best["median_s"], ">=", target,
+                      f"{label} vs {base}")
+        check("best transport / copy ceiling", best["ceiling_ratio"], ">=", 0.4, label)
+    shm1 = _best(rows, kind="transport", name="shm", receivers=1)
+    if shm1 is not None:
+        check("shm pre-staged barrier / one copy", shm1["barrier_copy_ratio"], "<=", 1.5,
+              f"shm @ {shm1['bucket_mb']:g} MiB, 1 receiver")
+        for n in sorted({r["receivers"] for r in rows if r["receivers"] and r["receivers"] > 1}):
+            shm_n = _best(rows, kind="transport", name="shm", receivers=n, bucket_mb=shm1["bucket_mb"])
+            if shm_n is not None:
+                check(f"shm time growth {n} vs 1 receiver", shm_n["median_s"] / shm1["median_s"], "<=", 2.0,
+                      f"shm @ {shm1['bucket_mb']:g} MiB")
+    return out
+
+
+# -- terminal ----------------------------------------------------------------------------
+
+def _f(x: Any, fmt: str = "{:.3f}", none: str = "-") -> str:
+    if x is None or (isinstance(x, float) and math.isnan(x)):
+        return none
+    return fmt.format(x)
+
+
+def _mib(x: Any) -> str:
+    return _f(x / 2**20 if x is not None else None, "{:.0f}")
+
+
+def format_table(result: dict[str, Any]) -> str:
+    c = result["ceiling"]
+    lay = result["layout"]
+    head = [
+        f"weightsync bench: {lay['name']} ({lay['tensors']} tensors, {result['payload_bytes'] / 2**30:.2f} GiB "
+        f"{lay['dtype']}), device={result['args']['device']}, {result['args']['versions']} versions after "
+        f"{result['args']['warmup']} warm-up",
+        f"machine: {result['machine']['cpu_model']}, {result['machine']['cpu_count']} cores, "
+        f"{result['machine']['mem_total_bytes'] / 2**30:.0f} GiB; copy ceiling {c['gbps']:.2f} GB/s "
+        f"({c['method']}, one copy {result['payload_bytes'] / c['gbps'] / 1e9:.3f} s)",
+    ]
+    for k, v in (result.get("device_ceilings") or {}).items():
+        head.append(f"  {k}: {v['gbps']:.1f} GB/s")
+    bases = [b for b in BASELINES if any(r["name"] == b and _ok(r) for r in result["rows"])]
+    cols = ["row", "rcv", "bucket", "median s", "p90 s", "GB/s", "x ceil"] + [f"x {b}" for b in bases] + [
+        "stage s", "barrier s", "snd+MiB", "rcv+MiB", "bits"]
+    lines = []
+    for r in result["rows"]:
+        if r["kind"] == "unavailable" or (r.get("error") and not r.get("seconds")):
+            lines.append([r["name"], str(r["receivers"]), _f(r.get("bucket_mb"), "{:g}"),
+                          f"{'unavailable' if r['kind'] == 'unavailable' else 'FAILED'}: {r['error']}"])
+            continue
+        speed = r.get("speedup_vs", {})
+        vs = []
+        for b in bases:
+            hit = [v for k, v in speed.items() if k == b or k.startswith(b + "@")]
+            vs.append(_f(max(hit) if hit else None, "{:.1f}x"))
+        lines.append([r["name"], str(r["receivers"]), _f(r.get("bucket_mb"), "{:g}"), _f(r["median_s"]),
+                      _f(r["p90_s"]), _f(r["gbps"], "{:.2f}"), _f(r.get("ceiling_ratio"), "{:.2f}"), *vs,
+                      _f(r.get("stage_s")), _f(r.get("barrier_s")), _mib(r.get("sender_peak_extra_bytes")),
+                      _mib(r.get("receiver_peak_extra_bytes")),
+                      {True: "ok", False: "DIFF", None: "-"}[r.get("verified")]])
+    full = [ln for ln in lines if len(ln) == len(cols)]
+    widths = [max([len(c)] + [len(ln[i]) for ln in full]) for i, c in enumerate(cols)]
+    out = head + ["", "  ".join(c.ljust(w) for c, w in zip(cols, widths))]
+    for ln in lines:
+        if len(ln) == len(cols):
+            out.append("  ".join(v.ljust(w) for v, w in zip(ln, widths)))
+        else:
+            out.append("  ".join(v.ljust(w) for v, w in zip(ln[:3], widths)) + "  " + ln[3])
+    if result.get("checks"):
+        out.append("")
+        for ch in result["checks"]:
+            mark = "PASS" if ch["ok"] else "MISS"
+            out.append(f"{mark} {ch['check']}: {ch['value']:.2f} (target {ch['op']} {ch['target']:g}; {ch['detail']})")
+    for r in result["rows"]:
+        if _ok(r) and r["kind"] == "transport" and r.get("phases_s", {}).get("total_s"):
+            p = r["phases_s"]
+            out.append(f"  {r['name']} {r['bucket_mb']:g}MiB x{r['receivers']}: receiver wait {_f(p.get('wait_s'))}s "
+                       f"verify {_f(p.get('verify_s'))}s load {_f(p.get('load_s'))}s of {_f(p.get('total_s'))}s; "
+                       f"trainer stage {_f(r.get('stage_s'))}s")
+    return "\n".join(out)
+
+
+# -- JSON ----------------------------------------------------------------------------------
+
+def _clean(x: Any) -> Any:
+    if isinstance(x, float) and (math.isnan(x) or math.isinf(x)):
+        return None
+    if isinstance(x, dict):
+        return {str(k): _clean(v) for k, v in x.items()}
+    if isinstance(x, (list, tuple)):
+        return [_clean(v) for v in x]
+    return x
+
+
+def write_json(result: dict[str, Any], path: str) -> None:
+    with open(path, "w") as f:
+        json.dump(_clean(result), f, indent=2, sort_keys=False, default=str)
+        f.write("\n")
+
+
+# -- plot ----------------------------------------------------------------------------------
+
+def write_plot(result: dict[str, Any], path: str) -> str | None:
+    """GB/s per transport and bucket size (one panel per receiver count), baselines beside
+    them, the copy ceiling as a line. Returns why not when matplotlib is missing."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return "matplotlib is not installed (pip install 'weightsync[plot]')"
+    rows = [r for r in result["rows"] if _ok(r)]
+    counts = sorted({r["receivers"] for r in rows}) or [1]
+    fig, axes = plt.subplots(1, len(counts), figsize=(max(7, 5.5 * len(counts)), 4.8), squeeze=False, sharey=True)
+    ceiling = result["ceiling"]["gbps"]
+    palette = plt.rcParams["axes.prop_cycle"].by_key()["color"]
+    names = sorted({r["name"] for r in rows}, key=lambda n: (n in BASELINES, n))
+    color = {n: palette[i % len(palette)] for i, n in enumerate(names)}
+    for ax, n in zip(axes[0], counts):
+        mine = [r for r in rows if r["receivers"] == n]
+        transports = [r for r in mine if r["kind"] == "transport"]
+        baselines = [r for r in mine if r["kind"] == "baseline"]
+        labels, heights, colors = [], [], []
+        for r in sorted(transports, key=lambda r: (r["name"], r["bucket_mb"])):
+            labels.append(f"{r['name']}\n{r['bucket_mb']:g} MiB")
+            heights.append(r["gbps"])
+            colors.append(color[r["name"]])
+        for r in baselines:
+            labels.append(r["name"] + (f"\n{r['bucket_mb']:g} MiB" if r.get("bucket_mb") else "\n(baseline)"))
+            heights.append(r["gbps"])
+            colors.append(color[r["name"]])
+        xs = range(len(labels))
+        bars = ax.bar(xs, heights, color=colors, edgecolor="black", linewidth=0.5)
+        for bar, h in zip(bars, heights):
+            ax.annotate(f"{h:.2f}", (bar.get_x() + bar.get_width() / 2, h), ha="center", va="bottom", fontsize=8)
+        ax.axhline(ceiling, color="red", linestyle="--", linewidth=1.2)
+        ax.annotate(f"copy ceiling {ceiling:.1f} GB/s", (len(labels) - 0.5, ceiling), ha="right", va="bottom",
+                    color="red", fontsize=8)
+        ax.set_xticks(list(xs), labels, fontsize=8, rotation=0)
+        ax.set_title(f"{n} receiver{'s' if n > 1 else ''}")
+        ax.grid(axis="y", alpha=0.3)
+    axes[0][0].set_ylabel("GB/s per version (higher is better)")
+    lay = result["layout"]
+    m = result["machine"]
+    fig.suptitle(f"weightsync bench: {lay['name']} {result['payload_bytes'] / 2**30:.2f} GiB {lay['dtype']}, "
+                 f"{m['cpu_count']} cores ({m['cpu_model']}), device={result['args']['device']}", fontsize=10)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return None

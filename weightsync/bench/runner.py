@@ -1,0 +1,279 @@
+"""Runs the benchmark rows: weightsync transports, Ray object store baselines and collective
+baselines, all between the same trainer and rollout actors, over the same bytes.
+
+One version's time is the wall time from the start of ``stage()`` on the trainer to the
+last receiver's commit, with every receiver's ``apply()`` already waiting (so pipelined
+transports overlap staging and reading, as they do in a job). The pre-staged barrier is
+timed separately: the version is staged first, then ``sync()`` + ``apply()`` are timed,
+which is what the trainer waits for at the barrier when staging overlapped generation.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import importlib
+import importlib.util
+import itertools
+import os
+import statistics
+import sys
+import time
+from collections.abc import Iterator
+from typing import Any
+
+import numpy as np
+import ray
+
+from .. import transports as transport_registry
+from ..coordinator import Coordinator
+from ..manifest import Manifest
+from .actors import BenchRollout, BenchTrainer
+
+# generous: a row on a loaded 2-core machine can be slow, but never hangs the benchmark
+ROW_TIMEOUT_S = 600.0
+
+
+def stats(seconds: list[float]) -> dict[str, float]:
+    if not seconds:
+        return {"median_s": float("nan"), "p90_s": float("nan"), "min_s": float("nan")}
+    return {"median_s": statistics.median(seconds), "p90_s": float(np.percentile(seconds, 90)),
+            "min_s": min(seconds)}
+
+
+def _median_of(dicts: list[dict[str, Any]], key: str) -> float | None:
+    values = [d[key] for d in dicts if isinstance(d.get(key), (int, float))]
+    return statistics.median(values) if values else None
+
+
+def transport_unavailable(name: str, backend: str, device: str) -> str | None:
+    """None if ``name`` can run here, else why not (a transport module may be missing)."""
+    if name == "auto":
+        return None
+    if name not in transport_registry.names():
+        spec = importlib.util.find_spec(f"weightsync.transports.{name}")
+        if spec is None:
+            return f"weightsync.transports.{name} is not part of this build"
+        return f"weightsync.transports.{name} exists but is not registered in weightsync.transports"
+    try:
+        transport_registry.sender_class(name)
+    except Exception as exc:  # an optional dependency of the transport is missing
+        return f"cannot import transport {name!r}: {type(exc).__name__}: {exc}"
+    if name == "broadcast" and backend == "nccl" and device != "cuda":
+        return "backend nccl needs --device cuda"
+    if name == "broadcast" and backend == "hccl" and device != "npu":
+        return "backend hccl needs --device npu"
+    return None
+
+
+class Progress:
+    """A tqdm bar on stderr when asked for and available; a no-op otherwise."""
+
+    def __init__(self, enabled: bool):
+        self.enabled = enabled and sys.stderr.isatty()
+
+    @contextlib.contextmanager
+    def bar(self, total: int, desc: str) -> Iterator[Any]:
+        if not self.enabled:
+            yield None
+            return
+        try:
+            from tqdm import tqdm
+        except ImportError:
+            yield None
+            return
+        with tqdm(total=total, desc=desc, file=sys.stderr, leave=False, dynamic_ncols=True) as bar:
+            yield bar
+
+
+def _tick(bar: Any) -> None:
+    if bar is not None:
+        bar.update(1)
+
+
+class Bench:
+    """Owns the actors for one benchmark run; each ``*_row`` method returns one result row."""
+
+    def __init__(self, manifest: Manifest, *, receivers: int, device: str = "cpu", weights_path: str | None = None,
+                 versions: int = 5, warmup: int = 1, progress: bool = True, check: bool = True):
+        self.manifest = manifest
+        self.payload = manifest.total_bytes
+        self.device = device
+        self.versions, self.warmup = versions, warmup
+        self.check = check
+        self.progress = Progress(progress)
+        self._version = itertools.count(1)
+        self._ids = itertools.count()
+        parties = receivers + 1
+        opts: dict[str, Any] = {"num_cpus": 0, "max_concurrency": 1}
+        if device == "cuda":
+            opts["num_gpus"] = 1.0 / parties  # colocated on one device, like the ipc case
+        elif device == "npu":
+            opts["resources"] = {"NPU": 1.0 / parties}
+        wire = manifest.to_wire()
+        self.trainer = ray.remote(BenchTrainer).options(**opts).remote(wire, device, weights_path)
+        self.rollouts = [ray.remote(BenchRollout).options(**opts).remote(wire, f"bench-rollout-{i}", i + 1, device)
+                         for i in range(receivers)]
+        ray.get([self.trainer.pid.remote()] + [r.pid.remote() for r in self.rollouts])
+
+    # -- helpers -----------------------------------------------------------------------
+
+    def _row(self, **fields: Any) -> dict[str, Any]:
+        row = {"kind": "transport", "name": "", "transport": None, "backend": None, "bucket_mb": None,
+               "receivers": None, "payload_bytes": self.payload, "versions": 0, "seconds": [],
+               "median_s": None, "p90_s": None, "min_s": None, "gbps": None, "stage_s": None,
+               "barrier_s": None, "prestaged_s": [], "sender_peak_extra_bytes": None,
+               "receiver_peak_extra_bytes": None, "shm_bytes": None, "phases_s": {}, "verified": None,
+               "error": None}
+        row.update(fields)
+        return row
+
+    def _finish(self, row: dict[str, Any], seconds: list[float]) -> dict[str, Any]:
+        row["seconds"] = seconds
+        row["versions"] = len(seconds)
+        row.update(stats(seconds))
+        row["gbps"] = self.payload / row["median_s"] / 1e9 if seconds and row["median_s"] > 0 else None
+        return row
+
+    def _verify(self, rollouts: list) -> bool:
+        if not self.check:
+            return None
+        want = ray.get(self.trainer.digest.remote())
+        got = ray.get([r.digest.remote() for r in rollouts])
+        return all(g == want for g in got)
+
+    def close(self) -> None:
+        for actor in [self.trainer, *self.rollouts]:
+            with contextlib.suppress(Exception):
+                ray.get(actor.close.remote(), timeout=30)
+            with contextlib.suppress(Exception):
+                ray.kill(actor)
+
+    # -- weightsync transports -----------------------------------------------------------
+
+    def sync_row(self, transport: str, bucket_mb: float, receivers: int, backend: str = "auto") -> dict[str, Any]:
+        name = transport if transport != "auto" else "auto"
+        row = self._row(kind="transport", name=name, transport=transport, backend=backend, bucket_mb=bucket_mb,
+                        receivers=receivers)
+        why = transport_unavailable(transport, backend, self.device)
+        if why:
+            row.update(kind="unavailable", error=why)
+            return row
+        rx = self.rollouts[:receivers]
+        cfg = {"transport": transport, "backend": backend, "device": self.device, "bucket_mb": bucket_mb,
+               "sync_timeout_s": ROW_TIMEOUT_S / 2, "connect_timeout_s": 120.0}
+        coord = Coordinator.create(cfg, name=f"wsbench-{os.getpid()}-{next(self._ids)}", expected_receivers=receivers)
+        seconds, prestaged, stage_s, barrier_s, recv_metrics = [], [], [], [], []
+        try:
+            ray.get([r.open.remote(coord, cfg) for r in rx], timeout=ROW_TIMEOUT_S)
+            ray.get(self.trainer.open.remote(coord, cfg, receivers), timeout=ROW_TIMEOUT_S)
+            label = f"{transport} {bucket_mb:g}MiB x{receivers}"
+            with self.progress.bar(self.warmup + 2 * self.versions, label) as bar:
+                for i in range(self.warmup + self.versions):
+                    v = next(self._version)
+                    applied = [r.apply.remote(v) for r in rx]  # receivers wait before the trainer stages
+                    out = ray.get(self.trainer.step.remote(v), timeout=ROW_TIMEOUT_S)
+                    ends = ray.get(applied, timeout=ROW_TIMEOUT_S)
+                    if i >= self.warmup:
+                        seconds.append(max([e["end"] for e in ends] + [out["end"]]) - out["t0"])
+                        stage_s.append(out["stage_s"])
+                        recv_metrics.extend(e["metrics"] for e in ends)
+                    _tick(bar)
+                for _ in range(self.versions):
+                    v = next(self._version)
+                    ray.get(self.trainer.stage.remote(v), timeout=ROW_TIMEOUT_S)
+                    t0 = time.monotonic()  # CLOCK_MONOTONIC is one clock for every process on the node
+                    applied = [r.apply.remote(v) for r in rx]
+                    out = ray.get(self.trainer.sync.remote(v), timeout=ROW_TIMEOUT_S)
+                    ends = ray.get(applied, timeout=ROW_TIMEOUT_S)
+                    prestaged.append(max([e["end"] for e in ends] + [out["end"]]) - t0)
+                    barrier_s.append(out["barrier_s"])
+                    _tick(bar)
+            row["verified"] = self._verify(rx)
+        except Exception as exc:
+            row["error"] = f"{type(exc).__name__}: {exc}".splitlines()[0][:500]
+        finally:
+            closed = self._close_sessions(rx)
+            coord.shutdown()
+        row.update(closed)
+        if row["transport"] == "auto" and closed.get("chosen"):
+            row["name"] = f"auto->{closed['chosen']}"
+        row["prestaged_s"] = prestaged
+        row["stage_s"] = statistics.median(stage_s) if stage_s else None
+        row["barrier_s"] = statistics.median(prestaged) if prestaged else None
+        row["sender_barrier_s"] = statistics.median(barrier_s) if barrier_s else None
+        # where a receiver's time goes (medians over versions and receivers)
+        row["phases_s"] = {k: _median_of(recv_metrics, k) for k in ("wait_s", "verify_s", "load_s", "post_load_s", "total_s")}
+        return self._finish(row, seconds)
+
+    def _close_sessions(self, rx: list) -> dict[str, Any]:
+        out: dict[str, Any] = {}
+        try:
+            t = ray.get(self.trainer.close_session.remote(), timeout=ROW_TIMEOUT_S)
+            out.update(sender_peak_extra_bytes=t["peak_extra"], shm_bytes=t["shm_bytes"], chosen=t["transport"])
+        except Exception as exc:
+            out["error_close"] = f"trainer: {type(exc).__name__}: {exc}"[:300]
+        try:
+            rs = ray.get([r.close_session.remote() for r in rx], timeout=ROW_TIMEOUT_S)
+            out["receiver_peak_extra_bytes"] = max(r["peak_extra"] for r in rs)
+        except Exception as exc:
+            out["error_close"] = f"receivers: {type(exc).__name__}: {exc}"[:300]
+        return out
+
+    # -- Ray object store ------------------------------------------------------------------
+
+    def ray_row(self, kind: str, receivers: int) -> dict[str, Any]:
+        """``ray-user``: ray.put(state_dict of torch tensors) / ray.get + load_weights, as a user
+        writes it. ``ray-numpy``: numpy views, read zero-copy from the store, then loaded."""
+        row = self._row(kind="baseline", name=kind, receivers=receivers)
+        rx = self.rollouts[:receivers]
+        seconds, put_s = [], []
+        try:
+            ray.get([a.start_peak.remote() for a in [self.trainer, *rx]])
+            with self.progress.bar(self.warmup + self.versions, f"{kind} x{receivers}") as bar:
+                for i in range(self.warmup + self.versions):
+                    put = ray.get(self.trainer.ray_put.remote(kind, next(self._version)), timeout=ROW_TIMEOUT_S)
+                    ends = ray.get([r.ray_load.remote(put["ref"]) for r in rx], timeout=ROW_TIMEOUT_S)
+                    del put["ref"]  # the object leaves the store once every holder dropped it
+                    if i >= self.warmup:
+                        seconds.append(max(e["end"] for e in ends) - put["t0"])
+                        put_s.append(put["put_s"])
+                    _tick(bar)
+            row["verified"] = self._verify(rx)
+            row["sender_peak_extra_bytes"] = ray.get(self.trainer.peak_extra.remote())
+            row["receiver_peak_extra_bytes"] = max(ray.get([r.peak_extra.remote() for r in rx]))
+        except Exception as exc:
+            row["error"] = f"{type(exc).__name__}: {exc}".splitlines()[0][:500]
+        row["stage_s"] = statistics.median(put_s) if put_s else None  # the trainer is blocked for the put
+        return self._finish(row, seconds)
+
+    # -- collective broadcast baselines (weightsync.bench.collective) -----------------------
+
+    def collective_row(self, kind: str, receivers: int, backend: str, bucket_mb: float | None = None) -> dict[str, Any]:
+        row = self._row(kind="baseline", name=kind, receivers=receivers, backend=backend, bucket_mb=bucket_mb)
+        from . import collective_glue
+
+        why = collective_glue.unavailable(kind, backend, self.device)
+        if why:
+            row.update(kind="unavailable", error=why)
+            return row
+        rx = self.rollouts[:receivers]
+        try:
+            ray.get([a.start_peak.remote() for a in [self.trainer, *rx]])
+            with self.progress.bar(self.warmup + self.versions, f"{kind} x{receivers}") as bar:
+                seconds, extra = collective_glue.run(self, kind, rx, backend, bucket_mb, lambda: _tick(bar))
+            row.update(extra)
+            row["verified"] = self._verify(rx)
+            row["sender_peak_extra_bytes"] = ray.get(self.trainer.peak_extra.remote())
+            row["receiver_peak_extra_bytes"] = max(ray.get([r.peak_extra.remote() for r in rx]))
+        except Exception as exc:
+            row["error"] = f"{type(exc).__name__}: {exc}".splitlines()[0][:500]
+            seconds = []
+        return self._finish(row, seconds)
+
+
+def module_available(name: str) -> bool:
+    try:
+        importlib.import_module(name)
+        return True
+    except ImportError:
+        return False
