@@ -41,13 +41,14 @@ def _header(file: str) -> dict:
 
 
 def safetensors_manifest(path: str, dtype: str | None = None) -> Manifest:
-    """The tensors of a safetensors file or folder, in file then header order.
+    """The tensors of a safetensors file or folder, in file order, then in the order their
+    bytes lie in the file (how the checkpoint was written, so roughly the model's order).
     ``dtype`` replaces every floating-point dtype (a bf16 checkpoint benchmarked as fp32, say)."""
     specs = []
     for file in safetensors_files(path):
-        for name, meta in _header(file).items():
-            if name == "__metadata__":
-                continue
+        header = _header(file)
+        header.pop("__metadata__", None)
+        for name, meta in sorted(header.items(), key=lambda kv: kv[1]["data_offsets"][0]):
             code = meta["dtype"]
             if code not in _ST_DTYPES:
                 raise ValueError(f"{file}: tensor {name!r} has dtype {code}, which weightsync does not move")

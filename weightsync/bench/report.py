@@ -97,9 +97,13 @@ def format_table(result: dict[str, Any]) -> str:
     cols = ["row", "rcv", "bucket", "median s", "p90 s", "GB/s", "x ceil"] + [f"x {b}" for b in bases] + [
         "stage s", "barrier s", "snd+MiB", "rcv+MiB", "bits"]
     lines = []
+    said = set()
     for r in result["rows"]:
         if r["kind"] == "unavailable" or (r.get("error") and not r.get("seconds")):
-            lines.append([r["name"], str(r["receivers"]), _f(r.get("bucket_mb"), "{:g}"),
+            if r["kind"] == "unavailable" and (r["name"], r["error"]) in said:
+                continue  # one line per missing transport, not one per receiver count and bucket
+            said.add((r["name"], r["error"]))
+            lines.append([r["name"], str(r.get("receivers")), _f(r.get("bucket_mb"), "{:g}"),
                           f"{'unavailable' if r['kind'] == 'unavailable' else 'FAILED'}: {r['error']}"])
             continue
         speed = r.get("speedup_vs", {})
@@ -107,13 +111,13 @@ def format_table(result: dict[str, Any]) -> str:
         for b in bases:
             hit = [v for k, v in speed.items() if k == b or k.startswith(b + "@")]
             vs.append(_f(max(hit) if hit else None, "{:.1f}x"))
-        lines.append([r["name"], str(r["receivers"]), _f(r.get("bucket_mb"), "{:g}"), _f(r["median_s"]),
-                      _f(r["p90_s"]), _f(r["gbps"], "{:.2f}"), _f(r.get("ceiling_ratio"), "{:.2f}"), *vs,
+        lines.append([r["name"], str(r.get("receivers")), _f(r.get("bucket_mb"), "{:g}"), _f(r.get("median_s")),
+                      _f(r.get("p90_s")), _f(r.get("gbps"), "{:.2f}"), _f(r.get("ceiling_ratio"), "{:.2f}"), *vs,
                       _f(r.get("stage_s")), _f(r.get("barrier_s")), _mib(r.get("sender_peak_extra_bytes")),
                       _mib(r.get("receiver_peak_extra_bytes")),
                       {True: "ok", False: "DIFF", None: "-"}[r.get("verified")]])
-    full = [ln for ln in lines if len(ln) == len(cols)]
-    widths = [max([len(c)] + [len(ln[i]) for ln in full]) for i, c in enumerate(cols)]
+    widths = [max([len(c)] + [len(ln[i]) for ln in lines if i < len(ln) - (len(ln) != len(cols))])
+              for i, c in enumerate(cols)]
     out = head + ["", "  ".join(c.ljust(w) for c, w in zip(cols, widths))]
     for ln in lines:
         if len(ln) == len(cols):

@@ -1,0 +1,112 @@
+"""`weightsync bench` end to end on the tiny layout, and its pure parts (layouts from
+safetensors, ratios and goal checks). Timing goals are not asserted here (see benchmarks/)."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+import torch
+
+from weightsync.bench import layouts as bench_layouts
+from weightsync.bench import report
+from weightsync.bench.runner import transport_unavailable
+from weightsync.cli import main
+
+
+def test_bench_tiny_shm_end_to_end(ray_cluster, tmp_path):
+    out, png = tmp_path / "bench.json", tmp_path / "bench.png"
+    rc = main(["bench", "--model", "tiny", "--transport", "shm", "--receivers", "1", "2", "--bucket-mb", "0.25",
+               "--versions", "2", "--warmup", "1", "--baselines", "ray-user", "ray-numpy", "--ceiling-repeats", "2",
+               "--no-progress", "--note", "pytest smoke", "--json", str(out), "--plot", str(png)])
+    assert rc == 0
+    res = json.loads(out.read_text())
+    assert res["schema"] == report.SCHEMA
+    assert res["note"] == "pytest smoke"
+    assert res["layout"]["name"] == "tiny" and res["layout"]["tensors"] > 10
+    payload = res["payload_bytes"]
+    assert payload == sum(math.prod(s) * 2 for s in _tiny_shapes())
+    assert res["machine"]["cpu_count"] >= 1 and res["machine"]["mem_total_bytes"] > 0
+    ceil = res["ceiling"]
+    assert ceil["gbps"] > 0 and ceil["bytes"] == payload and ceil["method"] in ceil["methods_gbps"]
+
+    rows = {(r["name"], r["receivers"]): r for r in res["rows"]}
+    assert set(rows) == {(n, k) for n in ("shm", "ray-user", "ray-numpy") for k in (1, 2)}
+    for (name, n), r in rows.items():
+        assert r["error"] is None, r
+        assert r["verified"] is True, f"{name} x{n}: receivers do not hold the trainer's bits"
+        assert len(r["seconds"]) == 2 and all(s > 0 for s in r["seconds"])
+        assert r["median_s"] <= r["p90_s"] <= max(r["seconds"]) + 1e-12
+        assert r["gbps"] == pytest.approx(payload / r["median_s"] / 1e9)
+        assert r["ceiling_ratio"] == pytest.approx(r["gbps"] / ceil["gbps"])
+        assert r["sender_peak_extra_bytes"] >= 0 and r["receiver_peak_extra_bytes"] >= 0
+    shm = rows[("shm", 1)]
+    assert shm["kind"] == "transport" and shm["bucket_mb"] == 0.25
+    assert len(shm["prestaged_s"]) == 2 and shm["barrier_s"] > 0 and shm["stage_s"] > 0
+    assert shm["shm_bytes"] >= payload  # at least one segment holds the whole version
+    assert shm["phases_s"]["total_s"] > 0
+    assert set(shm["speedup_vs"]) == {"ray-user", "ray-numpy"}
+    assert shm["speedup_vs"]["ray-user"] == pytest.approx(rows[("ray-user", 1)]["median_s"] / shm["median_s"])
+    names = {c["check"] for c in res["checks"]}
+    assert {"best transport vs ray-user", "best transport / copy ceiling", "shm time growth 2 vs 1 receiver"} <= names
+
+    pytest.importorskip("matplotlib")
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def _tiny_shapes():
+    from weightsync.layouts import layout
+
+    return [s.shape for s in layout("tiny")]
+
+
+def test_safetensors_layout_and_weights(tmp_path):
+    from safetensors.torch import save_file
+
+    a = torch.arange(12, dtype=torch.bfloat16).reshape(3, 4)
+    b = torch.arange(5, dtype=torch.int64)
+    save_file({"w.a": a, "w.b": b}, str(tmp_path / "model-00001.safetensors"))
+    save_file({"w.c": torch.ones(2, dtype=torch.float32)}, str(tmp_path / "model-00002.safetensors"))
+    label, m, path = bench_layouts.resolve(str(tmp_path), None)
+    assert path == str(tmp_path)
+    assert {s.name: (s.dtype, s.shape) for s in m} == {
+        "w.a": ("bfloat16", (3, 4)), "w.b": ("int64", (5,)), "w.c": ("float32", (2,))}
+    assert m[2].name == "w.c"  # files in name order
+    _, cast, _ = bench_layouts.resolve(str(tmp_path / "model-00001.safetensors"), "float32")
+    assert {s.name: s.dtype for s in cast} == {"w.a": "float32", "w.b": "int64"}  # ints are kept
+    w = bench_layouts.load_weights(str(tmp_path), m)
+    assert list(w) == [s.name for s in m] and torch.equal(w["w.a"], a) and torch.equal(w["w.b"], b)
+    with pytest.raises(FileNotFoundError, match="neither a built-in layout"):
+        bench_layouts.resolve(str(tmp_path / "nope"), None)
+
+
+def test_missing_transport_or_backend_is_reported_not_run():
+    assert transport_unavailable("shm", "auto", "cpu") is None
+    assert transport_unavailable("broadcast", "nccl", "cpu")  # either not built or needs CUDA: a reason
+
+
+def _row(name, kind, n, median, bucket=None, barrier=None):
+    return {"name": name, "kind": kind, "receivers": n, "median_s": median, "gbps": 1.0 / median,
+            "bucket_mb": bucket, "barrier_s": barrier, "error": None}
+
+
+def test_goal_checks_follow_the_issue_targets():
+    res = {"payload_bytes": 10**9, "ceiling": {"gbps": 10.0}, "rows": [
+        _row("ray-user", "baseline", 1, 4.0), _row("ray-numpy", "baseline", 1, 0.3),
+        _row("shm", "transport", 1, 0.2, 64, barrier=0.12), _row("shm", "transport", 4, 0.5, 64, barrier=0.3),
+        {**_row("ipc", "unavailable", 1, 1.0, 64), "median_s": None, "error": "not built"},
+    ]}
+    report.add_ratios(res)
+    checks = {c["check"]: c for c in report.goal_checks(res)}
+    assert checks["best transport vs ray-user"]["value"] == pytest.approx(20.0) and checks["best transport vs ray-user"]["ok"]
+    assert checks["best transport vs ray-numpy"]["value"] == pytest.approx(1.5) and checks["best transport vs ray-numpy"]["ok"]
+    assert checks["best transport / copy ceiling"]["value"] == pytest.approx(0.5)
+    assert checks["shm pre-staged barrier / one copy"]["value"] == pytest.approx(1.2)
+    growth = checks["shm time growth 4 vs 1 receiver"]
+    assert growth["value"] == pytest.approx(2.5) and not growth["ok"]
+    assert "unavailable: not built" in report.format_table({**res, "layout": {"name": "x", "tensors": 1, "dtype": "bf16"},
+                                                             "machine": {"cpu_model": "c", "cpu_count": 2, "mem_total_bytes": 2**30},
+                                                             "args": {"device": "cpu", "versions": 1, "warmup": 0},
+                                                             "checks": list(checks.values()),
+                                                             "ceiling": {"gbps": 10.0, "method": "m"}})
