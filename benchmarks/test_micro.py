@@ -1,0 +1,72 @@
+"""Micro-benchmarks of the hot pure functions (plan, pack, unpack, checksum).
+
+Not part of the default test run (pytest's testpaths is tests/). Run them with
+    pytest benchmarks/ --benchmark-only
+and compare runs with --benchmark-autosave / --benchmark-compare.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from weightsync.layouts import layout, materialize
+from weightsync.manifest import Manifest, TensorSpec
+from weightsync.plan import Unpacker, checksum, pack_stream, plan_buckets
+
+pytest.importorskip("pytest_benchmark")
+
+MiB = 1 << 20
+# 64 MiB in 256 tensors of 256 KiB plus a 16 MiB one that is split across buckets
+MANIFEST = Manifest(tuple([TensorSpec(f"t{i}", "bfloat16", (512, 256)) for i in range(256)]
+                          + [TensorSpec("big", "bfloat16", (8 * MiB,))]))
+BUCKET = 8 * MiB
+
+
+@pytest.fixture(scope="module")
+def plan():
+    return plan_buckets(MANIFEST, BUCKET)
+
+
+@pytest.fixture(scope="module")
+def tensors():
+    return materialize(MANIFEST, seed=1)
+
+
+@pytest.fixture(scope="module")
+def buckets(plan):
+    return [torch.empty(b.nbytes, dtype=torch.uint8) for b in plan.buckets]
+
+
+@pytest.mark.parametrize("name", ["qwen2.5-0.5b", "moe-small"])
+def test_plan_buckets(benchmark, name):
+    m = layout(name)
+    p = benchmark(plan_buckets, m, 64 * MiB)
+    assert p.payload_bytes == m.total_bytes
+
+
+def test_pack(benchmark, plan, tensors, buckets):
+    def pack():
+        return list(pack_stream(plan, MANIFEST, tensors, lambda b: buckets[b]))
+
+    done = benchmark(pack)
+    assert sorted(done) == list(range(plan.bucket_count))
+    benchmark.extra_info["GB/s"] = MANIFEST.total_bytes / benchmark.stats.stats.median / 1e9
+
+
+def test_unpack(benchmark, plan, tensors, buckets):
+    list(pack_stream(plan, MANIFEST, tensors, lambda b: buckets[b]))
+    unpacker = Unpacker(plan, MANIFEST)
+
+    def unpack():
+        return sum(len(unpacker.unpack(b, buf)) for b, buf in enumerate(buckets))
+
+    assert benchmark(unpack) == len(MANIFEST)
+
+
+def test_checksum(benchmark, buckets):
+    buf = buckets[0]
+    buf.fill_(3)
+    digest = benchmark(checksum, buf)
+    assert digest == checksum(buf.clone())
+    benchmark.extra_info["GB/s"] = buf.numel() / benchmark.stats.stats.median / 1e9
