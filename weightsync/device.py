@@ -68,5 +68,32 @@ def physical_index(device: torch.device) -> int | None:
     return device.index
 
 
+def local_index(kind: str, physical: int) -> int | None:
+    """The logical index of physical device ``physical`` in this process, or None when this
+    process cannot see it (the inverse of :func:`physical_index`)."""
+    listed = os.environ.get(visible_devices_var(kind) or "", "")
+    ids = [x.strip() for x in listed.split(",") if x.strip()]
+    if ids:
+        return ids.index(str(physical)) if str(physical) in ids else None
+    return physical
+
+
+def synchronize(device: torch.device) -> None:
+    """Wait for the work queued on ``device``'s current stream (no-op on CPU): what a
+    bucket's copies wrote is visible to another process only after this."""
+    if device.type == "cuda":
+        torch.cuda.current_stream(device).synchronize()
+    elif device.type == "npu":
+        torch.npu.current_stream(device).synchronize()
+
+
+def device_count(kind: str) -> int:
+    if kind == "cuda":
+        return torch.cuda.device_count() if torch.cuda.is_available() else 0
+    if kind == "npu":
+        return torch.npu.device_count() if npu_available() else 0
+    return 0
+
+
 def describe(device: torch.device) -> dict[str, Any]:
     return {"type": device.type, "index": device.index, "physical": physical_index(device)}

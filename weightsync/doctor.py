@@ -1,9 +1,154 @@
-"""``weightsync doctor`` (being written)."""
+"""``weightsync doctor``: what this machine is and which transports can run on it, in a form
+a person can paste into a bug report (or ``--json`` for tools).
+
+Run it on every node type of a job (trainer and rollout): placement decides the transport,
+but each side's drivers and packages decide what is possible.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import platform as _platform
+import sys
+from typing import Any
+
+from . import capabilities as caps
+from .capabilities import Capability
+
+_PACKAGES = {  # label -> distribution names to try
+    "weightsync": ("weightsync",),
+    "torch": ("torch",),
+    "torch_npu": ("torch_npu", "torch-npu"),
+    "ray": ("ray",),
+    "vllm": ("vllm",),
+    "vllm-ascend": ("vllm_ascend", "vllm-ascend"),
+    "verl": ("verl",),
+    "numpy": ("numpy",),
+    "msgpack": ("msgpack",),
+}
+_ENV = ("ASCEND_RT_VISIBLE_DEVICES", "CUDA_VISIBLE_DEVICES", "ASCEND_TOOLKIT_HOME", "VLLM_ASCEND_ENABLE_NZ",
+        "HCCL_BUFFSIZE", caps.DISABLE_IPC_VAR)
 
 
-def add_doctor_arguments(parser):
-    pass
+def add_doctor_arguments(parser) -> None:
+    parser.add_argument("--json", action="store_true", help="print one JSON object instead of text")
+    parser.add_argument("--shm-dir", default="/dev/shm", help="where shm segments would live (default /dev/shm)")
 
 
-def run_doctor(args):
-    raise SystemExit("weightsync doctor: not implemented yet")
+def _nvidia_driver() -> str | None:
+    try:
+        with open("/proc/driver/nvidia/version", encoding="utf-8") as fh:
+            for word in fh.readline().split():
+                if caps.parse_version(word) is not None and word[0].isdigit():
+                    return word
+    except OSError:
+        pass
+    return None
+
+
+def _shm(shm_dir: str) -> dict[str, Any]:
+    try:
+        st = os.statvfs(shm_dir)
+    except OSError as exc:
+        return {"dir": shm_dir, "error": str(exc)}
+    return {"dir": shm_dir, "total_mib": round(st.f_blocks * st.f_frsize / 2**20),
+            "free_mib": round(st.f_bavail * st.f_frsize / 2**20)}
+
+
+def _broadcast(kind: str, registered: bool) -> Capability:
+    if not registered:
+        return Capability(False, "the broadcast transport is not part of this weightsync installation")
+    try:
+        import torch.distributed as dist
+    except Exception as exc:  # a torch build without distributed
+        return Capability(False, f"torch.distributed unavailable: {exc}")
+    if not dist.is_available():
+        return Capability(False, "torch was built without torch.distributed")
+    if kind == "npu":
+        try:
+            import torch_npu  # noqa: F401
+        except Exception as exc:
+            return Capability(False, f"hccl needs torch_npu: {exc}")
+        return Capability(True, "backend hccl (torch_npu ProcessGroupHCCL); also across nodes")
+    if kind == "cuda":
+        if not dist.is_nccl_available():
+            return Capability(False, "this torch build has no NCCL")
+        return Capability(True, "backend nccl; also across nodes")
+    if not dist.is_gloo_available():
+        return Capability(False, "this torch build has no gloo")
+    return Capability(True, "backend gloo (host memory); also across nodes")
+
+
+def collect(shm_dir: str = "/dev/shm") -> dict[str, Any]:
+    """Everything the report shows, as plain data."""
+    from . import device, transports
+
+    kind = device.platform()
+    versions = {label: caps.package_version(*names) for label, names in _PACKAGES.items()}
+    cann, cann_src = caps.cann_version()
+    hdk, hdk_src = caps.driver_version()
+    import torch
+
+    versions.update({
+        "python": _platform.python_version(),
+        "cann": cann, "ascend_driver": hdk,
+        "cuda_runtime": torch.version.cuda, "nvidia_driver": _nvidia_driver(),
+    })
+    registered = transports.names()
+    shm_ok = caps.host_ipc_support(shm_dir)
+    transport_caps = {
+        "shm": Capability(shm_ok.ok, (f"host shared memory in {shm_dir}; receivers must share the sender's node"
+                                      if shm_ok.ok else shm_ok.reason)),
+        "ipc": caps.ipc_support(kind, shm_dir),
+        "broadcast": _broadcast(kind, "broadcast" in registered),
+    }
+    for name, cap in list(transport_caps.items()):
+        if cap.ok and name not in registered:
+            transport_caps[name] = Capability(False, f"transport '{name}' is not part of this installation")
+    return {
+        "platform": kind,
+        "device_count": device.device_count(kind),
+        "cpu_count": os.cpu_count(),
+        "host": _platform.node(),
+        "os": f"{_platform.system()} {_platform.release()} {_platform.machine()}",
+        "versions": versions,
+        "version_sources": {"cann": cann_src or None, "ascend_driver": hdk_src or None},
+        "env": {k: os.environ[k] for k in _ENV if k in os.environ},
+        "shm": _shm(shm_dir),
+        "transports": {n: {"available": c.ok, "reason": c.reason, **({"notes": list(c.notes)} if c.notes else {})}
+                       for n, c in transport_caps.items()},
+        "auto": ("auto picks ipc for receivers on the sender's device, shm (CPU) or broadcast (accelerators) "
+                 "for receivers on other devices of the node, broadcast across nodes"),
+    }
+
+
+def format_report(r: dict[str, Any]) -> str:
+    lines = ["weightsync doctor", "",
+             f"platform:      {r['platform']} ({r['device_count']} device(s), {r['cpu_count']} CPU cores)",
+             f"host:          {r['host']} / {r['os']}"]
+    shm = r["shm"]
+    lines.append(f"shm dir:       {shm['dir']} " + (f"({shm['free_mib']} MiB free of {shm['total_mib']} MiB)"
+                                                   if "free_mib" in shm else f"(error: {shm.get('error')})"))
+    lines += ["", "versions:"]
+    for k, v in r["versions"].items():
+        src = r["version_sources"].get(k)
+        lines.append(f"  {k:<14} {v or '-'}" + (f"   ({src})" if v and src else ""))
+    if r["env"]:
+        lines += ["", "environment:"] + [f"  {k}={v}" for k, v in r["env"].items()]
+    lines += ["", "transports:"]
+    for name, t in r["transports"].items():
+        lines.append(f"  {name:<10} {'yes' if t['available'] else 'no '}  {t['reason']}")
+        lines += [f"             note: {n}" for n in t.get("notes", ())]
+    lines += ["", r["auto"]]
+    return "\n".join(lines)
+
+
+def run_doctor(args) -> int:
+    report = collect(getattr(args, "shm_dir", "/dev/shm"))
+    if getattr(args, "json", False):
+        json.dump(report, sys.stdout, indent=2, sort_keys=True)
+        sys.stdout.write("\n")
+    else:
+        print(format_report(report))
+    return 0

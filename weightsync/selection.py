@@ -1,4 +1,17 @@
-"""Which transport a session uses: a pure function of the config and where parties run."""
+"""Which transport a session uses: a pure function of the config and where parties run.
+
+Each party is described by a plain dict: ``host`` (node address), ``device`` (the
+``device.describe`` dict: type, index, physical), and for the sender ``ipc`` (its
+``Capability.to_dict()``: can this process share device buckets by handle).
+
+The chain for ``auto``, best first:
+  every receiver on the sender's device (same host, same physical device; on CPU: same host)
+      -> ipc  when the sender's platform supports it, else shm
+  every receiver on the sender's node, on other devices
+      -> broadcast over the device collective (hccl / nccl); shm on CPU-only nodes
+  any receiver on another node
+      -> broadcast
+"""
 
 from __future__ import annotations
 
@@ -7,15 +20,74 @@ from typing import Any
 
 from .errors import ConfigError
 
+COLOCATED, SAME_NODE, REMOTE = "colocated", "same node", "remote"
+ACCELERATORS = ("cuda", "npu")
+
+
+def placement(sender: dict[str, Any], receiver: dict[str, Any]) -> str:
+    """Where ``receiver`` runs relative to ``sender``: COLOCATED, SAME_NODE or REMOTE."""
+    if receiver.get("host") != sender.get("host"):
+        return REMOTE
+    sd, rd = sender.get("device") or {}, receiver.get("device") or {}
+    kind = sd.get("type", "cpu")
+    if kind != rd.get("type", "cpu"):
+        return SAME_NODE
+    if kind not in ACCELERATORS:
+        return COLOCATED  # host memory: one node is one "device"
+    mine, theirs = sd.get("physical"), rd.get("physical")
+    return COLOCATED if mine is not None and mine == theirs else SAME_NODE
+
+
+def _describe(receivers: Sequence[dict[str, Any]], where: list[str], kind: str) -> str:
+    names = [r.get("name") or f"rank {r.get('rank')}" for r, w in zip(receivers, where) if w == kind]
+    shown = ", ".join(str(n) for n in names[:4]) + (f" and {len(names) - 4} more" if len(names) > 4 else "")
+    return f"{len(names)} receiver(s) ({shown})"
+
 
 def choose_transport(requested: str, sender: dict[str, Any], receivers: Sequence[dict[str, Any]]) -> tuple[str, str]:
-    """Return (transport, reason). ``sender`` / ``receivers`` carry each party's ``host``."""
-    same_node = all(r.get("host") == sender.get("host") for r in receivers)
+    """Return (transport, reason). An explicit choice that cannot work raises ConfigError
+    with the reason; ``auto`` walks the chain above and says why it stopped where it did."""
+    where = [placement(sender, r) for r in receivers]
+    device = (sender.get("device") or {}).get("type", "cpu")
+    ipc = sender.get("ipc") or {"ok": False, "reason": "the sender did not report ipc support"}
+    on_device = f"physical {device} {(sender.get('device') or {}).get('physical')}" if device in ACCELERATORS else "host"
+    colocated = bool(where) and all(w == COLOCATED for w in where)
+    same_node = all(w != REMOTE for w in where)
+
     if requested != "auto":
+        if requested == "ipc":
+            if not ipc.get("ok"):
+                raise ConfigError(f"transport 'ipc' cannot run here: {ipc.get('reason')}")
+            if not colocated:
+                if not where:
+                    raise ConfigError("transport 'ipc' needs its receivers registered before the first stage "
+                                      "(pass expected_receivers to the sender) to check they share its device")
+                kind = REMOTE if REMOTE in where else SAME_NODE
+                raise ConfigError(
+                    f"transport 'ipc' needs every receiver on the sender's device ({sender.get('host')}, "
+                    f"{on_device}); {_describe(receivers, where, kind)} "
+                    f"{'run on another node' if kind == REMOTE else 'use another device'}"
+                )
         if requested == "shm" and not same_node:
-            far = sorted({r.get("host") for r in receivers if r.get("host") != sender.get("host")})
+            far = sorted({r.get("host") for r, w in zip(receivers, where) if w == REMOTE})
             raise ConfigError(f"transport 'shm' needs every receiver on the sender's node; receivers on {far} are not")
         return requested, f"transport '{requested}' requested by config"
+
+    if not where:
+        # nothing to place: pick what also serves receivers that register later
+        if device in ACCELERATORS:
+            return "broadcast", ("auto: no receiver registered when the session was published (pass "
+                                 "expected_receivers to let auto see placement); broadcast works for any placement")
+        return "shm", ("auto: no receiver registered when the session was published (pass expected_receivers "
+                       "to let auto see placement); shm serves any receiver on this node")
+    if colocated:
+        if ipc.get("ok"):
+            return "ipc", f"auto: every receiver shares the sender's device ({on_device}); {ipc.get('reason')}"
+        return "shm", (f"auto: every receiver shares the sender's device, but ipc is unavailable "
+                       f"({ipc.get('reason')}); fell back to shm")
     if same_node:
-        return "shm", "auto: every receiver shares the sender's node; shared memory works whatever the device"
-    raise ConfigError("auto: receivers on other nodes need the broadcast transport, which is not available")
+        split = _describe(receivers, where, SAME_NODE)
+        if device in ACCELERATORS:
+            return "broadcast", f"auto: {split} on this node use other devices; broadcast over the {device} collective"
+        return "shm", f"auto: every receiver is on the sender's node and there is no device collective; shm"
+    return "broadcast", f"auto: {_describe(receivers, where, REMOTE)} on other nodes; broadcast"

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import dataclasses
+import logging
 import time
 from collections.abc import Iterable, Mapping
 from typing import Any
@@ -26,6 +27,10 @@ from .manifest import Manifest, build_manifest
 from .party import Party
 from .plan import pack_stream
 from .selection import choose_transport
+from .capabilities import ipc_support
+from .device import describe
+
+log = logging.getLogger("weightsync")
 
 NamedTensors = Mapping[str, torch.Tensor] | Iterable[tuple[str, torch.Tensor]]
 
@@ -95,7 +100,11 @@ class WeightSender(Party):
         ctx = self._context(manifest, digest)
         count = self.expected_receivers or 0
         receivers = self._call("receivers", count=count, timeout=self.config.connect_timeout_s)
-        name, reason = choose_transport(self.config.transport, {"host": self.host}, receivers)
+        # where this sender runs and whether it can share device buckets (selection.py)
+        me = {"host": self.host, "device": describe(self.device),
+              "ipc": ipc_support(self.device.type, self.config.shm_dir).to_dict()}
+        name, reason = choose_transport(self.config.transport, me, receivers)
+        log.info("weightsync session %s: transport %s (%s)", self.session, name, reason)
         transport = transports.sender_class(name)(ctx)
         try:
             self._call("publish", manifest=manifest.to_wire(), digest=digest, payload_bytes=ctx.plan.payload_bytes,

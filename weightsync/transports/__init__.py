@@ -10,6 +10,7 @@ from .base import ReceiverTransport, SenderTransport, TransportContext
 
 _MODULES = {
     "shm": ("weightsync.transports.shm", "ShmSender", "ShmReceiver"),
+    "ipc": ("weightsync.transports.ipc", "IpcSender", "IpcReceiver"),
 }
 
 

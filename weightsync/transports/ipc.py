@@ -1,0 +1,510 @@
+"""IPC transport for colocated parties: sender and receivers on the same physical device.
+
+The sender allocates two bucket-sized buffers on its device once per session (ping-pong)
+and shares them by handle; receivers open the handles once and load every bucket straight
+out of the shared buffer, so a version never crosses host memory on an accelerator. On
+CPU the buffers are files in /dev/shm shared by name: the same protocol, testable here.
+
+Handles cross the process boundary as plain msgpack data. ``reduce_tensor`` (torch_npu
+patches it for NPU) returns a rebuild function and its arguments; we ship the arguments'
+values only (sizes, dtype name, handle bytes) and the receiver calls a rebuild function
+from a fixed allowlist, so nothing is ever unpickled. The device index in a handle is the
+sender's logical index; it is sent as a physical id and mapped back to the receiver's own
+numbering (Ray actors see renumbered devices through *_VISIBLE_DEVICES).
+
+Handshakes run through a small control segment in /dev/shm (uint64 words), no
+coordinator round trip per bucket:
+  [0] magic [1] layout digest [2] buffer count [3] receiver slots [4] sender pid [5] checksums on
+  [16 + 4k] ready word of buffer k: tag(version, bucket) once written, 0 while being written
+  [17 + 4k] xxh3 of the bucket in buffer k (CPU buffers only)
+  [48 + 16r] receiver slot r: owner (hash of the receiver's name), [+1] pid,
+             [+2 + k] tag of the last bucket the receiver finished with in buffer k
+Bucket b of a version goes to buffer b % nbuf. Before overwriting a buffer the sender waits
+until every receiver taking part in the version released the bucket it held; a receiver
+the coordinator declared failed or dead is no longer waited for.
+
+Unlike shm, data moves in ``send()`` (the barrier), not in ``stage()``: the buffers are
+reused bucket by bucket, so the version's tensors are read during ``sync()`` and must stay
+unchanged until it returns.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import importlib
+import mmap
+import os
+import re
+import time
+import warnings
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import numpy as np
+import torch
+import xxhash
+
+from .. import device as devices
+from ..errors import CapacityError, DeadlineExceeded, ProtocolError, VersionError
+from ..manifest import dtype_name, dtype_of
+from ..plan import checksum
+from .base import Fill, ReceiverTransport, Received, SenderTransport, TransportContext
+from .shm import PAGE, check_space, digest_word, reap_stale, segment_name
+
+MAGIC = 0x5753594E43495043  # "WSYNCIPC"
+NBUF = 2
+MAX_BUFFERS = 8
+MAX_RECEIVERS = 256
+_BUF0, _BUF_WORDS = 16, 4
+_SLOT0, _SLOT_WORDS = _BUF0 + MAX_BUFFERS * _BUF_WORDS, 16
+CONTROL_BYTES = (_SLOT0 + MAX_RECEIVERS * _SLOT_WORDS) * 8
+_NAME = re.compile(r"^wsync_\d+_[0-9a-f]{32}$")
+_BUCKET_BITS = 24
+# rebuild functions a receiver may call, by device type; nothing else is ever invoked
+_REBUILD = {
+    "cuda": ("torch.multiprocessing.reductions", "rebuild_cuda_tensor"),
+    "npu": ("torch_npu.multiprocessing.reductions", "rebuild_npu_tensor"),
+}
+
+
+def tag(version: int, bucket: int) -> int:
+    """One monotonic word per (version, bucket): later buckets and versions compare larger."""
+    return ((version + 1) << _BUCKET_BITS) | bucket
+
+
+def owner_word(name: str) -> int:
+    return xxhash.xxh3_64_intdigest(name.encode()) | 1  # never 0, which marks a free slot
+
+
+class _Mapped:
+    """A file in /dev/shm mapped in full. The creator owns (and unlinks) it."""
+
+    def __init__(self, path: str, size: int, create: bool, writable: bool):
+        self.path, self.size, self.owner = path, size, create
+        flags = (os.O_RDWR | os.O_CREAT | os.O_EXCL) if create else (os.O_RDWR if writable else os.O_RDONLY)
+        self.fd = os.open(path, flags | os.O_CLOEXEC, 0o600)
+        try:
+            if create:
+                os.ftruncate(self.fd, size)
+                os.posix_fallocate(self.fd, 0, size)  # ENOSPC now, not SIGBUS mid-copy
+            elif os.fstat(self.fd).st_size < size:
+                raise ProtocolError(f"{os.path.basename(path)} is truncated: {os.fstat(self.fd).st_size} bytes, "
+                                    f"expected {size}")
+            prot = mmap.PROT_READ | (mmap.PROT_WRITE if writable else 0)
+            self.mm = mmap.mmap(self.fd, size, flags=mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0), prot=prot)
+        except BaseException:
+            os.close(self.fd)
+            if create:
+                os.unlink(path)
+            raise
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", UserWarning)  # read-only on purpose for receivers
+            self.bytes = torch.frombuffer(self.mm, dtype=torch.uint8)
+        self.words = np.frombuffer(self.mm, dtype=np.uint64)
+
+    @property
+    def name(self) -> str:
+        return os.path.basename(self.path)
+
+    def close(self) -> None:
+        self.bytes = self.words = None
+        try:
+            self.mm.close()
+        except BufferError:
+            pass  # a caller still holds a view; the mapping goes with it
+        os.close(self.fd)
+        if self.owner:
+            try:
+                os.unlink(self.path)
+            except FileNotFoundError:
+                pass
+
+
+# -- device handles as plain data ------------------------------------------------------------
+
+def export_handle(t: torch.Tensor) -> dict[str, Any]:
+    """A device tensor's IPC handle as msgpack-safe data."""
+    from torch.multiprocessing import reductions  # looked up now: torch_npu patches it on import
+
+    kind = t.device.type
+    rebuild, args = reductions.reduce_tensor(t)
+    if (getattr(rebuild, "__module__", ""), getattr(rebuild, "__name__", "")) != _REBUILD.get(kind):
+        raise ProtocolError(f"ipc: {kind} tensors reduce through {rebuild!r}, not an IPC handle this version "
+                            f"of weightsync knows; use transport 'shm'")
+    (_cls, size, stride, offset, storage_cls, dtype, dev, handle, nbytes, storage_offset,
+     _grad, ref_handle, ref_offset, event, event_sync) = args
+    return {
+        "kind": kind, "physical": devices.physical_index(torch.device(kind, int(dev))),
+        "size": [int(x) for x in size], "stride": [int(x) for x in stride], "offset": int(offset),
+        "typed": storage_cls is torch.storage.TypedStorage, "dtype": dtype_name(dtype),
+        "handle": bytes(handle), "storage_bytes": int(nbytes), "storage_offset": int(storage_offset),
+        "ref_handle": None if ref_handle is None else bytes(ref_handle), "ref_offset": int(ref_offset or 0),
+        "event": None if event is None else bytes(event), "event_sync": bool(event_sync),
+    }
+
+
+def _field(h: dict[str, Any], key: str, kind: type | tuple[type, ...]) -> Any:
+    value = h.get(key)
+    if not isinstance(value, kind) or (isinstance(value, bool) and kind is int):
+        raise ProtocolError(f"ipc handle field {key!r} is malformed: {type(value).__name__}")
+    return value
+
+
+def import_handle(h: dict[str, Any]) -> torch.Tensor:
+    """Open a handle from :func:`export_handle` on this process's view of the same device."""
+    kind = _field(h, "kind", str)
+    if kind not in _REBUILD:
+        raise ProtocolError(f"ipc handle of unknown kind {kind!r}")
+    physical = _field(h, "physical", int)
+    local = devices.local_index(kind, physical)
+    if local is None:
+        var = devices.visible_devices_var(kind)
+        raise ProtocolError(f"ipc: the sender's buffers are on physical {kind} {physical}, which this receiver "
+                            f"cannot see ({var}={os.environ.get(var or '', '')!r}); ipc needs both on one device")
+    module, name = _REBUILD[kind]
+    rebuild = getattr(importlib.import_module(module), name)
+    ints = [_field(h, k, int) for k in ("offset", "storage_bytes", "storage_offset", "ref_offset")]
+    size = [int(x) for x in _field(h, "size", list)]
+    stride = [int(x) for x in _field(h, "stride", list)]
+    return rebuild(
+        torch.Tensor, torch.Size(size), tuple(stride), ints[0],
+        torch.storage.TypedStorage if _field(h, "typed", bool) else torch.UntypedStorage,
+        dtype_of(_field(h, "dtype", str)), local, _field(h, "handle", bytes), ints[1], ints[2], False,
+        _field(h, "ref_handle", (bytes, type(None))), ints[3], _field(h, "event", (bytes, type(None))),
+        _field(h, "event_sync", bool),
+    )
+
+
+def _check_nd(t: torch.Tensor) -> None:
+    if t.device.type != "npu":
+        return
+    import torch_npu
+
+    fmt = torch_npu.get_npu_format(t)
+    if fmt != 2:  # ACL_FORMAT_ND
+        raise CapacityError(f"ipc: the bucket buffer has NPU format {fmt}, not ND; FRACTAL_NZ and other private "
+                            f"formats cannot be shared by handle (set VLLM_ASCEND_ENABLE_NZ=0)")
+
+
+# -- the control block ------------------------------------------------------------------------
+
+def _ready(k: int) -> int:
+    return _BUF0 + _BUF_WORDS * k
+
+
+def _slot(r: int) -> int:
+    return _SLOT0 + _SLOT_WORDS * r
+
+
+def _find_slot(words: np.ndarray, owner: int) -> int | None:
+    owners = words[_SLOT0::_SLOT_WORDS][:MAX_RECEIVERS]
+    hit = np.flatnonzero(owners == np.uint64(owner))
+    return int(hit[0]) if hit.size else None
+
+
+class _Aborted(Exception):
+    pass
+
+
+class _Watch:
+    """The sender's view of who takes part in a version, refreshed while it waits."""
+
+    def __init__(self, ctx: TransportContext, version: int):
+        self.ctx, self.version = ctx, version
+        self.names: list[str] = []
+        self.done: set[str] = set()
+        self.known = ctx.coordinator is not None
+        self.slots: dict[str, int] = {}
+        self.refresh()
+
+    def refresh(self) -> None:
+        if not self.known:
+            return
+        m = self.ctx.coordinator.call("metrics", version=self.version)
+        if m["state"] == "ABORTED":
+            raise _Aborted()
+        self.names = list(m["participants"])
+        self.done = set(m["failed"]) | set(m["committed"])
+
+    def pending(self, words: np.ndarray, need: int, k: int) -> list[str]:
+        """Receivers still holding the bucket tagged ``need`` in buffer ``k``."""
+        if not self.known:  # no coordinator: wait for every receiver attached to the block
+            owners = words[_SLOT0::_SLOT_WORDS][:MAX_RECEIVERS]
+            return [f"slot {r}" for r in np.flatnonzero(owners)
+                    if int(words[_slot(int(r)) + 2 + k]) < need]
+        out = []
+        for name in self.names:
+            if name in self.done:
+                continue
+            r = self.slots.get(name)
+            if r is None:
+                r = _find_slot(words, owner_word(name))
+                if r is None:
+                    out.append(name)  # not attached yet: it still has every bucket to read
+                    continue
+                self.slots[name] = r
+            if int(words[_slot(r) + 2 + k]) < need:
+                out.append(name)
+        return out
+
+
+def _backoff_wait(done: Callable[[], bool], deadline: float, on_tick: Callable[[], None],
+                  timeout: Callable[[], Exception]) -> None:
+    pause, next_tick = 20e-6, time.monotonic() + 0.2
+    while not done():
+        now = time.monotonic()
+        if now >= deadline:
+            raise timeout()
+        if now >= next_tick:
+            on_tick()
+            next_tick = now + 0.2
+        time.sleep(pause)
+        pause = min(pause * 2, 1e-3)
+
+
+class IpcSender(SenderTransport):
+    name = "ipc"
+
+    def __init__(self, ctx: TransportContext):
+        super().__init__(ctx)
+        self.directory = ctx.config.shm_dir
+        reap_stale(self.directory)
+        self.nbuf = max(1, min(NBUF, ctx.plan.bucket_count))
+        self.capacity = max([b.nbytes for b in ctx.plan.buckets] + [1])
+        self.checksums = bool(ctx.config.checksum) and ctx.device.type == "cpu"
+        self.segments: list[_Mapped] = []
+        self.buffers: list[torch.Tensor] = []
+        self.handles: list[dict[str, Any]] = []
+        self._pending: dict[int, Fill] = {}
+        try:
+            self.control = self._segment(CONTROL_BYTES, "an ipc control block", "ipc_control")
+            w = self.control.words
+            w[0], w[1], w[2], w[3], w[4], w[5] = (MAGIC, digest_word(ctx.digest), self.nbuf, MAX_RECEIVERS,
+                                                   os.getpid(), int(self.checksums))
+            for _ in range(self.nbuf):
+                self._allocate()
+        except BaseException:
+            self.close()
+            raise
+
+    def _segment(self, size: int, what: str, kind: str) -> _Mapped:
+        check_space(self.directory, size, what)
+        seg = _Mapped(os.path.join(self.directory, segment_name()), size, create=True, writable=True)
+        self.segments.append(seg)
+        self.ctx.account(kind, +1)
+        return seg
+
+    def _allocate(self) -> None:
+        if self.ctx.device.type == "cpu":
+            size = (self.capacity + PAGE - 1) // PAGE * PAGE
+            seg = self._segment(size, f"an ipc bucket of {self.capacity} bytes", "ipc_handles")
+            self.buffers.append(seg.bytes[: self.capacity])
+            self.handles.append({"kind": "host", "segment": seg.name, "bytes": self.capacity})
+            return
+        devices.set_current(self.ctx.device)
+        t = torch.empty(self.capacity, dtype=torch.uint8, device=self.ctx.device)
+        _check_nd(t)
+        self.handles.append(export_handle(t))
+        self.buffers.append(t)
+        self.ctx.account("ipc_handles", +1)
+
+    def session_info(self) -> dict[str, Any]:
+        return {"pipelined": False, "control": self.control.name, "buffers": list(self.handles),
+                "nbuf": self.nbuf, "capacity": self.capacity, "checksums": self.checksums,
+                "device": devices.describe(self.ctx.device)}
+
+    def stage(self, version: int, slot: int, fill: Fill, announce: Callable[[dict[str, Any]], None]) -> dict[str, Any]:
+        if not 0 <= version < 1 << (63 - _BUCKET_BITS) or self.ctx.plan.bucket_count >= 1 << _BUCKET_BITS:
+            raise VersionError(f"ipc: version {version} is out of range (0 .. 2**39)")
+        # a newer version supersedes one staged but never sent
+        self._pending = {version: fill}
+        return {"control": self.control.name}
+
+    def send(self, version: int, deadline: float) -> None:
+        fill = self._pending.pop(version, None)
+        if fill is None:
+            raise VersionError(f"ipc: version {version} was not staged on this transport (superseded?)")
+        devices.set_current(self.ctx.device)
+        try:
+            self._stream(version, fill, _Watch(self.ctx, version), deadline)
+        except _Aborted:
+            pass  # the coordinator has the reason; sync() reports it through wait_outcome
+
+    def _stream(self, version: int, fill: Fill, watch: _Watch, deadline: float) -> None:
+        plan, w = self.ctx.plan, self.control.words
+        published = -1
+        asked: set[int] = set()
+
+        def publish_through(last: int) -> None:
+            nonlocal published
+            if last <= published:
+                return
+            devices.synchronize(self.ctx.device)  # the copies into the buffer have landed
+            for b in range(published + 1, last + 1):
+                if b not in asked:
+                    bucket_buffer(b)  # never handed out (nothing to write): still claim the buffer
+                k = b % self.nbuf
+                if self.checksums:
+                    w[_ready(k) + 1] = checksum(self.buffers[k][: plan.buckets[b].nbytes])
+                w[_ready(k)] = tag(version, b)
+                published = b
+
+        def bucket_buffer(b: int) -> torch.Tensor:
+            # plan order is monotonic: when bucket b is asked for, every bucket before it is full
+            # (a tensor split over several buckets would otherwise hold them all unpublished)
+            publish_through(b - 1)
+            asked.add(b)
+            k = b % self.nbuf
+            if b >= self.nbuf:
+                self._wait_released(version, b - self.nbuf, k, watch, deadline)
+            w[_ready(k)] = 0  # receivers that outlived their turn see the overwrite
+            return self.buffers[k][: plan.buckets[b].nbytes]
+
+        for b in fill(bucket_buffer):
+            publish_through(b)
+        publish_through(plan.bucket_count - 1)
+
+    def _wait_released(self, version: int, b: int, k: int, watch: _Watch, deadline: float) -> None:
+        need, w = tag(version, b), self.control.words
+        if not watch.pending(w, need, k):
+            return
+        _backoff_wait(
+            lambda: not watch.pending(w, need, k), deadline, watch.refresh,
+            lambda: DeadlineExceeded(
+                f"ipc: receiver(s) {', '.join(watch.pending(w, need, k))} did not finish bucket {b} of version "
+                f"{version} before the deadline (stalled in load_weights, or never called apply?)"),
+        )
+
+    def close(self) -> None:
+        self._pending.clear()
+        self.buffers.clear()  # device memory is freed once receivers dropped their mappings too
+        if self.ctx.device.type != "cpu":
+            for _ in self.handles:
+                self.ctx.account("ipc_handles", -1)
+        self.handles.clear()
+        for seg in self.segments:
+            seg.close()
+            self.ctx.account("ipc_control" if seg is getattr(self, "control", None) else "ipc_handles", -1)
+        self.segments.clear()
+
+
+class IpcReceiver(ReceiverTransport):
+    name = "ipc"
+
+    def __init__(self, ctx: TransportContext, session_info: dict[str, Any]):
+        super().__init__(ctx, session_info)
+        sender_dev = session_info.get("device") or {}
+        if sender_dev.get("type") != ctx.device.type:
+            raise ProtocolError(f"ipc: the sender's buckets are in {sender_dev.get('type')} memory but receiver "
+                                f"'{ctx.name}' runs on {ctx.device.type}; both must share one device")
+        self.directory = ctx.config.shm_dir
+        self.nbuf = int(session_info["nbuf"])
+        self.capacity = int(session_info["capacity"])
+        self.checksums = bool(session_info.get("checksums"))
+        if not 1 <= self.nbuf <= MAX_BUFFERS:
+            raise ProtocolError(f"ipc: session announces {self.nbuf} buffers")
+        self.mappings: list[_Mapped] = []
+        self.buffers: list[torch.Tensor] = []
+        self.opened = 0  # device handles opened (host ones are counted as mappings)
+        self.slot: int | None = None
+        try:
+            self.control = self._map(session_info["control"], CONTROL_BYTES, writable=True, kind="ipc_control")
+            w = self.control.words
+            if int(w[0]) != MAGIC or int(w[1]) != digest_word(ctx.digest):
+                raise ProtocolError(f"ipc control block {self.control.name} belongs to another session layout")
+            self._claim()
+            devices.set_current(ctx.device)
+            for h in session_info["buffers"]:
+                if h.get("kind") == "host":
+                    seg = self._map(h["segment"], int(h["bytes"]), writable=False, kind="ipc_handles")
+                    self.buffers.append(seg.bytes[: self.capacity])
+                else:
+                    self.buffers.append(import_handle(h))
+                    self.opened += 1
+                    ctx.account("ipc_handles", +1)
+        except BaseException:
+            self.close()
+            raise
+
+    def _map(self, name: str, size: int, writable: bool, kind: str) -> _Mapped:
+        if not isinstance(name, str) or not _NAME.match(name):
+            raise ProtocolError(f"refusing segment name {name!r}: not one of ours")
+        try:
+            seg = _Mapped(os.path.join(self.directory, name), size, create=False, writable=writable)
+        except FileNotFoundError:
+            raise ProtocolError(f"ipc segment {name} is gone (its sender exited?)") from None
+        self.mappings.append(seg)
+        self.ctx.account(kind, +1)
+        return seg
+
+    def _claim(self) -> None:
+        """Take a receiver slot in the control block (the same one again after a restart)."""
+        me = owner_word(self.ctx.name)
+        w = self.control.words
+        fcntl.flock(self.control.fd, fcntl.LOCK_EX)  # receivers attach concurrently
+        try:
+            r = _find_slot(w, me)
+            if r is None:
+                r = _find_slot(w, 0)
+                if r is None:
+                    raise CapacityError(f"ipc: all {MAX_RECEIVERS} receiver slots of the session are taken")
+            base = _slot(r)
+            w[base + 2: base + 2 + MAX_BUFFERS] = 0
+            w[base + 1] = os.getpid()
+            w[base] = me
+            self.slot = r
+        finally:
+            fcntl.flock(self.control.fd, fcntl.LOCK_UN)
+
+    def receive(self, version: int, info: dict[str, Any], deadline: float,
+                check: Callable[[], None]) -> Iterator[Received]:
+        w = self.control.words
+        mine = _slot(self.slot)
+        for b, bucket in enumerate(self.ctx.plan.buckets):
+            k = b % self.nbuf
+            want = tag(version, b)
+            word = _ready(k)
+            if int(w[word]) != want:
+                self._wait(w, word, want, version, b, deadline, check)
+            expected = int(w[word + 1]) if self.checksums else None
+            yield b, self.buffers[k][: bucket.nbytes], expected
+            devices.synchronize(self.ctx.device)  # the engine's copies out of the buffer are done
+            if int(w[word]) != want:
+                raise ProtocolError(f"ipc: bucket {b} of version {version} was overwritten while it was loaded "
+                                    f"(the sender gave up waiting for receiver '{self.ctx.name}')")
+            w[mine + 2 + k] = want
+
+    @staticmethod
+    def _wait(w: np.ndarray, word: int, want: int, version: int, b: int, deadline: float,
+              check: Callable[[], None]) -> None:
+        def arrived() -> bool:
+            got = int(w[word])
+            if got > want:
+                raise ProtocolError(f"ipc: the sender is past bucket {b} of version {version}; this receiver "
+                                    f"joined the transfer late and catches up with the next version")
+            return got == want
+
+        _backoff_wait(arrived, deadline, check,
+                      lambda: DeadlineExceeded(f"ipc: bucket {b} of version {version} was not written "
+                                               f"before the deadline"))
+
+    def close(self) -> None:
+        if self.slot is not None and getattr(self, "control", None) is not None:
+            w = self.control.words
+            base = _slot(self.slot)
+            fcntl.flock(self.control.fd, fcntl.LOCK_EX)
+            try:
+                if int(w[base]) == owner_word(self.ctx.name):
+                    w[base] = 0  # free the slot; the sender stops looking at it
+            finally:
+                fcntl.flock(self.control.fd, fcntl.LOCK_UN)
+            self.slot = None
+        self.buffers.clear()
+        for _ in range(self.opened):
+            self.ctx.account("ipc_handles", -1)
+        self.opened = 0
+        for seg in self.mappings:
+            seg.close()
+            self.ctx.account("ipc_control" if seg is getattr(self, "control", None) else "ipc_handles", -1)
+        self.mappings.clear()
+        self.control = None
