@@ -33,7 +33,7 @@ def add_bench_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--bucket-mb", nargs="+", type=float, default=[64.0], metavar="MB",
                    help="bucket sizes to sweep")
     p.add_argument("--versions", type=int, default=5, help="timed versions per row")
-    p.add_argument("--warmup", type=int, default=1, help="untimed versions first (segments, page faults)")
+    p.add_argument("--warmup", type=int, default=2, help="untimed versions first: they allocate the transport's reusable buffers (shm alternates two segments) and fault their pages in")
     p.add_argument("--device", default="auto", choices=("auto", "cpu", "cuda", "npu"),
                    help="where trainer tensors and engine weights live")
     p.add_argument("--baselines", nargs="*", default=list(BASELINE_CHOICES), choices=BASELINE_CHOICES, metavar="B",
