@@ -46,6 +46,9 @@ class Party:
     applying: int | None = None
     verdict: str | None = None  # receivers: None until they checked the manifest, "" if accepted
     why: str = ""
+    # a dead party is named in the first version it fails; later versions go on without it
+    # (until it comes back or is replaced) instead of failing again for the same reason
+    reported_dead: bool = False
 
     def public(self, now: float) -> dict[str, Any]:
         return {
@@ -107,6 +110,7 @@ class CoordinatorActor:
         self.transport_info: dict[str, Any] = {}
         self.resources: dict[str, int] = {}
         self.latest_committed: int | None = None
+        self.floor = -1  # versions at or below this were used before a coordinator restart
         self.batches: list[dict[str, Any]] = []
         self.changed = asyncio.Event()  # any party / session change; waiters re-check
         self._next_pid = 1
@@ -161,9 +165,13 @@ class CoordinatorActor:
             if v.state not in IN_FLIGHT:
                 continue
             if p.role == "sender" and p.rank == 0:
-                self._abort(v, f"{label} {p.why}")
+                # a version still being written can never complete; a staged one can
+                # (its bytes are all there) and is settled by the receivers' reports
+                if v.state == STAGING:
+                    self._abort(v, f"{label} {p.why}")
             elif p.name in v.participants and p.name not in v.committed and p.name not in v.failed:
                 v.failed[p.name] = f"{label} {p.why}"
+                p.reported_dead = True
                 self._maybe_finish(v)
         self._poke()
 
@@ -189,18 +197,23 @@ class CoordinatorActor:
     def _party(self, pid: int) -> Party:
         p = self.parties.get(pid)
         if p is None:
-            raise ProtocolError(f"party {pid} is not registered in this session (coordinator restarted?)")
+            raise errors.SessionLost(f"party {pid} is not registered in this session (coordinator restarted?)")
         if p.left:
             raise ProtocolError(f"{self._label(p)} is no longer in the session: {p.why}")
         p.last_seen = time.monotonic()
         if not p.alive and not p.left:
-            p.alive, p.why = True, ""
+            p.alive, p.why, p.reported_dead = True, "", False  # a stalled party came back (SIGCONT)
         return p
 
     # -- registration and session --------------------------------------------------------
 
     async def op_register(self, role: str, name: str, rank: int, host: str, os_pid: int,
-                          node_id: str = "", device: dict | None = None) -> dict[str, Any]:
+                          node_id: str = "", device: dict | None = None, last_version: int | None = None,
+                          serving: int | None = None, served: dict | None = None) -> dict[str, Any]:
+        """Join the session. A party re-registering after a coordinator restart brings what
+        the coordinator lost: the newest version it staged (senders) or the version it
+        serves and where its bytes are (receivers), so versions keep going up and rollback
+        data stays pinned."""
         if role not in ("sender", "receiver"):
             raise ProtocolError(f"role must be 'sender' or 'receiver', got {role!r}")
         for other in list(self.parties.values()):
@@ -213,6 +226,16 @@ class CoordinatorActor:
         pid = self._next_pid
         self._next_pid += 1
         self.parties[pid] = Party(pid, name, role, int(rank), host, int(os_pid), node_id, device or {}, time.monotonic())
+        if last_version is not None:
+            self.floor = max(self.floor, int(last_version))
+        if serving is not None:
+            self.parties[pid].serving = int(serving)
+            self.floor = max(self.floor, int(serving))
+            if serving not in self.versions and served is not None:
+                self.versions[serving] = Version(serving, COMMITTED, int(served.get("slot", 0)), time.monotonic(),
+                                                 info=dict(served.get("info") or {}))
+                if self.latest_committed is None or serving > self.latest_committed:
+                    self.latest_committed = serving
         self._poke()
         return {"party": pid, "session": self.session, "config": self.config.to_dict()}
 
@@ -296,8 +319,8 @@ class CoordinatorActor:
         p = self._party(party)
         if p.role != "sender" or p.rank != 0:
             raise ProtocolError(f"{self._label(p)} may not stage versions; only sender rank 0 does")
-        newest = max(self.versions, default=None)
-        if newest is not None and version <= newest:
+        newest = max(max(self.versions, default=self.floor), self.floor)
+        if newest >= 0 and version <= newest:
             what = "is reused" if version in self.versions else "goes backwards"
             raise VersionError(f"version {version} {what}: the newest version of this session is {newest}")
         for v in self.versions.values():
@@ -358,11 +381,13 @@ class CoordinatorActor:
         if v.state in (STAGING, STAGED):
             v.state = TRANSFERRING
             v.sync_started = time.monotonic()
-            receivers = [p for p in self.parties.values() if p.role == "receiver" and not p.left]
+            receivers = [p for p in self.parties.values()
+                         if p.role == "receiver" and not p.left and not (p.reported_dead and not p.alive)]
             v.participants = sorted(p.name for p in receivers)
             for p in receivers:
                 if not p.alive:
                     v.failed[p.name] = f"{self._label(p)} {p.why}"
+                    p.reported_dead = True
                 elif p.verdict not in (None, ""):
                     v.failed[p.name] = f"{self._label(p)} {p.why}"
             self._maybe_finish(v)
@@ -482,6 +507,117 @@ class CoordinatorActor:
             raise VersionError(f"version {version} is unknown to this session")
         return v
 
+    # -- broadcast transport: collective group membership (transports/broadcast.py) -------
+    # A collective needs exactly the parties that take part in a version, each knowing its
+    # group rank. Sender rank 0 fixes the group at the barrier (bcast_form); receivers learn
+    # their rank from it (bcast_group). The group keeps its epoch, and so its communicator,
+    # while membership stays the same; a new member set, or a failed version (which leaves
+    # the old communicator unusable), bumps the epoch and the parties re-form under a fresh
+    # store prefix. Parties are named in these ops, since the transport has no party id.
+
+    def _bcast(self) -> dict[str, Any]:
+        state = getattr(self, "_bcast_state", None)
+        if state is None:
+            state = self._bcast_state = {"epoch": 0, "key": None, "last": None, "groups": {}}
+        return state
+
+    def _named(self, role: str, name: str) -> Party | None:
+        found = [p for p in self.parties.values() if p.role == role and p.name == name and not p.left]
+        return found[-1] if found else None
+
+    def _bcast_lost(self, v: Version, group: dict[str, Any], caller: str) -> list[str]:
+        """Members of ``group`` (other than ``caller``) that died, left, or failed ``v``."""
+        lost = []
+        for role, name in [("sender", group["sender"])] + [("receiver", n) for n in group["members"]]:
+            if name == caller:
+                continue
+            p = self._named(role, name)
+            if p is None or p.pid != group["pids"].get(name, p.pid):
+                lost.append(f"{role} '{name}' left the session")
+            elif not p.alive:
+                lost.append(f"{self._label(p)} {p.why}")
+            elif name in v.failed and not v.failed[name].startswith("version aborted"):
+                lost.append(v.failed[name])
+        return lost
+
+    async def op_bcast_form(self, name: str, version: int) -> dict[str, Any]:
+        """Sender rank 0, right after begin_sync: fix the group of ``version``."""
+        v = self._version(version)
+        if v.state == ABORTED:
+            raise VersionError(f"version {version} was aborted: {v.reason}")
+        sender = self._named("sender", name)
+        if sender is None:
+            raise ProtocolError(f"sender '{name}' is not in the session")
+        members = sorted((p for p in self.parties.values()
+                          if p.role == "receiver" and not p.left and p.alive and p.name in v.participants
+                          and p.name not in v.failed), key=lambda p: (p.rank, p.name))
+        key = [[sender.pid]] + [[p.name, p.pid] for p in members]
+        state = self._bcast()
+        last = self.versions.get(state["last"]) if state["last"] is not None else None
+        if key != state["key"] or (last is not None and last.state == ABORTED):
+            state["epoch"] += 1
+            state["key"] = key
+        state["last"] = version
+        group = {"epoch": state["epoch"], "sender": name, "members": [p.name for p in members],
+                 "pids": {p.name: p.pid for p in members} | {name: sender.pid}, "size": len(members) + 1}
+        state["groups"][version] = group
+        for old in [k for k in state["groups"] if k < version - 8]:
+            del state["groups"][old]
+        self._poke(v)
+        return group
+
+    async def op_bcast_group(self, name: str, version: int, timeout: float) -> dict[str, Any]:
+        """Receivers: wait for the group of ``version``; returns it with this receiver's rank."""
+        deadline = time.monotonic() + timeout
+        state = self._bcast()
+        while version not in state["groups"]:
+            v = self._version(version)
+            if v.state == ABORTED:
+                raise VersionError(f"version {version} was aborted: {v.reason}")
+            if v.state == COMMITTED:
+                raise VersionError(f"version {version} committed without receiver '{name}' in its group")
+            if time.monotonic() >= deadline:
+                raise DeadlineExceeded(f"receiver '{name}' waited {timeout:.1f}s for the sender to reach the "
+                                       f"barrier of version {version}")
+            await self._wait(v.changed, deadline)
+        group = state["groups"][version]
+        if name not in group["members"]:
+            p = self._named("receiver", name)
+            why = f" ({p.why})" if p is not None and p.why else ""
+            raise VersionError(f"receiver '{name}' is not in the broadcast group of version {version}: it was not a "
+                               f"live participant when the sender reached the barrier{why}; it joins the next version")
+        return {**group, "rank": group["members"].index(name) + 1}
+
+    async def op_bcast_check(self, name: str, version: int) -> dict[str, Any]:
+        """Polled by a party whose collective is slow: is the version still on, and who is lost?"""
+        v = self._version(version)
+        group = self._bcast()["groups"].get(version)
+        lost = self._bcast_lost(v, group, name) if group is not None else []
+        return {"aborted": v.reason if v.state == ABORTED else None, "lost": lost}
+
+    async def op_bcast_failed(self, name: str, version: int, error: str, timeout: float) -> dict[str, Any]:
+        """A member's collective failed: name the party at fault and abort ``version`` for
+        everyone, so no member keeps waiting on a broken group. A killed peer shows up as a
+        closed connection at once but as a silent party only after heartbeat_timeout_s, so
+        this waits up to ``timeout`` for the monitor to name it."""
+        v = self._version(version)
+        group = self._bcast()["groups"].get(version)
+        deadline = time.monotonic() + timeout
+        lost: list[str] = []
+        while group is not None and v.state != ABORTED:
+            lost = self._bcast_lost(v, group, name)
+            if lost or time.monotonic() >= deadline:
+                break
+            await self._wait(self.changed, deadline)
+        if v.state != ABORTED:
+            epoch = f" (epoch {group['epoch']})" if group else ""
+            why = "lost " + "; ".join(lost) if lost else f"failed on '{name}': {error}"
+            if v.state in IN_FLIGHT:
+                self._abort(v, f"broadcast group{epoch} {why}")
+            else:
+                return {"reason": f"broadcast group{epoch} {why}"}
+        return {"reason": v.reason}
+
     # -- staleness (one-step-off) --------------------------------------------------------
 
     async def op_check_batch(self, party: int, batch_version: int, step: int,
@@ -539,7 +675,9 @@ class Coordinator:
         cfg = config if isinstance(config, SyncConfig) else SyncConfig.load(config)
         name = name or cfg.coordinator_name
         token = token or secrets.token_hex(16)
-        options = {"name": name, "max_concurrency": 1000, "num_cpus": 0}
+        # Ray restarts a crashed coordinator; parties then re-register (Party._call) and the
+        # next version goes through. Calls in flight during the restart are retried.
+        options = {"name": name, "max_concurrency": 1000, "num_cpus": 0, "max_restarts": -1, "max_task_retries": -1}
         if cfg.namespace:
             options["namespace"] = cfg.namespace
         if detached:

@@ -19,6 +19,10 @@ class ProtocolError(WeightSyncError):
     """A control message was malformed, or a party broke the version protocol."""
 
 
+class SessionLost(ProtocolError):
+    """The coordinator does not know this party (it was restarted): re-register."""
+
+
 class VersionError(WeightSyncError):
     """A version went backwards, was reused, or was never staged."""
 

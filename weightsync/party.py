@@ -14,6 +14,7 @@ from .coordinator import Coordinator
 from .device import describe, resolve
 from .manifest import Manifest
 from .plan import plan_buckets
+from .errors import SessionLost
 from .transports.base import TransportContext
 
 
@@ -36,27 +37,45 @@ class Party:
         self.config = config or coordinator.config
         self.name, self.rank = name, rank
         self.device = resolve(device or self.config.device)
-        host, node_id = node_identity()
-        self.host = host
-        reply = coordinator.call(
-            "register", rpc_timeout=self.config.connect_timeout_s, role=self.role, name=name, rank=rank,
-            host=host, os_pid=os.getpid(), node_id=node_id, device=describe(self.device),
-        )
-        self.party: int = reply["party"]
-        self.session: str = reply["session"]
+        self.host, self.node_id = node_identity()
         self._closed = False
+        self._register()
         self._stop = threading.Event()
+        self._rejoin_lock = threading.Lock()
         self._beat = threading.Thread(target=self._heartbeat, name=f"weightsync-heartbeat-{name}", daemon=True)
         self._beat.start()
 
+    def _register(self) -> None:
+        reply = self.coordinator.call(
+            "register", rpc_timeout=self.config.connect_timeout_s, role=self.role, name=self.name,
+            rank=self.rank, host=self.host, os_pid=os.getpid(), node_id=self.node_id,
+            device=describe(self.device), **self._rejoin_state(),
+        )
+        self.party: int = reply["party"]
+        self.session: str = reply["session"]
+
+    def _rejoin_state(self) -> dict[str, Any]:
+        """What a restarted coordinator must learn from this party (see op_register)."""
+        return {}
+
+    def _rejoined(self) -> None:
+        """Called after re-registering with a restarted coordinator."""
+
     def _call(self, op: str, **args: Any) -> Any:
-        return self.coordinator.call(op, party=self.party, **args)
+        try:
+            return self.coordinator.call(op, party=self.party, **args)
+        except SessionLost:
+            # the coordinator restarted and lost the session: join again, then retry once
+            with self._rejoin_lock:
+                self._register()
+                self._rejoined()
+            return self.coordinator.call(op, party=self.party, **args)
 
     def _heartbeat(self) -> None:
         interval = self.config.heartbeat_interval_s
         while not self._stop.wait(interval):
             try:
-                self.coordinator.call("heartbeat", rpc_timeout=interval * 2, party=self.party)
+                self._call("heartbeat", rpc_timeout=interval * 2)
             except Exception:
                 pass  # the coordinator reports us silent if this keeps failing
 

@@ -91,7 +91,7 @@ class WeightReceiver(Party):
         if v is None or v == self._version:
             return self._version
         deadline = time.monotonic() + timeout
-        prev, prev_info = self._version, self._info
+        prev, prev_info = self._version, self._info.get("info", {})
         try:
             self.last_metrics = self._load(v, target["info"], deadline)
         except BaseException as exc:
@@ -100,9 +100,17 @@ class WeightReceiver(Party):
                 reason += self._rollback(prev, prev_info, deadline)
             self._report(v, ok=False, reason=reason)
             raise
-        self._version, self._info = v, target["info"]
+        self._version, self._info = v, {"slot": target["slot"], "info": target["info"]}
         self._report(v, ok=True, metrics=self.last_metrics)
         return v
+
+    def _rejoin_state(self) -> dict[str, Any]:
+        served = getattr(self, "_version", None)
+        return {"serving": served, "served": getattr(self, "_info", None) if served is not None else None}
+
+    def _rejoined(self) -> None:
+        if getattr(self, "transport", None) is not None:
+            self.coordinator.call("verdict", party=self.party, accepted=True)
 
     def catch_up(self) -> int | None:
         """Load the latest committed version if it is newer than the served one."""

@@ -106,9 +106,10 @@ class WeightSender(Party):
         name, reason = choose_transport(self.config.transport, me, receivers)
         log.info("weightsync session %s: transport %s (%s)", self.session, name, reason)
         transport = transports.sender_class(name)(ctx)
+        self._published = {"manifest": manifest.to_wire(), "digest": digest, "payload_bytes": ctx.plan.payload_bytes,
+                           "transport": name, "reason": reason, "info": transport.session_info()}
         try:
-            self._call("publish", manifest=manifest.to_wire(), digest=digest, payload_bytes=ctx.plan.payload_bytes,
-                       transport=name, reason=reason, info=transport.session_info())
+            self._call("publish", **self._published)
         except BaseException:
             transport.close()
             raise
@@ -136,7 +137,15 @@ class WeightSender(Party):
         handle = self._staged[version] = StagedVersion(version, future)
         return handle
 
+    def _rejoin_state(self) -> dict[str, Any]:
+        return {"last_version": getattr(self, "_last_version", None)}
+
+    def _rejoined(self) -> None:
+        if getattr(self, "_published", None) is not None:
+            self.coordinator.call("publish", party=self.party, **self._published)
+
     def _stage(self, version: int, named: NamedTensors) -> float:
+        self._last_version = version
         t0 = time.perf_counter()
         if not self.sends:
             for _ in (named.items() if isinstance(named, Mapping) else named):
