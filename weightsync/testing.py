@@ -4,6 +4,7 @@ README example. Real weightsync parties, real Ray actors; only the model is a di
 from __future__ import annotations
 
 import os
+import time
 from collections.abc import Iterable
 from typing import Any
 
@@ -20,12 +21,15 @@ from .layouts import materialize
 class ToyEngine:
     """A model as a dict of tensors with vLLM's ``load_weights`` contract (copy in place)."""
 
-    def __init__(self, manifest: Manifest, device: str = "cpu"):
+    def __init__(self, manifest: Manifest, device: str = "cpu", load_delay_s: float = 0.0):
         self.params = {s.name: torch.zeros(s.shape, dtype=s.torch_dtype, device=device) for s in manifest}
         self.loads = 0
         self.post_loads = 0
+        self.load_delay_s = load_delay_s  # a slow engine, so faults can land mid-transfer
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
+        if self.load_delay_s:
+            time.sleep(self.load_delay_s)
         done = set()
         for name, tensor in weights:
             self.params[name].copy_(tensor)
@@ -50,10 +54,11 @@ class RolloutWorker:
     """A rollout worker: one receiver feeding a ToyEngine. Wrap with ``ray.remote``."""
 
     def __init__(self, coordinator: Coordinator, manifest_wire: list, name: str, rank: int = 0,
-                 config: dict | None = None, check: bool = True, expected_wire: list | None = None):
+                 config: dict | None = None, check: bool = True, expected_wire: list | None = None,
+                 load_delay_s: float = 0.0):
         manifest = Manifest.from_wire(manifest_wire)
         model = Manifest.from_wire(expected_wire) if expected_wire is not None else manifest
-        self.engine = ToyEngine(model)
+        self.engine = ToyEngine(model, load_delay_s=load_delay_s)
         cfg = SyncConfig.load(config) if config is not None else None
         self.receiver = WeightReceiver(
             coordinator, self.engine.load_weights, name=name, rank=rank, post_load=self.engine.post_load,
@@ -76,6 +81,9 @@ class RolloutWorker:
     def pid(self) -> int:
         return os.getpid()
 
+    def rss(self) -> int:
+        return _rss()
+
     def close(self) -> None:
         self.receiver.close()
 
@@ -89,8 +97,14 @@ class TrainerWorker:
         cfg = SyncConfig.load(config) if config is not None else None
         self.sender = WeightSender(coordinator, rank=rank, config=cfg, expected_receivers=expected_receivers)
 
-    def stage(self, version: int, seed: int | None = None) -> float:
-        tensors = materialize(self.manifest, seed=version if seed is None else seed)
+    def stage(self, version: int, seed: int | None = None, delay_s: float = 0.0,
+              named: list | None = None) -> float:
+        """Stage the weights of ``version``. ``delay_s`` slows the tensor iteration (a trainer
+        still gathering), ``named`` replaces the tensors (bad-input tests)."""
+        tensors = named if named is not None else materialize(self.manifest, seed=version if seed is None else seed)
+        if delay_s:
+            items = tensors.items() if isinstance(tensors, dict) else tensors
+            tensors = ((n, t) for n, t in items if time.sleep(delay_s) is None)
         return self.sender.stage(version, tensors).wait()
 
     def sync(self, version: int, timeout: float | None = None) -> dict[str, Any]:
@@ -105,5 +119,14 @@ class TrainerWorker:
     def pid(self) -> int:
         return os.getpid()
 
+    def rss(self) -> int:
+        return _rss()
+
     def close(self) -> None:
         self.sender.close()
+
+
+def _rss() -> int:
+    import psutil
+
+    return psutil.Process().memory_info().rss

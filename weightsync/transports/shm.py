@@ -165,6 +165,9 @@ class ShmSender(SenderTransport):
         reap_stale(self.directory)
         self.size, self.bases = layout(ctx.plan)
         self.slots: dict[int, Segment] = {}
+        # bytes this sender packed into segments, all versions together: everything the
+        # trainer writes happens in stage(); tests check that the barrier adds nothing
+        self.packed_bytes = 0
 
     def _slot(self, slot: int) -> Segment:
         seg = self.slots.get(slot)
@@ -191,6 +194,7 @@ class ShmSender(SenderTransport):
         info = {"segment": seg.name, "size": self.size, "readable": True}
         announce(info)
         sums = []
+        packed = 0
         ready = np.uint64(version + 1)
         for b in fill(lambda b: seg.bytes[self.bases[b]: self.bases[b] + self.ctx.plan.buckets[b].nbytes]):
             n = self.ctx.plan.buckets[b].nbytes
@@ -201,7 +205,9 @@ class ShmSender(SenderTransport):
                 head[word + 1] = s
                 sums.append(s)
             head[word] = ready
-        return {**info, "checksums": sums}
+            packed += n
+            self.packed_bytes += n
+        return {**info, "checksums": sums, "packed_bytes": packed}
 
     def close(self) -> None:
         for seg in self.slots.values():
@@ -243,6 +249,10 @@ class ShmReceiver(ReceiverTransport):
     def receive(self, version: int, info: dict[str, Any], deadline: float,
                 check: Callable[[], None]) -> Iterator[Received]:
         seg = self._attach(info["segment"])
+        size = os.fstat(seg.fd).st_size
+        if size < self.size:
+            # reading a mapping past the end of its file raises SIGBUS: check before touching it
+            raise ProtocolError(f"segment {seg.name} was truncated to {size} bytes; version {version} needs {self.size}")
         head = seg.header
         ready = version + 1
         sums = info.get("checksums") or None
