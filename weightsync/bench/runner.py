@@ -15,6 +15,7 @@ import importlib
 import importlib.util
 import itertools
 import os
+import re
 import statistics
 import sys
 import time
@@ -31,6 +32,15 @@ from .actors import BenchRollout, BenchTrainer
 
 # generous: a row on a loaded 2-core machine can be slow, but never hangs the benchmark
 ROW_TIMEOUT_S = 600.0
+
+
+def describe_error(exc: BaseException) -> str:
+    """The remote exception's own type and message, not Ray's wrapper header."""
+    cause = getattr(exc, "cause", None)
+    if isinstance(exc, ray.exceptions.RayTaskError) and cause is not None:
+        exc = cause
+    text = re.sub(r"\x1b\[[0-9;]*m", "", f"{type(exc).__name__}: {exc}")
+    return " ".join(text.split())[:600]
 
 
 def stats(seconds: list[float]) -> dict[str, float]:
@@ -160,7 +170,9 @@ class Bench:
             return row
         rx = self.rollouts[:receivers]
         cfg = {"transport": transport, "backend": backend, "device": self.device, "bucket_mb": bucket_mb,
-               "sync_timeout_s": ROW_TIMEOUT_S / 2, "connect_timeout_s": 120.0}
+               "sync_timeout_s": ROW_TIMEOUT_S / 2, "connect_timeout_s": 120.0,
+               # throughput, not liveness, is measured here: a busy machine must not abort a version
+               "heartbeat_timeout_s": 60.0}
         coord = Coordinator.create(cfg, name=f"wsbench-{os.getpid()}-{next(self._ids)}", expected_receivers=receivers)
         seconds, prestaged, stage_s, barrier_s, recv_metrics = [], [], [], [], []
         try:
@@ -190,7 +202,7 @@ class Bench:
                     _tick(bar)
             row["verified"] = self._verify(rx)
         except Exception as exc:
-            row["error"] = f"{type(exc).__name__}: {exc}".splitlines()[0][:500]
+            row["error"] = describe_error(exc)
         finally:
             closed = self._close_sessions(rx)
             coord.shutdown()
@@ -211,12 +223,12 @@ class Bench:
             t = ray.get(self.trainer.close_session.remote(), timeout=ROW_TIMEOUT_S)
             out.update(sender_peak_extra_bytes=t["peak_extra"], shm_bytes=t["shm_bytes"], chosen=t["transport"])
         except Exception as exc:
-            out["error_close"] = f"trainer: {type(exc).__name__}: {exc}"[:300]
+            out["error_close"] = "trainer: " + describe_error(exc)
         try:
             rs = ray.get([r.close_session.remote() for r in rx], timeout=ROW_TIMEOUT_S)
             out["receiver_peak_extra_bytes"] = max(r["peak_extra"] for r in rs)
         except Exception as exc:
-            out["error_close"] = f"receivers: {type(exc).__name__}: {exc}"[:300]
+            out["error_close"] = "receivers: " + describe_error(exc)
         return out
 
     # -- Ray object store ------------------------------------------------------------------
@@ -242,7 +254,7 @@ class Bench:
             row["sender_peak_extra_bytes"] = ray.get(self.trainer.peak_extra.remote())
             row["receiver_peak_extra_bytes"] = max(ray.get([r.peak_extra.remote() for r in rx]))
         except Exception as exc:
-            row["error"] = f"{type(exc).__name__}: {exc}".splitlines()[0][:500]
+            row["error"] = describe_error(exc)
         row["stage_s"] = statistics.median(put_s) if put_s else None  # the trainer is blocked for the put
         return self._finish(row, seconds)
 
@@ -266,7 +278,7 @@ class Bench:
             row["sender_peak_extra_bytes"] = ray.get(self.trainer.peak_extra.remote())
             row["receiver_peak_extra_bytes"] = max(ray.get([r.peak_extra.remote() for r in rx]))
         except Exception as exc:
-            row["error"] = f"{type(exc).__name__}: {exc}".splitlines()[0][:500]
+            row["error"] = describe_error(exc)
             seconds = []
         return self._finish(row, seconds)
 
