@@ -10,6 +10,7 @@ from .base import ReceiverTransport, SenderTransport, TransportContext
 
 _MODULES = {
     "shm": ("weightsync.transports.shm", "ShmSender", "ShmReceiver"),
+    "broadcast": ("weightsync.transports.broadcast", "BroadcastSender", "BroadcastReceiver"),
     "ipc": ("weightsync.transports.ipc", "IpcSender", "IpcReceiver"),
 }
 

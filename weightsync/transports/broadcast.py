@@ -1,0 +1,523 @@
+"""Broadcast transport: a collective broadcast from sender rank 0 to every receiver over a
+standalone process group, the same code for HCCL (Ascend), NCCL (CUDA) and gloo (CPU).
+
+The group is never the default ``torch.distributed`` world (vLLM and FSDP own it in these
+processes): the sender hosts a TCPStore (address published in ``session_info``), and each
+party builds the backend's ProcessGroup class directly on a PrefixStore of it. Only
+:func:`new_process_group` differs per backend; so the gloo tests run the code that runs on
+Ascend.
+
+Membership comes from the coordinator: at the barrier the sender fixes the group of the
+version (itself as rank 0, the live participants by user rank after it), receivers learn
+their group rank from it. The group, its communicator and the bucket buffers are built
+once and reused; a new member set or a failed version bumps the epoch and the parties
+re-form under a fresh store prefix, so a new group never meets traffic of an old one.
+
+One version, on the wire:
+  sender    pack bucket b+1 (pack_stream) while bucket b is in flight, two buffers
+  receivers post bucket b+1 while bucket b is verified and loaded, two buffers
+  each bucket: [payload bytes][8-byte xxh3 of them] (gloo) or [payload bytes] (device)
+Checksums: on gloo the bytes cross host memory and TCP, whose 16-bit checksum misses
+corruption now and then, and hashing a host buffer costs ~1/5 of sending it here, so each
+bucket carries its xxh3 (when ``config.checksum``). Device links (HCCS, NVLink, RoCE)
+carry link-level CRC, and an end-to-end hash would need a device-to-host copy of every
+bucket, dearer than the transfer itself: there the checksum is None.
+
+Failures: every wait polls the coordinator while it is slow. A dead or stalled member turns
+into an abort of the version that names it (``bcast_failed``), seen by every party within
+the deadline; the broken group is retired (its pending ops finish or time out in the
+background, holding their own buffers) and the next version re-forms without the member.
+"""
+
+from __future__ import annotations
+
+import datetime
+import socket
+import struct
+import threading
+import time
+import zlib
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from .. import device as devices
+from ..errors import ConfigError, DeadlineExceeded, ProtocolError, VersionError, WeightSyncError
+from ..plan import checksum
+from .base import Fill, Received, ReceiverTransport, SenderTransport, TransportContext
+
+BACKEND_OF_DEVICE = {"npu": "hccl", "cuda": "nccl", "cpu": "gloo"}
+DEVICE_OF_BACKEND = {"hccl": "npu", "nccl": "cuda"}
+TRAILER = 8  # bytes of the xxh3 that follows a bucket's payload on gloo
+POLL_S = 0.25  # how long a collective may be silent before we ask the coordinator why
+BUFFERS = 2  # per side: one bucket in flight while the other is packed (or loaded)
+
+
+# -- group construction: the only per-backend part -------------------------------------
+
+
+def choose_backend(requested: str, device: torch.device) -> str:
+    """The backend for a config value: ``auto`` follows the sender's device."""
+    if requested != "auto":
+        return requested
+    return BACKEND_OF_DEVICE.get(device.type, "gloo")
+
+
+def comm_device(backend: str, device: torch.device, who: str) -> torch.device:
+    """Where this party's bucket buffers live: the communicator's device."""
+    want = DEVICE_OF_BACKEND.get(backend)
+    if want is None:
+        return torch.device("cpu")  # gloo moves host buffers whatever the engine's device
+    if device.type != want:
+        raise ConfigError(f"backend '{backend}' needs {want} devices, but {who} runs on {device.type}; "
+                          f"set backend: gloo, or place {who} on a {want} device")
+    return device
+
+
+def new_process_group(backend: str, store: Any, rank: int, size: int, timeout: datetime.timedelta) -> Any:
+    """A standalone process group of ``backend``; needs the device set in this thread."""
+    if backend == "gloo":
+        return dist.ProcessGroupGloo(store, rank, size, timeout)
+    if backend == "nccl":
+        if not dist.is_nccl_available():
+            raise ConfigError("backend 'nccl' requested but this torch build has no NCCL")
+        opts = dist.ProcessGroupNCCL.Options()
+        opts._timeout = timeout
+        return dist.ProcessGroupNCCL(store, rank, size, opts)
+    if backend == "hccl":
+        try:
+            import torch_npu  # noqa: F401  (registers the npu device)
+            from torch_npu._C._distributed_c10d import ProcessGroupHCCL
+        except ImportError as exc:
+            raise ConfigError(f"backend 'hccl' needs torch_npu: {exc}") from None
+        opts = ProcessGroupHCCL.Options()
+        opts._timeout = timeout
+        return ProcessGroupHCCL(store, rank, size, opts)
+    raise ConfigError(f"unknown collective backend {backend!r}")
+
+
+def store_host(config_host: str) -> str:
+    """The address receivers dial: ``auto`` is this node's Ray address."""
+    if config_host != "auto":
+        return config_host
+    try:
+        import ray
+
+        if ray.is_initialized():
+            return ray.util.get_node_ip_address()
+    except Exception:
+        pass
+    return socket.gethostbyname(socket.gethostname())
+
+
+def host_store(port: int, timeout: float) -> dist.TCPStore:
+    # the master listens on every interface; port 0 lets the OS pick a free one
+    return dist.TCPStore("0.0.0.0", port, None, True, datetime.timedelta(seconds=timeout),
+                         wait_for_workers=False)
+
+
+def connect_store(host: str, port: int, timeout: float) -> dist.TCPStore:
+    return dist.TCPStore(host, port, None, False, datetime.timedelta(seconds=timeout))
+
+
+class Group:
+    """One epoch's process group: built once, reused for every version of that epoch."""
+
+    def __init__(self, pg: Any, backend: str, epoch: int, rank: int, size: int, device: torch.device):
+        self.pg, self.backend, self.epoch, self.rank, self.size, self.device = pg, backend, epoch, rank, size, device
+
+    @classmethod
+    def build(cls, backend: str, store: Any, prefix: str, rank: int, size: int, device: torch.device,
+              timeout: float, names: list[str]) -> Group:
+        """Rendezvous under ``prefix`` and check it with a first broadcast of the epoch tag,
+        so a lazily connecting backend (NCCL, HCCL) connects here too, not in bucket 0.
+        Raises naming the members that never showed up."""
+        devices.set_current(device)  # HCCL and NCCL use the thread's current device
+        scoped = dist.PrefixStore(prefix, store)
+        scoped.set(f"joined/{rank}", names[rank])
+        try:
+            pg = new_process_group(backend, scoped, rank, size, datetime.timedelta(seconds=timeout))
+            group = cls(pg, backend, 0, rank, size, device)
+            tag = torch.tensor([_tag(prefix) if rank == 0 else -1], dtype=torch.int64, device=device)
+            group.broadcast(tag, timeout).wait()
+        except Exception as exc:
+            try:
+                missing = [names[r] for r in range(size) if not scoped.check([f"joined/{r}"])]
+            except Exception:
+                missing = []  # the store itself is gone (the sender died): the error says so
+            if missing:
+                raise DeadlineExceeded(f"broadcast group {prefix!r}: {', '.join(missing)} never joined "
+                                       f"within {timeout:.1f}s") from exc
+            raise
+        if int(tag.item()) != _tag(prefix):
+            raise ProtocolError(f"broadcast group {prefix!r}: rank {rank} met another group's traffic")
+        return group
+
+    def broadcast(self, tensor: torch.Tensor, timeout: float) -> Any:
+        opts = dist.BroadcastOptions()
+        opts.rootRank, opts.rootTensor = 0, 0
+        opts.timeout = datetime.timedelta(seconds=max(timeout, 0.001))
+        return self.pg.broadcast([tensor], opts)
+
+
+def _tag(prefix: str) -> int:
+    return zlib.crc32(prefix.encode()) & 0x7FFFFFFF
+
+
+def sync_device(device: torch.device) -> None:
+    """Wait for the queued device work: only then did every bucket really arrive."""
+    if device.type == "cuda":
+        torch.cuda.current_stream(device).synchronize()
+    elif device.type == "npu":
+        torch.npu.current_stream(device).synchronize()
+
+
+class Aborted(VersionError):
+    """The coordinator already aborted the version; its reason names the fault."""
+
+
+def settle(work: Any, deadline: float, poll: Callable[[], None], what: str) -> None:
+    """Wait for a collective; while it is slow, ``poll()`` (raises if the version is off)."""
+    done = threading.Event()
+    try:
+        work.get_future().add_done_callback(lambda _: done.set())
+        wait = done.wait
+    except (RuntimeError, AttributeError):  # a backend without futures: poll the work
+        def wait(limit: float) -> bool:
+            end = time.monotonic() + limit
+            while not work.is_completed() and time.monotonic() < end:
+                time.sleep(1e-4)
+            return work.is_completed()
+    while not wait(max(0.0, min(POLL_S, deadline - time.monotonic()))):
+        if time.monotonic() >= deadline:
+            raise DeadlineExceeded(f"{what} did not complete before the deadline")
+        poll()
+    # raises the op's own error; on a device it orders the current stream after the op
+    work.wait()
+
+
+def retire(group: Group | None, works: list[Any], what: str) -> None:
+    """Let a broken group's pending ops end (error or their own timeout) off the caller's
+    path: a gloo group's destructor waits for them, and they may still write into buffers
+    that the caller has already replaced."""
+    if group is None and not works:
+        return
+
+    def drain() -> None:
+        for w in works:
+            try:
+                w.wait()
+            except Exception:
+                pass
+        try:
+            group.pg.abort()
+        except Exception:
+            pass
+
+    threading.Thread(target=drain, name=f"weightsync-retire-{what}", daemon=True).start()
+
+
+def put_checksum(buf: torch.Tensor, n: int) -> int:
+    value = checksum(buf[:n])
+    buf[n: n + TRAILER].copy_(torch.frombuffer(bytearray(struct.pack("<Q", value)), dtype=torch.uint8))
+    return value
+
+
+def get_checksum(buf: torch.Tensor, n: int) -> int:
+    return struct.unpack("<Q", buf[n: n + TRAILER].numpy().tobytes())[0]
+
+
+# -- the two ends ----------------------------------------------------------------------
+
+
+class _End:
+    """What both ends share: the session's store, the current group, the two buffers."""
+
+    def _setup(self, ctx: TransportContext, backend: str, who: str) -> None:
+        self.backend = backend
+        self.device = comm_device(backend, ctx.device, who)
+        self.trailer = TRAILER if backend == "gloo" and ctx.config.checksum else 0
+        self.group: Group | None = None
+        self.buffers: list[torch.Tensor] | None = None
+        self.pending: list[Any] = []  # ops posted and not yet settled
+
+    def _buffers(self) -> list[torch.Tensor]:
+        if self.buffers is None:
+            size = self.ctx.plan.bucket_bytes + self.trailer
+            self.buffers = [torch.empty(size, dtype=torch.uint8, device=self.device) for _ in range(BUFFERS)]
+            self.ctx.account("bcast_buffers", +BUFFERS)
+        return self.buffers
+
+    def _wire(self, b: int) -> torch.Tensor:
+        return self._buffers()[b % BUFFERS][: self.ctx.plan.buckets[b].nbytes + self.trailer]
+
+    def _join(self, group: dict[str, Any], rank: int, deadline: float, poll: Callable[[], None]) -> Group:
+        """The group of this version: the current one if the epoch is unchanged, else built
+        anew in a helper thread while this one keeps polling the coordinator."""
+        if self.group is not None and self.group.epoch == group["epoch"]:
+            return self.group
+        self._drop()
+        names = [group["sender"]] + list(group["members"])
+        prefix = f"weightsync/{self.ctx.session}/{self.ctx.digest[:16]}/epoch{group['epoch']}"
+        timeout = max(0.001, min(self.ctx.config.connect_timeout_s, deadline - time.monotonic()))
+        box: dict[str, Any] = {}
+
+        def build() -> None:
+            try:
+                box["group"] = Group.build(self.backend, self._store(), prefix, rank, len(names), self.device,
+                                           timeout, names)
+            except BaseException as exc:
+                box["error"] = exc
+
+        thread = threading.Thread(target=build, name=f"weightsync-bcast-build-{self.ctx.name}", daemon=True)
+        thread.start()
+        limit = time.monotonic() + timeout + 1.0
+        while thread.is_alive():
+            thread.join(POLL_S)
+            if thread.is_alive():
+                if time.monotonic() >= limit:
+                    raise DeadlineExceeded(f"building broadcast group epoch {group['epoch']} took over {timeout:.1f}s")
+                poll()
+        if "error" in box:
+            raise box["error"]
+        self.group = box["group"]
+        self.group.epoch = group["epoch"]
+        self.ctx.account("bcast_groups", +1)
+        return self.group
+
+    def _drop(self) -> None:
+        """Retire the group and, if ops are still pending on them, the buffers too."""
+        if self.group is not None:
+            self.ctx.account("bcast_groups", -1)
+        if self.pending and self.buffers is not None:
+            self.ctx.account("bcast_buffers", -BUFFERS)
+            self.buffers = None
+        retire(self.group, self.pending, self.ctx.name)
+        self.group, self.pending = None, []
+
+    def _failed(self, version: int, exc: BaseException) -> str:
+        """Tell the coordinator; returns the abort reason, which names the party at fault."""
+        if isinstance(exc, Aborted):
+            return str(exc)
+        try:
+            wait_s = self.ctx.config.heartbeat_timeout_s + 2 * self.ctx.config.heartbeat_interval_s
+            reply = self.ctx.coordinator.call("bcast_failed", name=self.ctx.name, version=version,
+                                              error=f"{type(exc).__name__}: {exc}"[:2000], timeout=wait_s)
+            return reply["reason"]
+        except WeightSyncError as why:
+            return f"{type(exc).__name__}: {exc} (and the coordinator could not be told: {why})"
+
+    def _poll(self, version: int) -> None:
+        reply = self.ctx.coordinator.call("bcast_check", name=self.ctx.name, version=version)
+        if reply["aborted"]:
+            raise Aborted(f"version {version} was aborted: {reply['aborted']}")
+        if reply["lost"]:
+            # not an abort yet: whoever sees it first aborts the version with this reason
+            raise ProtocolError(f"version {version}: broadcast group lost {'; '.join(reply['lost'])}")
+
+    def _close_end(self) -> None:
+        self._drop()
+        if self.buffers is not None:
+            self.ctx.account("bcast_buffers", -BUFFERS)
+            self.buffers = None
+
+
+class BroadcastSender(_End, SenderTransport):
+    name = "broadcast"
+    pipelined = False  # bytes move at the barrier, when every receiver is in the collective
+
+    def __init__(self, ctx: TransportContext):
+        super().__init__(ctx)
+        self._setup(ctx, choose_backend(ctx.config.backend, ctx.device), f"sender '{ctx.name}'")
+        self.store: dist.TCPStore | None = None
+        self.fills: dict[int, Fill] = {}
+        self.scratch: torch.Tensor | None = None  # where a failed version's rest is packed
+
+    def _store(self) -> dist.TCPStore:
+        if self.store is None:
+            self.store = host_store(self.ctx.config.rendezvous_port, self.ctx.config.connect_timeout_s)
+        return self.store
+
+    def session_info(self) -> dict[str, Any]:
+        store = self._store()
+        return {"pipelined": self.pipelined, "backend": self.backend, "host": store_host(self.ctx.config.rendezvous_host),
+                "port": store.port, "checksum": bool(self.trailer)}
+
+    def stage(self, version: int, slot: int, fill: Fill, announce: Callable[[dict[str, Any]], None]) -> dict[str, Any]:
+        # Nothing moves before the barrier: the tensors are read, packed and sent in send(),
+        # with two buckets of memory instead of a copy of the model. So the trainer must
+        # leave them unchanged until sync() returns (the recipe syncs right after the step).
+        self.fills = {v: f for v, f in self.fills.items() if v > version}
+        self.fills[version] = fill
+        return {"backend": self.backend, "checksum": bool(self.trailer)}
+
+    def send(self, version: int, deadline: float) -> None:
+        fill = self.fills.pop(version, None)
+        if fill is None:
+            raise VersionError(f"version {version} was not staged on the broadcast transport")
+        devices.set_current(self.device)
+        group = None
+        try:
+            group = self.ctx.coordinator.call("bcast_form", name=self.ctx.name, version=version)
+        except VersionError:
+            pass  # aborted already; the coordinator has the reason
+        except WeightSyncError as exc:
+            self._failed(version, exc)
+        if group is None or group["size"] == 1:
+            self._drain(fill)  # nobody to send to; the coordinator records the outcome
+            return
+        self._stream(version, group, fill, deadline)
+
+    def _stream(self, version: int, group: dict[str, Any], fill: Fill, deadline: float) -> None:
+        """Pack and send the version. pack_stream asks for bucket b's buffer only once every
+        bucket before b is fully packed: that is when bucket b-1 is launched and bucket b-2,
+        the buffer's previous user, must have left. A tensor larger than a bucket spans
+        several, so a yield from pack_stream comes too late to be the signal.
+
+        The iteration always runs to its end, even after the transfer failed: it may be a
+        collective on the trainer's own group (FSDP full_tensor) that the other trainer
+        ranks are inside. So errors of the transfer are recorded, not raised, in there."""
+        plan = self.ctx.plan
+        poll = lambda: self._poll(version)  # noqa: E731
+        launched: list[Any] = []
+        error: BaseException | None = None
+        g: Group | None = None
+
+        def fail(exc: BaseException) -> None:
+            nonlocal error
+            if error is None:
+                error = exc
+                self._failed(version, exc)  # aborts the version, naming the fault, for everyone
+                self._drop()
+
+        def launch_until(b: int) -> None:
+            while len(launched) < b:
+                i = len(launched)
+                if self.trailer:
+                    put_checksum(self._wire(i), plan.buckets[i].nbytes)
+                launched.append(g.broadcast(self._wire(i), deadline - time.monotonic()))
+                self.pending.append(launched[-1])
+
+        def bucket_buffer(b: int) -> torch.Tensor:
+            if error is None:
+                try:
+                    launch_until(b)
+                    if b >= BUFFERS:
+                        settle(launched[b - BUFFERS], deadline, poll, f"bucket {b - BUFFERS} of version {version}")
+                    return self._wire(b)
+                except Exception as exc:
+                    fail(exc)
+            return self._scratch()
+
+        try:
+            g = self._join(group, 0, deadline, poll)
+        except Exception as exc:
+            fail(exc)
+        try:
+            for _ in fill(bucket_buffer):
+                pass
+        except BaseException as exc:
+            fail(exc)  # the trainer's tensors are off the manifest, or its iteration failed
+            raise
+        if error is None:
+            try:
+                launch_until(plan.bucket_count)
+                for b in range(max(0, plan.bucket_count - BUFFERS), plan.bucket_count):
+                    settle(launched[b], deadline, poll, f"bucket {b} of version {version}")
+                sync_device(self.device)
+                self.pending = []
+            except Exception as exc:
+                fail(exc)
+        # a failed transfer is not raised here: sync()'s wait_outcome raises SyncFailed
+        # with what the coordinator learned, naming every party at fault
+
+    def _scratch(self) -> torch.Tensor:
+        if self.scratch is None:
+            self.scratch = torch.empty(self.ctx.plan.bucket_bytes + self.trailer, dtype=torch.uint8,
+                                       device=self.device)
+        return self.scratch
+
+    def _drain(self, fill: Fill) -> None:
+        """Iterate the version without sending: the iteration may be a collective on the
+        trainer's own group (FSDP full_tensor), which the other ranks are inside."""
+        try:
+            for _ in fill(lambda b: self._scratch()):
+                pass
+        except Exception:
+            pass  # the version has already failed; the first error is the one reported
+
+    def close(self) -> None:
+        self._close_end()
+        self.fills.clear()
+        self.scratch = self.store = None
+
+
+class BroadcastReceiver(_End, ReceiverTransport):
+    name = "broadcast"
+
+    def __init__(self, ctx: TransportContext, session_info: dict[str, Any]):
+        super().__init__(ctx, session_info)
+        self._setup(ctx, session_info["backend"], f"receiver '{ctx.name}'")
+        if bool(self.trailer) != bool(session_info.get("checksum")):
+            raise ConfigError(f"receiver '{ctx.name}' has checksum={ctx.config.checksum} but the sender "
+                              f"{'sends' if session_info.get('checksum') else 'does not send'} checksums; "
+                              f"use one config for every party")
+        self.store: dist.TCPStore | None = None
+
+    def _store(self) -> dist.TCPStore:
+        if self.store is None:
+            info = self.session_info
+            self.store = connect_store(info["host"], info["port"], self.ctx.config.connect_timeout_s)
+        return self.store
+
+    def receive(self, version: int, info: dict[str, Any], deadline: float,
+                check: Callable[[], None]) -> Iterator[Received]:
+        def poll() -> None:
+            try:
+                check()
+            except VersionError as exc:
+                raise Aborted(str(exc)) from None
+            self._poll(version)
+
+        devices.set_current(self.device)
+        plan = self.ctx.plan
+        posted: dict[int, Any] = {}
+        finished = False
+        try:
+            left = max(0.001, deadline - time.monotonic())
+            group = self.ctx.coordinator.call("bcast_group", name=self.ctx.name, version=version, timeout=left)
+            g = self._join(group, group["rank"], deadline, poll)
+
+            def post(b: int) -> None:
+                if b < plan.bucket_count:
+                    posted[b] = g.broadcast(self._wire(b), deadline - time.monotonic())
+                    self.pending.append(posted[b])
+
+            for b in range(BUFFERS):
+                post(b)
+            for b, bucket in enumerate(plan.buckets):
+                settle(posted.pop(b), deadline, poll, f"bucket {b} of version {version}")
+                wire = self._wire(b)
+                expected = get_checksum(wire, bucket.nbytes) if self.trailer else None
+                yield b, wire[: bucket.nbytes], expected
+                post(b + BUFFERS)  # the consumer is done with this buffer
+            sync_device(self.device)
+            self.pending = []
+            finished = True
+        except VersionError:
+            raise  # from the coordinator: the version is off, or we are not in its group
+        except Exception as exc:  # the collective failed (closed connection, timeout), or a deadline
+            reason = self._failed(version, exc)
+            kind = DeadlineExceeded if isinstance(exc, DeadlineExceeded) else VersionError
+            raise kind(reason if isinstance(exc, Aborted) else f"version {version} was aborted: {reason}") from None
+        finally:
+            if not finished:
+                # stopped part-way (a failure above, or load_weights / a checksum failed in
+                # the consumer): our posted ops are out of step with the group, retire it
+                self._drop()
+
+    def close(self) -> None:
+        self._close_end()
+        self.store = None
