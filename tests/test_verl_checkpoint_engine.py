@@ -34,25 +34,11 @@ class FakeReplica:
 
 @pytest.fixture
 def groups(ray_cluster):
-    """make(cls, n, **init) -> RayWorkerGroup on CPU; workers and placement groups removed after."""
-    import ray
-    from verl.single_controller.ray import RayClassWithInitArgs, RayResourcePool, RayWorkerGroup
+    from weightsync_verl.testing import CpuGroups
 
-    made = []
-
-    def make(cls, n, **init):
-        pool = RayResourcePool(process_on_nodes=[n], use_gpu=False, max_colocate_count=1)
-        wg = RayWorkerGroup(resource_pool=pool, ray_cls_with_init=RayClassWithInitArgs(cls=ray.remote(cls), **init),
-                            device_name="cpu")
-        made.append((wg, pool))
-        return wg
-
-    yield make
-    for wg, pool in made:
-        for w in wg.workers:
-            ray.kill(w)
-        for pg in pool.pgs or []:
-            ray.util.remove_placement_group(pg)
+    made = CpuGroups()
+    yield made
+    made.close()
 
 
 def test_registry_finds_backend_by_custom_module():

@@ -239,3 +239,30 @@ def engine_rollout_worker() -> type:
             return self.server_adapter.received.get(global_steps, {})
 
     return EngineRollout
+
+
+class CpuGroups:
+    """Makes verl RayWorkerGroups on CPU; ``close()`` kills their workers and placement groups."""
+
+    def __init__(self) -> None:
+        self.made: list = []
+
+    def __call__(self, cls: type, n: int, **init: Any) -> Any:
+        import ray
+        from verl.single_controller.ray import RayClassWithInitArgs, RayResourcePool, RayWorkerGroup
+
+        pool = RayResourcePool(process_on_nodes=[n], use_gpu=False, max_colocate_count=1)
+        wg = RayWorkerGroup(resource_pool=pool, ray_cls_with_init=RayClassWithInitArgs(cls=ray.remote(cls), **init),
+                            device_name="cpu")
+        self.made.append((wg, pool))
+        return wg
+
+    def close(self) -> None:
+        import ray
+
+        for wg, pool in self.made:
+            for w in wg.workers:
+                ray.kill(w)
+            for pg in pool.pgs or []:
+                ray.util.remove_placement_group(pg)
+        self.made.clear()
