@@ -116,10 +116,8 @@ def run_bench(args: argparse.Namespace) -> int:
             for b in args.baselines:
                 if b.startswith("ray-"):
                     rows.append(bench.ray_row(b, n))
-                elif b == "bcast-per-tensor":
-                    rows.append(bench.collective_row(b, n, backend))
                 else:
-                    rows.extend(bench.collective_row(b, n, backend, mb) for mb in args.bucket_mb)
+                    rows.append(bench.collective_row(b, n, backend))
                 _echo(rows[-1])
             for t in args.transport:
                 for mb in args.bucket_mb:

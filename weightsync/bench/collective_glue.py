@@ -1,11 +1,17 @@
-"""Drives the collective broadcast baselines of :mod:`weightsync.bench.collective` (written
-separately) from the benchmark's actors; every baseline row says why when it cannot run."""
+"""Drives the collective broadcast baselines of :mod:`weightsync.bench.collective` for the
+benchmark. Those functions start their own group of Ray actors (sender rank 0 + N receivers,
+the broadcast transport's group construction) over the same layout and device; each
+baseline row says why when it cannot run here."""
 
 from __future__ import annotations
 
 import importlib
-from collections.abc import Callable
 from typing import Any
+
+import psutil
+
+# per baseline: the function of weightsync.bench.collective and whether it checks the bytes
+FUNCTIONS = {"bcast-per-tensor": ("per_tensor_broadcast", True), "bcast-flat": ("raw_broadcast", False)}
 
 
 def _module():
@@ -15,13 +21,35 @@ def _module():
         return None, f"weightsync.bench.collective is not part of this build ({exc})"
 
 
-def unavailable(kind: str, backend: str, device: str) -> str | None:
+def unavailable(kind: str, backend: str, device: str, payload: int, receivers: int) -> str | None:
     mod, why = _module()
     if mod is None:
         return why
-    return "the collective baselines' interface is not wired into the runner yet"
+    fn = FUNCTIONS[kind][0]
+    if not hasattr(mod, fn):
+        return f"weightsync.bench.collective has no {fn}()"
+    want = {"cpu": "gloo", "cuda": "nccl", "npu": "hccl"}.get(device)
+    if backend != want and not (backend == "gloo" and device == "cpu"):
+        return f"backend {backend} does not match device {device} (expected {want})"
+    if device == "cpu":
+        # these actors hold their own copies: the sender's tensors plus a flat buffer, and per
+        # receiver a model plus a flat buffer, beside the benchmark's actors
+        need = 2 * payload * (receivers + 1)
+        free = psutil.virtual_memory().available
+        if need > 0.8 * free:
+            return f"needs about {need / 2**30:.1f} GiB of free memory, {free / 2**30:.1f} GiB available"
+    return None
 
 
-def run(bench: Any, kind: str, rollouts: list, backend: str, bucket_mb: float | None,
-        tick: Callable[[], None]) -> tuple[list[float], dict[str, Any]]:
-    raise NotImplementedError(kind)
+def run(manifest: Any, kind: str, receivers: int, backend: str, device: str, repeats: int) -> tuple[list[float], bool | None]:
+    """(seconds per repetition, bytes verified or None) of one collective baseline."""
+    mod, why = _module()
+    if mod is None:
+        raise RuntimeError(why)
+    fn, verifies = FUNCTIONS[kind]
+    resources = {"num_gpus": 1.0 / (receivers + 1)} if device == "cuda" else (
+        {"resources": {"NPU": 1.0 / (receivers + 1)}} if device == "npu" else None)
+    seconds = getattr(mod, fn)(manifest, receivers, backend=backend, device=device, repeats=repeats,
+                               resources=resources)
+    # per_tensor_broadcast raises when a receiver's model differs from the sender's tensors
+    return list(seconds), (True if verifies else None)
