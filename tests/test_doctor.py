@@ -1,0 +1,55 @@
+"""``weightsync doctor`` run as a user runs it: the installed console script, a fresh process."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+
+from weightsync.capabilities import DISABLE_IPC_VAR
+
+
+def _doctor(*args):
+    exe = shutil.which("weightsync") or os.path.join(os.path.dirname(sys.executable), "weightsync")
+    env = {k: v for k, v in os.environ.items() if k != DISABLE_IPC_VAR}
+    out = subprocess.run([exe, "doctor", *args], capture_output=True, text=True, timeout=120, env=env)
+    assert out.returncode == 0, out.stderr
+    return out.stdout
+
+
+def test_doctor_json_names_each_transport_and_why():
+    report = json.loads(_doctor("--json"))
+    assert report["platform"] == "cpu"
+    assert report["versions"]["torch"].startswith(("2.", "3."))
+    assert report["versions"]["ray"]
+    assert set(report["transports"]) >= {"shm", "ipc", "broadcast"}
+    for name, t in report["transports"].items():
+        assert isinstance(t["available"], bool) and t["reason"], name
+    assert report["transports"]["shm"]["available"]
+    assert report["transports"]["ipc"]["available"]
+    assert "/dev/shm" in report["transports"]["ipc"]["reason"]
+
+
+def _doctor_here(capsys, *args):
+    # in-process: the same code path as the console script, without another torch import
+    from weightsync.cli import main
+
+    assert main(["doctor", *args]) == 0
+    return capsys.readouterr().out
+
+
+def test_doctor_reports_ipc_unavailable_with_the_reason(capsys, monkeypatch):
+    monkeypatch.setenv(DISABLE_IPC_VAR, "no shared device memory in this sandbox")
+    report = json.loads(_doctor_here(capsys, "--json"))
+    ipc = report["transports"]["ipc"]
+    assert ipc == {"available": False, "reason": f"{DISABLE_IPC_VAR}: no shared device memory in this sandbox"}
+    assert report["env"][DISABLE_IPC_VAR]
+
+
+def test_doctor_text_is_pasteable(capsys):
+    text = _doctor_here(capsys)
+    assert text.startswith("weightsync doctor")
+    for needle in ("platform:      cpu", "torch ", "ray ", "transports:", "  ipc ", "  shm "):
+        assert needle in text, needle

@@ -1,0 +1,180 @@
+"""The ipc transport with real Ray actors: on CPU the bucket buffers are shared host storage,
+the same protocol (handles, ready/released words, per-receiver slots) as on a device."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+import torch
+
+from weightsync.capabilities import DISABLE_IPC_VAR
+from weightsync.errors import ConfigError, ProtocolError, SyncFailed
+from weightsync.layouts import layout, materialize
+from weightsync.testing import RolloutWorker, TrainerWorker, same_bits
+from weightsync.transports.ipc import import_handle, tag
+
+# 30 KiB buckets: the 125 KiB embedding of "tiny" spans five buckets, more than the two
+# ping-pong buffers, which is the case that needs buckets published before their tensor ends
+SMALL = {"bucket_mb": 0.03}
+
+
+def _workers(ray, actors, coord, manifest, cfg, receivers=2):
+    R = ray.remote(RolloutWorker).options(num_cpus=0)
+    T = ray.remote(TrainerWorker).options(num_cpus=0)
+    rs = [actors.add(R.remote(coord, manifest.to_wire(), f"rollout-{i}", rank=i, config=cfg)) for i in range(receivers)]
+    t = actors.add(T.remote(coord, manifest.to_wire(), config=cfg, expected_receivers=receivers))
+    return rs, t
+
+
+def _check_bits(ray, rs, manifest, version):
+    expected = materialize(manifest, seed=version)
+    for r in rs:
+        got = ray.get(r.weights.remote())
+        bad = [n for n in expected if not same_bits(got[n], expected[n])]
+        assert not bad, f"version {version}: {len(bad)} tensors differ, first {bad[0]}"
+
+
+def _ipc_resources(status):
+    return {k: v for k, v in status["resources"].items() if k.startswith("ipc")}
+
+
+def test_ipc_two_receivers_ten_versions_bit_exact(ray_cluster, coordinator_factory, actors):
+    ray = ray_cluster
+    m = layout("tiny")
+    coord = coordinator_factory({**SMALL, "transport": "auto"})
+    rs, t = _workers(ray, actors, coord, m, None)
+    for v in range(1, 11):
+        refs = [r.apply.remote(v) for r in rs]
+        out = ray.get(t.step.remote(v))
+        assert ray.get(refs) == [v, v]
+        assert sorted(out["metrics"]["committed"]) == ["rollout-0", "rollout-1"]
+        _check_bits(ray, rs, m, v)
+    status = coord.status()
+    # auto: on CPU every party on this host shares the "device", and host ipc is supported
+    assert status["transport"] == "ipc"
+    assert "every receiver shares the sender's device" in status["transport_reason"]
+    assert status["latest_committed"] == 10
+    # sender: control block + 2 buffers; each receiver maps the same three
+    assert _ipc_resources(status) == {"ipc_control": 3, "ipc_handles": 6}
+    assert ray.get(rs[0].counters.remote())["post_loads"] == 10
+    ray.get([a.close.remote() for a in rs + [t]])
+    status = coord.status()
+    assert _ipc_resources(status) == {"ipc_control": 0, "ipc_handles": 0}
+    assert all(v == 0 for v in status["resources"].values())
+
+
+def _sender_here(coord, receivers):
+    # the trainer side runs in the test process, so the environment switch applies to it only
+    from weightsync.sender import WeightSender
+
+    return WeightSender(coord, expected_receivers=receivers)
+
+
+def test_auto_falls_back_to_shm_when_ipc_is_unsupported(ray_cluster, coordinator_factory, actors, monkeypatch):
+    ray = ray_cluster
+    m = layout("tiny")
+    coord = coordinator_factory({**SMALL, "transport": "auto"})
+    R = ray.remote(RolloutWorker).options(num_cpus=0)
+    r = actors.add(R.remote(coord, m.to_wire(), "rollout-0"))
+    monkeypatch.setenv(DISABLE_IPC_VAR, "driver lacks IPC")
+    with _sender_here(coord, 1) as sender:
+        ref = r.apply.remote(1)
+        sender.stage(1, materialize(m, seed=1))
+        sender.sync(1)
+        assert ray.get(ref) == 1
+        _check_bits(ray, [r], m, 1)
+        status = coord.status()
+    assert status["transport"] == "shm"
+    assert "ipc is unavailable" in status["transport_reason"]
+    assert "driver lacks IPC" in status["transport_reason"]
+    assert "fell back to shm" in status["transport_reason"]
+
+
+def test_explicit_ipc_that_cannot_work_fails_at_publish_with_the_reason(coordinator_factory, monkeypatch):
+    m = layout("tiny")
+    coord = coordinator_factory({**SMALL, "transport": "ipc"})
+    monkeypatch.setenv(DISABLE_IPC_VAR, "1")
+    with _sender_here(coord, 0) as sender:
+        with pytest.raises(ConfigError, match=f"transport 'ipc' cannot run here: {DISABLE_IPC_VAR}"):
+            sender.stage(1, materialize(m, seed=1))
+    assert coord.status()["transport"] is None
+
+
+def test_sender_stops_waiting_for_a_receiver_declared_dead(ray_cluster, coordinator_factory, actors):
+    ray = ray_cluster
+    m = layout("tiny")
+    coord = coordinator_factory({**SMALL, "transport": "ipc", "heartbeat_timeout_s": 2.0})
+    R = ray.remote(RolloutWorker).options(num_cpus=0)
+    rs = [actors.add(R.remote(coord, m.to_wire(), f"rollout-{i}", rank=i)) for i in range(2)]
+    with _sender_here(coord, 2) as sender:
+        refs = [r.apply.remote(1) for r in rs]
+        sender.stage(1, materialize(m, seed=1))
+        sender.sync(1)
+        assert ray.get(refs) == [1, 1]
+        # rollout-1 holds a receiver slot, then dies without releasing anything of version 2
+        ray.kill(rs[1])
+        live = rs[0].apply.remote(2)
+        sender.stage(2, materialize(m, seed=2))
+        t0 = time.monotonic()
+        with pytest.raises(SyncFailed) as info:
+            sender.sync(2)
+        took = time.monotonic() - t0
+    assert set(info.value.failed) == {"rollout-1"}
+    assert "silent" in info.value.failed["rollout-1"]
+    assert took < 20, f"the sender waited {took:.1f}s for a dead receiver (sync_timeout_s is 60)"
+    assert ray.get(live) == 2  # the live receiver got every bucket of version 2
+    _check_bits(ray, rs[:1], m, 2)
+
+
+def test_receiver_refuses_handles_outside_the_allowlist():
+    # the control plane carries handles as data; only known rebuild functions are ever called
+    with pytest.raises(ProtocolError, match="unknown kind"):
+        import_handle({"kind": "pickle", "physical": 0})
+    with pytest.raises(ProtocolError, match="malformed"):
+        import_handle({"kind": "cuda", "physical": "0"})
+
+
+def test_tags_order_buckets_within_and_across_versions():
+    assert tag(1, 0) > tag(0, 5000) > tag(0, 1) > tag(0, 0) > 0
+    assert tag(2**39 - 2, 2**24 - 1) < 2**64
+
+
+def _roundtrip_in_child(kind: str):
+    """Share a device buffer with a child process through our msgpack handle and read it back."""
+    import multiprocessing as mp
+
+    from weightsync import protocol
+    from weightsync.device import resolve
+    from weightsync.transports.ipc import export_handle
+
+    dev = resolve(kind)
+    t = torch.arange(4096, dtype=torch.int32, device=dev).view(torch.uint8)
+    wire = protocol.encode(export_handle(t))
+    ctx = mp.get_context("spawn")
+    q = ctx.Queue()
+    p = ctx.Process(target=_child_sum, args=(kind, wire, q))
+    p.start()
+    got = q.get(timeout=120)
+    p.join(30)
+    assert got == int(t.view(torch.int32).sum().item())
+
+
+def _child_sum(kind, wire, q):
+    from weightsync import protocol
+    from weightsync.transports.ipc import import_handle
+
+    if kind == "npu":
+        import torch_npu  # noqa: F401
+    t = import_handle(protocol.decode(wire))
+    q.put(int(t.view(torch.int32).sum().item()))
+
+
+@pytest.mark.cuda
+def test_cuda_handle_roundtrip_through_msgpack():
+    _roundtrip_in_child("cuda")
+
+
+@pytest.mark.npu
+def test_npu_handle_roundtrip_through_msgpack():
+    _roundtrip_in_child("npu")

@@ -1,0 +1,175 @@
+"""Transport choice (pure) and the capability rules behind it (versions read from real files)."""
+
+from __future__ import annotations
+
+import pytest
+
+from weightsync import capabilities as caps
+from weightsync.device import local_index, physical_index
+from weightsync.errors import ConfigError
+from weightsync.selection import COLOCATED, REMOTE, SAME_NODE, choose_transport, placement
+
+import torch
+
+OK = {"ok": True, "reason": "ipc fine"}
+NO = {"ok": False, "reason": "CANN 8.2.RC1 is older than 8.3.RC1"}
+
+
+def party(host="h1", kind="cpu", physical=None, ipc=None, name=None):
+    d = {"host": host, "device": {"type": kind, "index": 0 if kind != "cpu" else None, "physical": physical}}
+    if ipc is not None:
+        d["ipc"] = ipc
+    if name:
+        d["name"] = name
+    return d
+
+
+# -- placement and auto ------------------------------------------------------------------
+
+def test_placement_compares_host_then_physical_device():
+    s = party(kind="npu", physical=3)
+    assert placement(s, party(kind="npu", physical=3)) == COLOCATED
+    assert placement(s, party(kind="npu", physical=4)) == SAME_NODE
+    assert placement(s, party(host="h2", kind="npu", physical=3)) == REMOTE
+    assert placement(party(), party()) == COLOCATED  # host memory: one node is one device
+
+
+def test_auto_colocated_with_ipc_picks_ipc():
+    name, reason = choose_transport("auto", party(ipc=OK), [party(), party()])
+    assert name == "ipc" and "shares the sender's device" in reason
+
+
+def test_auto_colocated_without_ipc_falls_back_to_shm_and_says_why():
+    name, reason = choose_transport("auto", party(kind="npu", physical=0, ipc=NO), [party(kind="npu", physical=0)])
+    assert name == "shm"
+    assert "CANN 8.2.RC1 is older than 8.3.RC1" in reason and "fell back to shm" in reason
+
+
+def test_auto_same_node_other_devices_picks_broadcast_on_accelerators():
+    name, reason = choose_transport("auto", party(kind="npu", physical=0, ipc=OK),
+                                    [party(kind="npu", physical=0, name="r0"), party(kind="npu", physical=1, name="r1")])
+    assert name == "broadcast" and "r1" in reason and "npu collective" in reason
+
+
+def test_auto_same_node_cpu_without_device_collective_picks_shm():
+    # a CPU sender with receivers on accelerators of the node: no shared device collective
+    name, _ = choose_transport("auto", party(ipc=OK), [party(kind="cuda", physical=0)])
+    assert name == "shm"
+
+
+def test_auto_across_nodes_picks_broadcast():
+    for kind, phys in (("cpu", None), ("cuda", 0)):
+        name, reason = choose_transport("auto", party(kind=kind, physical=phys, ipc=OK),
+                                        [party(kind=kind, physical=phys), party(host="h2", kind=kind, physical=phys)])
+        assert name == "broadcast" and "other nodes" in reason
+
+
+def test_auto_without_registered_receivers_picks_what_serves_late_joiners():
+    assert choose_transport("auto", party(ipc=OK), [])[0] == "shm"
+    name, reason = choose_transport("auto", party(kind="npu", physical=0, ipc=OK), [])
+    assert name == "broadcast" and "expected_receivers" in reason
+
+
+# -- explicit choices --------------------------------------------------------------------
+
+def test_explicit_ipc_needs_support_on_the_sender():
+    with pytest.raises(ConfigError, match="transport 'ipc' cannot run here: CANN 8.2.RC1"):
+        choose_transport("ipc", party(ipc=NO), [party()])
+
+
+def test_explicit_ipc_needs_every_receiver_on_the_sender_device():
+    s = party(kind="npu", physical=2, ipc=OK)
+    with pytest.raises(ConfigError, match=r"use another device") as info:
+        choose_transport("ipc", s, [party(kind="npu", physical=2), party(kind="npu", physical=5, name="rollout-7")])
+    assert "rollout-7" in str(info.value) and "physical npu 2" in str(info.value)
+    with pytest.raises(ConfigError, match="run on another node"):
+        choose_transport("ipc", s, [party(host="h9", kind="npu", physical=2)])
+    with pytest.raises(ConfigError, match="expected_receivers"):
+        choose_transport("ipc", s, [])
+    assert choose_transport("ipc", s, [party(kind="npu", physical=2)])[0] == "ipc"
+
+
+def test_explicit_shm_across_nodes_fails_and_broadcast_always_passes():
+    with pytest.raises(ConfigError, match="h2"):
+        choose_transport("shm", party(), [party(host="h2")])
+    assert choose_transport("broadcast", party(), [party(host="h2")]) == (
+        "broadcast", "transport 'broadcast' requested by config")
+
+
+# -- capability rules ----------------------------------------------------------------------
+
+@pytest.mark.parametrize("older,newer", [
+    ("8.3.RC1", "8.3.0"), ("8.2.RC1.alpha003", "8.2.RC1"), ("8.2.RC1", "8.3.RC1"), ("24.1.rc2", "25.3.RC1"),
+    ("25.3.rc1", "25.3.0"), ("2.7.1", "2.7.1.post2"), ("2.1.0.post13", "2.1.0.post17"), ("2.9.0rc1", "2.9.0"),
+])
+def test_versions_order_like_ascend_releases(older, newer):
+    assert caps.parse_version(older) < caps.parse_version(newer)
+
+
+def test_version_spelling_does_not_matter_and_junk_is_rejected():
+    assert caps.parse_version("25.3.rc1") == caps.parse_version("25.3.RC1")
+    assert caps.parse_version("not a version") is None
+    assert not caps.at_least(None, "8.3.RC1")
+
+
+def test_npu_ipc_rules_each_give_their_reason():
+    good = ("25.3.rc1", "8.3.RC1", "2.7.1")
+    assert caps.npu_ipc_support(*good).ok
+    cases = {
+        (None, "8.3.RC1", "2.7.1"): "driver (HDK) version unknown",
+        ("25.2.0", "8.3.RC1", "2.7.1"): "HDK 25.2.0 is older than 25.3.RC1",
+        ("25.3.rc1", None, "2.7.1"): "CANN version unknown",
+        ("25.3.rc1", "8.2.RC1", "2.7.1"): "CANN 8.2.RC1 is older than 8.3.RC1",
+        ("25.3.rc1", "8.3.RC1", None): "torch_npu is not installed",
+        ("25.3.rc1", "8.3.RC1", "2.5.1.post1"): "predates Ascend Extension for PyTorch 7.2.0",
+        ("25.3.rc1", "8.3.RC1", "2.6.0"): "predates",
+    }
+    for args, why in cases.items():
+        cap = caps.npu_ipc_support(*args)
+        assert not cap.ok and why in cap.reason, (args, cap.reason)
+    for ok in ("2.1.0.post17", "2.6.0.post3", "2.8.0", "2.9.0", "2.10.0"):
+        assert caps.torch_npu_meets_extension(ok).ok, ok
+    noted = caps.npu_ipc_support(*good, nz="1")
+    assert noted.ok and "FRACTAL_NZ" in noted.notes[0]
+    assert not caps.npu_ipc_support(*good, nz="0").notes
+
+
+def test_versions_are_read_from_the_ascend_install_files(tmp_path):
+    root = tmp_path / "Ascend"
+    (root / "driver").mkdir(parents=True)
+    (root / "driver" / "version.info").write_text("Version=25.3.rc1\nascendhal_version=7.35.23\n")
+    info = root / "ascend-toolkit" / "latest" / "aarch64-linux"
+    info.mkdir(parents=True)
+    (info / "ascend_toolkit_install.info").write_text("package_name=Ascend-cann-toolkit\nversion=8.3.RC1\n")
+    etc = tmp_path / "ascend_install.info"
+    assert caps.driver_version(str(root), str(etc))[0] == "25.3.rc1"
+    assert caps.cann_version({}, str(root), arch="aarch64") == ("8.3.RC1", str(info / "ascend_toolkit_install.info"))
+    # the installer may record another driver path; set_env.sh exports the toolkit home
+    other = tmp_path / "opt"
+    (other / "driver").mkdir(parents=True)
+    (other / "driver" / "version.info").write_text("Version=25.5.0\n")
+    etc.write_text(f"Driver_Install_Path_Param={other}\n")
+    assert caps.driver_version(str(root), str(etc))[0] == "25.5.0"
+    home = tmp_path / "cann-8.5.0"
+    (home / "aarch64-linux").mkdir(parents=True)
+    (home / "aarch64-linux" / "ascend_toolkit_install.info").write_text("version=8.5.0\n")
+    assert caps.cann_version({"ASCEND_TOOLKIT_HOME": str(home)}, str(root), arch="aarch64")[0] == "8.5.0"
+    assert caps.cann_version({}, str(tmp_path / "none"), arch="aarch64") == (None, "")
+
+
+def test_operator_switch_disables_ipc_with_its_reason(tmp_path):
+    assert caps.ipc_support("cpu", str(tmp_path), environ={}).ok
+    cap = caps.ipc_support("cpu", str(tmp_path), environ={caps.DISABLE_IPC_VAR: "kernel 5.4 bug"})
+    assert not cap.ok and "kernel 5.4 bug" in cap.reason
+    assert not caps.ipc_support("cpu", str(tmp_path / "missing"), environ={}).ok
+
+
+def test_physical_ids_map_back_to_local_indices(monkeypatch):
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "4,6")
+    assert physical_index(torch.device("cuda", 1)) == 6
+    assert local_index("cuda", 6) == 1
+    monkeypatch.setenv("ASCEND_RT_VISIBLE_DEVICES", "4,6")
+    assert local_index("npu", 6) == 1
+    assert local_index("npu", 5) is None
+    monkeypatch.delenv("ASCEND_RT_VISIBLE_DEVICES")
+    assert local_index("npu", 5) == 5
