@@ -195,7 +195,8 @@ def write_plot(result: dict[str, Any], path: str) -> str | None:
         ax.axhline(ceiling, color="red", linestyle="--", linewidth=1.2)
         ax.annotate(f"copy ceiling {ceiling:.1f} GB/s", (len(labels) - 0.5, ceiling), ha="right", va="bottom",
                     color="red", fontsize=8)
-        ax.set_xticks(list(xs), labels, fontsize=8, rotation=0)
+        crowded = len(labels) > 5
+        ax.set_xticks(list(xs), labels, fontsize=8, rotation=35 if crowded else 0, ha="right" if crowded else "center")
         ax.set_title(f"{n} receiver{'s' if n > 1 else ''}")
         ax.grid(axis="y", alpha=0.3)
     axes[0][0].set_ylabel("GB/s per version (higher is better)")
