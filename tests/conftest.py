@@ -91,3 +91,51 @@ def shm_clean():
             return
         time.sleep(0.5)
     pytest.fail(f"segments left in /dev/shm after the tests: {sorted(left)}")
+
+
+# -- the README's Reliability table is produced from these tests --------------------------
+# Tests marked @pytest.mark.scenario(kind, name) are collected with their transport
+# parameter and outcome into results/reliability.{json,md}; scripts/reliability_table.py
+# copies the table into README.md.
+
+_scenarios: list[dict] = []
+
+
+def pytest_configure(config):
+    config.addinivalue_line("markers", "scenario(kind, name): a fault / bad-input / soak / security case for the README table")
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item, call):
+    outcome = yield
+    report = outcome.get_result()
+    mark = item.get_closest_marker("scenario")
+    if mark is None or report.when != "call" and not (report.when == "setup" and report.outcome != "passed"):
+        return
+    params = getattr(getattr(item, "callspec", None), "params", {})
+    _scenarios.append({"kind": mark.args[0], "name": mark.args[1], "transport": params.get("transport", "any"),
+                       "outcome": "skipped" if report.skipped else report.outcome, "test": item.nodeid})
+
+
+def pytest_sessionfinish(session, exitstatus):
+    if not _scenarios:
+        return
+    import json
+    from pathlib import Path
+
+    out = Path(session.config.rootpath) / "results"
+    out.mkdir(exist_ok=True)
+    (out / "reliability.json").write_text(json.dumps(_scenarios, indent=1))
+    transports = sorted({s["transport"] for s in _scenarios})
+    rows: dict[tuple[str, str], dict[str, str]] = {}
+    for s in _scenarios:
+        rows.setdefault((s["kind"], s["name"]), {})[s["transport"]] = s["outcome"]
+    mark = {"passed": "pass", "failed": "FAIL", "skipped": "skip"}
+    lines = ["| kind | scenario | " + " | ".join(transports) + " |", "|---|---|" + "---|" * len(transports)]
+    for (kind, name), by in rows.items():
+        lines.append(f"| {kind} | {name} | " + " | ".join(mark.get(by.get(t, ""), "n/a") for t in transports) + " |")
+    counts = {k: sum(1 for s in _scenarios if s["kind"] == k and s["outcome"] == "passed") for k in
+              sorted({s["kind"] for s in _scenarios})}
+    lines.append("")
+    lines.append("Passing cases: " + ", ".join(f"{k}: {n}" for k, n in counts.items()))
+    (out / "reliability.md").write_text("\n".join(lines) + "\n")

@@ -62,13 +62,16 @@ class Party:
         """Called after re-registering with a restarted coordinator."""
 
     def _call(self, op: str, **args: Any) -> Any:
+        party = self.party
         try:
-            return self.coordinator.call(op, party=self.party, **args)
+            return self.coordinator.call(op, party=party, **args)
         except SessionLost:
-            # the coordinator restarted and lost the session: join again, then retry once
+            # the coordinator restarted and lost the session: join again, then retry once.
+            # Only the first thread to notice re-registers (heartbeat and caller race here).
             with self._rejoin_lock:
-                self._register()
-                self._rejoined()
+                if self.party == party:
+                    self._register()
+                    self._rejoined()
             return self.coordinator.call(op, party=self.party, **args)
 
     def _heartbeat(self) -> None:

@@ -145,7 +145,6 @@ class WeightSender(Party):
             self.coordinator.call("publish", party=self.party, **self._published)
 
     def _stage(self, version: int, named: NamedTensors) -> float:
-        self._last_version = version
         t0 = time.perf_counter()
         if not self.sends:
             for _ in (named.items() if isinstance(named, Mapping) else named):
@@ -156,6 +155,7 @@ class WeightSender(Party):
                 named = list(named)  # the first version fixes the manifest: we need it whole
             self.publish(build_manifest(named))
         slot = self._call("begin_stage", version=version)["slot"]
+        self._last_version = version  # a restarted coordinator learns it on re-registration
         try:
             info = self.transport.stage(
                 version, slot,
