@@ -32,12 +32,29 @@ class FakeReplica:
         self.calls.append("resume")
 
 
-@pytest.fixture
-def groups(ray_cluster):
-    from weightsync_verl.testing import CpuGroups
+def _config(transport):
+    from verl.workers.config import CheckpointEngineConfig
+
+    return CheckpointEngineConfig(
+        backend="weightsync", custom_backend_module=MODULE, update_weights_bucket_megabytes=1,
+        engine_kwargs={"weightsync": {"transport": transport, "coordinator_name": f"ws-verl-ce-{transport}",
+                                      "bucket_mb": 1 / 64, "heartbeat_interval_s": 0.2, "heartbeat_timeout_s": 5.0,
+                                      "sync_timeout_s": 60.0, "connect_timeout_s": 60.0}})
+
+
+@pytest.fixture(scope="module")
+def worker_groups(ray_cluster):
+    """2 actor workers, 2 rollout workers (verl's CheckpointEngineWorker); shared by the
+    transports (each test builds fresh engines in them), since starting verl workers is slow."""
+    from verl.workers.config import RolloutConfig
+
+    from weightsync_verl.testing import CpuGroups, EngineActor, engine_rollout_worker
 
     made = CpuGroups()
-    yield made
+    cfg = _config("shm")
+    actors = made(EngineActor, 2, checkpoint_engine_config=cfg)
+    rollouts = made(engine_rollout_worker(), 2, rollout_config=RolloutConfig(name="vllm", checkpoint_engine=cfg))
+    yield actors, rollouts
     made.close()
 
 
@@ -61,22 +78,17 @@ def _transports():
 
 
 @pytest.mark.parametrize("transport", _transports())
-def test_manager_transfer_is_bit_exact(groups, transport):
+def test_manager_transfer_is_bit_exact(worker_groups, transport):
     import ray
     from verl.checkpoint_engine import CheckpointEngineManager
-    from verl.workers.config import CheckpointEngineConfig, RolloutConfig
 
     from weightsync.testing import same_bits
-    from weightsync_verl.testing import EngineActor, engine_rollout_worker, hf_weights
+    from weightsync_verl.testing import hf_weights
 
-    name = f"ws-verl-ce-{transport}"
-    cfg = CheckpointEngineConfig(
-        backend="weightsync", custom_backend_module=MODULE, update_weights_bucket_megabytes=1,
-        engine_kwargs={"weightsync": {"transport": transport, "coordinator_name": name, "bucket_mb": 0.0625,
-                                      "heartbeat_interval_s": 0.2, "heartbeat_timeout_s": 5.0,
-                                      "sync_timeout_s": 60.0, "connect_timeout_s": 60.0}})
-    actors = groups(EngineActor, 2, checkpoint_engine_config=cfg)
-    rollouts = groups(engine_rollout_worker(), 2, rollout_config=RolloutConfig(name="vllm", checkpoint_engine=cfg))
+    actors, rollouts = worker_groups
+    cfg = _config(transport)
+    actors.use_engine(cfg)
+    rollouts.use_engine(cfg)
     replicas = [FakeReplica(rollouts.workers[:1]), FakeReplica(rollouts.workers[1:])]
     manager = CheckpointEngineManager(config=cfg, actor_wg=actors, replicas=replicas)
     try:

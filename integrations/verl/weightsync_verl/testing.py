@@ -182,10 +182,14 @@ class EngineActor(Worker):
 
     def __init__(self, checkpoint_engine_config: Any) -> None:
         super().__init__()
+        self.use_engine(checkpoint_engine_config)
+
+    @register(dispatch_mode=Dispatch.ONE_TO_ALL)
+    def use_engine(self, cfg: Any) -> None:
+        """Build the engine as verl's actor worker does (lets a test reuse the processes)."""
         from verl.checkpoint_engine.base import CheckpointEngineRegistry
         from verl.utils.import_utils import import_external_libs
 
-        cfg = checkpoint_engine_config
         import_external_libs(cfg.custom_backend_module or None)
         self.checkpoint_engine = CheckpointEngineRegistry.new(
             cfg.backend, is_master=self.rank == 0, bucket_size=cfg.update_weights_bucket_megabytes << 20,
@@ -233,6 +237,16 @@ def engine_rollout_worker() -> type:
     class EngineRollout(CheckpointEngineWorker):
         def __init__(self, rollout_config: Any) -> None:
             super().__init__(rollout_config, None, server_adapter=Collector())
+
+        @register(dispatch_mode=Dispatch.ONE_TO_ALL)
+        def use_engine(self, cfg: Any) -> None:
+            """Rebuild the engine the way CheckpointEngineWorker.__init__ does, from ``cfg``."""
+            from verl.checkpoint_engine.base import CheckpointEngineRegistry
+
+            self.checkpoint_engine = CheckpointEngineRegistry.new(
+                cfg.backend, bucket_size=cfg.update_weights_bucket_megabytes << 20,
+                **cfg.engine_kwargs.get(cfg.backend, {}))
+            self.server_adapter.received.clear()
 
         @register(dispatch_mode=Dispatch.ONE_TO_ALL)
         def received(self, global_steps: int | None) -> dict[str, torch.Tensor]:
