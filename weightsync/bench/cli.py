@@ -118,11 +118,11 @@ def run_bench(args: argparse.Namespace) -> int:
                     rows.append(bench.ray_row(b, n))
                 else:
                     rows.append(bench.collective_row(b, n, backend))
-                _echo(rows[-1])
+                _echo(rows[-1], bench)
             for t in args.transport:
                 for mb in args.bucket_mb:
                     rows.append(bench.sync_row(t, mb, n, backend=backend if t == "broadcast" else "auto"))
-                    _echo(rows[-1])
+                    _echo(rows[-1], bench)
     finally:
         if bench is not None:
             bench.close()
@@ -158,7 +158,7 @@ def run_bench(args: argparse.Namespace) -> int:
     return 1 if any(r.get("error") and r["kind"] != "unavailable" for r in rows) else 0
 
 
-def _echo(row: dict[str, Any]) -> None:
+def _echo(row: dict[str, Any], bench: Any = None) -> None:
     if row["kind"] == "unavailable":
         msg = f"unavailable: {row['error']}"
     elif row.get("error"):
@@ -167,3 +167,8 @@ def _echo(row: dict[str, Any]) -> None:
         msg = f"median {row['median_s']:.3f}s, {row['gbps']:.2f} GB/s"
     bucket = f" {row['bucket_mb']:g}MiB" if row.get("bucket_mb") else ""
     print(f"  {row['name']}{bucket} x{row['receivers']}: {msg}", file=sys.stderr)
+    if bench is not None and row.get("error") and row["kind"] != "unavailable":
+        replaced = bench.revive()
+        if replaced:
+            row["replaced_actors"] = replaced
+            print(f"  (replaced dead actors after this row: {', '.join(replaced)})", file=sys.stderr)

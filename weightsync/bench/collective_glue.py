@@ -36,7 +36,7 @@ def unavailable(kind: str, backend: str, device: str, payload: int, receivers: i
         # receiver a model plus a flat buffer, beside the benchmark's actors
         need = 2 * payload * (receivers + 1)
         free = psutil.virtual_memory().available
-        if need > 0.8 * free:
+        if need > 0.5 * free:  # margin: the benchmark's own actors and segments grow meanwhile
             return f"needs about {need / 2**30:.1f} GiB of free memory, {free / 2**30:.1f} GiB available"
     return None
 

@@ -119,11 +119,41 @@ class Bench:
             opts["num_gpus"] = 1.0 / parties  # colocated on one device, like the ipc case
         elif device == "npu":
             opts["resources"] = {"NPU": 1.0 / parties}
-        wire = manifest.to_wire()
-        self.trainer = ray.remote(BenchTrainer).options(**opts).remote(wire, device, weights_path)
-        self.rollouts = [ray.remote(BenchRollout).options(**opts).remote(wire, f"bench-rollout-{i}", i + 1, device)
-                         for i in range(receivers)]
+        self._opts, self._weights_path = opts, weights_path
+        self.trainer = self._new_trainer()
+        self.rollouts = [self._new_rollout(i) for i in range(receivers)]
         ray.get([self.trainer.pid.remote()] + [r.pid.remote() for r in self.rollouts])
+
+    def _new_trainer(self) -> Any:
+        return ray.remote(BenchTrainer).options(**self._opts).remote(self.manifest.to_wire(), self.device,
+                                                                     self._weights_path)
+
+    def _new_rollout(self, i: int) -> Any:
+        return ray.remote(BenchRollout).options(**self._opts).remote(self.manifest.to_wire(), f"bench-rollout-{i}",
+                                                                     i + 1, self.device)
+
+    def revive(self) -> list[str]:
+        """Replace actors that died (e.g. killed by Ray's memory monitor), so one failed row
+        does not fail every row after it. Returns who was replaced."""
+        replaced = []
+
+        def alive(actor: Any) -> bool:
+            try:
+                ray.get(actor.pid.remote(), timeout=120)
+                return True
+            except Exception:
+                with contextlib.suppress(Exception):
+                    ray.kill(actor)
+                return False
+
+        if not alive(self.trainer):
+            self.trainer = self._new_trainer()
+            replaced.append("trainer")
+        for i, r in enumerate(self.rollouts):
+            if not alive(r):
+                self.rollouts[i] = self._new_rollout(i)
+                replaced.append(f"rollout-{i}")
+        return replaced
 
     # -- helpers -----------------------------------------------------------------------
 

@@ -1,0 +1,284 @@
+"""Collective baselines for the broadcast transport, measured with real Ray actors over the
+same group construction the transport uses (:class:`weightsync.transports.broadcast.Group`).
+
+- :func:`raw_broadcast`: the version's bytes pre-packed in one flat buffer, sent by a single
+  broadcast. The wire limit: no packing, no checksums, no loading, no pipelining to lose.
+- :func:`per_tensor_broadcast`: one broadcast per tensor, each loaded as it arrives: what
+  verl's one-step-off-policy recipe does today.
+- :func:`bucketed_broadcast`: a whole weightsync version over the broadcast transport
+  (pack, send, verify, load, commit), as the trainer sees it: ``stage_s + barrier_s``.
+
+Each returns seconds per repetition. Ray must be initialised by the caller; the actors take
+no CPU resource (they measure the machine, not Ray's scheduler) and are killed afterwards.
+
+    python -m weightsync.bench.collective --layout moe-small --receivers 1 3
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import secrets
+import time
+from typing import Any
+
+import ray
+import torch
+
+from ..layouts import layout, materialize
+from ..manifest import Manifest
+from ..testing import ToyEngine
+from ..transports.broadcast import Group, choose_backend, comm_device, connect_store, host_store, store_host
+
+
+class Peer:
+    """One rank of a baseline group: rank 0 sends, the others receive into a ToyEngine."""
+
+    def __init__(self, rank: int, size: int, manifest_wire: list, backend: str = "gloo", device: str = "cpu"):
+        from ..device import resolve
+
+        self.rank, self.size = rank, size
+        self.manifest = Manifest.from_wire(manifest_wire)
+        self.backend = backend
+        self.device = comm_device(backend, resolve(device), f"bench rank {rank}")
+        self.store: Any = None
+        self.group: Group | None = None
+        self.tensors: dict[str, torch.Tensor] = {}
+        self.flat: torch.Tensor | None = None
+        self.engine: ToyEngine | None = None
+
+    def host(self, port: int = 0, host: str = "auto") -> tuple[str, int]:
+        self.store = host_store(port, 60.0)
+        return store_host(host), self.store.port
+
+    def join(self, host: str, port: int, prefix: str, timeout: float = 60.0) -> None:
+        if self.store is None:
+            self.store = connect_store(host, port, timeout)
+        names = [f"bench-{r}" for r in range(self.size)]
+        self.group = Group.build(self.backend, self.store, prefix, self.rank, self.size, self.device, timeout, names)
+
+    def prepare(self, seed: int = 1) -> None:
+        """Tensors (sender) or the model (receivers), and the flat buffer, before any timing."""
+        if self.rank == 0:
+            self.tensors = {k: t.to(self.device) for k, t in materialize(self.manifest, seed=seed).items()}
+        else:
+            self.engine = ToyEngine(self.manifest, device=str(self.device))
+        total = self.manifest.total_bytes
+        self.flat = torch.empty(total, dtype=torch.uint8, device=self.device)
+        if self.rank == 0:
+            offset = 0
+            for t in self.tensors.values():
+                n = t.numel() * t.element_size()
+                self.flat[offset: offset + n].copy_(t.reshape(-1).view(torch.uint8))
+                offset += n
+        else:
+            self.flat.fill_(1)  # fault the pages in now, not inside the timed broadcast
+
+    def _fence(self) -> None:
+        token = torch.zeros(1, dtype=torch.int64, device=self.device)
+        self.group.broadcast(token, 60.0).wait()
+        _sync(self.device)
+
+    def raw(self) -> tuple[float, float]:
+        """(start, end) of one broadcast of the flat buffer, on the system-wide monotonic clock."""
+        self._fence()
+        t0 = time.monotonic()
+        self.group.broadcast(self.flat, 600.0).wait()
+        _sync(self.device)
+        return t0, time.monotonic()
+
+    def per_tensor(self) -> tuple[float, float]:
+        """(start, end) of one broadcast per tensor, each loaded on arrival, as the recipe does."""
+        self._fence()
+        t0 = time.monotonic()
+        for spec in self.manifest:
+            if self.rank == 0:
+                self.group.broadcast(self.tensors[spec.name], 600.0).wait()
+            else:
+                buf = torch.empty(spec.shape, dtype=spec.torch_dtype, device=self.device)
+                self.group.broadcast(buf, 600.0).wait()
+                self.engine.load_weights([(spec.name, buf)])
+        _sync(self.device)
+        return t0, time.monotonic()
+
+    def checksum_ok(self) -> bool:
+        """Receivers: the model holds the sender's bytes (the baselines must move real data)."""
+        if self.rank == 0:
+            return True
+        want = materialize(self.manifest, seed=1)
+        return all(torch.equal(self.engine.params[k].cpu().view(torch.uint8), want[k].view(torch.uint8))
+                   for k in want)
+
+    def close(self) -> None:
+        self.group = self.store = None
+
+
+def _sync(device: torch.device) -> None:
+    from ..transports.broadcast import sync_device
+
+    sync_device(device)
+
+
+def _peers(manifest: Manifest, receivers: int, backend: str, device: str, resources: dict | None) -> list[Any]:
+    actor = ray.remote(Peer).options(num_cpus=0, **(resources or {}))
+    size = receivers + 1
+    peers = [actor.remote(r, size, manifest.to_wire(), backend, device) for r in range(size)]
+    host, port = ray.get(peers[0].host.remote())
+    prefix = f"weightsync-bench/{secrets.token_hex(4)}"
+    ray.get([p.join.remote(host, port, prefix) for p in peers])
+    ray.get([p.prepare.remote() for p in peers])
+    return peers
+
+
+def _timed(peers: list[Any], method: str, repeats: int) -> list[float]:
+    out = []
+    for _ in range(repeats):
+        spans = ray.get([getattr(p, method).remote() for p in peers])
+        out.append(max(e for _, e in spans) - min(s for s, _ in spans))
+    if method == "per_tensor" and not all(ray.get([p.checksum_ok.remote() for p in peers])):
+        raise RuntimeError("per-tensor baseline delivered wrong bytes")
+    return out
+
+
+def _kill(actors: list[Any]) -> None:
+    for a in actors:
+        try:
+            ray.get(a.close.remote(), timeout=10)
+        except Exception:
+            pass
+        ray.kill(a)
+
+
+def raw_broadcast(manifest: Manifest, receivers: int, *, backend: str = "gloo", device: str = "cpu",
+                  repeats: int = 3, resources: dict | None = None) -> list[float]:
+    """Seconds of one broadcast of ``manifest.total_bytes`` pre-packed in a flat buffer."""
+    peers = _peers(manifest, receivers, backend, device, resources)
+    try:
+        return _timed(peers, "raw", repeats)
+    finally:
+        _kill(peers)
+
+
+def per_tensor_broadcast(manifest: Manifest, receivers: int, *, backend: str = "gloo", device: str = "cpu",
+                         repeats: int = 3, resources: dict | None = None) -> list[float]:
+    """Seconds of one broadcast per tensor, each handed to load_weights on arrival."""
+    peers = _peers(manifest, receivers, backend, device, resources)
+    try:
+        return _timed(peers, "per_tensor", repeats)
+    finally:
+        _kill(peers)
+
+
+class _BenchTrainer:
+    """Sender rank 0 holding one fixed set of tensors, so timing excludes making them."""
+
+    def __init__(self, coordinator: Any, manifest_wire: list, receivers: int):
+        from ..sender import WeightSender
+
+        self.manifest = Manifest.from_wire(manifest_wire)
+        self.tensors = materialize(self.manifest, seed=1)
+        self.sender = WeightSender(coordinator, expected_receivers=receivers)
+
+    def step(self, version: int) -> float:
+        self.sender.stage(version, self.tensors)
+        r = self.sender.sync(version)
+        return r.stage_s + r.barrier_s
+
+    def close(self) -> None:
+        self.sender.close()
+
+
+def bucketed_broadcast(manifest: Manifest, receivers: int, *, config: dict | None = None, repeats: int = 3,
+                       resources: dict | None = None) -> list[float]:
+    """Seconds per version over the broadcast transport: pack, send, verify, load, commit.
+    The first version (group construction, first-touch of the buffers) is not counted."""
+    from ..coordinator import Coordinator
+    from ..testing import RolloutWorker
+
+    cfg = {"transport": "broadcast", "bucket_mb": 64.0, **(config or {})}
+    coord = Coordinator.create(cfg, name=f"weightsync-bench-{os.getpid()}-{secrets.token_hex(3)}")
+    opts = {"num_cpus": 0, **(resources or {})}
+    workers = [ray.remote(RolloutWorker).options(**opts).remote(coord, manifest.to_wire(), f"bench-rollout-{i}",
+                                                                 rank=i, config=cfg, check=False)
+               for i in range(receivers)]
+    trainer = ray.remote(_BenchTrainer).options(**opts).remote(coord, manifest.to_wire(), receivers)
+    try:
+        out = []
+        for v in range(repeats + 1):
+            applied = [w.apply.remote(v) for w in workers]
+            seconds = ray.get(trainer.step.remote(v))
+            ray.get(applied)
+            if v:
+                out.append(seconds)
+        return out
+    finally:
+        _kill(workers + [trainer])
+        coord.shutdown()
+
+
+def compare(manifest: Manifest, receivers: int, *, config: dict | None = None, repeats: int = 3,
+            per_tensor: bool = True, raw: bool = True) -> dict[str, Any]:
+    """Best-of-``repeats`` seconds of each and the two ratios the broadcast issue asks for."""
+    cfg = dict(config or {})
+    backend = choose_backend(cfg.get("backend", "auto"), torch.device("cpu"))
+    out: dict[str, Any] = {"receivers": receivers, "bytes": manifest.total_bytes, "tensors": len(manifest),
+                           "backend": backend}
+    out["bucketed_s"] = min(bucketed_broadcast(manifest, receivers, config=cfg, repeats=repeats))
+    if raw:
+        out["raw_s"] = min(raw_broadcast(manifest, receivers, backend=backend, repeats=repeats))
+        out["bucketed_vs_raw"] = out["raw_s"] / out["bucketed_s"]
+    if per_tensor:
+        out["per_tensor_s"] = min(per_tensor_broadcast(manifest, receivers, backend=backend, repeats=repeats))
+        out["speedup_vs_per_tensor"] = out["per_tensor_s"] / out["bucketed_s"]
+    return out
+
+
+def _cell(r: dict[str, Any], key: str) -> str:
+    return f"{r[key]:.3f}s {r['bytes'] / 1e9 / r[key]:.2f}GB/s" if key in r else "-"
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(prog="python -m weightsync.bench.collective",
+                                     description="bucketed broadcast vs a raw flat broadcast and per-tensor broadcast")
+    parser.add_argument("--layout", default="moe-small", help="built-in layout (see weightsync.layouts)")
+    parser.add_argument("--dtype", default="bfloat16")
+    parser.add_argument("--receivers", type=int, nargs="+", default=[1, 3])
+    parser.add_argument("--bucket-mb", type=float, default=64.0)
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--no-checksum", action="store_true", help="bucketed run without per-bucket xxh3")
+    parser.add_argument("--skip", choices=["raw", "per-tensor"], nargs="*", default=[])
+    parser.add_argument("--json", action="store_true", help="one JSON object per receiver count")
+    args = parser.parse_args(argv)
+
+    manifest = layout(args.layout, args.dtype)
+    cfg = {"bucket_mb": args.bucket_mb, "checksum": not args.no_checksum}
+    started = not ray.is_initialized()
+    if started:
+        ray.init(include_dashboard=False, log_to_driver=False, logging_level="ERROR")
+    try:
+        if not args.json:
+            print(f"layout {args.layout}: {len(manifest)} tensors, {manifest.total_bytes / 1e9:.2f} GB; "
+                  f"bucket {args.bucket_mb:g} MiB; checksum {'off' if args.no_checksum else 'on'}; "
+                  f"{os.cpu_count()} CPU cores; best of {args.repeats}")
+            heads = " ".join(f"{h:>18}" for h in ("bucketed", "raw flat", "per-tensor"))
+            print(f"{'receivers':>9} {heads} {'bucketed/raw':>13} {'vs per-tensor':>14}")
+        for n in args.receivers:
+            r = compare(manifest, n, config=cfg, repeats=args.repeats, raw="raw" not in args.skip,
+                        per_tensor="per-tensor" not in args.skip)
+            r.update(layout=args.layout, bucket_mb=args.bucket_mb, checksum=not args.no_checksum,
+                     cpu_cores=os.cpu_count())
+            if args.json:
+                print(json.dumps(r))
+                continue
+            ratio = f"{r['bucketed_vs_raw']:.2f}x" if "bucketed_vs_raw" in r else "-"
+            speed = f"{r['speedup_vs_per_tensor']:.2f}x" if "speedup_vs_per_tensor" in r else "-"
+            cells = " ".join(f"{_cell(r, k):>18}" for k in ("bucketed_s", "raw_s", "per_tensor_s"))
+            print(f"{n:>9} {cells} {ratio:>13} {speed:>14}")
+    finally:
+        if started:
+            ray.shutdown()
+
+
+if __name__ == "__main__":
+    main()
