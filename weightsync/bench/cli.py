@@ -146,6 +146,7 @@ def run_bench(args: argparse.Namespace) -> int:
         "device_ceilings": dev_ceil,
         "rows": rows,
     }
+    result["machine"]["load_avg_end"] = list(os.getloadavg())
     report.add_ratios(result)
     result["checks"] = report.goal_checks(result)
     print(report.format_table(result))
