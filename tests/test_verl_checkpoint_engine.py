@@ -47,7 +47,6 @@ def worker_groups(ray_cluster):
     """2 actor workers, 2 rollout workers (verl's CheckpointEngineWorker); shared by the
     transports (each test builds fresh engines in them), since starting verl workers is slow."""
     from verl.workers.config import RolloutConfig
-
     from weightsync_verl.testing import CpuGroups, EngineActor, engine_rollout_worker
 
     made = CpuGroups()
@@ -81,9 +80,9 @@ def _transports():
 def test_manager_transfer_is_bit_exact(worker_groups, transport):
     import ray
     from verl.checkpoint_engine import CheckpointEngineManager
+    from weightsync_verl.testing import hf_weights
 
     from weightsync.testing import same_bits
-    from weightsync_verl.testing import hf_weights
 
     actors, rollouts = worker_groups
     cfg = _config(transport)

@@ -39,11 +39,11 @@ def groups(ray_cluster):
 def test_recipe_syncs_versions_bit_exactly_and_bounds_staleness(groups):
     import ray
     from omegaconf import OmegaConf
+    from weightsync_verl.recipe import WeightSyncTrainerMixin, with_weightsync
+    from weightsync_verl.testing import StandInActor, StandInRollout, hf_weights
 
     from weightsync import StalenessError
     from weightsync.testing import same_bits
-    from weightsync_verl.recipe import WeightSyncTrainerMixin, with_weightsync
-    from weightsync_verl.testing import StandInActor, StandInRollout, hf_weights
 
     config = OmegaConf.create({"actor_rollout_ref": {"rollout": {"weight_sync": {
         "transport": "shm", "bucket_mb": 1 / 128, "coordinator_name": "ws-verl-recipe", "heartbeat_interval_s": 0.2,
@@ -96,10 +96,11 @@ def test_recipe_syncs_versions_bit_exactly_and_bounds_staleness(groups):
 
 
 def test_manifest_check_maps_fused_names():
-    from weightsync import build_manifest
-    from weightsync.manifest import TensorSpec
     from weightsync_verl.testing import FusedModel, hf_specs
     from weightsync_verl.vllm_engine import fused_check
+
+    from weightsync import build_manifest
+    from weightsync.manifest import TensorSpec
 
     specs = [(n, TensorSpec(n, str(d).removeprefix("torch."), s)) for n, s, d in hf_specs()]
     check = fused_check(FusedModel(), strict=True)

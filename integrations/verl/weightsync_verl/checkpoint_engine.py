@@ -22,8 +22,7 @@ from typing import Any
 import torch
 from verl.checkpoint_engine.base import CheckpointEngine, CheckpointEngineRegistry
 
-from weightsync import Coordinator, SyncConfig, WeightReceiver, WeightSender
-from weightsync import transports
+from weightsync import Coordinator, SyncConfig, WeightReceiver, WeightSender, transports
 from weightsync.config import MiB
 from weightsync.device import set_current
 
@@ -154,7 +153,7 @@ class WeightSyncCheckpointEngine(CheckpointEngine):
                 except concurrent.futures.TimeoutError:
                     if gone.is_set():
                         future.cancel()
-                        raise RuntimeError("the consumer of receive_weights stopped before the version was complete")
+                        raise RuntimeError("the consumer of receive_weights stopped before the version was complete") from None
 
         def load_weights(pairs: Any) -> None:
             for pair in pairs:

@@ -51,7 +51,7 @@ def agreed_version(served: Sequence[int | None], names: Sequence[str] | None = N
     if served and all(v == served[0] for v in served) and served[0] is not None:
         return served[0]
     names = list(names) if names is not None else [f"rollout-{i}" for i in range(len(served))]
-    detail = ", ".join(f"{n}={v}" for n, v in zip(names, served))
+    detail = ", ".join(f"{n}={v}" for n, v in zip(names, served, strict=False))
     raise StalenessError(f"rollout workers serve different weight versions after a sync ({detail}); "
                          "a batch generated now would mix versions")
 
