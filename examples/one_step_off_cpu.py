@@ -1,10 +1,10 @@
 """One-step-off-policy RL on CPU, with and without overlap, and a timeline of both.
 
 A small torch policy learns a toy sequence task with REINFORCE: given a start token, write
-a sequence in which every token is the previous one plus one (mod the vocabulary); the
-reward is the fraction of steps that follow that rule. One trainer Ray actor runs a real
-Adam step on a real loss; two rollout Ray actors sample batches with the weights they were
-last synced to, and tag each batch with the version they served (``receiver.version``).
+a sequence in which every token is the previous one plus one (mod the vocabulary); each
+token that follows the rule earns 1 (the printed reward is the mean). One trainer Ray actor
+runs a real Adam step on a real loss; two rollout Ray actors sample batches with the weights
+they were last synced to and tag each batch with the version they served (receiver.version).
 
 It runs twice:
   sync         generate batch s  ->  train step s  ->  stage + sync version s+1
@@ -39,6 +39,7 @@ import torch
 
 from weightsync import Coordinator, SyncConfig, WeightReceiver, WeightSender
 from weightsync.timeline import Recorder, Span, render_png
+from weightsync.transports.shm import reap_stale
 
 
 @dataclasses.dataclass(frozen=True)
@@ -76,8 +77,8 @@ class Policy(torch.nn.Module):
 
 
 def reward(tokens: torch.Tensor, vocab: int) -> torch.Tensor:
-    """Fraction of generated tokens equal to the previous token plus one (mod vocab)."""
-    return (tokens[:, 1:] == (tokens[:, :-1] + 1) % vocab).float().mean(dim=1)
+    """Per generated token: 1 where it equals the previous token plus one (mod vocab), else 0."""
+    return (tokens[:, 1:] == (tokens[:, :-1] + 1) % vocab).float()
 
 
 def weights_digest(model: torch.nn.Module) -> str:
@@ -178,11 +179,13 @@ class Trainer:
         pos = torch.arange(self.task.length)
         logits = self.policy(tokens[:, :-1], pos)
         logp = torch.log_softmax(logits, dim=-1).gather(2, tokens[:, 1:, None]).squeeze(2)
-        advantage = (rewards - rewards.mean()) / (rewards.std() + 1e-6)
+        # every token is rewarded on its own (no discount): the advantage is its reward
+        # against the batch mean at that position
+        advantage = rewards - rewards.mean(dim=0, keepdim=True)
         # batches one version old are slightly off-policy: weight them by the truncated
         # importance ratio current/behaviour policy
         ratio = (logp.detach() - old_logp).exp().clamp(max=2.0)
-        loss = -(ratio * advantage[:, None] * logp).mean()
+        loss = -(ratio * advantage * logp).mean()
         self.optim.zero_grad()
         loss.backward()
         self.optim.step()
@@ -273,7 +276,10 @@ def run(mode: str, steps: int, task: Task = Task(), workers: int = 2, max_stalen
         spans = [Span.from_wire(row) for actor in [trainer, *rollouts] for row in ray.get(actor.spans.remote())]
         digests = ray.get(trainer.digest_of.remote())
     finally:
-        ray.get([a.close.remote() for a in [trainer, *rollouts]], timeout=60)
+        try:
+            ray.get([a.close.remote() for a in [trainer, *rollouts]], timeout=60)
+        except (ray.exceptions.RayError, TimeoutError):
+            pass  # an actor already died: its error is the one worth seeing
         for a in [trainer, *rollouts]:
             ray.kill(a)
         coordinator.shutdown()
@@ -328,6 +334,7 @@ def main(argv: list[str] | None = None) -> int:
         results = {m: run(m, steps, task, max_staleness=args.max_staleness, pinned=not args.no_pin) for m in modes}
     finally:
         ray.shutdown()
+        reap_stale()  # segments of an actor that was killed (e.g. by Ray's memory monitor)
 
     print(f"\nload average {os.getloadavg()[0]:.2f} on {os.cpu_count()} cores; task {task}")
     sums = {m: summary(r) for m, r in results.items()}
