@@ -91,6 +91,7 @@ def _corrupt(coord, version, bucket_offset):
         f.write(bytes([byte[0] ^ 0x40]))
 
 
+@pytest.mark.scenario("bad input", "bucket corrupted in transit")
 @pytest.mark.parametrize("where", ["first-bucket", "later-bucket"])
 def test_corrupted_bucket_is_not_applied(coordinator_factory, actors, where):
     from weightsync.plan import plan_buckets
@@ -152,6 +153,7 @@ def test_manifest_mismatch_fails_before_anything_is_applied(coordinator_factory,
     assert any(p["manifest"] == "rejected" for p in coord.status()["parties"])
 
 
+@pytest.mark.scenario("bad input", "version going backwards / reused with different content")
 def test_version_going_backwards_or_reused_is_refused(coordinator_factory, actors):
     coord, rs, trainer = start(coordinator_factory, actors, receivers=1)
     applied = rs[0].apply.remote(7)

@@ -481,9 +481,13 @@ class CoordinatorActor:
     async def op_wait_outcome(self, party: int, version: int, timeout: float) -> dict[str, Any]:
         self._party(party)
         deadline = time.monotonic() + timeout
-        v = self.versions.get(version)
-        if v is None:
-            raise VersionError(f"version {version} was never staged")
+        # trainer ranks other than 0 may get here before rank 0 began the version
+        while version not in self.versions:
+            if time.monotonic() >= deadline or version <= self.floor:
+                raise VersionError(f"version {version} was never staged (waited {timeout:.1f}s)")
+            self._party(party)
+            await self._wait(self.changed, deadline)
+        v = self.versions[version]
         while v.state in IN_FLIGHT:
             self._party(party)
             if time.monotonic() >= deadline:
@@ -561,6 +565,7 @@ class CoordinatorActor:
         group = {"epoch": state["epoch"], "sender": name, "members": [p.name for p in members],
                  "pids": {p.name: p.pid for p in members} | {name: sender.pid}, "size": len(members) + 1}
         state["groups"][version] = group
+        v.info["group"] = {"epoch": group["epoch"], "members": group["members"]}  # shown in metrics
         for old in [k for k in state["groups"] if k < version - 8]:
             del state["groups"][old]
         self._poke(v)

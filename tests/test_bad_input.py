@@ -1,0 +1,145 @@
+"""Bad input: each is a clear error naming what is wrong, and nothing is applied."""
+
+from __future__ import annotations
+
+import pytest
+import ray
+import torch
+
+from weightsync import CapacityError, ConfigError, ManifestError, SyncConfig, VersionError
+from weightsync.layouts import layout, materialize
+from weightsync.manifest import Manifest, TensorSpec, build_manifest
+from weightsync.plan import plan_buckets
+from weightsync.testing import RolloutWorker, TrainerWorker, same_bits
+from weightsync.transports.base import TransportContext
+from weightsync.transports.shm import ShmSender
+
+Rollout = ray.remote(RolloutWorker).options(num_cpus=0)
+Trainer = ray.remote(TrainerWorker).options(num_cpus=0)
+MANIFEST = layout("tiny")
+CFG = {"transport": "shm", "bucket_mb": 1 / 16}
+
+
+def _bad(kind: str) -> list:
+    good = list(materialize(MANIFEST, seed=2).items())
+    if kind == "unknown tensor name":
+        good[5] = ("model.not_a_tensor", good[5][1])
+    elif kind == "missing tensor":
+        del good[-1]
+    elif kind == "wrong shape":
+        good[4] = (good[4][0], torch.zeros(3, 3, dtype=good[4][1].dtype))
+    elif kind == "wrong dtype":
+        good[4] = (good[4][0], good[4][1].float())
+    elif kind == "duplicate names":
+        good[6] = good[5]
+    return good
+
+
+PATTERNS = {
+    "unknown tensor name": "unknown tensor 'model.not_a_tensor'",
+    "missing tensor": "missing tensor",
+    "wrong shape": "has shape",
+    "wrong dtype": "has dtype float32",
+    "duplicate names": "duplicate tensor name",
+}
+
+
+@pytest.mark.parametrize("kind", list(PATTERNS))
+@pytest.mark.parametrize("form", ["mapping", "iterable"])
+def test_bad_tensors_on_the_sender(coordinator_factory, actors, kind, form, request):
+    request.node.add_marker(pytest.mark.scenario("bad input", f"{kind} ({form})"))
+    coord = coordinator_factory(CFG)
+    r = actors.add(Rollout.remote(coord, MANIFEST.to_wire(), "rollout-0", config=CFG))
+    trainer = actors.add(Trainer.remote(coord, MANIFEST.to_wire(), config=CFG, expected_receivers=1))
+    applied = r.apply.remote(1)
+    ray.get(trainer.step.remote(1))
+    assert ray.get(applied) == 1
+    bad = _bad(kind)
+    if form == "mapping" and kind != "duplicate names":  # a dict cannot hold a duplicate
+        bad = dict(bad)
+    applied = r.apply.remote(2)
+    with pytest.raises(ManifestError, match=PATTERNS[kind]):
+        ray.get(trainer.stage.remote(2, None, 0.0, bad))
+    with pytest.raises(VersionError, match="aborted.*ManifestError"):
+        ray.get(applied)
+    assert ray.get(r.version.remote()) == 1
+    expected, got = materialize(MANIFEST, seed=1), ray.get(r.weights.remote())
+    assert all(same_bits(got[n], expected[n]) for n in expected), "nothing of the bad version was applied"
+    assert coord.call("metrics", version=2)["state"] == "ABORTED"
+
+
+@pytest.mark.scenario("bad input", "bucket truncated in transit")
+def test_truncated_segment_is_refused(coordinator_factory, actors):
+    import os
+
+    coord = coordinator_factory(CFG)
+    r = actors.add(Rollout.remote(coord, MANIFEST.to_wire(), "rollout-0", config=CFG))
+    trainer = actors.add(Trainer.remote(coord, MANIFEST.to_wire(), config=CFG, expected_receivers=1))
+    applied = r.apply.remote(1)
+    ray.get(trainer.step.remote(1))
+    ray.get(applied)
+    ray.get(trainer.stage.remote(2))
+    path = os.path.join("/dev/shm", coord.call("metrics", version=2)["info"]["segment"])
+    os.truncate(path, os.path.getsize(path) // 2)
+    applied = r.apply.remote(2)
+    with pytest.raises(Exception, match="truncated"):
+        ray.get(applied)
+    assert ray.get(r.version.remote()) == 1, "the receiver survived (no SIGBUS) and serves version 1"
+
+
+@pytest.mark.scenario("bad input", "config with unknown keys or impossible values")
+@pytest.mark.parametrize("bad,pattern", [
+    ({"bucket_sizee": 1}, "unknown weightsync config key 'bucket_sizee'"),
+    ({"bucket_mb": 1e-5, "align_bytes": 256}, "smaller than align_bytes"),
+    ({"sync_timeout_s": -1}, "sync_timeout_s must be a positive"),
+    ({"transport": "carrier-pigeon"}, "transport must be one of"),
+])
+def test_bad_config(bad, pattern):
+    with pytest.raises(ConfigError, match=pattern):
+        SyncConfig.from_mapping(bad)
+
+
+@pytest.mark.scenario("bad input", "manifest too large for the shm space left")
+def test_manifest_too_large_for_shm_is_refused_before_writing(tmp_path):
+    import os
+
+    free = os.statvfs("/dev/shm").f_bavail * os.statvfs("/dev/shm").f_frsize
+    huge = Manifest((TensorSpec("w", "uint8", (free + (1 << 30),)),))
+    cfg = SyncConfig(bucket_mb=64)
+    ctx = TransportContext(config=cfg, plan=plan_buckets(huge, cfg.bucket_bytes, cfg.align_bytes), manifest=huge,
+                           digest=huge.digest(), session="t", name="trainer-0", rank=0, device=torch.device("cpu"))
+    sender = ShmSender(ctx)
+    before = set(os.listdir("/dev/shm"))
+    with pytest.raises(CapacityError, match=r"needs \d+\.\d MiB in /dev/shm but only \d+\.\d MiB are free"):
+        sender.stage(1, 0, fill=lambda _b: iter(()), announce=lambda _i: None)
+    assert set(os.listdir("/dev/shm")) == before, "nothing was created"
+    sender.close()
+
+
+@pytest.mark.scenario("bad input", "non-contiguous tensors on the sender (accepted, bit-exact)")
+def test_non_contiguous_inputs_are_sent_bit_exact(coordinator_factory, actors):
+    coord = coordinator_factory(CFG)
+    weights = {n: t for n, t in materialize(MANIFEST, seed=3).items()}
+    # the same values, held transposed-and-back or sliced: strided views on the sender
+    strided = {n: (t.t().contiguous().t() if t.dim() == 2 else t[::1]) for n, t in weights.items()}
+    assert any(not t.is_contiguous() for t in strided.values())
+    r = actors.add(Rollout.remote(coord, MANIFEST.to_wire(), "rollout-0", config=CFG))
+    trainer = actors.add(Trainer.remote(coord, MANIFEST.to_wire(), config=CFG, expected_receivers=1))
+    applied = r.apply.remote(3)
+    ray.get(trainer.stage.remote(3, None, 0.0, list(strided.items())))
+    ray.get(trainer.sync.remote(3))
+    assert ray.get(applied) == 3
+    got = ray.get(r.weights.remote())
+    assert all(same_bits(got[n], weights[n]) for n in weights)
+
+
+@pytest.mark.scenario("bad input", "DTensor-like input on the sender")
+def test_dtensor_like_input_is_refused():
+    class ShardedLike:
+        shape, dtype, placements = (4,), torch.float32, ("Shard(0)",)
+
+        def full_tensor(self):
+            raise AssertionError("must not be called behind the user's back: it is a collective")
+
+    with pytest.raises(ManifestError, match="DTensor .*full_tensor"):
+        build_manifest([("w", ShardedLike())])
