@@ -132,7 +132,7 @@ def test_example_learns_and_tags_every_batch(ray_cluster, example, mode):
 def test_example_enforces_the_staleness_bound(ray_cluster, example):
     # one-step-off trains step 1 on a batch made with version 0: over a bound of 0
     with pytest.raises(StalenessError, match="max_staleness=0"):
-        example.run("one-step-off", 3, example.QUICK_TASK, max_staleness=0, log=lambda line: None)
+        example.run("one-step-off", 2, example.QUICK_TASK, max_staleness=0, log=lambda line: None)
 
 
 def test_timeline_renders(tmp_path):
