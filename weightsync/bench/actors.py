@@ -235,7 +235,6 @@ class BenchRollout:
                         yield name, torch.from_numpy(value).view(s.torch_dtype).view(s.shape)
 
             self.engine.load_weights(pairs())
-        del obj
         return {"end": time.monotonic()}
 
     def collective_call(self, fn: str, *args: Any, **kwargs: Any) -> Any:

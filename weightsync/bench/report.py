@@ -28,8 +28,7 @@ def add_ratios(result: dict[str, Any]) -> None:
             continue
         for base in rows:
             if base["kind"] == "baseline" and base is not row and _ok(base) and base["receivers"] == row["receivers"]:
-                key = base["name"] if base.get("bucket_mb") is None else f"{base['name']}@{base['bucket_mb']:g}MiB"
-                row["speedup_vs"][key] = base["median_s"] / row["median_s"]
+                row["speedup_vs"][base["name"]] = base["median_s"] / row["median_s"]
 
 
 def _best(rows: list[dict[str, Any]], **match: Any) -> dict[str, Any] | None:
@@ -109,8 +108,7 @@ def format_table(result: dict[str, Any]) -> str:
         speed = r.get("speedup_vs", {})
         vs = []
         for b in bases:
-            hit = [v for k, v in speed.items() if k == b or k.startswith(b + "@")]
-            vs.append(_f(max(hit) if hit else None, "{:.1f}x"))
+            vs.append(_f(speed.get(b), "{:.1f}x"))
         lines.append([r["name"], str(r.get("receivers")), _f(r.get("bucket_mb"), "{:g}"), _f(r.get("median_s")),
                       _f(r.get("p90_s")), _f(r.get("gbps"), "{:.2f}"), _f(r.get("ceiling_ratio"), "{:.2f}"), *vs,
                       _f(r.get("stage_s")), _f(r.get("barrier_s")), _mib(r.get("sender_peak_extra_bytes")),
@@ -118,12 +116,12 @@ def format_table(result: dict[str, Any]) -> str:
                       {True: "ok", False: "DIFF", None: "-"}[r.get("verified")]])
     widths = [max([len(c)] + [len(ln[i]) for ln in lines if i < len(ln) - (len(ln) != len(cols))])
               for i, c in enumerate(cols)]
-    out = head + ["", "  ".join(c.ljust(w) for c, w in zip(cols, widths))]
+    out = head + ["", "  ".join(c.ljust(w) for c, w in zip(cols, widths, strict=False))]
     for ln in lines:
         if len(ln) == len(cols):
-            out.append("  ".join(v.ljust(w) for v, w in zip(ln, widths)))
+            out.append("  ".join(v.ljust(w) for v, w in zip(ln, widths, strict=False)))
         else:
-            out.append("  ".join(v.ljust(w) for v, w in zip(ln[:3], widths)) + "  " + ln[3])
+            out.append("  ".join(v.ljust(w) for v, w in zip(ln[:3], widths, strict=False)) + "  " + ln[3])
     if result.get("checks"):
         out.append("")
         for ch in result["checks"]:
@@ -175,7 +173,7 @@ def write_plot(result: dict[str, Any], path: str) -> str | None:
     palette = plt.rcParams["axes.prop_cycle"].by_key()["color"]
     names = sorted({r["name"] for r in rows}, key=lambda n: (n in BASELINES, n))
     color = {n: palette[i % len(palette)] for i, n in enumerate(names)}
-    for ax, n in zip(axes[0], counts):
+    for ax, n in zip(axes[0], counts, strict=False):
         mine = [r for r in rows if r["receivers"] == n]
         transports = [r for r in mine if r["kind"] == "transport"]
         baselines = [r for r in mine if r["kind"] == "baseline"]
@@ -190,7 +188,7 @@ def write_plot(result: dict[str, Any], path: str) -> str | None:
             colors.append(color[r["name"]])
         xs = range(len(labels))
         bars = ax.bar(xs, heights, color=colors, edgecolor="black", linewidth=0.5)
-        for bar, h in zip(bars, heights):
+        for bar, h in zip(bars, heights, strict=False):
             ax.annotate(f"{h:.2f}", (bar.get_x() + bar.get_width() / 2, h), ha="center", va="bottom", fontsize=8)
         ax.axhline(ceiling, color="red", linestyle="--", linewidth=1.2)
         ax.annotate(f"copy ceiling {ceiling:.1f} GB/s", (len(labels) - 0.5, ceiling), ha="right", va="bottom",
