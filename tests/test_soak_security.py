@@ -1,0 +1,154 @@
+"""Soak (many versions: no growth, no leaks) and isolation / security between jobs."""
+
+from __future__ import annotations
+
+import os
+import pickle
+import re
+import stat
+import threading
+
+import pytest
+import ray
+
+from weightsync import Coordinator, ProtocolError, WeightReceiver, transports
+from weightsync import protocol
+from weightsync.layouts import layout, materialize
+from weightsync.testing import RolloutWorker, TrainerWorker, same_bits
+from weightsync.transports.shm import our_segments
+
+Rollout = ray.remote(RolloutWorker).options(num_cpus=0)
+Trainer = ray.remote(TrainerWorker).options(num_cpus=0)
+MANIFEST = layout("tiny")
+CPU_TRANSPORTS = [t for t in ("shm", "ipc", "broadcast") if t in transports.names()]
+SOAK_VERSIONS = int(os.environ.get("WSYNC_SOAK_VERSIONS", "300"))
+
+
+def _gone(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return True
+    return False
+
+
+@pytest.mark.parametrize("transport", CPU_TRANSPORTS)
+def test_soak(coordinator_factory, transport, request):
+    request.node.add_marker(pytest.mark.scenario("soak", f"{SOAK_VERSIONS} versions, 2 receivers"))
+    cfg = {"transport": transport, "bucket_mb": 1 / 16}
+    coord = coordinator_factory(cfg)
+    rs = [Rollout.remote(coord, MANIFEST.to_wire(), f"rollout-{i}", rank=i, config=cfg) for i in range(2)]
+    trainer = Trainer.remote(coord, MANIFEST.to_wire(), config=cfg, expected_receivers=2)
+    parties = rs + [trainer]
+    pids = ray.get([p.pid.remote() for p in parties])
+    rss, segments, resources = {}, {}, {}
+    try:
+        for v in range(1, SOAK_VERSIONS + 1):
+            applied = [r.apply.remote(v) for r in rs]
+            ray.get(trainer.step.remote(v))
+            assert ray.get(applied) == [v, v]
+            if v in (20, SOAK_VERSIONS):
+                rss[v] = ray.get([p.rss.remote() for p in parties])
+                segments[v] = len(our_segments())
+                resources[v] = coord.status()["resources"]
+        expected, got = materialize(MANIFEST, seed=SOAK_VERSIONS), ray.get(rs[1].weights.remote())
+        assert all(same_bits(got[n], expected[n]) for n in expected)
+        for before, after in zip(rss[20], rss[SOAK_VERSIONS]):
+            assert after < before * 1.05, f"resident memory grew {after / before - 1:.1%} after version 20"
+        assert segments[20] == segments[SOAK_VERSIONS], "the /dev/shm segment count is constant"
+        assert resources[20] == resources[SOAK_VERSIONS], "open segments / handles are constant"
+    finally:
+        ray.get([p.close.remote() for p in parties])
+        for p in parties:
+            ray.kill(p)
+    assert all(n == 0 for n in coord.status()["resources"].values()), "every segment and handle was closed"
+    coord.shutdown()
+    import time
+
+    deadline = time.monotonic() + 30
+    while not all(_gone(pid) for pid in pids) and time.monotonic() < deadline:
+        time.sleep(0.5)
+    assert all(_gone(pid) for pid in pids), "no process of this job is left"
+
+
+@pytest.mark.scenario("security", "two jobs on one node sync concurrently without touching each other")
+@pytest.mark.parametrize("transport", CPU_TRANSPORTS)
+def test_two_jobs_are_isolated(coordinator_factory, actors, transport):
+    cfg = {"transport": transport, "bucket_mb": 1 / 16}
+    jobs = []
+    for j in range(2):
+        coord = coordinator_factory(cfg)
+        r = actors.add(Rollout.remote(coord, MANIFEST.to_wire(), "rollout-0", config=cfg))
+        t = actors.add(Trainer.remote(coord, MANIFEST.to_wire(), config=cfg, expected_receivers=1))
+        jobs.append((coord, r, t))
+    errors = []
+
+    def run(j, coord, r, t):
+        try:
+            for v in range(1, 6):
+                applied = r.apply.remote(v)
+                ray.get(t.step.remote(v, 1000 * j + v))  # different weights per job
+                assert ray.get(applied) == v
+        except BaseException as exc:  # surfaced below
+            errors.append(exc)
+
+    threads = [threading.Thread(target=run, args=(j, *job)) for j, job in enumerate(jobs)]
+    [th.start() for th in threads]
+    [th.join(300) for th in threads]
+    assert not errors, errors
+    for j, (coord, r, _) in enumerate(jobs):
+        expected, got = materialize(MANIFEST, seed=1000 * j + 5), ray.get(r.weights.remote())
+        assert all(same_bits(got[n], expected[n]) for n in expected), f"job {j} got the other job's weights"
+    names = [{str(v["info"].get(k)) for v in c.status()["versions"] for k in ("segment", "store", "rendezvous")
+              if v["info"].get(k)} for c, _, _ in jobs]
+    assert not (names[0] & names[1]), f"jobs shared segments or rendezvous: {names[0] & names[1]}"
+    assert jobs[0][0].status()["session"] != jobs[1][0].status()["session"]
+
+
+@pytest.mark.scenario("security", "segments are 0600 with >= 128 random bits in the name")
+def test_segment_mode_and_name(coordinator_factory, actors):
+    cfg = {"transport": "shm", "bucket_mb": 1 / 16}
+    coord = coordinator_factory(cfg)
+    r = actors.add(Rollout.remote(coord, MANIFEST.to_wire(), "rollout-0", config=cfg))
+    t = actors.add(Trainer.remote(coord, MANIFEST.to_wire(), config=cfg, expected_receivers=1))
+    applied = r.apply.remote(1)
+    ray.get(t.step.remote(1))
+    ray.get(applied)
+    name = coord.call("metrics", version=1)["info"]["segment"]
+    st = os.stat(os.path.join("/dev/shm", name))
+    assert stat.S_IMODE(st.st_mode) == 0o600
+    m = re.fullmatch(r"wsync_\d+_([0-9a-f]+)", name)
+    assert m and len(m.group(1)) * 4 >= 128
+
+
+@pytest.mark.scenario("security", "a pickle payload on the control plane is refused, not executed")
+def test_pickle_payload_is_refused(coordinator_factory, tmp_path):
+    coord = coordinator_factory({})
+    marker = tmp_path / "pwned"
+
+    class Exploit:
+        def __reduce__(self):
+            return (os.mkdir, (str(marker),))
+
+    payload = pickle.dumps(Exploit())
+    with pytest.raises(ProtocolError):
+        protocol.decode(payload)
+    reply = protocol.decode(ray.get(coord.actor.rpc.remote(payload)))
+    assert reply["ok"] is False and reply["kind"] == "ProtocolError" and "not valid msgpack" in reply["error"]
+    # the same bytes wrapped as a msgpack extension type are refused too
+    import msgpack
+
+    wrapped = msgpack.packb({"op": "status", "token": coord.token, "args": msgpack.ExtType(1, payload)})
+    reply = protocol.decode(ray.get(coord.actor.rpc.remote(wrapped)))
+    assert reply["ok"] is False and "extension type" in reply["error"]
+    assert not marker.exists(), "the payload never ran"
+
+
+@pytest.mark.scenario("security", "a party presenting another session's token is refused")
+def test_wrong_token_is_refused(coordinator_factory):
+    coord = coordinator_factory({})
+    other = coordinator_factory({})
+    forged = Coordinator(coord.actor, coord.name, coord.namespace, other.token, coord.config)
+    with pytest.raises(ProtocolError, match="wrong session token"):
+        WeightReceiver(forged, lambda w: None, name="intruder")
+    assert [p for p in coord.status()["parties"] if p["name"] == "intruder"] == []
