@@ -45,11 +45,11 @@ from weightsync.transports.shm import reap_stale
 @dataclasses.dataclass(frozen=True)
 class Task:
     vocab: int = 16
-    length: int = 64  # tokens generated per sequence, one at a time
+    length: int = 128  # tokens generated per sequence, one at a time
     embed: int = 32
     hidden: int = 256
     depth: int = 6
-    batch: int = 40  # sequences per step, split over the rollout workers
+    batch: int = 24  # sequences per step, split over the rollout workers
     lr: float = 3e-3
 
 
