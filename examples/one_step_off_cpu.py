@@ -262,7 +262,8 @@ def run(mode: str, steps: int, task: Task = Task(), workers: int = 2, max_stalen
             else:
                 pending = []
             trained = ray.get(train_ref)
-            ray.wait(pending, num_returns=len(pending)) if pending else None
+            if pending:
+                ray.wait(pending, num_returns=len(pending))  # the barrier waits for generation
             sync = barrier(step + 1)
             now = time.time()
             steps_out.append({"step": step, "step_s": now - last, **trained, "sync": sync})
@@ -346,7 +347,7 @@ def main(argv: list[str] | None = None) -> int:
         ratio = sums["one-step-off"]["step_s"] / sums["sync"]["step_s"]
         print(f"one-step-off / sync step time: {ratio:.2f}")
     if args.png:
-        first = 2 if steps > 6 else 0
+        first = steps // 3 if steps >= 15 else (2 if steps > 6 else 0)  # steady state, past warm-up
         panels = []
         for m, r in results.items():
             spans, bounds = window(r, first, min(5, steps - first))

@@ -13,7 +13,6 @@ import ray
 import torch
 
 from weightsync import StalenessError, VersionError, WeightSender, build_manifest, check_staleness
-from weightsync.layouts import materialize
 from weightsync.testing import RolloutWorker, same_bits
 from weightsync.timeline import Recorder, Span, busy_seconds, render_png
 
@@ -108,7 +107,7 @@ def test_example_learns_and_tags_every_batch(ray_cluster, example, mode):
     digests = result["digests"]
     for s in result["steps"]:
         assert len(s["batches"]) == 2
-        for b, lag in zip(s["batches"], s["lags"]):
+        for b, lag in zip(s["batches"], s["lags"], strict=True):
             # the tag is the version the worker served: its weights are exactly the trainer's
             # weights of that version, bit for bit
             assert b["digest"] == digests[b["version"]], (s["step"], b)

@@ -106,7 +106,7 @@ def render_png(panels: Sequence[tuple[str, Sequence[Span], Sequence[float]]], pa
 
     fig, axes = plt.subplots(len(panels), 1, figsize=(13, 1.0 + 1.6 * len(panels) * max(1, len(order)) / 3),
                              sharex=True, squeeze=False)
-    for ax, (name, spans, steps) in zip(axes[:, 0], panels):
+    for ax, (name, spans, steps) in zip(axes[:, 0], panels, strict=True):
         t0 = min((s.start for s in spans), default=0.0)
         for row, actor in enumerate(order):
             mine = [s for s in spans if s.actor == actor]
