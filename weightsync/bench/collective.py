@@ -58,22 +58,24 @@ class Peer:
         names = [f"bench-{r}" for r in range(self.size)]
         self.group = Group.build(self.backend, self.store, prefix, self.rank, self.size, self.device, timeout, names)
 
-    def prepare(self, seed: int = 1) -> None:
-        """Tensors (sender) or the model (receivers), and the flat buffer, before any timing."""
-        if self.rank == 0:
-            self.tensors = {k: t.to(self.device) for k, t in materialize(self.manifest, seed=seed).items()}
+    def prepare(self, method: str, seed: int = 1) -> None:
+        """What ``method`` needs, made before any timing: for ``raw`` the flat buffer (the
+        sender's filled with the version), for ``per_tensor`` the tensors or the model."""
+        tensors = materialize(self.manifest, seed=seed) if self.rank == 0 else {}
+        if method == "raw":
+            self.flat = torch.empty(self.manifest.total_bytes, dtype=torch.uint8, device=self.device)
+            if self.rank == 0:
+                offset = 0
+                for t in tensors.values():
+                    n = t.numel() * t.element_size()
+                    self.flat[offset: offset + n].copy_(t.reshape(-1).view(torch.uint8))
+                    offset += n
+            else:
+                self.flat.fill_(1)  # fault the pages in now, not inside the timed broadcast
+        elif self.rank == 0:
+            self.tensors = {k: t.to(self.device) for k, t in tensors.items()}
         else:
             self.engine = ToyEngine(self.manifest, device=str(self.device))
-        total = self.manifest.total_bytes
-        self.flat = torch.empty(total, dtype=torch.uint8, device=self.device)
-        if self.rank == 0:
-            offset = 0
-            for t in self.tensors.values():
-                n = t.numel() * t.element_size()
-                self.flat[offset: offset + n].copy_(t.reshape(-1).view(torch.uint8))
-                offset += n
-        else:
-            self.flat.fill_(1)  # fault the pages in now, not inside the timed broadcast
 
     def _fence(self) -> None:
         token = torch.zeros(1, dtype=torch.int64, device=self.device)
@@ -120,14 +122,15 @@ def _sync(device: torch.device) -> None:
     sync_device(device)
 
 
-def _peers(manifest: Manifest, receivers: int, backend: str, device: str, resources: dict | None) -> list[Any]:
+def _peers(manifest: Manifest, receivers: int, backend: str, device: str, resources: dict | None,
+           method: str) -> list[Any]:
     actor = ray.remote(Peer).options(num_cpus=0, **(resources or {}))
     size = receivers + 1
     peers = [actor.remote(r, size, manifest.to_wire(), backend, device) for r in range(size)]
     host, port = ray.get(peers[0].host.remote())
     prefix = f"weightsync-bench/{secrets.token_hex(4)}"
     ray.get([p.join.remote(host, port, prefix) for p in peers])
-    ray.get([p.prepare.remote() for p in peers])
+    ray.get([p.prepare.remote(method) for p in peers])
     return peers
 
 
@@ -153,7 +156,7 @@ def _kill(actors: list[Any]) -> None:
 def raw_broadcast(manifest: Manifest, receivers: int, *, backend: str = "gloo", device: str = "cpu",
                   repeats: int = 3, resources: dict | None = None) -> list[float]:
     """Seconds of one broadcast of ``manifest.total_bytes`` pre-packed in a flat buffer."""
-    peers = _peers(manifest, receivers, backend, device, resources)
+    peers = _peers(manifest, receivers, backend, device, resources, "raw")
     try:
         return _timed(peers, "raw", repeats)
     finally:
@@ -163,7 +166,7 @@ def raw_broadcast(manifest: Manifest, receivers: int, *, backend: str = "gloo", 
 def per_tensor_broadcast(manifest: Manifest, receivers: int, *, backend: str = "gloo", device: str = "cpu",
                          repeats: int = 3, resources: dict | None = None) -> list[float]:
     """Seconds of one broadcast per tensor, each handed to load_weights on arrival."""
-    peers = _peers(manifest, receivers, backend, device, resources)
+    peers = _peers(manifest, receivers, backend, device, resources, "per_tensor")
     try:
         return _timed(peers, "per_tensor", repeats)
     finally:
