@@ -11,13 +11,14 @@ import time
 import pytest
 import ray
 
-from weightsync import SyncFailed
+from weightsync import SyncFailed, transports
 from weightsync.layouts import layout, materialize
 from weightsync.testing import RolloutWorker, TrainerWorker, same_bits
 
 Rollout = ray.remote(RolloutWorker).options(num_cpus=0)
 Trainer = ray.remote(TrainerWorker).options(num_cpus=0)
 MANIFEST = layout("tiny")
+ALL = [t for t in ("shm", "ipc", "broadcast") if t in transports.names()]
 DEADLINE_S = 30.0  # sync_timeout_s of these tests: every failure must surface well before it
 
 
@@ -55,6 +56,22 @@ class Job:
         return {n: ray.get(ref) for n, ref in applied.items()}
 
 
+def survivor_ok(job, transport, err, applied, name, version):
+    """The survivor commits the version; on broadcast, a member lost mid-collective breaks the
+    group for everyone, so the survivor may fail too, but then it names the lost party and
+    serves a complete older version (or none), never a mix."""
+    if transport != "broadcast":
+        assert name not in err.failed and err.committed == [name], err
+        assert ray.get(applied) == version and serves_exactly(job.rollouts[name], version)
+        return
+    try:
+        assert ray.get(applied) == version
+    except Exception as exc:
+        assert name in err.failed and "lost" in err.failed[name] or "aborted" in err.failed[name], exc
+    served = ray.get(job.rollouts[name].version.remote())
+    assert served is None or serves_exactly(job.rollouts[name], served)
+
+
 def timed_failure(ref):
     t0 = time.monotonic()
     with pytest.raises(SyncFailed) as err:
@@ -63,27 +80,26 @@ def timed_failure(ref):
 
 
 @pytest.mark.scenario("fault", "receiver killed before a transfer")
-@pytest.mark.parametrize("transport", ["shm"])
+@pytest.mark.parametrize("transport", ALL)
 def test_receiver_killed_before_transfer(coordinator_factory, actors, transport):
     job = Job(coordinator_factory, actors, transport)
     job.step(1)
     ray.kill(job.rollouts["rollout-1"])
     applied = job.rollouts["rollout-0"].apply.remote(2)
     err, took = timed_failure(job.trainer.step.remote(2))
-    assert took < DEADLINE_S and list(err.failed) == ["rollout-1"]
-    assert "silent" in err.failed["rollout-1"] and err.committed == ["rollout-0"]
-    assert ray.get(applied) == 2 and serves_exactly(job.rollouts["rollout-0"], 2)
+    assert took < DEADLINE_S and "rollout-1" in err.failed and "silent" in err.failed["rollout-1"]
+    survivor_ok(job, transport, err, applied, "rollout-0", 2)
     # fault persists: the next version goes on without the dead receiver
     assert job.step(3, ["rollout-0"]) == {"rollout-0": 3}
-    # fault gone: a restarted receiver catches up and takes part again
+    # fault gone: a restarted receiver catches up (from storage, or at the next version) and takes part again
     job.rollouts["rollout-1"] = job.rollout("rollout-1", 1)
-    assert ray.get(job.rollouts["rollout-1"].apply.remote(None, None, False)) == 3
+    assert ray.get(job.rollouts["rollout-1"].apply.remote(None, None, False)) == (3 if transport == "shm" else None)
     assert job.step(4) == {"rollout-0": 4, "rollout-1": 4}
     assert all(serves_exactly(r, 4) for r in job.rollouts.values())
 
 
 @pytest.mark.scenario("fault", "receiver killed during a transfer")
-@pytest.mark.parametrize("transport", ["shm"])
+@pytest.mark.parametrize("transport", ALL)
 def test_receiver_killed_during_transfer(coordinator_factory, actors, transport):
     job = Job(coordinator_factory, actors, transport, delays={1: 0.4})  # rollout-1 loads slowly
     job.step(1)
@@ -93,15 +109,15 @@ def test_receiver_killed_during_transfer(coordinator_factory, actors, transport)
     assert ray.get(job.rollouts["rollout-0"].version.remote(), timeout=30) in (1, 2)
     ray.kill(job.rollouts["rollout-1"])
     err, took = timed_failure(sync)
-    assert took < DEADLINE_S and list(err.failed) == ["rollout-1"] and "rollout-1" in str(err)
-    assert ray.get(applied["rollout-0"]) == 2 and serves_exactly(job.rollouts["rollout-0"], 2)
+    assert took < DEADLINE_S and "rollout-1" in err.failed
+    survivor_ok(job, transport, err, applied["rollout-0"], "rollout-0", 2)
     job.rollouts["rollout-1"] = job.rollout("rollout-1", 1)
     assert job.step(3) == {"rollout-0": 3, "rollout-1": 3}
     assert all(serves_exactly(r, 3) for r in job.rollouts.values())
 
 
 @pytest.mark.scenario("fault", "receiver killed after a transfer")
-@pytest.mark.parametrize("transport", ["shm"])
+@pytest.mark.parametrize("transport", ALL)
 def test_receiver_killed_after_transfer(coordinator_factory, actors, transport):
     job = Job(coordinator_factory, actors, transport)
     job.step(1)
@@ -110,14 +126,14 @@ def test_receiver_killed_after_transfer(coordinator_factory, actors, transport):
     assert job.coord.call("metrics", version=1)["state"] == "COMMITTED", "a committed version stays committed"
     applied = job.rollouts["rollout-1"].apply.remote(2)
     err, took = timed_failure(job.trainer.step.remote(2))
-    assert took < DEADLINE_S and list(err.failed) == ["rollout-0"]
-    assert ray.get(applied) == 2 and serves_exactly(job.rollouts["rollout-1"], 2)
+    assert took < DEADLINE_S and "rollout-0" in err.failed
+    survivor_ok(job, transport, err, applied, "rollout-1", 2)
     job.rollouts["rollout-0"] = job.rollout("rollout-0", 0)
     assert job.step(3) == {"rollout-0": 3, "rollout-1": 3}
 
 
 @pytest.mark.scenario("fault", "sender killed while staging")
-@pytest.mark.parametrize("transport", ["shm"])
+@pytest.mark.parametrize("transport", ALL)
 def test_sender_killed_while_staging(coordinator_factory, actors, transport):
     job = Job(coordinator_factory, actors, transport)
     job.step(1)
@@ -138,7 +154,7 @@ def test_sender_killed_while_staging(coordinator_factory, actors, transport):
 
 
 @pytest.mark.scenario("fault", "sender killed while transferring")
-@pytest.mark.parametrize("transport", ["shm"])
+@pytest.mark.parametrize("transport", ALL)
 def test_sender_killed_while_transferring(coordinator_factory, actors, transport):
     job = Job(coordinator_factory, actors, transport, delays={0: 0.3, 1: 0.3})
     job.step(1)
@@ -147,15 +163,26 @@ def test_sender_killed_while_transferring(coordinator_factory, actors, transport
     job.trainer.sync.remote(2)
     time.sleep(0.8)
     ray.kill(job.trainer)
-    # shm holds the whole version already: the receivers finish it without the sender
-    assert {n: ray.get(ref, timeout=DEADLINE_S) for n, ref in applied.items()} == {"rollout-0": 2, "rollout-1": 2}
-    assert all(serves_exactly(r, 2) for r in job.rollouts.values())
+    t0 = time.monotonic()
+    for name, ref in applied.items():
+        try:
+            # shm holds the whole version already: its receivers finish without the sender
+            assert ray.get(ref, timeout=DEADLINE_S) == 2
+        except Exception as exc:
+            assert transport != "shm", exc
+            assert "trainer-0" in str(exc) or "sender" in str(exc), f"{name}: the error names the sender: {exc}"
+    assert time.monotonic() - t0 < DEADLINE_S
+    for r in job.rollouts.values():
+        served = ray.get(r.version.remote())
+        assert served in (1, 2, None), served
+        if served is not None:
+            assert serves_exactly(r, served), "old or new, never mixed"
     job.trainer = job.new_trainer()
     assert job.step(3) == {"rollout-0": 3, "rollout-1": 3}
 
 
 @pytest.mark.scenario("fault", "receiver stalled past the deadline (SIGSTOP, later SIGCONT)")
-@pytest.mark.parametrize("transport", ["shm"])
+@pytest.mark.parametrize("transport", ALL)
 def test_receiver_stalled_then_resumed(coordinator_factory, actors, transport):
     job = Job(coordinator_factory, actors, transport)
     job.step(1)
@@ -164,8 +191,8 @@ def test_receiver_stalled_then_resumed(coordinator_factory, actors, transport):
     try:
         applied = job.rollouts["rollout-0"].apply.remote(2)
         err, took = timed_failure(job.trainer.step.remote(2))
-        assert took < DEADLINE_S and list(err.failed) == ["rollout-1"] and "stalled" in err.failed["rollout-1"]
-        assert ray.get(applied) == 2
+        assert took < DEADLINE_S and "rollout-1" in err.failed and "stalled" in err.failed["rollout-1"]
+        survivor_ok(job, transport, err, applied, "rollout-0", 2)
     finally:
         os.kill(pid, signal.SIGCONT)
     stalled = job.rollouts["rollout-1"]
@@ -177,7 +204,7 @@ def test_receiver_stalled_then_resumed(coordinator_factory, actors, transport):
 
 
 @pytest.mark.scenario("fault", "coordinator killed and restarted")
-@pytest.mark.parametrize("transport", ["shm"])
+@pytest.mark.parametrize("transport", ALL)
 def test_coordinator_killed_and_restarted(coordinator_factory, actors, transport):
     job = Job(coordinator_factory, actors, transport)
     job.step(1)
@@ -193,7 +220,7 @@ def test_coordinator_killed_and_restarted(coordinator_factory, actors, transport
 
 
 @pytest.mark.scenario("fault", "receiver restarted with an empty model catches up")
-@pytest.mark.parametrize("transport", ["shm"])
+@pytest.mark.parametrize("transport", ALL)
 def test_restarted_receiver_catches_up(coordinator_factory, actors, transport):
     job = Job(coordinator_factory, actors, transport)
     for v in (1, 2):
@@ -201,6 +228,10 @@ def test_restarted_receiver_catches_up(coordinator_factory, actors, transport):
     ray.kill(job.rollouts["rollout-1"])
     job.rollouts["rollout-1"] = job.rollout("rollout-1", 1)
     assert ray.get(job.rollouts["rollout-1"].version.remote()) is None
-    assert ray.get(job.rollouts["rollout-1"].apply.remote(None, None, False)) == 2
-    assert serves_exactly(job.rollouts["rollout-1"], 2)
+    if transport == "shm":  # the latest version is still in its segment: catch up without the trainer
+        assert ray.get(job.rollouts["rollout-1"].apply.remote(None, None, False)) == 2
+        assert serves_exactly(job.rollouts["rollout-1"], 2)
+    else:  # streaming transports keep nothing: it serves nothing until the next version
+        assert ray.get(job.rollouts["rollout-1"].apply.remote(None, None, False)) is None
     assert job.step(3) == {"rollout-0": 3, "rollout-1": 3}
+    assert all(serves_exactly(r, 3) for r in job.rollouts.values())

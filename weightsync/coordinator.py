@@ -165,9 +165,10 @@ class CoordinatorActor:
             if v.state not in IN_FLIGHT:
                 continue
             if p.role == "sender" and p.rank == 0:
-                # a version still being written can never complete; a staged one can
-                # (its bytes are all there) and is settled by the receivers' reports
-                if v.state == STAGING:
+                # a version still being written can never complete; one fully staged in
+                # storage (shm) can, and is settled by the receivers' reports; on a streaming
+                # transport the bytes die with the sender
+                if v.state == STAGING or not self.transport_info.get("keeps_versions"):
                     self._abort(v, f"{label} {p.why}")
             elif p.name in v.participants and p.name not in v.committed and p.name not in v.failed:
                 v.failed[p.name] = f"{label} {p.why}"
@@ -431,6 +432,8 @@ class CoordinatorActor:
             readable = self._readable(self.versions[flight[-1]])
             # a version on its way beats the committed one: wait for it rather than load twice
             return flight[-1] if readable else None
+        if not self.transport_info.get("keeps_versions"):
+            return None  # a streaming transport keeps nothing: late receivers join the next version
         cand = self.latest_committed
         if cand is None or (p.serving is not None and cand <= p.serving):
             return None

@@ -159,6 +159,10 @@ class ShmSender(SenderTransport):
     name = "shm"
     pipelined = True
 
+    def session_info(self) -> dict[str, Any]:
+        # versions stay in their segments: late or restarted receivers catch up without the trainer
+        return {**super().session_info(), "keeps_versions": True}
+
     def __init__(self, ctx: TransportContext):
         super().__init__(ctx)
         self.directory = ctx.config.shm_dir
