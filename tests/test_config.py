@@ -18,7 +18,7 @@ class FakeDictConfig:
 
 def test_defaults_are_valid():
     cfg = SyncConfig()
-    assert cfg.transport == "auto" and cfg.bucket_bytes == 64 * 2**20
+    assert cfg.transport == "auto" and cfg.bucket_bytes == 16 * 2**20
 
 
 def test_from_mapping_and_omegaconf_like():

@@ -181,3 +181,28 @@ def test_manifest_wire_roundtrip_and_digest():
     assert other.digest() != manifest.digest()
     with pytest.raises(ManifestError):
         Manifest.from_wire([["x", "not_a_dtype", [1]]])
+
+
+@pytest.mark.parametrize("contiguous", [True, False])
+def test_split_tensors_come_back_as_views_where_storage_is_contiguous(contiguous):
+    named = {"small": random_tensor(torch.float32, (10,), 1), "big": random_tensor(torch.bfloat16, (5000,), 2),
+             "tail": random_tensor(torch.int8, (7,), 3)}
+    manifest = build_manifest(named)
+    plan = plan_buckets(manifest, 1024, 256)
+    stride = 1024 if contiguous else 1024 + 256  # buckets back to back, or with gaps between them
+    storage = torch.zeros(plan.bucket_count * stride, dtype=torch.uint8)
+    for _ in pack_stream(plan, manifest, named, lambda b: storage[b * stride:b * stride + 1024]):
+        pass
+
+    def span(bucket, offset, nbytes):
+        if offset + nbytes > 1024 and not contiguous:
+            return None  # crosses into the next bucket across a gap
+        return storage[bucket * stride + offset: bucket * stride + offset + nbytes]
+
+    out, unpacker = {}, Unpacker(plan, manifest)
+    for b in range(plan.bucket_count):
+        for name, t in unpacker.unpack(b, storage[b * stride:b * stride + 1024], span):
+            out[name] = t
+    assert all(same_bits(out[n], named[n]) for n in named)
+    shares = out["big"].untyped_storage().data_ptr() == storage.untyped_storage().data_ptr()
+    assert shares == contiguous, "a view of the storage, no copy, exactly when it is contiguous"

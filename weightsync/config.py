@@ -31,8 +31,10 @@ class SyncConfig:
     backend: str = "auto"
     # device the receivers load on; "auto" detects npu > cuda > cpu
     device: str = "auto"
-    # bucket size; also the unit of checksums and pipelining
-    bucket_mb: float = 64.0
+    # bucket size; also the unit of checksums and pipelining. 16 MiB keeps a bucket in the
+    # last-level cache between its checksum and its load on host paths (measured: README,
+    # Benchmark); device links may prefer larger buckets
+    bucket_mb: float = 16.0
     # byte alignment of every tensor inside a bucket (power of two, >= 16)
     align_bytes: int = 256
     # verify a per-bucket xxh3 checksum before any byte of the bucket is loaded

@@ -208,7 +208,9 @@ class Unpacker:
 
     Whole tensors come back as views of the bucket buffer: valid only until the transport
     reuses it, which is after ``load_weights`` returned. Split tensors are rebuilt in a
-    buffer of their own, allocated once and reused across versions.
+    buffer of their own, allocated once and reused across versions, unless ``span`` gives a
+    view of them where they already lie contiguously (a transport that holds the whole
+    version, such as shm): then they come back as views too, with no extra copy.
     """
 
     def __init__(self, plan: BucketPlan, manifest: Manifest):
@@ -216,7 +218,11 @@ class Unpacker:
         self.manifest = manifest
         self._assembly: dict[int, torch.Tensor] = {}
 
-    def unpack(self, bucket_index: int, buf: torch.Tensor) -> list[tuple[str, torch.Tensor]]:
+    def unpack(self, bucket_index: int, buf: torch.Tensor,
+               span: Callable[[int, int, int], torch.Tensor | None] | None = None) -> list[tuple[str, torch.Tensor]]:
+        """``span(bucket, offset, nbytes)`` returns a view of ``nbytes`` starting at ``offset`` of
+        ``bucket`` running on through the following buckets, or None where storage is not
+        contiguous. Only called once every bucket of the span was received and verified."""
         out = []
         for piece in self.plan.buckets[bucket_index].slices:
             spec = self.manifest[piece.tensor]
@@ -228,6 +234,16 @@ class Unpacker:
                     window = buf[piece.offset : piece.offset + piece.nbytes]
                     out.append((spec.name, window.view(dtype).view(spec.shape)))
                 continue
+            if span is not None:
+                if piece.start + piece.nbytes == spec.nbytes:
+                    first = self.plan.tensor_slices[piece.tensor][0]
+                    view = span(first.bucket, first.offset, spec.nbytes)
+                    if view is not None:
+                        out.append((spec.name, view.view(dtype).view(spec.shape)))
+                        continue
+                    # not contiguous after all: rebuild from the buckets that are still at hand
+                    out.append((spec.name, self._rebuild(piece.tensor, span)))
+                continue
             whole = self._assembly.get(piece.tensor)
             if whole is None or whole.device != buf.device:
                 whole = self._assembly[piece.tensor] = torch.empty(spec.nbytes, dtype=torch.uint8, device=buf.device)
@@ -235,3 +251,13 @@ class Unpacker:
             if piece.start + piece.nbytes == spec.nbytes:
                 out.append((spec.name, whole.view(dtype).view(spec.shape)))
         return out
+
+    def _rebuild(self, tensor: int, span: Callable[[int, int, int], torch.Tensor | None]) -> torch.Tensor:
+        spec = self.manifest[tensor]
+        whole = torch.empty(spec.nbytes, dtype=torch.uint8)
+        for p in self.plan.tensor_slices[tensor]:
+            part = span(p.bucket, p.offset, p.nbytes)
+            if part is None:
+                raise RuntimeError(f"tensor {spec.name!r}: the transport can no longer show bucket {p.bucket}")
+            whole[p.start : p.start + p.nbytes].copy_(part)
+        return whole.view(spec.torch_dtype).view(spec.shape)

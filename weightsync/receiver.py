@@ -125,6 +125,7 @@ class WeightReceiver(Party):
                 raise VersionError(f"version {version} was aborted: {state['reason']}")
 
         self._touched = False
+        span = self.transport.span(version, info)
         t0 = time.perf_counter()
         wait_s = verify_s = load_s = 0.0
         nbytes = 0
@@ -135,7 +136,7 @@ class WeightReceiver(Party):
             if expected is not None:
                 verify(b, buf, expected, version)
             t2 = time.perf_counter()
-            pairs = self.unpacker.unpack(b, buf)
+            pairs = self.unpacker.unpack(b, buf, span)
             if pairs:
                 if not self._touched:
                     # from here on the model holds a mix of versions until the last bucket

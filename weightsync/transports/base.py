@@ -81,6 +81,12 @@ class ReceiverTransport(abc.ABC):
         the next one is requested. ``check()`` raises if the version was aborted; call it
         while waiting. Raise DeadlineExceeded past ``deadline`` (time.monotonic())."""
 
+    def span(self, version: int, info: dict[str, Any]) -> Callable[[int, int, int], torch.Tensor | None] | None:
+        """For transports that hold a whole version at once: a function giving a view of
+        ``nbytes`` from ``offset`` in ``bucket`` onwards (None where not contiguous), so tensors
+        split over buckets need no reassembly copy. None (the default): reassemble."""
+        return None
+
     def can_replay(self, version: int, info: dict[str, Any]) -> bool:
         """True if ``version`` can be received again (rollback after a failed apply)."""
         return False

@@ -286,6 +286,22 @@ class ShmReceiver(ReceiverTransport):
             time.sleep(pause)
             pause = min(pause * 2, 2e-3)
 
+    def span(self, version: int, info: dict[str, Any]) -> Callable[[int, int, int], torch.Tensor | None]:
+        seg = self._attach(info["segment"])
+        bases, buckets = self.bases, self.ctx.plan.buckets
+
+        def view(bucket: int, offset: int, nbytes: int) -> torch.Tensor | None:
+            start, end = bases[bucket] + offset, bases[bucket] + offset + nbytes
+            # buckets sit back to back only where each one before the last is full to a page edge
+            b = bucket
+            while bases[b] + buckets[b].nbytes < end:
+                if b + 1 >= len(bases) or bases[b] + buckets[b].nbytes != bases[b + 1]:
+                    return None
+                b += 1
+            return seg.bytes[start:end]
+
+        return view
+
     def can_replay(self, version: int, info: dict[str, Any]) -> bool:
         name = info.get("segment")
         if not name:
