@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+
 import pytest
 import ray
 import torch
@@ -44,28 +46,45 @@ PATTERNS = {
 }
 
 
+@pytest.fixture(scope="module")
+def job(ray_cluster):
+    """One coordinator, receiver and trainer for every bad-input case (each uses new versions)."""
+    from weightsync import Coordinator
+
+    coord = Coordinator.create({**CFG, "heartbeat_interval_s": 0.2, "heartbeat_timeout_s": 3.0},
+                               name=f"ws-bad-input-{os.getpid()}")
+    r = Rollout.remote(coord, MANIFEST.to_wire(), "rollout-0", config=CFG)
+    trainer = Trainer.remote(coord, MANIFEST.to_wire(), config=CFG, expected_receivers=1)
+    state = {"coord": coord, "rollout": r, "trainer": trainer, "version": 0}
+    yield state
+    ray.get([r.close.remote(), trainer.close.remote()])
+    ray.kill(r)
+    ray.kill(trainer)
+    coord.shutdown()
+
+
 @pytest.mark.parametrize("kind", list(PATTERNS))
 @pytest.mark.parametrize("form", ["mapping", "iterable"])
-def test_bad_tensors_on_the_sender(coordinator_factory, actors, kind, form, request):
+def test_bad_tensors_on_the_sender(job, kind, form, request):
     request.node.add_marker(pytest.mark.scenario("bad input", f"{kind} ({form})"))
-    coord = coordinator_factory(CFG)
-    r = actors.add(Rollout.remote(coord, MANIFEST.to_wire(), "rollout-0", config=CFG))
-    trainer = actors.add(Trainer.remote(coord, MANIFEST.to_wire(), config=CFG, expected_receivers=1))
-    applied = r.apply.remote(1)
-    ray.get(trainer.step.remote(1))
-    assert ray.get(applied) == 1
+    coord, r, trainer = job["coord"], job["rollout"], job["trainer"]
+    good, bad_version = job["version"] + 1, job["version"] + 2
+    job["version"] += 2
+    applied = r.apply.remote(good)
+    ray.get(trainer.step.remote(good, 1))
+    assert ray.get(applied) == good
     bad = _bad(kind)
     if form == "mapping" and kind != "duplicate names":  # a dict cannot hold a duplicate
         bad = dict(bad)
-    applied = r.apply.remote(2)
+    applied = r.apply.remote(bad_version)
     with pytest.raises(ManifestError, match=PATTERNS[kind]):
-        ray.get(trainer.stage.remote(2, None, 0.0, bad))
+        ray.get(trainer.stage.remote(bad_version, None, 0.0, bad))
     with pytest.raises(VersionError, match="aborted.*ManifestError"):
         ray.get(applied)
-    assert ray.get(r.version.remote()) == 1
+    assert ray.get(r.version.remote()) == good
     expected, got = materialize(MANIFEST, seed=1), ray.get(r.weights.remote())
     assert all(same_bits(got[n], expected[n]) for n in expected), "nothing of the bad version was applied"
-    assert coord.call("metrics", version=2)["state"] == "ABORTED"
+    assert coord.call("metrics", version=bad_version)["state"] == "ABORTED"
 
 
 @pytest.mark.scenario("bad input", "bucket truncated in transit")
