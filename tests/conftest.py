@@ -36,6 +36,19 @@ def ray_cluster():
              object_store_memory=600 * 2**20, runtime_env={"env_vars": {"RAY_DEDUP_LOGS": "0"}})
     yield ray
     ray.shutdown()
+    # no Ray process (raylet, GCS, workers) started by this run may outlive it
+    import time
+
+    import psutil
+
+    deadline = time.monotonic() + 20
+    while True:
+        left = [p for p in psutil.Process().children(recursive=True) if p.is_running()
+                and p.status() != psutil.STATUS_ZOMBIE]
+        if not left or time.monotonic() > deadline:
+            break
+        time.sleep(0.5)
+    assert not left, f"processes left after ray.shutdown(): {[(p.pid, p.name()) for p in left]}"
 
 
 @pytest.fixture
