@@ -19,6 +19,7 @@ Rollout = ray.remote(RolloutWorker).options(num_cpus=0)
 Trainer = ray.remote(TrainerWorker).options(num_cpus=0)
 MANIFEST = layout("tiny")
 ALL = [t for t in ("shm", "ipc", "broadcast") if t in transports.names()]
+STREAMING = ("ipc", "broadcast")  # keep no stored versions (see Job.rollout)
 DEADLINE_S = 30.0  # sync_timeout_s of these tests: every failure must surface well before it
 
 
@@ -42,8 +43,16 @@ class Job:
         self.trainer = self.new_trainer()
 
     def rollout(self, name, rank, delay=0.0):
-        return self.actors.add(Rollout.remote(self.coord, MANIFEST.to_wire(), name, rank=rank, config=self.cfg,
-                                              load_delay_s=delay))
+        actor = self.actors.add(Rollout.remote(self.coord, MANIFEST.to_wire(), name, rank=rank, config=self.cfg,
+                                               load_delay_s=delay))
+        if self.cfg["transport"] in STREAMING:
+            # Ray builds an actor asynchronously. A streaming transport sends a version to
+            # the receivers registered when the sender reaches the barrier; one that registers
+            # later joins at the next version (no stored copy to catch up from). A restarted
+            # worker is up long before the next barrier in a real job; here, wait until it
+            # has registered so the next step really includes it.
+            ray.get(actor.version.remote())
+        return actor
 
     def new_trainer(self):
         return self.actors.add(Trainer.remote(self.coord, MANIFEST.to_wire(), config=self.cfg,

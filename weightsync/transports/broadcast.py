@@ -32,6 +32,7 @@ background, holding their own buffers) and the next version re-forms without the
 from __future__ import annotations
 
 import datetime
+import secrets
 import socket
 import struct
 import threading
@@ -334,6 +335,8 @@ class BroadcastSender(_End, SenderTransport):
         self.store: dist.TCPStore | None = None
         self.fills: dict[int, Fill] = {}
         self.scratch: torch.Tensor | None = None  # where a failed version's rest is packed
+        # tells this sender's store from a restarted sender's, even on a fixed rendezvous_port
+        self.store_id = secrets.token_hex(8)
 
     def _store(self) -> dist.TCPStore:
         if self.store is None:
@@ -343,7 +346,7 @@ class BroadcastSender(_End, SenderTransport):
     def session_info(self) -> dict[str, Any]:
         store = self._store()
         return {"pipelined": self.pipelined, "backend": self.backend, "host": store_host(self.ctx.config.rendezvous_host),
-                "port": store.port, "checksum": bool(self.trailer)}
+                "port": store.port, "checksum": bool(self.trailer), "store_id": self.store_id}
 
     def stage(self, version: int, slot: int, fill: Fill, announce: Callable[[dict[str, Any]], None]) -> dict[str, Any]:
         # Nothing moves before the barrier: the tensors are read, packed and sent in send(),
@@ -351,7 +354,9 @@ class BroadcastSender(_End, SenderTransport):
         # leave them unchanged until sync() returns (the recipe syncs right after the step).
         self.fills = {v: f for v, f in self.fills.items() if v > version}
         self.fills[version] = fill
-        return {"backend": self.backend, "checksum": bool(self.trailer)}
+        # the store's address rides along with every version: a restarted trainer hosts a
+        # new store, and receivers still connected to the dead one's follow it (receive())
+        return {k: v for k, v in self.session_info().items() if k != "pipelined"}
 
     def send(self, version: int, deadline: float) -> None:
         fill = self.fills.pop(version, None)
@@ -472,8 +477,23 @@ class BroadcastReceiver(_End, ReceiverTransport):
             self.store = connect_store(info["host"], info["port"], self.ctx.config.connect_timeout_s)
         return self.store
 
+    def _follow(self, info: dict[str, Any]) -> None:
+        """A version hosted by another store than ours: the trainer was restarted. Leave the
+        dead sender's group and store; the next group is built on the new store."""
+        if info.get("store_id") in (None, self.session_info.get("store_id")):
+            return
+        if info.get("backend", self.backend) != self.backend or bool(info.get("checksum")) != bool(self.trailer):
+            raise ConfigError(f"receiver '{self.ctx.name}': the restarted sender uses backend "
+                              f"{info.get('backend')!r}, checksum={info.get('checksum')}; this receiver was set up "
+                              f"for {self.backend!r}, checksum={bool(self.trailer)}")
+        self._drop()
+        self.store = None
+        self.session_info = {**self.session_info, **{k: info[k] for k in ("host", "port", "store_id")}}
+
     def receive(self, version: int, info: dict[str, Any], deadline: float,
                 check: Callable[[], None]) -> Iterator[Received]:
+        self._follow(info)
+
         def poll() -> None:
             try:
                 check()

@@ -21,7 +21,11 @@ coordinator round trip per bucket:
              [+2 + k] tag of the last bucket the receiver finished with in buffer k
 Bucket b of a version goes to buffer b % nbuf. Before overwriting a buffer the sender waits
 until every receiver taking part in the version released the bucket it held; a receiver
-the coordinator declared failed or dead is no longer waited for.
+the coordinator declared failed or dead is no longer waited for, and a receiver that is not
+waited for (registered after the barrier, or declared failed) refuses the version before
+loading anything, so it keeps the complete version it serves.
+Every version's info repeats the rendezvous (control block and buffer handles): receivers
+attached to a trainer that died follow its restarted successor's new buffers.
 
 Unlike shm, data moves in ``send()`` (the barrier), not in ``stage()``: the buffers are
 reused bucket by bucket, so the version's tensors are read during ``sync()`` and must stay
@@ -48,7 +52,7 @@ from .. import device as devices
 from ..errors import CapacityError, DeadlineExceeded, ProtocolError, VersionError
 from ..manifest import dtype_name, dtype_of
 from ..plan import checksum
-from .base import Fill, ReceiverTransport, Received, SenderTransport, TransportContext
+from .base import Fill, Received, ReceiverTransport, SenderTransport, TransportContext
 from .shm import PAGE, check_space, digest_word, reap_stale, segment_name
 
 MAGIC = 0x5753594E43495043  # "WSYNCIPC"
@@ -318,7 +322,9 @@ class IpcSender(SenderTransport):
             raise VersionError(f"ipc: version {version} is out of range (0 .. 2**39)")
         # a newer version supersedes one staged but never sent
         self._pending = {version: fill}
-        return {"control": self.control.name}
+        # the whole rendezvous rides along with every version: a restarted trainer brings a
+        # new control block and buffers, and receivers attached to the dead one's re-attach
+        return {k: v for k, v in self.session_info().items() if k != "pipelined"}
 
     def send(self, version: int, deadline: float) -> None:
         fill = self._pending.pop(version, None)
@@ -393,28 +399,33 @@ class IpcReceiver(ReceiverTransport):
 
     def __init__(self, ctx: TransportContext, session_info: dict[str, Any]):
         super().__init__(ctx, session_info)
-        sender_dev = session_info.get("device") or {}
-        if sender_dev.get("type") != ctx.device.type:
-            raise ProtocolError(f"ipc: the sender's buckets are in {sender_dev.get('type')} memory but receiver "
-                                f"'{ctx.name}' runs on {ctx.device.type}; both must share one device")
         self.directory = ctx.config.shm_dir
-        self.nbuf = int(session_info["nbuf"])
-        self.capacity = int(session_info["capacity"])
-        self.checksums = bool(session_info.get("checksums"))
-        if not 1 <= self.nbuf <= MAX_BUFFERS:
-            raise ProtocolError(f"ipc: session announces {self.nbuf} buffers")
         self.mappings: list[_Mapped] = []
         self.buffers: list[torch.Tensor] = []
         self.opened = 0  # device handles opened (host ones are counted as mappings)
         self.slot: int | None = None
+        self.control: _Mapped | None = None
+        self._attach(session_info)
+
+    def _attach(self, info: dict[str, Any]) -> None:
+        """Open the sender's control block and buffers and take a receiver slot."""
+        ctx = self.ctx
+        sender_dev = info.get("device") or {}
+        if sender_dev.get("type") != ctx.device.type:
+            raise ProtocolError(f"ipc: the sender's buckets are in {sender_dev.get('type')} memory but receiver "
+                                f"'{ctx.name}' runs on {ctx.device.type}; both must share one device")
+        nbuf = int(info["nbuf"])
+        if not 1 <= nbuf <= MAX_BUFFERS:
+            raise ProtocolError(f"ipc: session announces {nbuf} buffers")
+        self.nbuf, self.capacity, self.checksums = nbuf, int(info["capacity"]), bool(info.get("checksums"))
         try:
-            self.control = self._map(session_info["control"], CONTROL_BYTES, writable=True, kind="ipc_control")
+            self.control = self._map(info["control"], CONTROL_BYTES, writable=True, kind="ipc_control")
             w = self.control.words
             if int(w[0]) != MAGIC or int(w[1]) != digest_word(ctx.digest):
                 raise ProtocolError(f"ipc control block {self.control.name} belongs to another session layout")
             self._claim()
             devices.set_current(ctx.device)
-            for h in session_info["buffers"]:
+            for h in info["buffers"]:
                 if h.get("kind") == "host":
                     seg = self._map(h["segment"], int(h["bytes"]), writable=False, kind="ipc_handles")
                     self.buffers.append(seg.bytes[: self.capacity])
@@ -425,6 +436,17 @@ class IpcReceiver(ReceiverTransport):
         except BaseException:
             self.close()
             raise
+
+    def _follow(self, info: dict[str, Any]) -> None:
+        """A version from another control block than ours: the trainer was restarted and
+        publishes new buffers. Drop the dead sender's mappings and attach to the new ones."""
+        name = info.get("control")
+        if name is None or (self.control is not None and name == self.control.name):
+            return
+        if "buffers" not in info:
+            raise ProtocolError(f"ipc: version info names control block {name} but carries no buffers")
+        self.close()
+        self._attach(info)
 
     def _map(self, name: str, size: int, writable: bool, kind: str) -> _Mapped:
         if not isinstance(name, str) or not _NAME.match(name):
@@ -458,6 +480,8 @@ class IpcReceiver(ReceiverTransport):
 
     def receive(self, version: int, info: dict[str, Any], deadline: float,
                 check: Callable[[], None]) -> Iterator[Received]:
+        self._follow(info)
+        self._check_member(version)
         w = self.control.words
         mine = _slot(self.slot)
         for b, bucket in enumerate(self.ctx.plan.buckets):
@@ -473,6 +497,19 @@ class IpcReceiver(ReceiverTransport):
                 raise ProtocolError(f"ipc: bucket {b} of version {version} was overwritten while it was loaded "
                                     f"(the sender gave up waiting for receiver '{self.ctx.name}')")
             w[mine + 2 + k] = want
+
+    def _check_member(self, version: int) -> None:
+        """Refuse a version whose sender does not wait for us, before touching the model: it
+        may overwrite a bucket while we load it, and we would serve nothing instead of the
+        complete version we hold. Participants are fixed when the sender reaches the barrier."""
+        if self.ctx.coordinator is None:
+            return
+        m = self.ctx.coordinator.call("metrics", version=version)
+        late = self.ctx.name not in m["participants"] or self.ctx.name in m["failed"]
+        if m["state"] in ("TRANSFERRING", "COMMITTED") and late:
+            raise VersionError(f"ipc: receiver '{self.ctx.name}' is not a participant of version {version}: it "
+                               f"registered (or came back) after the sender reached the barrier, so the sender "
+                               f"does not wait for it; it joins the next version")
 
     @staticmethod
     def _wait(w: np.ndarray, word: int, want: int, version: int, b: int, deadline: float,
