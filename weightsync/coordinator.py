@@ -565,7 +565,7 @@ class CoordinatorActor:
             state["epoch"] += 1
             state["key"] = key
         state["last"] = version
-        group = {"epoch": state["epoch"], "sender": name, "members": [p.name for p in members],
+        group = {"epoch": state["epoch"], "nonce": self.session, "sender": name, "members": [p.name for p in members],
                  "pids": {p.name: p.pid for p in members} | {name: sender.pid}, "size": len(members) + 1}
         state["groups"][version] = group
         v.info["group"] = {"epoch": group["epoch"], "members": group["members"]}  # shown in metrics

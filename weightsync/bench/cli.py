@@ -11,6 +11,7 @@ import sys
 import time
 from typing import Any
 
+from ..config import SyncConfig
 from ..layouts import LAYOUTS
 
 TRANSPORTS = ("shm", "ipc", "broadcast", "auto")
@@ -30,7 +31,7 @@ def add_bench_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--backend", default="auto", choices=("auto", "gloo", "nccl", "hccl"),
                    help="collective backend of broadcast (and the collective baselines)")
     p.add_argument("--receivers", nargs="+", type=int, default=[1], metavar="N", help="receiver counts to run")
-    p.add_argument("--bucket-mb", nargs="+", type=float, default=[64.0], metavar="MB",
+    p.add_argument("--bucket-mb", nargs="+", type=float, default=[SyncConfig().bucket_mb], metavar="MB",
                    help="bucket sizes to sweep")
     p.add_argument("--versions", type=int, default=5, help="timed versions per row")
     p.add_argument("--warmup", type=int, default=2, help="untimed versions first: they allocate the transport's reusable buffers (shm alternates two segments) and fault their pages in")

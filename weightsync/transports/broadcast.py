@@ -257,11 +257,13 @@ class _End:
     def _join(self, group: dict[str, Any], rank: int, deadline: float, poll: Callable[[], None]) -> Group:
         """The group of this version: the current one if the epoch is unchanged, else built
         anew in a helper thread while this one keeps polling the coordinator."""
-        if self.group is not None and self.group.epoch == group["epoch"]:
+        # epochs count from 1 again in a restarted coordinator: its nonce keeps names unique
+        ident = (group.get("nonce"), group["epoch"])
+        if self.group is not None and self.group.epoch == ident:
             return self.group
         self._drop()
         names = [group["sender"]] + list(group["members"])
-        prefix = f"weightsync/{self.ctx.session}/{self.ctx.digest[:16]}/epoch{group['epoch']}"
+        prefix = f"weightsync/{self.ctx.session}/{self.ctx.digest[:16]}/{group.get('nonce')}/epoch{group['epoch']}"
         timeout = max(0.001, min(self.ctx.config.connect_timeout_s, deadline - time.monotonic()))
         box: dict[str, Any] = {}
 
@@ -284,7 +286,7 @@ class _End:
         if "error" in box:
             raise box["error"]
         self.group = box["group"]
-        self.group.epoch = group["epoch"]
+        self.group.epoch = ident
         self.ctx.account("bcast_groups", +1)
         return self.group
 
