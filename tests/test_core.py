@@ -4,7 +4,6 @@ import os
 
 import pytest
 import ray
-import torch
 
 from weightsync import ManifestError, SyncFailed, VersionError, WeightReceiver, WeightSender
 from weightsync.layouts import layout, materialize

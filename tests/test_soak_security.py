@@ -11,8 +11,7 @@ import threading
 import pytest
 import ray
 
-from weightsync import Coordinator, ProtocolError, WeightReceiver, transports
-from weightsync import protocol
+from weightsync import Coordinator, ProtocolError, WeightReceiver, protocol, transports
 from weightsync.layouts import layout, materialize
 from weightsync.testing import RolloutWorker, TrainerWorker, same_bits
 from weightsync.transports.shm import our_segments
@@ -152,3 +151,28 @@ def test_wrong_token_is_refused(coordinator_factory):
     with pytest.raises(ProtocolError, match="wrong session token"):
         WeightReceiver(forged, lambda w: None, name="intruder")
     assert [p for p in coord.status()["parties"] if p["name"] == "intruder"] == []
+
+
+@pytest.mark.scenario("security", "the rendezvous store binds to the configured address only")
+def test_rendezvous_store_binds_to_configured_address():
+    import psutil
+    import torch
+
+    from weightsync import SyncConfig
+    from weightsync.plan import plan_buckets
+    from weightsync.transports.base import TransportContext
+    from weightsync.transports.broadcast import BroadcastSender
+
+    cfg = SyncConfig(transport="broadcast", backend="gloo", rendezvous_host="127.0.0.1")
+    ctx = TransportContext(config=cfg, plan=plan_buckets(MANIFEST, cfg.bucket_bytes, cfg.align_bytes),
+                           manifest=MANIFEST, digest=MANIFEST.digest(), session="t", name="trainer-0", rank=0,
+                           device=torch.device("cpu"))
+    sender = BroadcastSender(ctx)
+    try:
+        info = sender.session_info()
+        listening = [c.laddr for c in psutil.Process().net_connections(kind="tcp")
+                     if c.status == psutil.CONN_LISTEN and c.laddr.port == info["port"]]
+        assert info["host"] == "127.0.0.1"
+        assert listening and all(a.ip == "127.0.0.1" for a in listening), listening
+    finally:
+        sender.close()

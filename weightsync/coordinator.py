@@ -19,9 +19,8 @@ from typing import Any
 
 import ray
 
-from . import protocol
+from . import errors, protocol
 from .config import SyncConfig
-from . import errors
 from .errors import DeadlineExceeded, ManifestError, ProtocolError, SyncFailed, VersionError, WeightSyncError
 
 STAGING, STAGED, TRANSFERRING, COMMITTED, ABORTED = "STAGING", "STAGED", "TRANSFERRING", "COMMITTED", "ABORTED"

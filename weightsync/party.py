@@ -12,9 +12,9 @@ import ray
 from .config import SyncConfig
 from .coordinator import Coordinator
 from .device import describe, resolve
+from .errors import SessionLost
 from .manifest import Manifest
 from .plan import plan_buckets
-from .errors import SessionLost
 from .transports.base import TransportContext
 
 

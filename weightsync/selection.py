@@ -89,5 +89,5 @@ def choose_transport(requested: str, sender: dict[str, Any], receivers: Sequence
         split = _describe(receivers, where, SAME_NODE)
         if device in ACCELERATORS:
             return "broadcast", f"auto: {split} on this node use other devices; broadcast over the {device} collective"
-        return "shm", f"auto: every receiver is on the sender's node and there is no device collective; shm"
+        return "shm", "auto: every receiver is on the sender's node and there is no device collective; shm"
     return "broadcast", f"auto: {_describe(receivers, where, REMOTE)} on other nodes; broadcast"

@@ -20,15 +20,15 @@ from typing import Any
 import torch
 
 from . import transports
+from .capabilities import ipc_support
 from .config import SyncConfig
 from .coordinator import Coordinator
+from .device import describe
 from .errors import VersionError
 from .manifest import Manifest, build_manifest
 from .party import Party
 from .plan import pack_stream
 from .selection import choose_transport
-from .capabilities import ipc_support
-from .device import describe
 
 log = logging.getLogger("weightsync")
 

@@ -12,10 +12,10 @@ import torch
 
 from .config import SyncConfig
 from .coordinator import Coordinator
+from .layouts import materialize
 from .manifest import Manifest
 from .receiver import WeightReceiver
 from .sender import WeightSender
-from .layouts import materialize
 
 
 class ToyEngine:

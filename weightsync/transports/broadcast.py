@@ -32,6 +32,7 @@ background, holding their own buffers) and the next version re-forms without the
 from __future__ import annotations
 
 import datetime
+import os
 import secrets
 import socket
 import struct
@@ -113,10 +114,27 @@ def store_host(config_host: str) -> str:
     return socket.gethostbyname(socket.gethostname())
 
 
-def host_store(port: int, timeout: float) -> dist.TCPStore:
-    # the master listens on every interface; port 0 lets the OS pick a free one
-    return dist.TCPStore("0.0.0.0", port, None, True, datetime.timedelta(seconds=timeout),
-                         wait_for_workers=False)
+def host_store(host: str, port: int, timeout: float) -> dist.TCPStore:
+    """The rendezvous store, listening on ``host`` only. torch's TCPStore server binds every
+    interface by itself, so we bind the socket and hand it over (master_listen_fd); the store
+    owns the descriptor from then on and closes it. Port 0: a free port."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind((host, port))
+        sock.listen(512)
+        bound = sock.getsockname()[1]
+    except BaseException:
+        sock.close()
+        raise
+    fd = sock.detach()
+    try:
+        return dist.TCPStore(host, bound, None, True, datetime.timedelta(seconds=timeout),
+                             wait_for_workers=False, master_listen_fd=fd)
+    except BaseException:
+        os.close(fd)
+        raise
 
 
 def connect_store(host: str, port: int, timeout: float) -> dist.TCPStore:
@@ -342,7 +360,8 @@ class BroadcastSender(_End, SenderTransport):
 
     def _store(self) -> dist.TCPStore:
         if self.store is None:
-            self.store = host_store(self.ctx.config.rendezvous_port, self.ctx.config.connect_timeout_s)
+            self.store = host_store(store_host(self.ctx.config.rendezvous_host),
+                                    self.ctx.config.rendezvous_port, self.ctx.config.connect_timeout_s)
         return self.store
 
     def session_info(self) -> dict[str, Any]:

@@ -30,7 +30,7 @@ import torch
 
 from ..errors import CapacityError, DeadlineExceeded, ProtocolError
 from ..plan import BucketPlan, checksum
-from .base import Fill, ReceiverTransport, Received, SenderTransport, TransportContext
+from .base import Fill, Received, ReceiverTransport, SenderTransport, TransportContext
 
 MAGIC = 0x5753594E43534D31  # "WSYNCSM1"
 PAGE = 4096
