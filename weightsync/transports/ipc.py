@@ -36,11 +36,9 @@ from __future__ import annotations
 
 import fcntl
 import importlib
-import mmap
 import os
 import re
 import time
-import warnings
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -53,7 +51,7 @@ from ..errors import CapacityError, DeadlineExceeded, ProtocolError, VersionErro
 from ..manifest import dtype_name, dtype_of
 from ..plan import checksum
 from .base import Fill, Received, ReceiverTransport, SenderTransport, TransportContext
-from .shm import PAGE, check_space, digest_word, reap_stale, segment_name
+from .shm import PAGE, Segment, check_space, digest_word, reap_stale, segment_name
 
 MAGIC = 0x5753594E43495043  # "WSYNCIPC"
 NBUF = 2
@@ -78,50 +76,6 @@ def tag(version: int, bucket: int) -> int:
 
 def owner_word(name: str) -> int:
     return xxhash.xxh3_64_intdigest(name.encode()) | 1  # never 0, which marks a free slot
-
-
-class _Mapped:
-    """A file in /dev/shm mapped in full. The creator owns (and unlinks) it."""
-
-    def __init__(self, path: str, size: int, create: bool, writable: bool):
-        self.path, self.size, self.owner = path, size, create
-        flags = (os.O_RDWR | os.O_CREAT | os.O_EXCL) if create else (os.O_RDWR if writable else os.O_RDONLY)
-        self.fd = os.open(path, flags | os.O_CLOEXEC, 0o600)
-        try:
-            if create:
-                os.ftruncate(self.fd, size)
-                os.posix_fallocate(self.fd, 0, size)  # ENOSPC now, not SIGBUS mid-copy
-            elif os.fstat(self.fd).st_size < size:
-                raise ProtocolError(f"{os.path.basename(path)} is truncated: {os.fstat(self.fd).st_size} bytes, "
-                                    f"expected {size}")
-            prot = mmap.PROT_READ | (mmap.PROT_WRITE if writable else 0)
-            self.mm = mmap.mmap(self.fd, size, flags=mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0), prot=prot)
-        except BaseException:
-            os.close(self.fd)
-            if create:
-                os.unlink(path)
-            raise
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore", UserWarning)  # read-only on purpose for receivers
-            self.bytes = torch.frombuffer(self.mm, dtype=torch.uint8)
-        self.words = np.frombuffer(self.mm, dtype=np.uint64)
-
-    @property
-    def name(self) -> str:
-        return os.path.basename(self.path)
-
-    def close(self) -> None:
-        self.bytes = self.words = None
-        try:
-            self.mm.close()
-        except BufferError:
-            pass  # a caller still holds a view; the mapping goes with it
-        os.close(self.fd)
-        if self.owner:
-            try:
-                os.unlink(self.path)
-            except FileNotFoundError:
-                pass
 
 
 # -- device handles as plain data ------------------------------------------------------------
@@ -276,7 +230,7 @@ class IpcSender(SenderTransport):
         self.nbuf = max(1, min(NBUF, ctx.plan.bucket_count))
         self.capacity = max([b.nbytes for b in ctx.plan.buckets] + [1])
         self.checksums = bool(ctx.config.checksum) and ctx.device.type == "cpu"
-        self.segments: list[_Mapped] = []
+        self.segments: list[Segment] = []
         self.buffers: list[torch.Tensor] = []
         self.handles: list[dict[str, Any]] = []
         self._pending: dict[int, Fill] = {}
@@ -291,9 +245,9 @@ class IpcSender(SenderTransport):
             self.close()
             raise
 
-    def _segment(self, size: int, what: str, kind: str) -> _Mapped:
+    def _segment(self, size: int, what: str, kind: str) -> Segment:
         check_space(self.directory, size, what)
-        seg = _Mapped(os.path.join(self.directory, segment_name()), size, create=True, writable=True)
+        seg = Segment(os.path.join(self.directory, segment_name()), size, create=True, writable=True)
         self.segments.append(seg)
         self.ctx.account(kind, +1)
         return seg
@@ -400,11 +354,11 @@ class IpcReceiver(ReceiverTransport):
     def __init__(self, ctx: TransportContext, session_info: dict[str, Any]):
         super().__init__(ctx, session_info)
         self.directory = ctx.config.shm_dir
-        self.mappings: list[_Mapped] = []
+        self.mappings: list[Segment] = []
         self.buffers: list[torch.Tensor] = []
         self.opened = 0  # device handles opened (host ones are counted as mappings)
         self.slot: int | None = None
-        self.control: _Mapped | None = None
+        self.control: Segment | None = None
         self._attach(session_info)
 
     def _attach(self, info: dict[str, Any]) -> None:
@@ -448,11 +402,11 @@ class IpcReceiver(ReceiverTransport):
         self.close()
         self._attach(info)
 
-    def _map(self, name: str, size: int, writable: bool, kind: str) -> _Mapped:
+    def _map(self, name: str, size: int, writable: bool, kind: str) -> Segment:
         if not isinstance(name, str) or not _NAME.match(name):
             raise ProtocolError(f"refusing segment name {name!r}: not one of ours")
         try:
-            seg = _Mapped(os.path.join(self.directory, name), size, create=False, writable=writable)
+            seg = Segment(os.path.join(self.directory, name), size, create=False, writable=writable)
         except FileNotFoundError:
             raise ProtocolError(f"ipc segment {name} is gone (its sender exited?)") from None
         self.mappings.append(seg)

@@ -97,11 +97,13 @@ def our_segments(directory: str = "/dev/shm") -> list[str]:
 
 
 class Segment:
-    """One mapped segment. The creator owns (and unlinks) it; others attach read-only."""
+    """One mapped segment. The creator owns (and unlinks) it; others attach read-only unless
+    ``writable`` (the ipc transport's control block takes writes from receivers too)."""
 
-    def __init__(self, path: str, size: int, create: bool):
+    def __init__(self, path: str, size: int, create: bool, writable: bool | None = None):
+        writable = create if writable is None else writable
         self.path, self.size, self.owner = path, size, create
-        flags = os.O_RDWR | os.O_CREAT | os.O_EXCL if create else os.O_RDONLY
+        flags = os.O_RDWR | os.O_CREAT | os.O_EXCL if create else (os.O_RDWR if writable else os.O_RDONLY)
         self.fd = os.open(path, flags | getattr(os, "O_CLOEXEC", 0), 0o600)
         try:
             if create:
@@ -112,7 +114,7 @@ class Segment:
             elif os.fstat(self.fd).st_size < size:
                 raise ProtocolError(f"segment {os.path.basename(path)} is truncated: "
                                     f"{os.fstat(self.fd).st_size} bytes, expected {size}")
-            prot = mmap.PROT_READ | (mmap.PROT_WRITE if create else 0)
+            prot = mmap.PROT_READ | (mmap.PROT_WRITE if writable else 0)
             # MAP_POPULATE maps every page up front; the slot is reused, so this is paid once
             self.mm = mmap.mmap(self.fd, size, flags=mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0), prot=prot)
         except BaseException:
@@ -125,14 +127,15 @@ class Segment:
             # would fault instead of silently corrupting the segment for other receivers
             warnings.simplefilter("ignore", UserWarning)
             self.bytes = torch.frombuffer(self.mm, dtype=torch.uint8)
-        self.header = np.frombuffer(self.mm, dtype=np.uint64, count=PAGE // 8)
+        self.words = np.frombuffer(self.mm, dtype=np.uint64, count=size // 8)
+        self.header = self.words[: PAGE // 8]
 
     @property
     def name(self) -> str:
         return os.path.basename(self.path)
 
     def close(self) -> None:
-        self.bytes = self.header = None  # drop our exports so the mapping can close
+        self.bytes = self.header = self.words = None  # drop our exports so the mapping can close
         try:
             self.mm.close()
         except BufferError:
