@@ -126,8 +126,11 @@ def pytest_runtest_makereport(item, call):
     if mark is None or report.when != "call" and not (report.when == "setup" and report.outcome != "passed"):
         return
     params = getattr(getattr(item, "callspec", None), "params", {})
-    _scenarios.append({"kind": mark.args[0], "name": mark.args[1], "transport": params.get("transport", "any"),
-                       "outcome": "skipped" if report.skipped else report.outcome, "test": item.nodeid})
+    outcome = "skipped" if report.skipped else report.outcome
+    if hasattr(report, "wasxfail"):
+        outcome = "xfail" if report.skipped else "xpass"
+    _scenarios.append({"kind": mark.args[0], "name": mark.args[1], "transport": params.get("transport", "all"),
+                       "outcome": outcome, "test": item.nodeid})
 
 
 def pytest_sessionfinish(session, exitstatus):
@@ -143,7 +146,8 @@ def pytest_sessionfinish(session, exitstatus):
     rows: dict[tuple[str, str], dict[str, str]] = {}
     for s in _scenarios:
         rows.setdefault((s["kind"], s["name"]), {})[s["transport"]] = s["outcome"]
-    mark = {"passed": "pass", "failed": "FAIL", "skipped": "skip"}
+    mark = {"passed": "pass", "failed": "FAIL", "skipped": "skip", "xfail": "known gap (xfail)",
+            "xpass": "pass (known gap, xfail)"}
     lines = ["| kind | scenario | " + " | ".join(transports) + " |", "|---|---|" + "---|" * len(transports)]
     for (kind, name), by in rows.items():
         lines.append(f"| {kind} | {name} | " + " | ".join(mark.get(by.get(t, ""), "n/a") for t in transports) + " |")
