@@ -5,7 +5,7 @@ import os
 import pytest
 import ray
 
-from weightsync import ManifestError, SyncFailed, VersionError, WeightReceiver, WeightSender
+from weightsync import ManifestError, SyncConfig, SyncFailed, VersionError, WeightReceiver, WeightSender
 from weightsync.layouts import layout, materialize
 from weightsync.manifest import Manifest, TensorSpec
 from weightsync.testing import RolloutWorker, ToyEngine, TrainerWorker, same_bits
@@ -191,3 +191,32 @@ def test_in_process_api_and_resources_return_to_zero(coordinator_factory):
         receiver.close()
         sender.close()
     assert all(n == 0 for n in coord.status()["resources"].values())
+
+
+def test_more_buckets_than_one_header_page_holds(coordinator_factory):
+    """A segment's header grows with the bucket count: an 8B model in 16 MiB buckets has
+    about a thousand buckets, more than one 4 KiB page of ready words and checksums."""
+    config = {**CFG, "bucket_mb": 1 / 1024}  # 1 KiB buckets: about 400 of them
+    from weightsync.plan import plan_buckets
+
+    assert plan_buckets(MANIFEST, 1024).bucket_count > 4096 // 16
+    coord = coordinator_factory(config)
+    engine = ToyEngine(MANIFEST)
+    cfg = SyncConfig.load(config)
+    receiver = WeightReceiver(coord, engine.load_weights, name="local", expected=engine.params, config=cfg)
+    sender = WeightSender(coord, expected_receivers=1, config=cfg)
+    try:
+        import threading
+
+        for v in (1, 2):
+            weights = materialize(MANIFEST, seed=v)
+            sender.stage(v, weights)
+            t = threading.Thread(target=receiver.apply, args=(v,))
+            t.start()
+            sender.sync(v)
+            t.join(60)
+            assert receiver.version == v
+            assert all(same_bits(engine.params[n], w) for n, w in weights.items())
+    finally:
+        receiver.close()
+        sender.close()

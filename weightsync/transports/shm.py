@@ -6,7 +6,8 @@ coordinator picks the slot so that the version any receiver serves stays intact:
 that fails part-way re-reads its previous version (rollback), and one that joins late reads
 the latest committed version, all without the trainer.
 
-Segment layout: a header page of uint64 words, then the buckets, each page-aligned.
+Segment layout: header pages of uint64 words (as many as the bucket count needs), then the
+buckets, each page-aligned.
   [0] magic  [1] layout digest  [2] bucket count  [3] version being written
   [8 + 2b] version + 1 once bucket b is complete (0 while it is written)  [9 + 2b] its xxh3
 The sender writes the bytes of a bucket, then its checksum, then its ready word, so a
@@ -43,9 +44,13 @@ def _align(n: int, a: int = PAGE) -> int:
     return (n + a - 1) // a * a
 
 
+def header_bytes(plan: BucketPlan) -> int:
+    return _align(8 * (_HEAD_WORDS + 2 * plan.bucket_count))
+
+
 def layout(plan: BucketPlan) -> tuple[int, list[int]]:
     """(segment size, byte offset of each bucket) for a plan."""
-    offset = _align(8 * (_HEAD_WORDS + 2 * plan.bucket_count))
+    offset = header_bytes(plan)
     bases = []
     for b in plan.buckets:
         bases.append(offset)
@@ -100,7 +105,7 @@ class Segment:
     """One mapped segment. The creator owns (and unlinks) it; others attach read-only unless
     ``writable`` (the ipc transport's control block takes writes from receivers too)."""
 
-    def __init__(self, path: str, size: int, create: bool, writable: bool | None = None):
+    def __init__(self, path: str, size: int, create: bool, writable: bool | None = None, header_bytes: int = PAGE):
         writable = create if writable is None else writable
         self.path, self.size, self.owner = path, size, create
         flags = os.O_RDWR | os.O_CREAT | os.O_EXCL if create else (os.O_RDWR if writable else os.O_RDONLY)
@@ -128,7 +133,7 @@ class Segment:
             warnings.simplefilter("ignore", UserWarning)
             self.bytes = torch.frombuffer(self.mm, dtype=torch.uint8)
         self.words = np.frombuffer(self.mm, dtype=np.uint64, count=size // 8)
-        self.header = self.words[: PAGE // 8]
+        self.header = self.words[: header_bytes // 8]
 
     @property
     def name(self) -> str:
@@ -182,7 +187,7 @@ class ShmSender(SenderTransport):
             check_space(self.directory, self.size, f"a segment for {len(self.ctx.manifest)} tensors")
             path = os.path.join(self.directory, segment_name())
             try:
-                seg = Segment(path, self.size, create=True)
+                seg = Segment(path, self.size, create=True, header_bytes=header_bytes(self.ctx.plan))
             except OSError as exc:
                 if exc.errno == errno.ENOSPC:
                     raise CapacityError(f"{self.directory} ran out of space allocating {self.size} bytes") from None
@@ -200,15 +205,16 @@ class ShmSender(SenderTransport):
         head[3] = version
         info = {"segment": seg.name, "size": self.size, "readable": True}
         announce(info)
-        sums = []
+        sums: list[int] = []
+        hashed: dict[int, int] | None = {} if self.ctx.config.checksum else None
         packed = 0
         ready = np.uint64(version + 1)
-        for b in fill(lambda b: seg.bytes[self.bases[b]: self.bases[b] + self.ctx.plan.buckets[b].nbytes]):
+        for b in fill(lambda b: seg.bytes[self.bases[b]: self.bases[b] + self.ctx.plan.buckets[b].nbytes], hashed):
             n = self.ctx.plan.buckets[b].nbytes
             word = _HEAD_WORDS + 2 * b
-            if self.ctx.config.checksum:
-                # hashed right after packing, while the bucket is still in cache
-                s = checksum(seg.bytes[self.bases[b]: self.bases[b] + n])
+            if hashed is not None:
+                # pack_stream hashed the bucket while packing it, piece by piece from cache
+                s = hashed[b] if b in hashed else checksum(seg.bytes[self.bases[b]: self.bases[b] + n])
                 head[word + 1] = s
                 sums.append(s)
             head[word] = ready
@@ -238,7 +244,7 @@ class ShmReceiver(ReceiverTransport):
             if not _NAME.match(name):
                 raise ProtocolError(f"refusing segment name {name!r}: not one of ours")
             try:
-                seg = Segment(os.path.join(self.directory, name), self.size, create=False)
+                seg = Segment(os.path.join(self.directory, name), self.size, create=False, header_bytes=header_bytes(self.ctx.plan))
             except FileNotFoundError:
                 raise ProtocolError(f"segment {name} is gone (its sender exited?)") from None
             if seg.header[0] != MAGIC or seg.header[1] != digest_word(self.ctx.digest):
