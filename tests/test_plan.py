@@ -173,6 +173,33 @@ def test_checksum_sees_a_single_flipped_bit():
     assert checksum(buf) != before
 
 
+@pytest.mark.parametrize("bucket_bytes", [1 << 20, 3 << 20])
+def test_checksums_computed_while_packing_equal_a_hash_of_the_packed_bucket(bucket_bytes):
+    from weightsync.plan import CHUNK
+
+    named = {
+        "tiny": random_tensor(torch.float32, (3,), 1),
+        "chunks": random_tensor(torch.bfloat16, (CHUNK * 3 // 2 + 7,), 2),  # several copy pieces
+        "split": random_tensor(torch.uint8, (bucket_bytes + CHUNK + 5,), 3),  # spans buckets
+        "strided": random_tensor(torch.float16, (300, 40), 4).t(),
+        "strided_split": random_tensor(torch.float32, (1024, 400), 5).t(),  # split and not contiguous
+        "empty": torch.empty((0,), dtype=torch.int64),
+        "last": random_tensor(torch.int8, (9,), 6),
+    }
+    manifest = build_manifest(named)
+    plan = plan_buckets(manifest, bucket_bytes, 256)
+    # stale bytes in the alignment gaps are part of what a receiver hashes: they must count
+    buffers = {b: torch.full((bucket_bytes,), 0x5A, dtype=torch.uint8) for b in range(plan.bucket_count)}
+    sums: dict[int, int] = {}
+    order = list(pack_stream(plan, manifest, named, buffers.__getitem__, sums))
+    assert order == list(range(plan.bucket_count)) and set(sums) == set(order)
+    for b in order:
+        assert sums[b] == checksum(buffers[b][: plan.buckets[b].nbytes]), f"bucket {b}"
+    unpacker = Unpacker(plan, manifest)
+    out = {n: t.clone() for b in order for n, t in unpacker.unpack(b, buffers[b])}
+    assert all(same_bits(out[n], t) for n, t in named.items())
+
+
 def test_manifest_wire_roundtrip_and_digest():
     manifest = build_manifest(BASE)
     again = Manifest.from_wire(manifest.to_wire())

@@ -7,6 +7,7 @@ own and it is reused for every version of a session.
 
 from __future__ import annotations
 
+import ctypes
 import dataclasses
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from typing import Any
@@ -116,11 +117,57 @@ def _flat_bytes(t: torch.Tensor) -> torch.Tensor:
     return t.reshape(-1).view(torch.uint8)
 
 
+# Copy and hash in pieces that fit in L2: the hash then reads what the copy just wrote from
+# cache instead of a second pass over memory (about a third less time per bucket on CPU).
+CHUNK = 512 << 10
+
+
+class _StreamHash:
+    """xxh3 of a host bucket, fed in plan order while the bucket is filled; equals
+    ``checksum(bucket[:nbytes])``. Alignment gaps are hashed too, as they lie in the buffer."""
+
+    def __init__(self, buf: torch.Tensor):
+        self.state = xxhash.xxh3_64()
+        self.mv = memoryview(buf.numpy())
+        self.done = 0
+
+    def upto(self, end: int) -> None:
+        if end > self.done:
+            self.state.update(self.mv[self.done:end])
+            self.done = end
+
+    def digest(self, nbytes: int) -> int:
+        self.upto(nbytes)
+        return self.state.intdigest()
+
+
+def _copy_piece(window: torch.Tensor, tensor: torch.Tensor, piece: Slice, whole: bool,
+                hashed: _StreamHash | None) -> None:
+    if whole and not tensor.is_contiguous():
+        # strided copy straight into the bucket, no temporary contiguous tensor
+        window.view(tensor.dtype).view(tensor.shape).copy_(tensor)
+    elif hashed is not None and tensor.device.type == "cpu":
+        # host to host: memmove releases the GIL and, unlike torch's copy_, costs nothing per
+        # call, so a big tensor can go in cache-sized pieces, each hashed right behind its copy
+        flat = _flat_bytes(tensor)  # held: a non-contiguous tensor's flat copy must outlive the loop
+        src, dst = flat.data_ptr() + piece.start, window.data_ptr()
+        for off in range(0, piece.nbytes, CHUNK):
+            n = min(CHUNK, piece.nbytes - off)
+            ctypes.memmove(dst + off, src + off, n)
+            hashed.upto(piece.offset + off + n)
+        return
+    else:
+        window.copy_(_flat_bytes(tensor)[piece.start : piece.start + piece.nbytes])
+    if hashed is not None:
+        hashed.upto(piece.offset + piece.nbytes)
+
+
 def pack_stream(
     plan: BucketPlan,
     manifest: Manifest,
     named: Mapping[str, torch.Tensor] | Iterable[tuple[str, torch.Tensor]],
     bucket_buffer: Callable[[int], torch.Tensor],
+    checksums: dict[int, int] | None = None,
 ) -> Iterator[int]:
     """Copy tensors into their buckets in plan order, yielding each bucket index once full.
 
@@ -128,6 +175,8 @@ def pack_stream(
     ``plan.buckets[b].nbytes`` long); it is called once per bucket, right before the first
     byte is written, so a transport can hand out a recycled buffer. Tensors are checked
     against the manifest as they arrive; a mismatch raises ManifestError naming the tensor.
+    With ``checksums`` (a dict, host buffers only), each bucket's xxh3 is computed while it
+    is packed and stored in ``checksums[b]`` before ``b`` is yielded.
     """
     if isinstance(named, Mapping):
         _check_names(manifest, named)
@@ -137,6 +186,7 @@ def pack_stream(
     for b, last in last_of_bucket.items():
         ready_after.setdefault(last, []).append(b)
     buffers: dict[int, torch.Tensor] = {}
+    hashes: dict[int, _StreamHash] = {}
     seen: set[str] = set()
     i = -1
     for i, (name, tensor) in enumerate(named):
@@ -145,16 +195,17 @@ def pack_stream(
             dst = buffers.get(piece.bucket)
             if dst is None:
                 dst = buffers[piece.bucket] = bucket_buffer(piece.bucket)
+                if checksums is not None:
+                    hashes[piece.bucket] = _StreamHash(dst)
             if piece.nbytes == 0:
                 continue
             window = dst[piece.offset : piece.offset + piece.nbytes]
-            if piece.nbytes == manifest[i].nbytes and not tensor.is_contiguous():
-                # strided copy straight into the bucket, no temporary contiguous tensor
-                window.view(tensor.dtype).view(tensor.shape).copy_(tensor)
-            else:
-                window.copy_(_flat_bytes(tensor)[piece.start : piece.start + piece.nbytes])
+            _copy_piece(window, tensor, piece, piece.nbytes == manifest[i].nbytes, hashes.get(piece.bucket))
         for b in ready_after.get(i, ()):
             buffers.pop(b, None)
+            hashed = hashes.pop(b, None)
+            if hashed is not None:
+                checksums[b] = hashed.digest(plan.buckets[b].nbytes)
             yield b
     if i + 1 < len(manifest):
         missing = [s.name for s in manifest.specs[i + 1 :]]

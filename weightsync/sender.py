@@ -159,7 +159,8 @@ class WeightSender(Party):
         try:
             info = self.transport.stage(
                 version, slot,
-                fill=lambda bucket_buffer: pack_stream(self.plan, self.manifest, named, bucket_buffer),
+                fill=lambda bucket_buffer, checksums=None: pack_stream(self.plan, self.manifest, named, bucket_buffer,
+                                                                       checksums),
                 announce=lambda early: self._call("stage_info", version=version, info=early),
             )
             stage_s = time.perf_counter() - t0

@@ -18,9 +18,10 @@ from ..config import SyncConfig
 from ..manifest import Manifest
 from ..plan import BucketPlan
 
-# fill(bucket_buffer) packs the version into the buffers bucket_buffer(b) hands out and
-# yields each bucket index as soon as that bucket is complete
-Fill = Callable[[Callable[[int], torch.Tensor]], Iterator[int]]
+# fill(bucket_buffer, checksums=None) packs the version into the buffers bucket_buffer(b)
+# hands out and yields each bucket index as soon as that bucket is complete; given a dict
+# (host buffers only), it stores each bucket's xxh3 there before yielding it
+Fill = Callable[..., Iterator[int]]
 # a received bucket: (index, uint8 bytes of the bucket, the sender's checksum or None)
 Received = tuple[int, torch.Tensor, "int | None"]
 

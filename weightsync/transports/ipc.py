@@ -294,6 +294,9 @@ class IpcSender(SenderTransport):
         plan, w = self.ctx.plan, self.control.words
         published = -1
         asked: set[int] = set()
+        # filled by pack_stream as it packs (host buffers); a bucket published before pack_stream
+        # finished with it (the first part of a split tensor) is hashed here instead
+        hashed: dict[int, int] | None = {} if self.checksums else None
 
         def publish_through(last: int) -> None:
             nonlocal published
@@ -304,8 +307,9 @@ class IpcSender(SenderTransport):
                 if b not in asked:
                     bucket_buffer(b)  # never handed out (nothing to write): still claim the buffer
                 k = b % self.nbuf
-                if self.checksums:
-                    w[_ready(k) + 1] = checksum(self.buffers[k][: plan.buckets[b].nbytes])
+                if hashed is not None:
+                    s = hashed.pop(b, None)
+                    w[_ready(k) + 1] = checksum(self.buffers[k][: plan.buckets[b].nbytes]) if s is None else s
                 w[_ready(k)] = tag(version, b)
                 published = b
 
@@ -320,7 +324,7 @@ class IpcSender(SenderTransport):
             w[_ready(k)] = 0  # receivers that outlived their turn see the overwrite
             return self.buffers[k][: plan.buckets[b].nbytes]
 
-        for b in fill(bucket_buffer):
+        for b in fill(bucket_buffer, hashed):
             publish_through(b)
         publish_through(plan.bucket_count - 1)
 
