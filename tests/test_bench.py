@@ -55,6 +55,22 @@ def test_bench_tiny_shm_end_to_end(ray_cluster, tmp_path):
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
+def test_bench_tiny_broadcast_and_collective_baselines(ray_cluster, tmp_path):
+    out = tmp_path / "bench.json"
+    rc = main(["bench", "--model", "tiny", "--transport", "broadcast", "--backend", "gloo", "--receivers", "1",
+               "--bucket-mb", "0.25", "--versions", "2", "--warmup", "1", "--baselines", "bcast-per-tensor",
+               "bcast-flat", "--ceiling-repeats", "1", "--no-progress", "--json", str(out)])
+    assert rc == 0
+    rows = {r["name"]: r for r in json.loads(out.read_text())["rows"]}
+    assert set(rows) == {"broadcast", "bcast-per-tensor", "bcast-flat"}
+    for name, r in rows.items():
+        assert r["error"] is None, r
+        # the raw flat broadcast is the wire limit only: nothing is unpacked, so nothing to check
+        assert r["verified"] is (None if name == "bcast-flat" else True), f"{name}: {r['verified']}"
+        assert len(r["seconds"]) == 2 and all(s > 0 for s in r["seconds"])
+    assert set(rows["broadcast"]["speedup_vs"]) == {"bcast-per-tensor", "bcast-flat"}
+
+
 def _tiny_shapes():
     from weightsync.layouts import layout
 

@@ -49,8 +49,9 @@ class Peer:
         self.engine: ToyEngine | None = None
 
     def host(self, port: int = 0, host: str = "auto") -> tuple[str, int]:
-        self.store = host_store(port, 60.0)
-        return store_host(host), self.store.port
+        address = store_host(host)
+        self.store = host_store(address, port, 60.0)
+        return address, self.store.port
 
     def join(self, host: str, port: int, prefix: str, timeout: float = 60.0) -> None:
         if self.store is None:
