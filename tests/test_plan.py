@@ -191,7 +191,13 @@ def test_checksums_computed_while_packing_equal_a_hash_of_the_packed_bucket(buck
     # stale bytes in the alignment gaps are part of what a receiver hashes: they must count
     buffers = {b: torch.full((bucket_bytes,), 0x5A, dtype=torch.uint8) for b in range(plan.bucket_count)}
     sums: dict[int, int] = {}
-    order = list(pack_stream(plan, manifest, named, buffers.__getitem__, sums))
+
+    def bucket_buffer(b):
+        # transports publish bucket b-1 when b is asked for: its checksum must be final by then
+        assert set(sums) == set(range(b)), f"bucket {b} asked for, checksums of {sorted(sums)}"
+        return buffers[b]
+
+    order = list(pack_stream(plan, manifest, named, bucket_buffer, sums))
     assert order == list(range(plan.bucket_count)) and set(sums) == set(order)
     for b in order:
         assert sums[b] == checksum(buffers[b][: plan.buckets[b].nbytes]), f"bucket {b}"

@@ -176,7 +176,7 @@ def pack_stream(
     byte is written, so a transport can hand out a recycled buffer. Tensors are checked
     against the manifest as they arrive; a mismatch raises ManifestError naming the tensor.
     With ``checksums`` (a dict, host buffers only), each bucket's xxh3 is computed while it
-    is packed and stored in ``checksums[b]`` before ``b`` is yielded.
+    is packed and stored in ``checksums[b]`` as soon as its last byte is in.
     """
     if isinstance(named, Mapping):
         _check_names(manifest, named)
@@ -185,6 +185,9 @@ def pack_stream(
     ready_after: dict[int, list[int]] = {}
     for b, last in last_of_bucket.items():
         ready_after.setdefault(last, []).append(b)
+    # a bucket's checksum is final once its last piece is in, before the next bucket is asked
+    # for: a transport may publish a bucket then, before pack_stream yields it
+    last_piece = {b.index: b.slices[-1] for b in plan.buckets if b.slices}
     buffers: dict[int, torch.Tensor] = {}
     hashes: dict[int, _StreamHash] = {}
     seen: set[str] = set()
@@ -197,15 +200,13 @@ def pack_stream(
                 dst = buffers[piece.bucket] = bucket_buffer(piece.bucket)
                 if checksums is not None:
                     hashes[piece.bucket] = _StreamHash(dst)
-            if piece.nbytes == 0:
-                continue
-            window = dst[piece.offset : piece.offset + piece.nbytes]
-            _copy_piece(window, tensor, piece, piece.nbytes == manifest[i].nbytes, hashes.get(piece.bucket))
+            if piece.nbytes:
+                window = dst[piece.offset : piece.offset + piece.nbytes]
+                _copy_piece(window, tensor, piece, piece.nbytes == manifest[i].nbytes, hashes.get(piece.bucket))
+            if checksums is not None and piece is last_piece[piece.bucket]:
+                checksums[piece.bucket] = hashes.pop(piece.bucket).digest(plan.buckets[piece.bucket].nbytes)
         for b in ready_after.get(i, ()):
             buffers.pop(b, None)
-            hashed = hashes.pop(b, None)
-            if hashed is not None:
-                checksums[b] = hashed.digest(plan.buckets[b].nbytes)
             yield b
     if i + 1 < len(manifest):
         missing = [s.name for s in manifest.specs[i + 1 :]]

@@ -238,8 +238,9 @@ def retire(group: Group | None, works: list[Any], what: str) -> None:
     threading.Thread(target=drain, name=f"weightsync-retire-{what}", daemon=True).start()
 
 
-def put_checksum(buf: torch.Tensor, n: int) -> int:
-    value = checksum(buf[:n])
+def put_checksum(buf: torch.Tensor, n: int, value: int | None = None) -> int:
+    """Append the bucket's xxh3 (``value`` if pack_stream computed it already) as a trailer."""
+    value = checksum(buf[:n]) if value is None else value
     buf[n: n + TRAILER].copy_(torch.frombuffer(bytearray(struct.pack("<Q", value)), dtype=torch.uint8))
     return value
 
@@ -408,6 +409,7 @@ class BroadcastSender(_End, SenderTransport):
         plan = self.ctx.plan
         poll = lambda: self._poll(version)  # noqa: E731
         launched: list[Any] = []
+        sums: dict[int, int] = {}  # each bucket's xxh3, computed by pack_stream while packing
         error: BaseException | None = None
         g: Group | None = None
 
@@ -422,7 +424,7 @@ class BroadcastSender(_End, SenderTransport):
             while len(launched) < b:
                 i = len(launched)
                 if self.trailer:
-                    put_checksum(self._wire(i), plan.buckets[i].nbytes)
+                    put_checksum(self._wire(i), plan.buckets[i].nbytes, sums.pop(i, None))
                 launched.append(g.broadcast(self._wire(i), deadline - time.monotonic()))
                 self.pending.append(launched[-1])
 
@@ -442,7 +444,7 @@ class BroadcastSender(_End, SenderTransport):
         except Exception as exc:
             fail(exc)
         try:
-            for _ in fill(bucket_buffer):
+            for _ in fill(bucket_buffer, sums if self.trailer else None):
                 pass
         except BaseException as exc:
             fail(exc)  # the trainer's tensors are off the manifest, or its iteration failed

@@ -294,8 +294,7 @@ class IpcSender(SenderTransport):
         plan, w = self.ctx.plan, self.control.words
         published = -1
         asked: set[int] = set()
-        # filled by pack_stream as it packs (host buffers); a bucket published before pack_stream
-        # finished with it (the first part of a split tensor) is hashed here instead
+        # filled by pack_stream as it packs (host buffers)
         hashed: dict[int, int] | None = {} if self.checksums else None
 
         def publish_through(last: int) -> None:
