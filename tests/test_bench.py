@@ -19,7 +19,7 @@ def test_bench_tiny_shm_end_to_end(ray_cluster, tmp_path):
     out, png = tmp_path / "bench.json", tmp_path / "bench.png"
     rc = main(["bench", "--model", "tiny", "--transport", "shm", "--receivers", "1", "2", "--bucket-mb", "0.25",
                "--versions", "2", "--warmup", "1", "--baselines", "ray-user", "ray-numpy", "--ceiling-repeats", "2",
-               "--no-progress", "--note", "pytest smoke", "--json", str(out), "--plot", str(png)])
+               "--checksum", "on", "off", "--no-progress", "--note", "pytest smoke", "--json", str(out), "--plot", str(png)])
     assert rc == 0
     res = json.loads(out.read_text())
     assert res["schema"] == report.SCHEMA
@@ -32,7 +32,8 @@ def test_bench_tiny_shm_end_to_end(ray_cluster, tmp_path):
     assert ceil["gbps"] > 0 and ceil["bytes"] == payload and ceil["method"] in ceil["methods_gbps"]
 
     rows = {(r["name"], r["receivers"]): r for r in res["rows"]}
-    assert set(rows) == {(n, k) for n in ("shm", "ray-user", "ray-numpy") for k in (1, 2)}
+    assert set(rows) == {(n, k) for n in ("shm", "shm (no xxh3)", "ray-user", "ray-numpy") for k in (1, 2)}
+    assert rows[("shm", 1)]["checksum"] is True and rows[("shm (no xxh3)", 1)]["checksum"] is False
     for (name, n), r in rows.items():
         assert r["error"] is None, r
         assert r["verified"] is True, f"{name} x{n}: receivers do not hold the trainer's bits"
@@ -49,6 +50,8 @@ def test_bench_tiny_shm_end_to_end(ray_cluster, tmp_path):
     assert set(shm["speedup_vs"]) == {"ray-user", "ray-numpy"}
     assert shm["speedup_vs"]["ray-user"] == pytest.approx(rows[("ray-user", 1)]["median_s"] / shm["median_s"])
     names = {c["check"] for c in res["checks"]}
+    judged = [c for c in res["checks"] if c["check"] == "best transport / copy ceiling"]
+    assert judged and judged[0]["detail"].startswith("shm @"), "rows without checksums are shown, not judged"
     assert {"best transport vs ray-user", "best transport / copy ceiling", "shm time growth 2 vs 1 receiver"} <= names
 
     pytest.importorskip("matplotlib")

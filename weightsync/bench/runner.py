@@ -163,7 +163,7 @@ class Bench:
                "median_s": None, "p90_s": None, "min_s": None, "gbps": None, "stage_s": None,
                "barrier_s": None, "prestaged_s": [], "sender_peak_extra_bytes": None,
                "receiver_peak_extra_bytes": None, "shm_bytes": None, "phases_s": {}, "verified": None,
-               "error": None}
+               "checksum": None, "error": None}
         row.update(fields)
         return row
 
@@ -190,16 +190,18 @@ class Bench:
 
     # -- weightsync transports -----------------------------------------------------------
 
-    def sync_row(self, transport: str, bucket_mb: float, receivers: int, backend: str = "auto") -> dict[str, Any]:
-        name = transport if transport != "auto" else "auto"
+    def sync_row(self, transport: str, bucket_mb: float, receivers: int, backend: str = "auto",
+                 checksum: bool = True) -> dict[str, Any]:
+        name = transport if checksum else f"{transport} (no xxh3)"
         row = self._row(kind="transport", name=name, transport=transport, backend=backend, bucket_mb=bucket_mb,
-                        receivers=receivers)
+                        receivers=receivers, checksum=checksum)
         why = transport_unavailable(transport, backend, self.device)
         if why:
             row.update(kind="unavailable", error=why)
             return row
         rx = self.rollouts[:receivers]
         cfg = {"transport": transport, "backend": backend, "device": self.device, "bucket_mb": bucket_mb,
+               "checksum": checksum,
                "sync_timeout_s": ROW_TIMEOUT_S / 2, "connect_timeout_s": 120.0,
                # throughput, not liveness, is measured here: a busy machine must not abort a version
                "heartbeat_timeout_s": 60.0}
@@ -238,7 +240,7 @@ class Bench:
             coord.shutdown()
         row.update(closed)
         if row["transport"] == "auto" and closed.get("chosen"):
-            row["name"] = f"auto->{closed['chosen']}"
+            row["name"] = f"auto->{closed['chosen']}" + ("" if checksum else " (no xxh3)")
         row["prestaged_s"] = prestaged
         row["stage_s"] = statistics.median(stage_s) if stage_s else None
         row["barrier_s"] = statistics.median(prestaged) if prestaged else None
