@@ -220,3 +220,20 @@ def test_more_buckets_than_one_header_page_holds(coordinator_factory):
     finally:
         receiver.close()
         sender.close()
+
+
+def test_each_bucket_is_verified_once_per_node(coordinator_factory, actors):
+    """Receivers read the same pages: one hashes a bucket and marks it, the others load it."""
+    from weightsync.plan import plan_buckets
+
+    buckets = plan_buckets(MANIFEST, int(CFG["bucket_mb"] * 2**20), 256).bucket_count
+    coord, rs, trainer = start(coordinator_factory, actors, receivers=3)
+    for v in (1, 2, 3):
+        applied = [r.apply.remote(v) for r in rs]
+        ray.get(trainer.step.remote(v))
+        assert ray.get(applied) == [v, v, v]
+        skipped = [ray.get(r.counters.remote())["metrics"]["peer_verified_buckets"] for r in rs]
+        # 3 receivers x every bucket, of which exactly one hash per bucket happened
+        assert sum(skipped) == 2 * buckets, f"version {v}: buckets left to a peer {skipped} of {buckets}"
+        for r in rs:
+            assert_weights(r, v)

@@ -16,7 +16,7 @@ import torch
 
 from ..config import SyncConfig
 from ..manifest import Manifest
-from ..plan import BucketPlan
+from ..plan import BucketPlan, verify
 
 # fill(bucket_buffer, checksums=None) packs the version into the buffers bucket_buffer(b)
 # hands out and yields each bucket index as soon as that bucket is complete; given a dict
@@ -81,6 +81,15 @@ class ReceiverTransport(abc.ABC):
         """Yield the buckets of ``version`` in plan order. A yielded buffer stays valid until
         the next one is requested. ``check()`` raises if the version was aborted; call it
         while waiting. Raise DeadlineExceeded past ``deadline`` (time.monotonic())."""
+
+    def verify_bucket(self, version: int, info: dict[str, Any], b: int, buf: torch.Tensor, expected: int | None) -> bool:
+        """Raise ChecksumError if bucket b does not match the sender's checksum (None: not
+        checksummed). True if it was hashed here; a transport whose receivers share the bytes
+        may let one of them verify for all (shm)."""
+        if expected is None:
+            return False
+        verify(b, buf, expected, version)
+        return True
 
     def span(self, version: int, info: dict[str, Any]) -> Callable[[int, int, int], torch.Tensor | None] | None:
         """For transports that hold a whole version at once: a function giving a view of

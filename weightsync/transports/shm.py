@@ -9,14 +9,21 @@ the latest committed version, all without the trainer.
 Segment layout: header pages of uint64 words (as many as the bucket count needs), then the
 buckets, each page-aligned.
   [0] magic  [1] layout digest  [2] bucket count  [3] version being written
-  [8 + 2b] version + 1 once bucket b is complete (0 while it is written)  [9 + 2b] its xxh3
+  [8 + 3b] version + 1 once bucket b is complete (0 while it is written)  [9 + 3b] its xxh3
+  [10 + 3b] version + 1 once a receiver verified bucket b's checksum
 The sender writes the bytes of a bucket, then its checksum, then its ready word, so a
 receiver may read bucket b as soon as the word says so: staging and receiving overlap.
+
+Every receiver on the node reads the same pages, so a bucket's checksum is verified once per
+node, not once per receiver: under a lock on its verified word (fcntl, released if the
+holder dies), the first receiver hashes it and marks it; the others see the mark and load.
+A receiver that finds a bad checksum marks nothing, so every receiver checks for itself.
 """
 
 from __future__ import annotations
 
 import errno
+import fcntl
 import mmap
 import os
 import re
@@ -30,7 +37,7 @@ import numpy as np
 import torch
 
 from ..errors import CapacityError, DeadlineExceeded, ProtocolError
-from ..plan import BucketPlan, checksum
+from ..plan import BucketPlan, checksum, verify
 from .base import Fill, Received, ReceiverTransport, SenderTransport, TransportContext
 
 MAGIC = 0x5753594E43534D31  # "WSYNCSM1"
@@ -38,6 +45,11 @@ PAGE = 4096
 PREFIX = "wsync_"
 _NAME = re.compile(r"^wsync_(\d+)_([0-9a-f]{32})$")
 _HEAD_WORDS = 8
+_PER_BUCKET = 3  # ready, checksum, verified
+
+
+def _ready_word(b: int) -> int:
+    return _HEAD_WORDS + _PER_BUCKET * b
 
 
 def _align(n: int, a: int = PAGE) -> int:
@@ -45,7 +57,7 @@ def _align(n: int, a: int = PAGE) -> int:
 
 
 def header_bytes(plan: BucketPlan) -> int:
-    return _align(8 * (_HEAD_WORDS + 2 * plan.bucket_count))
+    return _align(8 * (_HEAD_WORDS + _PER_BUCKET * plan.bucket_count))
 
 
 def layout(plan: BucketPlan) -> tuple[int, list[int]]:
@@ -103,12 +115,15 @@ def our_segments(directory: str = "/dev/shm") -> list[str]:
 
 class Segment:
     """One mapped segment. The creator owns (and unlinks) it; others attach read-only unless
-    ``writable`` (the ipc transport's control block takes writes from receivers too)."""
+    ``writable`` (the ipc transport's control block takes writes from receivers too). With
+    ``header_writable`` a read-only attacher may still write the header pages (``control``)."""
 
-    def __init__(self, path: str, size: int, create: bool, writable: bool | None = None, header_bytes: int = PAGE):
+    def __init__(self, path: str, size: int, create: bool, writable: bool | None = None, header_bytes: int = PAGE,
+                 header_writable: bool = False):
         writable = create if writable is None else writable
         self.path, self.size, self.owner = path, size, create
-        flags = os.O_RDWR | os.O_CREAT | os.O_EXCL if create else (os.O_RDWR if writable else os.O_RDONLY)
+        rw = writable or header_writable
+        flags = os.O_RDWR | os.O_CREAT | os.O_EXCL if create else (os.O_RDWR if rw else os.O_RDONLY)
         self.fd = os.open(path, flags | getattr(os, "O_CLOEXEC", 0), 0o600)
         try:
             if create:
@@ -122,6 +137,9 @@ class Segment:
             prot = mmap.PROT_READ | (mmap.PROT_WRITE if writable else 0)
             # MAP_POPULATE maps every page up front; the slot is reused, so this is paid once
             self.mm = mmap.mmap(self.fd, size, flags=mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0), prot=prot)
+            # the header pages once more, writable: the same memory as the start of self.mm
+            self.control_mm = (mmap.mmap(self.fd, header_bytes, flags=mmap.MAP_SHARED)
+                               if header_writable and not writable else None)
         except BaseException:
             os.close(self.fd)
             if create:
@@ -134,17 +152,21 @@ class Segment:
             self.bytes = torch.frombuffer(self.mm, dtype=torch.uint8)
         self.words = np.frombuffer(self.mm, dtype=np.uint64, count=size // 8)
         self.header = self.words[: header_bytes // 8]
+        self.control = (np.frombuffer(self.control_mm, dtype=np.uint64) if self.control_mm is not None
+                        else self.header if writable else None)
 
     @property
     def name(self) -> str:
         return os.path.basename(self.path)
 
     def close(self) -> None:
-        self.bytes = self.header = self.words = None  # drop our exports so the mapping can close
-        try:
-            self.mm.close()
-        except BufferError:
-            pass  # a caller still holds a view; the mapping goes when that view does
+        self.bytes = self.header = self.words = self.control = None  # drop our exports so the mappings can close
+        for mm in (self.mm, self.control_mm):
+            try:
+                if mm is not None:
+                    mm.close()
+            except BufferError:
+                pass  # a caller still holds a view; the mapping goes when that view does
         os.close(self.fd)
         if self.owner:
             try:
@@ -201,7 +223,10 @@ class ShmSender(SenderTransport):
     def stage(self, version: int, slot: int, fill: Fill, announce: Callable[[dict[str, Any]], None]) -> dict[str, Any]:
         seg = self._slot(slot)
         head = seg.header
-        head[_HEAD_WORDS::2][: self.ctx.plan.bucket_count] = 0  # invalidate every bucket first
+        count = self.ctx.plan.bucket_count
+        words = head[_HEAD_WORDS: _HEAD_WORDS + _PER_BUCKET * count].reshape(count, _PER_BUCKET)
+        words[:, 0] = 0  # invalidate every bucket first
+        words[:, 2] = 0  # and its verification
         head[3] = version
         info = {"segment": seg.name, "size": self.size, "readable": True}
         announce(info)
@@ -211,7 +236,7 @@ class ShmSender(SenderTransport):
         ready = np.uint64(version + 1)
         for b in fill(lambda b: seg.bytes[self.bases[b]: self.bases[b] + self.ctx.plan.buckets[b].nbytes], hashed):
             n = self.ctx.plan.buckets[b].nbytes
-            word = _HEAD_WORDS + 2 * b
+            word = _ready_word(b)
             if hashed is not None:
                 # pack_stream hashed the bucket while packing it, piece by piece from cache
                 s = hashed[b] if b in hashed else checksum(seg.bytes[self.bases[b]: self.bases[b] + n])
@@ -244,7 +269,8 @@ class ShmReceiver(ReceiverTransport):
             if not _NAME.match(name):
                 raise ProtocolError(f"refusing segment name {name!r}: not one of ours")
             try:
-                seg = Segment(os.path.join(self.directory, name), self.size, create=False, header_bytes=header_bytes(self.ctx.plan))
+                seg = Segment(os.path.join(self.directory, name), self.size, create=False,
+                              header_bytes=header_bytes(self.ctx.plan), header_writable=True)
             except FileNotFoundError:
                 raise ProtocolError(f"segment {name} is gone (its sender exited?)") from None
             if seg.header[0] != MAGIC or seg.header[1] != digest_word(self.ctx.digest):
@@ -270,7 +296,7 @@ class ShmReceiver(ReceiverTransport):
         ready = version + 1
         sums = info.get("checksums") or None
         for b, bucket in enumerate(self.ctx.plan.buckets):
-            word = _HEAD_WORDS + 2 * b
+            word = _ready_word(b)
             self._wait_ready(head, word, ready, version, b, deadline, check)
             expected = int(head[word + 1]) if self.ctx.config.checksum else None
             if sums is not None and expected is not None and sums[b] != expected:
@@ -294,6 +320,26 @@ class ShmReceiver(ReceiverTransport):
                 next_check = now + 0.2
             time.sleep(pause)
             pause = min(pause * 2, 2e-3)
+
+    def verify_bucket(self, version: int, info: dict[str, Any], b: int, buf: torch.Tensor, expected: int | None) -> bool:
+        """Verify bucket b unless another receiver on the node already did (see module doc).
+        True if this receiver hashed it."""
+        if expected is None:
+            return False
+        seg = self._attach(info["segment"])
+        word, mark = _ready_word(b) + 2, np.uint64(version + 1)
+        if seg.control[word] == mark:
+            return False
+        # a byte-range lock on the word: one hasher per bucket; the kernel drops it if we die
+        fcntl.lockf(seg.fd, fcntl.LOCK_EX, 8, 8 * word)
+        try:
+            if seg.control[word] == mark:
+                return False
+            verify(b, buf, expected, version)
+            seg.control[word] = mark
+            return True
+        finally:
+            fcntl.lockf(seg.fd, fcntl.LOCK_UN, 8, 8 * word)
 
     def span(self, version: int, info: dict[str, Any]) -> Callable[[int, int, int], torch.Tensor | None]:
         seg = self._attach(info["segment"])
@@ -321,7 +367,7 @@ class ShmReceiver(ReceiverTransport):
             return False
         head = seg.header
         return int(head[3]) == version and all(
-            int(head[_HEAD_WORDS + 2 * b]) == version + 1 for b in range(self.ctx.plan.bucket_count)
+            int(head[_ready_word(b)]) == version + 1 for b in range(self.ctx.plan.bucket_count)
         )
 
     def close(self) -> None:
