@@ -112,7 +112,10 @@ class CoordinatorActor:
         self.floor = -1  # versions at or below this were used before a coordinator restart
         self.batches: list[dict[str, Any]] = []
         self.changed = asyncio.Event()  # any party / session change; waiters re-check
-        self._next_pid = 1
+        # party ids carry the incarnation: after a restart, a party still holding an id from
+        # before gets SessionLost and registers again, instead of passing for whoever took
+        # that small number first in the new session
+        self._next_pid = (int(self.session, 16) >> 32 << 20) + 1
         self._monitor: asyncio.Task | None = None
         self.created = time.time()
 
