@@ -237,3 +237,39 @@ def test_each_bucket_is_verified_once_per_node(coordinator_factory, actors):
         assert sum(skipped) == 2 * buckets, f"version {v}: buckets left to a peer {skipped} of {buckets}"
         for r in rs:
             assert_weights(r, v)
+
+
+def test_prefetch_verifies_ahead_and_apply_only_loads(coordinator_factory, actors):
+    """prefetch() while the engine would generate: the barrier is left with loading only; a
+    bucket corrupted before the prefetch stays unmarked and apply() still refuses it."""
+    from weightsync.plan import plan_buckets
+    from weightsync.transports.shm import layout as seg_layout
+
+    plan = plan_buckets(MANIFEST, int(CFG["bucket_mb"] * 2**20), 256)
+    coord, rs, trainer = start(coordinator_factory, actors, receivers=2)
+    ray.get(trainer.stage.remote(1))
+    assert ray.get(rs[0].prefetch.remote()) == 1
+    assert ray.get(rs[1].prefetch.remote(1)) == 1  # everything marked already: nothing to hash
+    applied = [r.apply.remote(1) for r in rs]
+    assert ray.get(trainer.sync.remote(1))["metrics"]["state"] == "COMMITTED"
+    assert ray.get(applied) == [1, 1]
+    for r in rs:
+        assert ray.get(r.counters.remote())["metrics"]["peer_verified_buckets"] == plan.bucket_count
+        assert_weights(r, 1)
+    assert ray.get(rs[0].prefetch.remote(1)) is None, "nothing newer than what it serves"
+
+    ray.get(trainer.stage.remote(2))
+    _, bases = seg_layout(plan)
+    _corrupt(coord, 2, bases[plan.bucket_count // 2] + 5)
+    assert ray.get(rs[0].prefetch.remote(2)) is None  # found the bad bucket, marked nothing for it
+    applied = [r.apply.remote(2) for r in rs]
+    with pytest.raises(SyncFailed) as err:
+        ray.get(trainer.sync.remote(2))
+    assert set(err.value.failed) == {"rollout-0", "rollout-1"}
+    assert all("ChecksumError" in why for why in err.value.failed.values())
+    for ref in applied:
+        with pytest.raises(Exception, match="corrupted"):
+            ray.get(ref)
+    for r in rs:
+        assert ray.get(r.version.remote()) == 1
+        assert_weights(r, 1)

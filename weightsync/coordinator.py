@@ -397,9 +397,11 @@ class CoordinatorActor:
             self._poke(v)
         return {"participants": v.participants}
 
-    async def op_wait_version(self, party: int, version: int | None, timeout: float, wait: bool = True) -> dict[str, Any]:
+    async def op_wait_version(self, party: int, version: int | None, timeout: float, wait: bool = True,
+                              prefetch: bool = False) -> dict[str, Any]:
         """Receivers: wait until ``version`` (or, for None, anything newer than what they
-        serve) can be read; returns where its bytes are."""
+        serve) can be read; returns where its bytes are. ``prefetch``: only to read ahead,
+        the receiver is not applying it yet."""
         p = self._party(party)
         deadline = time.monotonic() + timeout
         while True:
@@ -407,7 +409,8 @@ class CoordinatorActor:
             target = self._target_for(p, version)
             if target is not None:
                 v = self.versions[target]
-                p.applying = target
+                if not prefetch:
+                    p.applying = target
                 return {"version": target, "state": v.state, "slot": v.slot, "info": v.info}
             if version is not None and version in self.versions and self.versions[version].state == ABORTED:
                 raise VersionError(f"version {version} was aborted: {self.versions[version].reason}")

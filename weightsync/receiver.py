@@ -11,6 +11,7 @@ the transport still has it (rollback), else the receiver serves nothing until it
 
 from __future__ import annotations
 
+import threading
 import time
 from collections.abc import Callable, Iterable
 from typing import Any
@@ -51,6 +52,7 @@ class WeightReceiver(Party):
         self._version: int | None = None
         self._touched = False  # a bucket of the version being applied reached the model
         self._info: dict[str, Any] = {}  # where the served version's bytes are (for rollback)
+        self._session_lock = threading.Lock()  # prefetch() may run in a thread beside apply()
         self.last_metrics: dict[str, float] = {}
 
     @property
@@ -59,8 +61,11 @@ class WeightReceiver(Party):
         return self._version
 
     def _ensure_session(self, timeout: float) -> None:
-        if self.transport is not None:
-            return
+        with self._session_lock:
+            if self.transport is None:
+                self._open_session(timeout)
+
+    def _open_session(self, timeout: float) -> None:
         session = self._call("session", timeout=timeout)
         manifest = Manifest.from_wire(session["manifest"])
         if manifest.digest() != session["digest"]:
@@ -111,6 +116,32 @@ class WeightReceiver(Party):
     def _rejoined(self) -> None:
         if getattr(self, "transport", None) is not None:
             self.coordinator.call("verdict", party=self.party, accepted=True)
+
+    def prefetch(self, version: int | None = None, timeout: float | None = None) -> int | None:
+        """Verify ``version`` (None: the newest one on its way) ahead of ``apply()``, e.g. in
+        a thread while the engine generates. On shm the checksums are then checked and marked
+        for every receiver of the node as the sender writes the buckets, so the barrier only
+        loads. Loads nothing and raises nothing about the version: whatever is wrong with it,
+        ``apply()`` finds and reports. Returns the version read ahead, or None (nothing
+        newer, checksums off, or a transport that keeps nothing to read ahead)."""
+        timeout = self.config.sync_timeout_s if timeout is None else timeout
+        self._ensure_session(self.config.connect_timeout_s)
+        if not self.config.checksum or (version is not None and self._version is not None and version <= self._version):
+            return None
+        target = self._call("wait_version", version=version, timeout=timeout, prefetch=True)
+        v = target["version"]
+        if v is None or v == self._version:
+            return None
+
+        def check() -> None:
+            if self._call("state", version=v)["state"] == ABORTED:
+                raise VersionError(f"version {v} was aborted")
+
+        try:
+            done = self.transport.prefetch(v, target["info"], time.monotonic() + timeout, check)
+        except WeightSyncError:
+            return None  # a bad bucket stays unmarked: apply() verifies it and fails the version
+        return v if done else None
 
     def catch_up(self) -> int | None:
         """Load the latest committed version if it is newer than the served one."""

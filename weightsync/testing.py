@@ -68,6 +68,9 @@ class RolloutWorker:
     def apply(self, version: int | None = None, timeout: float | None = None, wait: bool = True) -> int | None:
         return self.receiver.apply(version, timeout=timeout, wait=wait)
 
+    def prefetch(self, version: int | None = None) -> int | None:
+        return self.receiver.prefetch(version)
+
     def version(self) -> int | None:
         return self.receiver.version
 

@@ -207,6 +207,9 @@ class BenchRollout:
         )
         self.peak.start()
 
+    def prefetch(self, version: int) -> int | None:
+        return self.receiver.prefetch(version)
+
     def apply(self, version: int) -> dict[str, Any]:
         served = self.receiver.apply(version)
         return {"end": time.monotonic(), "version": served, "metrics": dict(self.receiver.last_metrics)}

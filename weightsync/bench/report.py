@@ -132,9 +132,11 @@ def format_table(result: dict[str, Any]) -> str:
     for r in result["rows"]:
         if _ok(r) and r["kind"] == "transport" and r.get("phases_s", {}).get("total_s"):
             p = r["phases_s"]
+            ahead = (f"; barrier {_f(r.get('barrier_s'))}s, {_f(r.get('prefetched_barrier_s'))}s after prefetch()"
+                     if r.get("prefetched_barrier_s") else "")
             out.append(f"  {r['name']} {r['bucket_mb']:g}MiB x{r['receivers']}: receiver wait {_f(p.get('wait_s'))}s "
                        f"verify {_f(p.get('verify_s'))}s load {_f(p.get('load_s'))}s of {_f(p.get('total_s'))}s; "
-                       f"trainer stage {_f(r.get('stage_s'))}s")
+                       f"trainer stage {_f(r.get('stage_s'))}s{ahead}")
     return "\n".join(out)
 
 

@@ -161,7 +161,8 @@ class Bench:
         row = {"kind": "transport", "name": "", "transport": None, "backend": None, "bucket_mb": None,
                "receivers": None, "payload_bytes": self.payload, "versions": 0, "seconds": [],
                "median_s": None, "p90_s": None, "min_s": None, "gbps": None, "stage_s": None,
-               "barrier_s": None, "prestaged_s": [], "sender_peak_extra_bytes": None,
+               "barrier_s": None, "prestaged_s": [], "prefetched_barrier_s": None, "prefetched_s": [],
+               "sender_peak_extra_bytes": None,
                "receiver_peak_extra_bytes": None, "shm_bytes": None, "phases_s": {}, "verified": None,
                "checksum": None, "error": None}
         row.update(fields)
@@ -206,12 +207,12 @@ class Bench:
                # throughput, not liveness, is measured here: a busy machine must not abort a version
                "heartbeat_timeout_s": 60.0}
         coord = Coordinator.create(cfg, name=f"wsbench-{os.getpid()}-{next(self._ids)}", expected_receivers=receivers)
-        seconds, prestaged, stage_s, barrier_s, recv_metrics = [], [], [], [], []
+        seconds, prestaged, prefetched, stage_s, barrier_s, recv_metrics = [], [], [], [], [], []
         try:
             ray.get([r.open.remote(coord, cfg) for r in rx], timeout=ROW_TIMEOUT_S)
             ray.get(self.trainer.open.remote(coord, cfg, receivers), timeout=ROW_TIMEOUT_S)
             label = f"{transport} {bucket_mb:g}MiB x{receivers}"
-            with self.progress.bar(self.warmup + 2 * self.versions, label) as bar:
+            with self.progress.bar(self.warmup + 3 * self.versions, label) as bar:
                 for i in range(self.warmup + self.versions):
                     v = next(self._version)
                     applied = [r.apply.remote(v) for r in rx]  # receivers wait before the trainer stages
@@ -222,15 +223,22 @@ class Bench:
                         stage_s.append(out["stage_s"])
                         recv_metrics.extend(e["metrics"] for e in ends)
                     _tick(bar)
-                for _ in range(self.versions):
+                for i in range(2 * self.versions):
                     v = next(self._version)
                     ray.get(self.trainer.stage.remote(v), timeout=ROW_TIMEOUT_S)
+                    ahead = i % 2 == 1  # every other version as if the rollout prefetched while generating
+                    if ahead and not ray.get([r.prefetch.remote(v) for r in rx], timeout=ROW_TIMEOUT_S)[0]:
+                        ahead = False  # nothing to read ahead on this transport: a plain barrier
                     t0 = time.monotonic()  # CLOCK_MONOTONIC is one clock for every process on the node
                     applied = [r.apply.remote(v) for r in rx]
                     out = ray.get(self.trainer.sync.remote(v), timeout=ROW_TIMEOUT_S)
                     ends = ray.get(applied, timeout=ROW_TIMEOUT_S)
-                    prestaged.append(max([e["end"] for e in ends] + [out["end"]]) - t0)
-                    barrier_s.append(out["barrier_s"])
+                    took = max([e["end"] for e in ends] + [out["end"]]) - t0
+                    if ahead:
+                        prefetched.append(took)
+                    else:
+                        prestaged.append(took)
+                        barrier_s.append(out["barrier_s"])
                     _tick(bar)
             row["verified"] = self._verify(rx)
         except Exception as exc:
@@ -244,6 +252,8 @@ class Bench:
         row["prestaged_s"] = prestaged
         row["stage_s"] = statistics.median(stage_s) if stage_s else None
         row["barrier_s"] = statistics.median(prestaged) if prestaged else None
+        row["prefetched_s"] = prefetched
+        row["prefetched_barrier_s"] = statistics.median(prefetched) if prefetched else None
         row["sender_barrier_s"] = statistics.median(barrier_s) if barrier_s else None
         # where a receiver's time goes (medians over versions and receivers)
         row["phases_s"] = {k: _median_of(recv_metrics, k) for k in ("wait_s", "verify_s", "load_s", "post_load_s", "total_s")}

@@ -91,6 +91,11 @@ class ReceiverTransport(abc.ABC):
         verify(b, buf, expected, version)
         return True
 
+    def prefetch(self, version: int, info: dict[str, Any], deadline: float, check: Callable[[], None]) -> bool:
+        """Do ahead of apply() what can be done without touching the model (shm: verify the
+        checksums). False: nothing to do on this transport (it keeps nothing to read ahead)."""
+        return False
+
     def span(self, version: int, info: dict[str, Any]) -> Callable[[int, int, int], torch.Tensor | None] | None:
         """For transports that hold a whole version at once: a function giving a view of
         ``nbytes`` from ``offset`` in ``bucket`` onwards (None where not contiguous), so tensors

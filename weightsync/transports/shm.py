@@ -28,6 +28,7 @@ import mmap
 import os
 import re
 import secrets
+import threading
 import time
 import warnings
 from collections.abc import Callable, Iterator
@@ -262,8 +263,13 @@ class ShmReceiver(ReceiverTransport):
         self.directory = ctx.config.shm_dir
         self.size, self.bases = layout(ctx.plan)
         self.attached: dict[str, Segment] = {}
+        self._attach_lock = threading.Lock()
 
     def _attach(self, name: str) -> Segment:
+        with self._attach_lock:  # prefetch() may run in a thread beside apply()
+            return self._attach_locked(name)
+
+    def _attach_locked(self, name: str) -> Segment:
         seg = self.attached.get(name)
         if seg is None:
             if not _NAME.match(name):
@@ -340,6 +346,12 @@ class ShmReceiver(ReceiverTransport):
             return True
         finally:
             fcntl.lockf(seg.fd, fcntl.LOCK_UN, 8, 8 * word)
+
+    def prefetch(self, version: int, info: dict[str, Any], deadline: float, check: Callable[[], None]) -> bool:
+        """Verify (and mark for the node) each bucket as soon as the sender wrote it."""
+        for b, buf, expected in self.receive(version, info, deadline, check):
+            self.verify_bucket(version, info, b, buf, expected)
+        return True
 
     def span(self, version: int, info: dict[str, Any]) -> Callable[[int, int, int], torch.Tensor | None]:
         seg = self._attach(info["segment"])
