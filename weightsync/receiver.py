@@ -133,15 +133,17 @@ class WeightReceiver(Party):
         if v is None or v == self._version:
             return None
 
-        def check() -> None:
-            if self._call("state", version=v)["state"] == ABORTED:
-                raise VersionError(f"version {v} was aborted")
-
         try:
-            done = self.transport.prefetch(v, target["info"], time.monotonic() + timeout, check)
+            done = self.transport.prefetch(v, target["info"], time.monotonic() + timeout,
+                                           lambda: self._raise_if_aborted(v))
         except WeightSyncError:
             return None  # a bad bucket stays unmarked: apply() verifies it and fails the version
         return v if done else None
+
+    def _raise_if_aborted(self, version: int) -> None:
+        state = self._call("state", version=version)
+        if state["state"] == ABORTED:
+            raise VersionError(f"version {version} was aborted: {state['reason']}")
 
     def catch_up(self) -> int | None:
         """Load the latest committed version if it is newer than the served one."""
@@ -149,11 +151,8 @@ class WeightReceiver(Party):
 
     def _load(self, version: int, info: dict[str, Any], deadline: float, replay: bool = False) -> dict[str, float]:
         def check() -> None:
-            if replay:
-                return  # a replayed version is complete; its later fate does not matter
-            state = self._call("state", version=version)
-            if state["state"] == ABORTED:
-                raise VersionError(f"version {version} was aborted: {state['reason']}")
+            if not replay:  # a replayed version is complete; its later fate does not matter
+                self._raise_if_aborted(version)
 
         self._touched = False
         span = self.transport.span(version, info)

@@ -20,7 +20,8 @@ from ..plan import BucketPlan, verify
 
 # fill(bucket_buffer, checksums=None) packs the version into the buffers bucket_buffer(b)
 # hands out and yields each bucket index as soon as that bucket is complete; given a dict
-# (host buffers only), it stores each bucket's xxh3 there before yielding it
+# (host buffers only), it stores each bucket's xxh3 there once its last byte is in, before
+# it asks for the next bucket's buffer
 Fill = Callable[..., Iterator[int]]
 # a received bucket: (index, uint8 bytes of the bucket, the sender's checksum or None)
 Received = tuple[int, torch.Tensor, "int | None"]
