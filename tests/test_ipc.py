@@ -140,9 +140,21 @@ def test_tags_order_buckets_within_and_across_versions():
     assert tag(2**39 - 2, 2**24 - 1) < 2**64
 
 
+_CHILD = """
+import sys, torch
+from weightsync import protocol
+from weightsync.transports.ipc import import_handle
+if sys.argv[1] == "npu":
+    import torch_npu  # noqa: F401
+t = import_handle(protocol.decode(sys.stdin.buffer.read()))
+print(int(t.view(torch.int32).sum().item()))
+"""
+
+
 def _roundtrip_in_child(kind: str):
     """Share a device buffer with a child process through our msgpack handle and read it back."""
-    import multiprocessing as mp
+    import subprocess
+    import sys
 
     from weightsync import protocol
     from weightsync.device import resolve
@@ -150,24 +162,10 @@ def _roundtrip_in_child(kind: str):
 
     dev = resolve(kind)
     t = torch.arange(4096, dtype=torch.int32, device=dev).view(torch.uint8)
-    wire = protocol.encode(export_handle(t))
-    ctx = mp.get_context("spawn")
-    q = ctx.Queue()
-    p = ctx.Process(target=_child_sum, args=(kind, wire, q))
-    p.start()
-    got = q.get(timeout=120)
-    p.join(30)
-    assert got == int(t.view(torch.int32).sum().item())
-
-
-def _child_sum(kind, wire, q):
-    from weightsync import protocol
-    from weightsync.transports.ipc import import_handle
-
-    if kind == "npu":
-        import torch_npu  # noqa: F401
-    t = import_handle(protocol.decode(wire))
-    q.put(int(t.view(torch.int32).sum().item()))
+    # a plain subprocess, not multiprocessing's spawn: that leaves its resource tracker running
+    out = subprocess.run([sys.executable, "-c", _CHILD, kind], input=protocol.encode(export_handle(t)),
+                         capture_output=True, timeout=120, check=True)
+    assert int(out.stdout) == int(t.view(torch.int32).sum().item())
 
 
 @pytest.mark.cuda

@@ -46,8 +46,26 @@ def test_auto_colocated_without_ipc_falls_back_to_shm_and_says_why():
 
 def test_auto_same_node_other_devices_picks_broadcast_on_accelerators():
     name, reason = choose_transport("auto", party(kind="npu", physical=0, ipc=OK),
-                                    [party(kind="npu", physical=0, name="r0"), party(kind="npu", physical=1, name="r1")])
+                                    [party(kind="npu", physical=2, name="r0"), party(kind="npu", physical=1, name="r1")])
     assert name == "broadcast" and "r1" in reason and "npu collective" in reason
+
+
+def test_a_device_collective_never_gets_one_device_twice():
+    # NCCL / HCCL cannot put two ranks on one device (NCCL: "Duplicate GPU detected", or a hang)
+    s = party(kind="cuda", physical=0, ipc=OK)
+    mixed = [party(kind="cuda", physical=0, name="r0"), party(kind="cuda", physical=1, name="r1")]
+    name, reason = choose_transport("auto", s, mixed)
+    assert name == "shm" and "the sender and receiver 'r0' share physical cuda 0" in reason
+    with pytest.raises(ConfigError, match="receiver 'r0' share physical cuda 0.*use 'ipc'"):
+        choose_transport("broadcast", s, mixed)
+    twins = [party(kind="cuda", physical=3, name="a"), party(kind="cuda", physical=3, name="b")]
+    with pytest.raises(ConfigError, match="receiver 'a' and receiver 'b' share physical cuda 3"):
+        choose_transport("broadcast", s, twins)
+    with pytest.raises(ConfigError, match="share physical cuda 0"):
+        choose_transport("auto", s, mixed + [party(host="h2", kind="cuda", physical=0)])
+    # gloo stages through host memory: sharing a device is fine; so are other hosts' devices
+    assert choose_transport("broadcast", s, mixed, backend="gloo")[0] == "broadcast"
+    assert choose_transport("broadcast", s, [party(host="h2", kind="cuda", physical=0)])[0] == "broadcast"
 
 
 def test_auto_same_node_cpu_without_device_collective_picks_shm():
@@ -57,9 +75,9 @@ def test_auto_same_node_cpu_without_device_collective_picks_shm():
 
 
 def test_auto_across_nodes_picks_broadcast():
-    for kind, phys in (("cpu", None), ("cuda", 0)):
+    for kind, phys, other in (("cpu", None, None), ("cuda", 0, 1)):
         name, reason = choose_transport("auto", party(kind=kind, physical=phys, ipc=OK),
-                                        [party(kind=kind, physical=phys), party(host="h2", kind=kind, physical=phys)])
+                                        [party(kind=kind, physical=other), party(host="h2", kind=kind, physical=phys)])
         assert name == "broadcast" and "other nodes" in reason
 
 

@@ -44,10 +44,29 @@ def _describe(receivers: Sequence[dict[str, Any]], where: list[str], kind: str) 
     return f"{len(names)} receiver(s) ({shown})"
 
 
-def choose_transport(requested: str, sender: dict[str, Any], receivers: Sequence[dict[str, Any]]) -> tuple[str, str]:
+def shared_device(sender: dict[str, Any], receivers: Sequence[dict[str, Any]]) -> str | None:
+    """Two parties on one physical accelerator, or None. A device collective (NCCL, HCCL)
+    cannot hold one device twice: NCCL stops with "Duplicate GPU detected" or hangs."""
+    seen: dict[tuple, str] = {}
+    for who, party in [("the sender", sender)] + [(f"receiver '{r.get('name') or r.get('rank')}'", r)
+                                                   for r in receivers]:
+        dev = party.get("device") or {}
+        if dev.get("type") not in ACCELERATORS or dev.get("physical") is None:
+            continue
+        key = (party.get("host"), dev["type"], dev["physical"])
+        if key in seen:
+            return f"{seen[key]} and {who} share physical {dev['type']} {dev['physical']} on {party.get('host')}"
+        seen[key] = who
+    return None
+
+
+def choose_transport(requested: str, sender: dict[str, Any], receivers: Sequence[dict[str, Any]],
+                     backend: str = "auto") -> tuple[str, str]:
     """Return (transport, reason). An explicit choice that cannot work raises ConfigError
-    with the reason; ``auto`` walks the chain above and says why it stopped where it did."""
+    with the reason; ``auto`` walks the chain above and says why it stopped where it did.
+    ``backend`` is the broadcast backend of the config (gloo may share a device)."""
     where = [placement(sender, r) for r in receivers]
+    clash = shared_device(sender, receivers) if backend != "gloo" else None
     device = (sender.get("device") or {}).get("type", "cpu")
     ipc = sender.get("ipc") or {"ok": False, "reason": "the sender did not report ipc support"}
     on_device = f"physical {device} {(sender.get('device') or {}).get('physical')}" if device in ACCELERATORS else "host"
@@ -68,6 +87,9 @@ def choose_transport(requested: str, sender: dict[str, Any], receivers: Sequence
                     f"{on_device}); {_describe(receivers, where, kind)} "
                     f"{'run on another node' if kind == REMOTE else 'use another device'}"
                 )
+        if requested == "broadcast" and clash:
+            raise ConfigError(f"transport 'broadcast' over the {device} collective needs one device per rank: {clash}; "
+                              f"use 'ipc' for parties on one device, or backend 'gloo'")
         if requested == "shm" and not same_node:
             far = sorted({r.get("host") for r, w in zip(receivers, where) if w == REMOTE})
             raise ConfigError(f"transport 'shm' needs every receiver on the sender's node; receivers on {far} are not")
@@ -87,7 +109,12 @@ def choose_transport(requested: str, sender: dict[str, Any], receivers: Sequence
                        f"({ipc.get('reason')}); fell back to shm")
     if same_node:
         split = _describe(receivers, where, SAME_NODE)
+        if device in ACCELERATORS and clash:
+            return "shm", f"auto: {split} on this node use other devices, but {clash}: no device collective; shm"
         if device in ACCELERATORS:
             return "broadcast", f"auto: {split} on this node use other devices; broadcast over the {device} collective"
         return "shm", "auto: every receiver is on the sender's node and there is no device collective; shm"
+    if clash:
+        raise ConfigError(f"auto: {_describe(receivers, where, REMOTE)} on other nodes need broadcast, but {clash}; "
+                          f"place each party of a node on its own device, or set backend 'gloo'")
     return "broadcast", f"auto: {_describe(receivers, where, REMOTE)} on other nodes; broadcast"

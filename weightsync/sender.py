@@ -103,7 +103,7 @@ class WeightSender(Party):
         # where this sender runs and whether it can share device buckets (selection.py)
         me = {"host": self.host, "device": describe(self.device),
               "ipc": ipc_support(self.device.type, self.config.shm_dir).to_dict()}
-        name, reason = choose_transport(self.config.transport, me, receivers)
+        name, reason = choose_transport(self.config.transport, me, receivers, self.config.backend)
         log.info("weightsync session %s: transport %s (%s)", self.session, name, reason)
         transport = transports.sender_class(name)(ctx)
         self._published = {"manifest": manifest.to_wire(), "digest": digest, "payload_bytes": ctx.plan.payload_bytes,

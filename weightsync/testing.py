@@ -55,10 +55,10 @@ class RolloutWorker:
 
     def __init__(self, coordinator: Coordinator, manifest_wire: list, name: str, rank: int = 0,
                  config: dict | None = None, check: bool = True, expected_wire: list | None = None,
-                 load_delay_s: float = 0.0):
+                 load_delay_s: float = 0.0, device: str = "cpu"):
         manifest = Manifest.from_wire(manifest_wire)
         model = Manifest.from_wire(expected_wire) if expected_wire is not None else manifest
-        self.engine = ToyEngine(model, load_delay_s=load_delay_s)
+        self.engine = ToyEngine(model, device=device, load_delay_s=load_delay_s)
         cfg = SyncConfig.load(config) if config is not None else None
         self.receiver = WeightReceiver(
             coordinator, self.engine.load_weights, name=name, rank=rank, post_load=self.engine.post_load,
@@ -75,7 +75,7 @@ class RolloutWorker:
         return self.receiver.version
 
     def weights(self) -> dict[str, torch.Tensor]:
-        return {n: t.clone() for n, t in self.engine.params.items()}
+        return {n: t.cpu().clone() for n, t in self.engine.params.items()}
 
     def counters(self) -> dict[str, Any]:
         return {"loads": self.engine.loads, "post_loads": self.engine.post_loads,
@@ -95,8 +95,8 @@ class TrainerWorker:
     """A trainer rank whose weights for version v are ``materialize(manifest, seed=v)``."""
 
     def __init__(self, coordinator: Coordinator, manifest_wire: list, rank: int = 0,
-                 config: dict | None = None, expected_receivers: int | None = None):
-        self.manifest = Manifest.from_wire(manifest_wire)
+                 config: dict | None = None, expected_receivers: int | None = None, device: str = "cpu"):
+        self.manifest, self.device = Manifest.from_wire(manifest_wire), device
         cfg = SyncConfig.load(config) if config is not None else None
         self.sender = WeightSender(coordinator, rank=rank, config=cfg, expected_receivers=expected_receivers)
 
@@ -104,7 +104,8 @@ class TrainerWorker:
               named: list | None = None) -> float:
         """Stage the weights of ``version``. ``delay_s`` slows the tensor iteration (a trainer
         still gathering), ``named`` replaces the tensors (bad-input tests)."""
-        tensors = named if named is not None else materialize(self.manifest, seed=version if seed is None else seed)
+        tensors = named if named is not None else materialize(self.manifest, seed=version if seed is None else seed,
+                                                              device=self.device)
         if delay_s:
             items = tensors.items() if isinstance(tensors, dict) else tensors
             tensors = ((n, t) for n, t in items if time.sleep(delay_s) is None)

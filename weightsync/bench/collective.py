@@ -31,6 +31,9 @@ from ..manifest import Manifest
 from ..testing import ToyEngine
 from ..transports.broadcast import Group, choose_backend, comm_device, connect_store, host_store, store_host
 
+# a peer that never joins (or a collective that never returns) ends the baseline, not the run
+TIMEOUT_S = 300.0
+
 
 class Peer:
     """One rank of a baseline group: rank 0 sends, the others receive into a ToyEngine."""
@@ -128,17 +131,21 @@ def _peers(manifest: Manifest, receivers: int, backend: str, device: str, resour
     actor = ray.remote(Peer).options(num_cpus=0, **(resources or {}))
     size = receivers + 1
     peers = [actor.remote(r, size, manifest.to_wire(), backend, device) for r in range(size)]
-    host, port = ray.get(peers[0].host.remote())
-    prefix = f"weightsync-bench/{secrets.token_hex(4)}"
-    ray.get([p.join.remote(host, port, prefix) for p in peers])
-    ray.get([p.prepare.remote(method) for p in peers])
+    try:
+        host, port = ray.get(peers[0].host.remote(), timeout=TIMEOUT_S)
+        prefix = f"weightsync-bench/{secrets.token_hex(4)}"
+        ray.get([p.join.remote(host, port, prefix) for p in peers], timeout=TIMEOUT_S)
+        ray.get([p.prepare.remote(method) for p in peers], timeout=TIMEOUT_S)
+    except BaseException:
+        _kill(peers)
+        raise
     return peers
 
 
 def _timed(peers: list[Any], method: str, repeats: int) -> list[float]:
     out = []
     for _ in range(repeats):
-        spans = ray.get([getattr(p, method).remote() for p in peers])
+        spans = ray.get([getattr(p, method).remote() for p in peers], timeout=TIMEOUT_S)
         out.append(max(e for _, e in spans) - min(s for s, _ in spans))
     if method == "per_tensor" and not all(ray.get([p.checksum_ok.remote() for p in peers])):
         raise RuntimeError("per-tensor baseline delivered wrong bytes")

@@ -47,8 +47,8 @@ def run(manifest: Any, kind: str, receivers: int, backend: str, device: str, rep
     if mod is None:
         raise RuntimeError(why)
     fn, verifies = FUNCTIONS[kind]
-    resources = {"num_gpus": 1.0 / (receivers + 1)} if device == "cuda" else (
-        {"resources": {"NPU": 1.0 / (receivers + 1)}} if device == "npu" else None)
+    # a device collective takes one whole device per rank (the runner checked there are enough)
+    resources = {"num_gpus": 1} if device == "cuda" else ({"resources": {"NPU": 1}} if device == "npu" else None)
     seconds = getattr(mod, fn)(manifest, receivers, backend=backend, device=device, repeats=repeats,
                                resources=resources)
     # per_tensor_broadcast raises when a receiver's model differs from the sender's tensors

@@ -55,6 +55,24 @@ def _median_of(dicts: list[dict[str, Any]], key: str) -> float | None:
     return statistics.median(values) if values else None
 
 
+ACCEL_RESOURCE = {"cuda": "GPU", "npu": "NPU"}
+
+
+def one_device_per_rank(name: str, backend: str, device: str) -> bool:
+    """A device collective cannot hold one device twice: its rows need a device per party."""
+    return name in ("broadcast", "bcast-per-tensor", "bcast-flat") and device in ACCEL_RESOURCE \
+        and backend in ("nccl", "hccl")
+
+
+def devices_short(device: str, backend: str, ranks: int) -> str | None:
+    """Why ``ranks`` parties cannot each get a whole ``device`` now, or None."""
+    free = ray.available_resources().get(ACCEL_RESOURCE[device], 0.0)
+    if free >= ranks:
+        return None
+    return (f"backend {backend} needs one {device} device per rank ({ranks} ranks) and {int(free)} are free "
+            f"in the Ray cluster (the colocated rows hold one); a communicator cannot hold one device twice")
+
+
 def transport_unavailable(name: str, backend: str, device: str) -> str | None:
     """None if ``name`` can run here, else why not (a transport module may be missing)."""
     if name == "auto":
@@ -120,17 +138,32 @@ class Bench:
         elif device == "npu":
             opts["resources"] = {"NPU": 1.0 / parties}
         self._opts, self._weights_path = opts, weights_path
+        self._spread: tuple[Any, list[Any]] | None = None  # one device per party, made when needed
         self.trainer = self._new_trainer()
         self.rollouts = [self._new_rollout(i) for i in range(receivers)]
         ray.get([self.trainer.pid.remote()] + [r.pid.remote() for r in self.rollouts])
 
-    def _new_trainer(self) -> Any:
-        return ray.remote(BenchTrainer).options(**self._opts).remote(self.manifest.to_wire(), self.device,
-                                                                     self._weights_path)
+    def _new_trainer(self, opts: dict[str, Any] | None = None) -> Any:
+        return ray.remote(BenchTrainer).options(**(opts or self._opts)).remote(self.manifest.to_wire(), self.device,
+                                                                               self._weights_path)
 
-    def _new_rollout(self, i: int) -> Any:
-        return ray.remote(BenchRollout).options(**self._opts).remote(self.manifest.to_wire(), f"bench-rollout-{i}",
-                                                                     i + 1, self.device)
+    def _new_rollout(self, i: int, opts: dict[str, Any] | None = None) -> Any:
+        return ray.remote(BenchRollout).options(**(opts or self._opts)).remote(
+            self.manifest.to_wire(), f"bench-rollout-{i}", i + 1, self.device)
+
+    def _parties(self, spread: bool) -> tuple[Any, list[Any]]:
+        """The trainer and rollouts of a row: all on one device (the ipc case), or for a
+        device collective each on a device of its own (made on first use, then kept)."""
+        if not spread:
+            return self.trainer, self.rollouts
+        if self._spread is None:
+            opts = {k: v for k, v in self._opts.items() if k not in ("num_gpus", "resources")}
+            opts.update({"num_gpus": 1} if self.device == "cuda" else {"resources": {"NPU": 1}})
+            trainer = self._new_trainer(opts)
+            rollouts = [self._new_rollout(i, opts) for i in range(len(self.rollouts))]
+            ray.get([trainer.pid.remote()] + [r.pid.remote() for r in rollouts], timeout=ROW_TIMEOUT_S)
+            self._spread = (trainer, rollouts)
+        return self._spread
 
     def revive(self) -> list[str]:
         """Replace actors that died (e.g. killed by Ray's memory monitor), so one failed row
@@ -175,15 +208,16 @@ class Bench:
         row["gbps"] = self.payload / row["median_s"] / 1e9 if seconds and row["median_s"] > 0 else None
         return row
 
-    def _verify(self, rollouts: list) -> bool:
+    def _verify(self, rollouts: list, trainer: Any = None) -> bool:
         if not self.check:
             return None
-        want = ray.get(self.trainer.digest.remote())
+        want = ray.get((trainer or self.trainer).digest.remote())
         got = ray.get([r.digest.remote() for r in rollouts])
         return all(g == want for g in got)
 
     def close(self) -> None:
-        for actor in [self.trainer, *self.rollouts]:
+        spread = [self._spread[0], *self._spread[1]] if self._spread else []
+        for actor in [self.trainer, *self.rollouts, *spread]:
             with contextlib.suppress(Exception):
                 ray.get(actor.close.remote(), timeout=30)
             with contextlib.suppress(Exception):
@@ -196,11 +230,14 @@ class Bench:
         name = transport if checksum else f"{transport} (no xxh3)"
         row = self._row(kind="transport", name=name, transport=transport, backend=backend, bucket_mb=bucket_mb,
                         receivers=receivers, checksum=checksum)
-        why = transport_unavailable(transport, backend, self.device)
+        spread = one_device_per_rank(transport, backend, self.device)
+        why = transport_unavailable(transport, backend, self.device) or (
+            devices_short(self.device, backend, receivers + 1) if spread and self._spread is None else None)
         if why:
             row.update(kind="unavailable", error=why)
             return row
-        rx = self.rollouts[:receivers]
+        trainer, pool = self._parties(spread)
+        rx = pool[:receivers]
         cfg = {"transport": transport, "backend": backend, "device": self.device, "bucket_mb": bucket_mb,
                "checksum": checksum,
                "sync_timeout_s": ROW_TIMEOUT_S / 2, "connect_timeout_s": 120.0,
@@ -210,13 +247,13 @@ class Bench:
         seconds, prestaged, prefetched, stage_s, barrier_s, recv_metrics = [], [], [], [], [], []
         try:
             ray.get([r.open.remote(coord, cfg) for r in rx], timeout=ROW_TIMEOUT_S)
-            ray.get(self.trainer.open.remote(coord, cfg, receivers), timeout=ROW_TIMEOUT_S)
+            ray.get(trainer.open.remote(coord, cfg, receivers), timeout=ROW_TIMEOUT_S)
             label = f"{transport} {bucket_mb:g}MiB x{receivers}"
             with self.progress.bar(self.warmup + 3 * self.versions, label) as bar:
                 for i in range(self.warmup + self.versions):
                     v = next(self._version)
                     applied = [r.apply.remote(v) for r in rx]  # receivers wait before the trainer stages
-                    out = ray.get(self.trainer.step.remote(v), timeout=ROW_TIMEOUT_S)
+                    out = ray.get(trainer.step.remote(v), timeout=ROW_TIMEOUT_S)
                     ends = ray.get(applied, timeout=ROW_TIMEOUT_S)
                     if i >= self.warmup:
                         seconds.append(max([e["end"] for e in ends] + [out["end"]]) - out["t0"])
@@ -225,13 +262,13 @@ class Bench:
                     _tick(bar)
                 for i in range(2 * self.versions):
                     v = next(self._version)
-                    ray.get(self.trainer.stage.remote(v), timeout=ROW_TIMEOUT_S)
+                    ray.get(trainer.stage.remote(v), timeout=ROW_TIMEOUT_S)
                     ahead = i % 2 == 1  # every other version as if the rollout prefetched while generating
                     if ahead and not ray.get([r.prefetch.remote(v) for r in rx], timeout=ROW_TIMEOUT_S)[0]:
                         ahead = False  # nothing to read ahead on this transport: a plain barrier
                     t0 = time.monotonic()  # CLOCK_MONOTONIC is one clock for every process on the node
                     applied = [r.apply.remote(v) for r in rx]
-                    out = ray.get(self.trainer.sync.remote(v), timeout=ROW_TIMEOUT_S)
+                    out = ray.get(trainer.sync.remote(v), timeout=ROW_TIMEOUT_S)
                     ends = ray.get(applied, timeout=ROW_TIMEOUT_S)
                     took = max([e["end"] for e in ends] + [out["end"]]) - t0
                     if ahead:
@@ -240,11 +277,11 @@ class Bench:
                         prestaged.append(took)
                         barrier_s.append(out["barrier_s"])
                     _tick(bar)
-            row["verified"] = self._verify(rx)
+            row["verified"] = self._verify(rx, trainer)
         except Exception as exc:
             row["error"] = describe_error(exc)
         finally:
-            closed = self._close_sessions(rx)
+            closed = self._close_sessions(rx, trainer)
             coord.shutdown()
         row.update(closed)
         if row["transport"] == "auto" and closed.get("chosen"):
@@ -259,10 +296,10 @@ class Bench:
         row["phases_s"] = {k: _median_of(recv_metrics, k) for k in ("wait_s", "verify_s", "load_s", "post_load_s", "total_s")}
         return self._finish(row, seconds)
 
-    def _close_sessions(self, rx: list) -> dict[str, Any]:
+    def _close_sessions(self, rx: list, trainer: Any) -> dict[str, Any]:
         out: dict[str, Any] = {}
         try:
-            t = ray.get(self.trainer.close_session.remote(), timeout=ROW_TIMEOUT_S)
+            t = ray.get(trainer.close_session.remote(), timeout=ROW_TIMEOUT_S)
             out.update(sender_peak_extra_bytes=t["peak_extra"], shm_bytes=t["shm_bytes"], chosen=t["transport"])
         except Exception as exc:
             out["error_close"] = "trainer: " + describe_error(exc)
@@ -308,7 +345,9 @@ class Bench:
         from . import collective_glue
 
         row = self._row(kind="baseline", name=kind, receivers=receivers, backend=backend)
-        why = collective_glue.unavailable(kind, backend, self.device, self.payload, receivers)
+        why = collective_glue.unavailable(kind, backend, self.device, self.payload, receivers) or (
+            devices_short(self.device, backend, receivers + 1) if one_device_per_rank(kind, backend, self.device)
+            else None)
         if why:
             row.update(kind="unavailable", error=why)
             return row

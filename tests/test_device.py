@@ -1,0 +1,58 @@
+"""The transports on one accelerator: trainer tensors and engine weights in device memory,
+every party on the same device (the colocated case of verl's hybrid engine). Skipped
+without the hardware; on a node with it: ``bash scripts/test.sh -m cuda`` (or ``-m npu``)."""
+
+from __future__ import annotations
+
+import pytest
+
+from weightsync.layouts import layout, materialize
+from weightsync.testing import RolloutWorker, TrainerWorker, same_bits
+
+# 30 KiB buckets: the 125 KiB embedding of "tiny" is split over five of them
+CFG = {"bucket_mb": 0.03}
+KINDS = [pytest.param("cuda", marks=pytest.mark.cuda), pytest.param("npu", marks=pytest.mark.npu)]
+
+
+def _share(kind: str, parties: int) -> dict:
+    # fractions of one device: Ray puts every party on the same one
+    return {"num_gpus": 1 / parties} if kind == "cuda" else {"resources": {"NPU": 1 / parties}}
+
+
+@pytest.mark.parametrize("transport,chosen", [("auto", "ipc"), ("ipc", "ipc"), ("shm", "shm")])
+@pytest.mark.parametrize("kind", KINDS)
+def test_colocated_on_one_device_bit_exact(ray_cluster, coordinator_factory, actors, kind, transport, chosen):
+    ray, m = ray_cluster, layout("tiny")
+    cfg = {**CFG, "device": kind, "transport": transport}
+    coord = coordinator_factory(cfg)
+    opts = {"num_cpus": 0, **_share(kind, 3)}
+    rs = [actors.add(ray.remote(RolloutWorker).options(**opts).remote(coord, m.to_wire(), f"rollout-{i}", rank=i,
+                                                                     config=cfg, device=kind)) for i in range(2)]
+    t = actors.add(ray.remote(TrainerWorker).options(**opts).remote(coord, m.to_wire(), config=cfg,
+                                                                    expected_receivers=2, device=kind))
+    for v in range(1, 6):
+        applied = [r.apply.remote(v) for r in rs]
+        ray.get(t.step.remote(v), timeout=120)
+        assert ray.get(applied, timeout=120) == [v, v]
+        want = materialize(m, seed=v)
+        for r in rs:
+            got = ray.get(r.weights.remote())
+            bad = [n for n in want if not same_bits(got[n], want[n])]
+            assert not bad, f"version {v}: {len(bad)} tensors differ, first {bad[0]}"
+    status = coord.status()
+    assert status["transport"] == chosen and status["latest_committed"] == 5
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_broadcast_refuses_two_ranks_on_one_device(ray_cluster, coordinator_factory, actors, kind):
+    # NCCL / HCCL cannot hold one device twice; the session says so instead of hanging
+    ray, m = ray_cluster, layout("tiny")
+    cfg = {**CFG, "device": kind, "transport": "broadcast", "connect_timeout_s": 30.0}
+    coord = coordinator_factory(cfg)
+    opts = {"num_cpus": 0, **_share(kind, 2)}
+    actors.add(ray.remote(RolloutWorker).options(**opts).remote(coord, m.to_wire(), "rollout-0", config=cfg,
+                                                                device=kind))
+    t = actors.add(ray.remote(TrainerWorker).options(**opts).remote(coord, m.to_wire(), config=cfg,
+                                                                    expected_receivers=1, device=kind))
+    with pytest.raises(ray.exceptions.RayTaskError, match="share physical"):
+        ray.get(t.stage.remote(1), timeout=120)
