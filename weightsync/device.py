@@ -3,8 +3,11 @@ and which physical device it holds. Kept in one place so the rest stays device-a
 
 from __future__ import annotations
 
+import ctypes
 import importlib.util
+import logging
 import os
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -85,6 +88,40 @@ def synchronize(device: torch.device) -> None:
         torch.cuda.current_stream(device).synchronize()
     elif device.type == "npu":
         torch.npu.current_stream(device).synchronize()
+
+
+_HOST_REGISTER_READ_ONLY = 0x08  # cudaHostRegisterReadOnly: receivers map segments read-only
+log = logging.getLogger(__name__)
+
+
+def _clear_cuda_error() -> None:
+    """Reset the thread's last CUDA error after a failed cudaHostRegister; torch checks it after
+    its next kernel launch and would blame that kernel. The library is the one torch loaded."""
+    try:
+        with open("/proc/self/maps") as maps:
+            path = next((line.split()[-1] for line in maps if "libcudart.so" in line), None)
+        if path:
+            ctypes.CDLL(path).cudaGetLastError()
+    except Exception:
+        pass
+
+
+def pin_host(buf: torch.Tensor, device: torch.device, read_only: bool = False) -> Callable[[], None] | None:
+    """Page-lock host memory we did not allocate (a shared-memory segment) for ``device``, so
+    copies between it and device memory go straight to the DMA engine at full speed instead
+    of through a staging buffer. Returns the undo, to call before the memory is unmapped, or
+    None where this is not done (CPU, NPU: torch_npu exposes no host registration) or failed."""
+    if device.type != "cuda" or buf.numel() == 0:
+        return None
+    cudart = torch.cuda.cudart()
+    ptr, size = buf.data_ptr(), buf.numel() * buf.element_size()
+    err = cudart.cudaHostRegister(ptr, size, _HOST_REGISTER_READ_ONLY if read_only else 0)
+    if int(getattr(err, "value", err)) != 0:
+        _clear_cuda_error()
+        log.warning("weightsync: cudaHostRegister of %d bytes failed (%s); copies to %s stage through pageable "
+                    "memory", size, err, device)
+        return None
+    return lambda: cudart.cudaHostUnregister(ptr)
 
 
 def device_count(kind: str) -> int:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import abc
 import dataclasses
+import time
 from collections.abc import Callable, Iterator
 from typing import Any, ClassVar
 
@@ -25,6 +26,28 @@ from ..plan import BucketPlan, verify
 Fill = Callable[..., Iterator[int]]
 # a received bucket: (index, uint8 bytes of the bucket, the sender's checksum or None)
 Received = tuple[int, torch.Tensor, "int | None"]
+
+
+# polling a word in shared memory: the first waits are short (a device bucket lands in tens of
+# microseconds), later ones stay short too, since a pause overshoots the event by up to its
+# own length on every bucket; 250 us costs a waiting process ~4000 wake-ups a second
+POLL_FIRST_S, POLL_GROWTH, POLL_MAX_S = 10e-6, 1.5, 250e-6
+
+
+def poll_until(done: Callable[[], bool], deadline: float, on_tick: Callable[[], None],
+               timeout: Callable[[], Exception], tick_s: float = 0.2) -> None:
+    """Wait for ``done()`` with short sleeps; ``on_tick()`` (e.g. ask the coordinator whether
+    the version was aborted) every ``tick_s``; ``timeout()`` is raised at ``deadline``."""
+    pause, next_tick = POLL_FIRST_S, time.monotonic() + tick_s
+    while not done():
+        now = time.monotonic()
+        if now >= deadline:
+            raise timeout()
+        if now >= next_tick:
+            on_tick()
+            next_tick = now + tick_s
+        time.sleep(pause)
+        pause = min(pause * POLL_GROWTH, POLL_MAX_S)
 
 
 @dataclasses.dataclass

@@ -38,7 +38,6 @@ import fcntl
 import importlib
 import os
 import re
-import time
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -50,7 +49,7 @@ from .. import device as devices
 from ..errors import CapacityError, DeadlineExceeded, ProtocolError, VersionError
 from ..manifest import dtype_name, dtype_of
 from ..plan import checksum
-from .base import Fill, Received, ReceiverTransport, SenderTransport, TransportContext
+from .base import Fill, Received, ReceiverTransport, SenderTransport, TransportContext, poll_until
 from .shm import PAGE, Segment, check_space, digest_word, reap_stale, segment_name
 
 MAGIC = 0x5753594E43495043  # "WSYNCIPC"
@@ -206,20 +205,6 @@ class _Watch:
         return out
 
 
-def _backoff_wait(done: Callable[[], bool], deadline: float, on_tick: Callable[[], None],
-                  timeout: Callable[[], Exception]) -> None:
-    pause, next_tick = 20e-6, time.monotonic() + 0.2
-    while not done():
-        now = time.monotonic()
-        if now >= deadline:
-            raise timeout()
-        if now >= next_tick:
-            on_tick()
-            next_tick = now + 0.2
-        time.sleep(pause)
-        pause = min(pause * 2, 1e-3)
-
-
 class IpcSender(SenderTransport):
     name = "ipc"
 
@@ -331,7 +316,7 @@ class IpcSender(SenderTransport):
         need, w = tag(version, b), self.control.words
         if not watch.pending(w, need, k):
             return
-        _backoff_wait(
+        poll_until(
             lambda: not watch.pending(w, need, k), deadline, watch.refresh,
             lambda: DeadlineExceeded(
                 f"ipc: receiver(s) {', '.join(watch.pending(w, need, k))} did not finish bucket {b} of version "
@@ -478,7 +463,7 @@ class IpcReceiver(ReceiverTransport):
                                     f"joined the transfer late and catches up with the next version")
             return got == want
 
-        _backoff_wait(arrived, deadline, check,
+        poll_until(arrived, deadline, check,
                       lambda: DeadlineExceeded(f"ipc: bucket {b} of version {version} was not written "
                                                f"before the deadline"))
 

@@ -29,7 +29,6 @@ import os
 import re
 import secrets
 import threading
-import time
 import warnings
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -37,9 +36,10 @@ from typing import Any
 import numpy as np
 import torch
 
+from .. import device as devices
 from ..errors import CapacityError, DeadlineExceeded, ProtocolError
 from ..plan import BucketPlan, verify
-from .base import Fill, Received, ReceiverTransport, SenderTransport, TransportContext
+from .base import Fill, Received, ReceiverTransport, SenderTransport, TransportContext, poll_until
 
 MAGIC = 0x5753594E43534D31  # "WSYNCSM1"
 PAGE = 4096
@@ -122,7 +122,7 @@ class Segment:
     def __init__(self, path: str, size: int, create: bool, writable: bool | None = None, header_bytes: int = PAGE,
                  header_writable: bool = False):
         writable = create if writable is None else writable
-        self.path, self.size, self.owner = path, size, create
+        self.path, self.size, self.owner, self.writable = path, size, create, writable
         rw = writable or header_writable
         flags = os.O_RDWR | os.O_CREAT | os.O_EXCL if create else (os.O_RDWR if rw else os.O_RDONLY)
         self.fd = os.open(path, flags | getattr(os, "O_CLOEXEC", 0), 0o600)
@@ -155,12 +155,21 @@ class Segment:
         self.header = self.words[: header_bytes // 8]
         self.control = (np.frombuffer(self.control_mm, dtype=np.uint64) if self.control_mm is not None
                         else self.header if writable else None)
+        self.unpin: Callable[[], None] | None = None
+
+    def pin(self, device: torch.device) -> None:
+        """Page-lock the mapping for copies to and from ``device`` (see device.pin_host)."""
+        if self.unpin is None:
+            self.unpin = devices.pin_host(self.bytes, device, read_only=not self.writable)
 
     @property
     def name(self) -> str:
         return os.path.basename(self.path)
 
     def close(self) -> None:
+        if self.unpin is not None:
+            self.unpin()  # before the mapping goes: the driver holds its pages
+            self.unpin = None
         self.bytes = self.header = self.words = self.control = None  # drop our exports so the mappings can close
         for mm in (self.mm, self.control_mm):
             try:
@@ -216,6 +225,7 @@ class ShmSender(SenderTransport):
                     raise CapacityError(f"{self.directory} ran out of space allocating {self.size} bytes") from None
                 raise
             self.ctx.account("shm_segments", +1)
+            seg.pin(self.ctx.device)  # the slot is reused for every later version: pinned once
             head = seg.header
             head[0], head[1], head[2] = MAGIC, digest_word(self.ctx.digest), self.ctx.plan.bucket_count
             self.slots[slot] = seg
@@ -286,6 +296,7 @@ class ShmReceiver(ReceiverTransport):
                 oldest = next(iter(self.attached))
                 self.attached.pop(oldest).close()
                 self.ctx.account("shm_mappings", -1)
+            seg.pin(self.ctx.device)
             self.attached[name] = seg
             self.ctx.account("shm_mappings", +1)
         return seg
@@ -315,16 +326,9 @@ class ShmReceiver(ReceiverTransport):
                     deadline: float, check: Callable[[], None]) -> None:
         if int(head[word]) == ready:
             return
-        pause, next_check = 20e-6, time.monotonic() + 0.2
-        while int(head[word]) != ready:
-            now = time.monotonic()
-            if now >= deadline:
-                raise DeadlineExceeded(f"bucket {b} of version {version} was not written before the deadline")
-            if now >= next_check:
-                check()  # raises if the coordinator aborted the version (sender died, ...)
-                next_check = now + 0.2
-            time.sleep(pause)
-            pause = min(pause * 2, 2e-3)
+        # check() raises if the coordinator aborted the version (sender died, ...)
+        poll_until(lambda: int(head[word]) == ready, deadline, check,
+                   lambda: DeadlineExceeded(f"bucket {b} of version {version} was not written before the deadline"))
 
     def verify_bucket(self, version: int, info: dict[str, Any], b: int, buf: torch.Tensor, expected: int | None) -> bool:
         """Verify bucket b unless another receiver on the node already did (see module doc).
