@@ -17,7 +17,7 @@ from weightsync.cli import main
 
 def test_bench_tiny_shm_end_to_end(ray_cluster, tmp_path):
     out, png = tmp_path / "bench.json", tmp_path / "bench.png"
-    rc = main(["bench", "--model", "tiny", "--transport", "shm", "--receivers", "1", "2", "--bucket-mb", "0.25",
+    rc = main(["bench", "--device", "cpu", "--model", "tiny", "--transport", "shm", "--receivers", "1", "2", "--bucket-mb", "0.25",
                "--versions", "2", "--warmup", "1", "--baselines", "ray-user", "ray-numpy", "--ceiling-repeats", "2",
                "--checksum", "on", "off", "--no-progress", "--note", "pytest smoke", "--json", str(out), "--plot", str(png)])
     assert rc == 0
@@ -60,7 +60,7 @@ def test_bench_tiny_shm_end_to_end(ray_cluster, tmp_path):
 
 def test_bench_tiny_broadcast_and_collective_baselines(ray_cluster, tmp_path):
     out = tmp_path / "bench.json"
-    rc = main(["bench", "--model", "tiny", "--transport", "broadcast", "--backend", "gloo", "--receivers", "1",
+    rc = main(["bench", "--device", "cpu", "--model", "tiny", "--transport", "broadcast", "--backend", "gloo", "--receivers", "1",
                "--bucket-mb", "0.25", "--versions", "2", "--warmup", "1", "--baselines", "bcast-per-tensor",
                "bcast-flat", "--ceiling-repeats", "1", "--no-progress", "--json", str(out)])
     assert rc == 0
