@@ -59,8 +59,10 @@ def coordinator_factory(ray_cluster):
     made = []
 
     def make(config: dict | None = None, **kwargs):
+        # device cpu unless a test asks for one: on a GPU node "auto" would pick cuda for some
+        # parties (those Ray gives a GPU, or all of them) and not others
         cfg = {"heartbeat_interval_s": 0.2, "heartbeat_timeout_s": 3.0, "sync_timeout_s": 60.0,
-               "connect_timeout_s": 60.0, **(config or {})}
+               "connect_timeout_s": 60.0, "device": "cpu", **(config or {})}
         coord = Coordinator.create(cfg, name=f"ws-test-{os.getpid()}-{next(_ids)}", **kwargs)
         made.append(coord)
         return coord

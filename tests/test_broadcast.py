@@ -30,12 +30,12 @@ from weightsync.transports.broadcast import (
 
 TINY = layout("tiny")  # embed_tokens is 125 KiB: several buckets of the size below
 BUCKET_MB = 48 / 1024
-CFG = {"transport": "broadcast", "bucket_mb": BUCKET_MB, "sync_timeout_s": 30.0}
+CFG = {"transport": "broadcast", "bucket_mb": BUCKET_MB, "sync_timeout_s": 30.0, "device": "cpu"}
 # 56 MiB in 4 MiB buckets: far more than the socket buffers hold, so the sender cannot run
 # ahead of a slow receiver and a kill lands in the middle of the transfer
 WIDE = Manifest((TensorSpec("embed", "bfloat16", (2048, 6144)),
                  *(TensorSpec(f"layers.{i}.w", "bfloat16", (1024, 2048)) for i in range(8))))
-WIDE_CFG = {"transport": "broadcast", "bucket_mb": 4.0, "sync_timeout_s": 20.0}
+WIDE_CFG = {"transport": "broadcast", "bucket_mb": 4.0, "sync_timeout_s": 20.0, "device": "cpu"}
 
 
 class SlowRollout(RolloutWorker):

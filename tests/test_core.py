@@ -14,7 +14,7 @@ Rollout = ray.remote(RolloutWorker).options(num_cpus=0)
 Trainer = ray.remote(TrainerWorker).options(num_cpus=0)
 
 # tiny layout with a 64 KiB bucket: the embedding (1000 x 64 bf16 = 125 KiB) is split in chunks
-CFG = {"transport": "shm", "bucket_mb": 1 / 16}
+CFG = {"transport": "shm", "bucket_mb": 1 / 16, "device": "cpu"}
 MANIFEST = layout("tiny")
 
 

@@ -16,7 +16,7 @@ from weightsync.transports.ipc import import_handle, tag
 
 # 30 KiB buckets: the 125 KiB embedding of "tiny" spans five buckets, more than the two
 # ping-pong buffers, which is the case that needs buckets published before their tensor ends
-SMALL = {"bucket_mb": 0.03}
+SMALL = {"bucket_mb": 0.03, "device": "cpu"}
 
 
 def _workers(ray, actors, coord, manifest, cfg, receivers=2):
