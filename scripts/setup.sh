@@ -7,11 +7,16 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 extras="${1:-dev}"
 python="${PYTHON:-python3}"
+torch_spec="${WEIGHTSYNC_TORCH:-torch==2.13.0}"
 if [ ! -x .venv/bin/python ]; then
-    "$python" -m venv .venv
+    if [ "$torch_spec" = "skip" ]; then
+        # the node's own torch (CUDA build, or torch + torch_npu on Ascend) must stay visible
+        "$python" -m venv --system-site-packages .venv
+    else
+        "$python" -m venv .venv
+    fi
 fi
 . .venv/bin/activate
-torch_spec="${WEIGHTSYNC_TORCH:-torch==2.13.0}"
 pip_q="pip install --quiet --disable-pip-version-check"
 if [ "$torch_spec" != "skip" ]; then
     $pip_q "$torch_spec"
