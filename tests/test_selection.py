@@ -34,8 +34,15 @@ def test_placement_compares_host_then_physical_device():
 
 
 def test_auto_colocated_with_ipc_picks_ipc():
-    name, reason = choose_transport("auto", party(ipc=OK), [party(), party()])
+    name, reason = choose_transport("auto", party(kind="cuda", physical=1, ipc=OK),
+                                    [party(kind="cuda", physical=1), party(kind="cuda", physical=1)])
     assert name == "ipc" and "shares the sender's device" in reason
+
+
+def test_auto_on_host_memory_picks_shm_even_where_host_ipc_works():
+    name, reason = choose_transport("auto", party(ipc=OK), [party(), party()])
+    assert name == "shm" and "host memory" in reason and "rollback" in reason
+    assert choose_transport("ipc", party(ipc=OK), [party()])[0] == "ipc"  # still there when asked for
 
 
 def test_auto_colocated_without_ipc_falls_back_to_shm_and_says_why():

@@ -5,8 +5,10 @@ Each party is described by a plain dict: ``host`` (node address), ``device`` (th
 ``Capability.to_dict()``: can this process share device buckets by handle).
 
 The chain for ``auto``, best first:
-  every receiver on the sender's device (same host, same physical device; on CPU: same host)
+  every receiver on the sender's device (same host, same physical accelerator)
       -> ipc  when the sender's platform supports it, else shm
+  every receiver on the sender's node, weights in host memory (CPU)
+      -> shm
   every receiver on the sender's node, on other devices
       -> broadcast over the device collective (hccl / nccl); shm on CPU-only nodes
   any receiver on another node
@@ -102,6 +104,11 @@ def choose_transport(requested: str, sender: dict[str, Any], receivers: Sequence
                                  "expected_receivers to let auto see placement); broadcast works for any placement")
         return "shm", ("auto: no receiver registered when the session was published (pass expected_receivers "
                        "to let auto see placement); shm serves any receiver on this node")
+    if colocated and device not in ACCELERATORS:
+        # host memory both ways: ipc would copy as much as shm (measured slower with 1 and 4
+        # receivers on CPU), and shm keeps the previous version for rollback and catch-up
+        return "shm", ("auto: every receiver is on the sender's node and the weights live in host memory; shm "
+                       "(keeps the previous version for rollback and catch-up)")
     if colocated:
         if ipc.get("ok"):
             return "ipc", f"auto: every receiver shares the sender's device ({on_device}); {ipc.get('reason')}"
