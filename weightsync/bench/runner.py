@@ -231,8 +231,9 @@ class Bench:
         row = self._row(kind="transport", name=name, transport=transport, backend=backend, bucket_mb=bucket_mb,
                         receivers=receivers, checksum=checksum)
         spread = one_device_per_rank(transport, backend, self.device)
+        # the set made for the first such row serves every receiver count of the run
         why = transport_unavailable(transport, backend, self.device) or (
-            devices_short(self.device, backend, receivers + 1) if spread and self._spread is None else None)
+            devices_short(self.device, backend, len(self.rollouts) + 1) if spread and self._spread is None else None)
         if why:
             row.update(kind="unavailable", error=why)
             return row
