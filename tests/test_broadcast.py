@@ -16,6 +16,7 @@ import ray
 import torch
 
 from weightsync import SyncFailed
+from weightsync.device import ray_options
 from weightsync.errors import ConfigError
 from weightsync.layouts import layout, materialize
 from weightsync.manifest import Manifest, TensorSpec
@@ -234,9 +235,9 @@ def _device_flow(coordinator_factory, actors, kind: str, resources: dict):
 
 @pytest.mark.cuda
 def test_nccl_bit_exact(coordinator_factory, actors):
-    _device_flow(coordinator_factory, actors, "cuda", {"num_gpus": 1})
+    _device_flow(coordinator_factory, actors, "cuda", ray_options("cuda", 1))
 
 
 @pytest.mark.npu
 def test_hccl_bit_exact(coordinator_factory, actors):
-    _device_flow(coordinator_factory, actors, "npu", {"resources": {"NPU": 1}})
+    _device_flow(coordinator_factory, actors, "npu", ray_options("npu", 1))

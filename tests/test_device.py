@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import pytest
 
+from weightsync.device import ray_options
 from weightsync.layouts import layout, materialize
 from weightsync.testing import RolloutWorker, TrainerWorker, same_bits
 
@@ -16,7 +17,7 @@ KINDS = [pytest.param("cuda", marks=pytest.mark.cuda), pytest.param("npu", marks
 
 def _share(kind: str, parties: int) -> dict:
     # fractions of one device: Ray puts every party on the same one
-    return {"num_gpus": 1 / parties} if kind == "cuda" else {"resources": {"NPU": 1 / parties}}
+    return ray_options(kind, 1 / parties)
 
 
 @pytest.mark.parametrize("transport,chosen", [("auto", "ipc"), ("ipc", "ipc"), ("shm", "shm")])

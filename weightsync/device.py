@@ -124,6 +124,19 @@ def pin_host(buf: torch.Tensor, device: torch.device, read_only: bool = False) -
     return lambda: cudart.cudaHostUnregister(ptr)
 
 
+RAY_RESOURCE = {"cuda": "GPU", "npu": "NPU"}  # what Ray calls each accelerator
+
+
+def ray_options(kind: str, amount: float) -> dict[str, Any]:
+    """Ray actor options asking for ``amount`` of one ``kind`` device (a fraction: parties
+    sharing it, the colocated case); none for the CPU."""
+    if kind == "cuda":
+        return {"num_gpus": amount}
+    if kind == "npu":
+        return {"resources": {RAY_RESOURCE[kind]: amount}}
+    return {}
+
+
 def device_count(kind: str) -> int:
     if kind == "cuda":
         return torch.cuda.device_count() if torch.cuda.is_available() else 0

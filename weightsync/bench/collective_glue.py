@@ -10,6 +10,8 @@ from typing import Any
 
 import psutil
 
+from ..device import ray_options
+
 # per baseline: the function of weightsync.bench.collective and whether it checks the bytes
 FUNCTIONS = {"bcast-per-tensor": ("per_tensor_broadcast", True), "bcast-flat": ("raw_broadcast", False)}
 
@@ -48,7 +50,7 @@ def run(manifest: Any, kind: str, receivers: int, backend: str, device: str, rep
         raise RuntimeError(why)
     fn, verifies = FUNCTIONS[kind]
     # a device collective takes one whole device per rank (the runner checked there are enough)
-    resources = {"num_gpus": 1} if device == "cuda" else ({"resources": {"NPU": 1}} if device == "npu" else None)
+    resources = ray_options(device, 1) or None
     seconds = getattr(mod, fn)(manifest, receivers, backend=backend, device=device, repeats=repeats,
                                resources=resources)
     # per_tensor_broadcast raises when a receiver's model differs from the sender's tensors

@@ -27,6 +27,7 @@ import ray
 
 from .. import transports as transport_registry
 from ..coordinator import Coordinator
+from ..device import RAY_RESOURCE, ray_options
 from ..manifest import Manifest
 from .actors import BenchRollout, BenchTrainer
 
@@ -55,18 +56,14 @@ def _median_of(dicts: list[dict[str, Any]], key: str) -> float | None:
     return statistics.median(values) if values else None
 
 
-ACCEL_RESOURCE = {"cuda": "GPU", "npu": "NPU"}
-
-
-def one_device_per_rank(name: str, backend: str, device: str) -> bool:
+def one_device_per_rank(backend: str, device: str) -> bool:
     """A device collective cannot hold one device twice: its rows need a device per party."""
-    return name in ("broadcast", "bcast-per-tensor", "bcast-flat") and device in ACCEL_RESOURCE \
-        and backend in ("nccl", "hccl")
+    return device in RAY_RESOURCE and backend in ("nccl", "hccl")
 
 
 def devices_short(device: str, backend: str, ranks: int) -> str | None:
     """Why ``ranks`` parties cannot each get a whole ``device`` now, or None."""
-    free = ray.available_resources().get(ACCEL_RESOURCE[device], 0.0)
+    free = ray.available_resources().get(RAY_RESOURCE[device], 0.0)
     if free >= ranks:
         return None
     return (f"backend {backend} needs one {device} device per rank ({ranks} ranks) and {int(free)} are free "
@@ -132,12 +129,9 @@ class Bench:
         self._version = itertools.count(1)
         self._ids = itertools.count()
         parties = receivers + 1
-        opts: dict[str, Any] = {"num_cpus": 0, "max_concurrency": 1}
-        if device == "cuda":
-            opts["num_gpus"] = 1.0 / parties  # colocated on one device, like the ipc case
-        elif device == "npu":
-            opts["resources"] = {"NPU": 1.0 / parties}
-        self._opts, self._weights_path = opts, weights_path
+        self._base: dict[str, Any] = {"num_cpus": 0, "max_concurrency": 1}
+        # colocated on one device, like the ipc case
+        self._opts, self._weights_path = {**self._base, **ray_options(device, 1.0 / parties)}, weights_path
         self._spread: tuple[Any, list[Any]] | None = None  # one device per party, made when needed
         self.trainer = self._new_trainer()
         self.rollouts = [self._new_rollout(i) for i in range(receivers)]
@@ -157,8 +151,7 @@ class Bench:
         if not spread:
             return self.trainer, self.rollouts
         if self._spread is None:
-            opts = {k: v for k, v in self._opts.items() if k not in ("num_gpus", "resources")}
-            opts.update({"num_gpus": 1} if self.device == "cuda" else {"resources": {"NPU": 1}})
+            opts = {**self._base, **ray_options(self.device, 1)}
             trainer = self._new_trainer(opts)
             rollouts = [self._new_rollout(i, opts) for i in range(len(self.rollouts))]
             ray.get([trainer.pid.remote()] + [r.pid.remote() for r in rollouts], timeout=ROW_TIMEOUT_S)
@@ -230,7 +223,7 @@ class Bench:
         name = transport if checksum else f"{transport} (no xxh3)"
         row = self._row(kind="transport", name=name, transport=transport, backend=backend, bucket_mb=bucket_mb,
                         receivers=receivers, checksum=checksum)
-        spread = one_device_per_rank(transport, backend, self.device)
+        spread = transport == "broadcast" and one_device_per_rank(backend, self.device)
         # the set made for the first such row serves every receiver count of the run
         why = transport_unavailable(transport, backend, self.device) or (
             devices_short(self.device, backend, len(self.rollouts) + 1) if spread and self._spread is None else None)
@@ -347,7 +340,7 @@ class Bench:
 
         row = self._row(kind="baseline", name=kind, receivers=receivers, backend=backend)
         why = collective_glue.unavailable(kind, backend, self.device, self.payload, receivers) or (
-            devices_short(self.device, backend, receivers + 1) if one_device_per_rank(kind, backend, self.device)
+            devices_short(self.device, backend, receivers + 1) if one_device_per_rank(backend, self.device)
             else None)
         if why:
             row.update(kind="unavailable", error=why)
