@@ -141,15 +141,15 @@ class _StreamHash:
         return self.state.intdigest()
 
 
-def _copy_piece(window: torch.Tensor, tensor: torch.Tensor, piece: Slice, whole: bool,
+def _copy_piece(window: torch.Tensor, tensor: torch.Tensor, flat: torch.Tensor | None, piece: Slice,
                 hashed: _StreamHash | None) -> None:
-    if whole and not tensor.is_contiguous():
+    """``flat`` is the tensor's bytes in order, or None for a whole non-contiguous tensor."""
+    if flat is None:
         # strided copy straight into the bucket, no temporary contiguous tensor
         window.view(tensor.dtype).view(tensor.shape).copy_(tensor)
     elif hashed is not None and tensor.device.type == "cpu":
         # host to host: memmove releases the GIL and, unlike torch's copy_, costs nothing per
         # call, so a big tensor can go in cache-sized pieces, each hashed right behind its copy
-        flat = _flat_bytes(tensor)  # held: a non-contiguous tensor's flat copy must outlive the loop
         src, dst = flat.data_ptr() + piece.start, window.data_ptr()
         for off in range(0, piece.nbytes, CHUNK):
             n = min(CHUNK, piece.nbytes - off)
@@ -157,7 +157,7 @@ def _copy_piece(window: torch.Tensor, tensor: torch.Tensor, piece: Slice, whole:
             hashed.upto(piece.offset + off + n)
         return
     else:
-        window.copy_(_flat_bytes(tensor)[piece.start : piece.start + piece.nbytes])
+        window.copy_(flat[piece.start : piece.start + piece.nbytes])
     if hashed is not None:
         hashed.upto(piece.offset + piece.nbytes)
 
@@ -194,7 +194,11 @@ def pack_stream(
     i = -1
     for i, (name, tensor) in enumerate(named):
         _check_one(manifest, i, name, tensor, seen)
-        for piece in plan.tensor_slices[i]:
+        pieces = plan.tensor_slices[i]
+        # a non-contiguous tensor split over k buckets is flattened once, not once per piece;
+        # whole, it is copied strided straight into its bucket
+        flat = _flat_bytes(tensor) if len(pieces) > 1 or tensor.is_contiguous() else None
+        for piece in pieces:
             dst = buffers.get(piece.bucket)
             if dst is None:
                 dst = buffers[piece.bucket] = bucket_buffer(piece.bucket)
@@ -202,7 +206,7 @@ def pack_stream(
                     hashes[piece.bucket] = _StreamHash(dst)
             if piece.nbytes:
                 window = dst[piece.offset : piece.offset + piece.nbytes]
-                _copy_piece(window, tensor, piece, piece.nbytes == manifest[i].nbytes, hashes.get(piece.bucket))
+                _copy_piece(window, tensor, flat, piece, hashes.get(piece.bucket))
             if checksums is not None and piece is last_piece[piece.bucket]:
                 checksums[piece.bucket] = hashes.pop(piece.bucket).digest(plan.buckets[piece.bucket].nbytes)
         for b in ready_after.get(i, ()):
