@@ -71,6 +71,24 @@ def layout(plan: BucketPlan) -> tuple[int, list[int]]:
     return offset, bases
 
 
+def spans(buf: torch.Tensor, bases: list[int], plan: BucketPlan) -> Callable[[int, int, int], torch.Tensor | None]:
+    """Unpacker's ``span`` over a buffer laid out by :func:`layout`: a view of ``nbytes`` from
+    ``offset`` in ``bucket`` on through the next buckets, or None where they are not back to back."""
+    buckets = plan.buckets
+
+    def view(bucket: int, offset: int, nbytes: int) -> torch.Tensor | None:
+        start, end = bases[bucket] + offset, bases[bucket] + offset + nbytes
+        # buckets sit back to back only where each one before the last is full to a page edge
+        b = bucket
+        while bases[b] + buckets[b].nbytes < end:
+            if b + 1 >= len(bases) or bases[b] + buckets[b].nbytes != bases[b + 1]:
+                return None
+            b += 1
+        return buf[start:end]
+
+    return view
+
+
 def digest_word(digest: str) -> int:
     return int(digest[:16], 16)
 
@@ -357,20 +375,7 @@ class ShmReceiver(ReceiverTransport):
         return True
 
     def span(self, version: int, info: dict[str, Any]) -> Callable[[int, int, int], torch.Tensor | None]:
-        seg = self._attach(info["segment"])
-        bases, buckets = self.bases, self.ctx.plan.buckets
-
-        def view(bucket: int, offset: int, nbytes: int) -> torch.Tensor | None:
-            start, end = bases[bucket] + offset, bases[bucket] + offset + nbytes
-            # buckets sit back to back only where each one before the last is full to a page edge
-            b = bucket
-            while bases[b] + buckets[b].nbytes < end:
-                if b + 1 >= len(bases) or bases[b] + buckets[b].nbytes != bases[b + 1]:
-                    return None
-                b += 1
-            return seg.bytes[start:end]
-
-        return view
+        return spans(self._attach(info["segment"]).bytes, self.bases, self.ctx.plan)
 
     def can_replay(self, version: int, info: dict[str, Any]) -> bool:
         name = info.get("segment")

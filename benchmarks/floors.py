@@ -1,0 +1,257 @@
+"""Floors: the least time this machine needs for the work a sync cannot skip, with none of
+a transport's protocol around it (no coordinator, no Ray, no waits, no handshakes).
+
+    python benchmarks/floors.py [--model qwen2.5-0.5b] [--bucket-mb 16] [--json PATH]
+
+`weightsync bench` compares a transport with the copy ceiling (one copy of the payload, all
+cores). A sync does more than one copy, so this script measures what the data path itself
+costs, in separate processes like the real parties, using the library's own functions:
+
+host path (what shm does)
+  stage     trainer process: pack_stream into a host buffer, xxh3 per bucket while packing
+  apply     rollout process: per bucket, verify its xxh3, then load_weights of its views
+            (the benchmark's engine: one torch copy_ per tensor, as vLLM's loaders do)
+  together  both at once, each on its own buffers: the two share the cores and the memory bus
+gloo path (what broadcast does on CPU), trainer rank 0 and one rollout rank 1
+  flat      one broadcast of the whole payload, pre-packed: the wire limit (bcast-flat)
+  buckets   the same bytes as one broadcast per bucket, two in flight, nothing else
+  +load     the same, with the rollout loading each bucket into the engine as it lands
+
+A transport's time minus its floor is what its protocol costs; a target below the floor is
+out of reach on this machine whatever the transport does. Each figure is the median of
+--repeats runs after one untimed run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import multiprocessing as mp
+import os
+import statistics
+import sys
+import tempfile
+import time
+from datetime import timedelta
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from weightsync.bench.actors import BenchEngine, digest
+from weightsync.bench.ceiling import host_ceiling
+from weightsync.bench.cli import machine_info
+from weightsync.bench.layouts import resolve
+from weightsync.layouts import materialize
+from weightsync.manifest import Manifest
+from weightsync.plan import BucketPlan, Unpacker, pack_stream, plan_buckets, verify
+from weightsync.transports.shm import layout, spans
+
+MiB = 1 << 20
+HOST_CASES = [("stage", True), ("apply", True), ("together", True),
+              ("stage", False), ("apply", False), ("together", False)]
+GLOO_CASES = ["flat", "buckets", "buckets+load"]
+
+
+def _plan(model: str, bucket_mb: float) -> tuple[Manifest, BucketPlan]:
+    _, manifest, _ = resolve(model, None)
+    return manifest, plan_buckets(manifest, int(bucket_mb * MiB))
+
+
+def _packed(manifest: Manifest, plan: BucketPlan, tensors: dict[str, torch.Tensor]) -> tuple[torch.Tensor, list[int], dict[int, int]]:
+    """The version laid out as shm lays it out (page-aligned buckets), with each bucket's xxh3."""
+    size, bases = layout(plan)
+    buf = torch.zeros(size, dtype=torch.uint8)  # zeroed: every page resident before timing
+    sums: dict[int, int] = {}
+    list(pack_stream(plan, manifest, tensors, lambda b: buf[bases[b]: bases[b] + plan.buckets[b].nbytes], sums))
+    return buf, bases, sums
+
+
+def _host_party(role: str, model: str, bucket_mb: float, repeats: int, barrier: Any, out: Any) -> None:
+    torch.set_num_threads(1)  # as in a Ray actor (OMP_NUM_THREADS=1)
+    manifest, plan = _plan(model, bucket_mb)
+    tensors = materialize(manifest, seed=0)
+    buf, bases, sums = _packed(manifest, plan, tensors)
+    engine = BenchEngine(manifest) if role == "apply" else None
+    unpacker = Unpacker(plan, manifest)
+    span = spans(buf, bases, plan)
+
+    def stage(checksum: bool) -> None:
+        list(pack_stream(plan, manifest, tensors, lambda b: buf[bases[b]: bases[b] + plan.buckets[b].nbytes],
+                         {} if checksum else None))
+
+    def apply(checksum: bool) -> None:
+        for b, bucket in enumerate(plan.buckets):
+            view = buf[bases[b]: bases[b] + bucket.nbytes]
+            if checksum:
+                verify(b, view, sums[b], 0)
+            engine.load_weights(unpacker.unpack(b, view, span))
+
+    times: dict[str, list[float]] = {}
+    for case, checksum in HOST_CASES:
+        mine = case == role or case == "together"
+        for r in range(repeats + 1):
+            barrier.wait()
+            t0 = time.perf_counter()
+            if mine:
+                (stage if role == "stage" else apply)(checksum)
+            if r and mine:
+                times.setdefault(f"{case}{'' if checksum else ' (no xxh3)'}", []).append(time.perf_counter() - t0)
+    result: dict[str, Any] = {"role": role, "times": times}
+    if engine is not None:
+        result["verified"] = digest(engine.params) == digest(tensors)
+    out.put(result)
+
+
+def _gloo_party(rank: int, model: str, bucket_mb: float, repeats: int, store_path: str, out: Any) -> None:
+    torch.set_num_threads(1)
+    manifest, plan = _plan(model, bucket_mb)
+    pg = dist.ProcessGroupGloo(dist.FileStore(store_path, 2), rank, 2, timedelta(seconds=300))
+    tensors = materialize(manifest, seed=0)
+    packed, bases, _ = _packed(manifest, plan, tensors)
+    if rank == 1:
+        engine = BenchEngine(manifest)
+        del tensors  # the rollout gets its bytes from the wire
+        packed.zero_()
+    unpacker = Unpacker(plan, manifest)
+    wires = [torch.zeros(plan.bucket_bytes, dtype=torch.uint8) for _ in range(2)]
+    flat = packed[bases[0]:]  # every byte of the version, pre-packed: bcast-flat's buffer
+
+    def bcast(t: torch.Tensor) -> Any:
+        return pg.broadcast([t], dist.BroadcastOptions())
+
+    def buckets(load: bool) -> None:
+        # the sender sends straight from its packed buffer (no pack cost: a floor); the
+        # rollout receives into two buffers and, with load, loads bucket b while b+1 lands
+        def post(b: int) -> Any:
+            n = plan.buckets[b].nbytes
+            src = packed[bases[b]: bases[b] + n] if rank == 0 else wires[b % 2][:n]
+            return bcast(src)
+
+        works = {b: post(b) for b in range(min(2, plan.bucket_count))}
+        for b in range(plan.bucket_count):
+            works.pop(b).wait()
+            if rank == 1 and load:
+                engine.load_weights(unpacker.unpack(b, wires[b % 2][: plan.buckets[b].nbytes]))
+            if b + 2 < plan.bucket_count:
+                works[b + 2] = post(b + 2)
+
+    times: dict[str, list[float]] = {}
+    for case in GLOO_CASES:
+        for r in range(repeats + 1):
+            pg.barrier().wait()
+            t0 = time.perf_counter()
+            if case == "flat":
+                bcast(flat).wait()
+            else:
+                buckets(load=case == "buckets+load")
+            if r:
+                times.setdefault(case, []).append(time.perf_counter() - t0)
+    result: dict[str, Any] = {"rank": rank, "times": times}
+    if rank == 1:
+        result["verified"] = digest(engine.params) == digest(materialize(manifest, seed=0))
+    out.put(result)
+
+
+def _run(target: Any, args_of: list[tuple]) -> list[dict[str, Any]]:
+    ctx = mp.get_context("spawn")
+    out = ctx.Queue()
+    procs = [ctx.Process(target=target, args=(*a, out), daemon=True) for a in args_of]
+    for p in procs:
+        p.start()
+    try:
+        results = [out.get(timeout=1800) for _ in procs]
+    finally:
+        for p in procs:
+            p.join(timeout=30)
+            if p.is_alive():
+                p.kill()
+    return results
+
+
+def _together(results: list[dict[str, Any]], order: list[str]) -> dict[str, float]:
+    """Median over repeats of the slower party's time, per case."""
+    out: dict[str, float] = {}
+    for k in order:
+        runs = [r["times"][k] for r in results if k in r["times"]]
+        out[k] = statistics.median(max(t) for t in zip(*runs))
+    return out
+
+
+def measure(model: str, bucket_mb: float, repeats: int, gloo: bool = True) -> dict[str, Any]:
+    manifest, plan = _plan(model, bucket_mb)
+    nbytes = manifest.total_bytes
+    result: dict[str, Any] = {"model": model, "bytes": nbytes, "tensors": len(manifest), "bucket_mb": bucket_mb,
+                              "buckets": plan.bucket_count, "repeats": repeats, "machine": machine_info(),
+                              "ceiling": host_ceiling(nbytes)}
+    ctx = mp.get_context("spawn")
+    barrier = ctx.Barrier(2)
+    host = _run(_host_party, [(role, model, bucket_mb, repeats, barrier) for role in ("stage", "apply")])
+    result["host_s"] = _together(host, [f"{c}{'' if on else ' (no xxh3)'}" for c, on in HOST_CASES])
+    result["verified"] = all(r.get("verified", True) for r in host)
+    if gloo:
+        with tempfile.TemporaryDirectory(prefix="wsync-floors-") as d:
+            path = os.path.join(d, "store")
+            ranks = _run(_gloo_party, [(rank, model, bucket_mb, repeats, path) for rank in (0, 1)])
+        result["gloo_s"] = _together(ranks, GLOO_CASES)
+        result["verified"] = result["verified"] and all(r.get("verified", True) for r in ranks)
+    one_copy = result["ceiling"]["seconds"]
+    h = result["host_s"]
+    reading = {
+        # what shm could reach at best, in the bench's terms
+        "shm_best_x_ceiling": one_copy / h["together"],
+        "shm_best_x_ceiling_no_xxh3": one_copy / h["together (no xxh3)"],
+        "prestaged_barrier_floor_x_one_copy": h["apply"] / one_copy,
+        "prefetched_barrier_floor_x_one_copy": h["apply (no xxh3)"] / one_copy,
+    }
+    if gloo:
+        g = result["gloo_s"]
+        reading["bucketed_x_flat"] = g["flat"] / g["buckets"]
+        reading["bucketed_with_load_x_flat"] = g["flat"] / g["buckets+load"]
+    result["reading"] = reading
+    return result
+
+
+def format_result(r: dict[str, Any]) -> str:
+    gb = r["bytes"] / 1e9
+    c = r["ceiling"]
+    lines = [f"floors: {r['model']} ({r['tensors']} tensors, {r['bytes'] / 2**30:.2f} GiB), {r['bucket_mb']:g} MiB buckets, "
+             f"median of {r['repeats']}",
+             f"machine: {r['machine']['cpu_model']}, {r['machine']['cpu_count']} cores; copy ceiling "
+             f"{c['gbps']:.2f} GB/s ({c['method']}, one copy {c['seconds']:.3f} s)", "",
+             f"{'work':34} {'s':>7} {'GB/s':>6} {'x ceiling':>9}"]
+    rows = [(f"host: {k}", v) for k, v in r["host_s"].items()] + [(f"gloo: {k}", v) for k, v in r.get("gloo_s", {}).items()]
+    for name, s in rows:
+        lines.append(f"{name:34} {s:7.3f} {gb / s:6.2f} {c['seconds'] / s:9.2f}")
+    x = r["reading"]
+    lines += ["", "what this means for the benchmark's targets (a transport can only be slower than its floor):",
+              f"  shm / copy ceiling at best: {x['shm_best_x_ceiling']:.2f}x "
+              f"({x['shm_best_x_ceiling_no_xxh3']:.2f}x without xxh3)",
+              f"  pre-staged barrier / one copy at least: {x['prestaged_barrier_floor_x_one_copy']:.2f}x "
+              f"({x['prefetched_barrier_floor_x_one_copy']:.2f}x once prefetch() verified it)"]
+    if "bucketed_x_flat" in x:
+        lines.append(f"  bucketed gloo broadcast / one flat broadcast at best: {x['bucketed_with_load_x_flat']:.2f}x "
+                     f"with the rollout loading, {x['bucketed_x_flat']:.2f}x for the wire alone")
+    lines.append(f"  engine weights bit-exact after every run: {'yes' if r['verified'] else 'NO'}")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p.add_argument("--model", default="qwen2.5-0.5b", help="built-in layout or safetensors file/folder")
+    p.add_argument("--bucket-mb", type=float, default=16.0)
+    p.add_argument("--repeats", type=int, default=5)
+    p.add_argument("--no-gloo", action="store_true", help="host path only")
+    p.add_argument("--json", metavar="PATH")
+    args = p.parse_args(argv)
+    result = measure(args.model, args.bucket_mb, args.repeats, gloo=not args.no_gloo)
+    print(format_result(result))
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(result, f, indent=2, default=str)
+    return 0 if result["verified"] else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
