@@ -7,11 +7,12 @@ a transport's protocol around it (no coordinator, no Ray, no waits, no handshake
 cores). A sync does more than one copy, so this script measures what the data path itself
 costs, in separate processes like the real parties, using the library's own functions:
 
-host path (what shm does)
-  stage     trainer process: pack_stream into a host buffer, xxh3 per bucket while packing
+host path (what shm does), over one buffer in /dev/shm laid out as an shm segment
+  stage     trainer process: pack_stream into the buffer, xxh3 per bucket while packing
   apply     rollout process: per bucket, verify its xxh3, then load_weights of its views
             (the benchmark's engine: one torch copy_ per tensor, as vLLM's loaders do)
-  together  both at once, each on its own buffers: the two share the cores and the memory bus
+  together  both at once, the rollout loading each bucket right behind the trainer; with
+            "x N", N rollouts, one of them verifying (shm hashes a bucket once per node)
 gloo path (what broadcast does on CPU), trainer rank 0 and one rollout rank 1
   flat      one broadcast of the whole payload, pre-packed: the wire limit (bcast-flat)
   buckets   the same bytes as one broadcast per bucket, two in flight, nothing else
@@ -44,12 +45,10 @@ from weightsync.bench.cli import machine_info
 from weightsync.bench.layouts import resolve
 from weightsync.layouts import materialize
 from weightsync.manifest import Manifest
-from weightsync.plan import BucketPlan, Unpacker, pack_stream, plan_buckets, verify
+from weightsync.plan import BucketPlan, Unpacker, checksum, pack_stream, plan_buckets, verify
 from weightsync.transports.shm import layout, spans
 
 MiB = 1 << 20
-HOST_CASES = [("stage", True), ("apply", True), ("together", True),
-              ("stage", False), ("apply", False), ("together", False)]
 GLOO_CASES = ["flat", "buckets", "buckets+load"]
 
 
@@ -67,40 +66,74 @@ def _packed(manifest: Manifest, plan: BucketPlan, tensors: dict[str, torch.Tenso
     return buf, bases, sums
 
 
-def _host_party(role: str, model: str, bucket_mb: float, repeats: int, barrier: Any, out: Any) -> None:
+def _host_cases(receivers: list[int]) -> list[tuple[str, int, bool]]:
+    """(work, receivers, xxh3 on) in the order measured."""
+    cases = [("stage", 1, True), ("apply", 1, True), ("together", 1, True),
+             ("stage", 1, False), ("apply", 1, False), ("together", 1, False)]
+    return cases + [("together", n, True) for n in receivers if n > 1]
+
+
+def _case_name(work: str, n: int, checksum: bool) -> str:
+    return f"{work}{f' x{n}' if n > 1 else ''}{'' if checksum else ' (no xxh3)'}"
+
+
+def _host_party(role: str, k: int, model: str, bucket_mb: float, repeats: int, receivers: list[int],
+                path: str, barrier: Any, out: Any) -> None:
+    """``role`` stage (the trainer) or apply (rollout ``k``). They share one buffer in /dev/shm,
+    laid out as an shm segment; the trainer marks each bucket in the header once written
+    and the rollouts load right behind it, as shm's receivers do. Rollout 0 verifies each
+    bucket, the others only load: shm hashes a bucket once per node."""
     torch.set_num_threads(1)  # as in a Ray actor (OMP_NUM_THREADS=1)
     manifest, plan = _plan(model, bucket_mb)
-    tensors = materialize(manifest, seed=0)
-    buf, bases, sums = _packed(manifest, plan, tensors)
+    size, bases = layout(plan)
+    buf = torch.from_file(path, shared=True, size=size, dtype=torch.uint8)
+    # header words: bucket b written [b], bucket b verified [count + b]; fits in layout's header
+    words = buf[: 16 * plan.bucket_count].view(torch.int64)
+    ready, verified = words[: plan.bucket_count], words[plan.bucket_count:]
+    windows = [buf[bases[b]: bases[b] + bucket.nbytes] for b, bucket in enumerate(plan.buckets)]
+    tensors = materialize(manifest, seed=0) if role == "stage" else None
+    if role == "stage":
+        list(pack_stream(plan, manifest, tensors, lambda b: windows[b]))  # untimed: pages resident
+    barrier.wait()
+    # what the trainer would announce: each bucket's xxh3
+    sums = {b: checksum(w) for b, w in enumerate(windows)} if role == "apply" and k == 0 else {}
     engine = BenchEngine(manifest) if role == "apply" else None
     unpacker = Unpacker(plan, manifest)
     span = spans(buf, bases, plan)
 
-    def stage(checksum: bool) -> None:
-        list(pack_stream(plan, manifest, tensors, lambda b: buf[bases[b]: bases[b] + plan.buckets[b].nbytes],
-                         {} if checksum else None))
+    def stage(hashed: bool, run: int) -> None:
+        for b in pack_stream(plan, manifest, tensors, lambda b: windows[b], {} if hashed else None):
+            ready[b] = run  # after the bucket's bytes: x86 keeps stores in order
 
-    def apply(checksum: bool) -> None:
-        for b, bucket in enumerate(plan.buckets):
-            view = buf[bases[b]: bases[b] + bucket.nbytes]
-            if checksum:
-                verify(b, view, sums[b], 0)
-            engine.load_weights(unpacker.unpack(b, view, span))
+    def apply(hashed: bool, run: int | None) -> None:
+        for b in range(plan.bucket_count):
+            # the others load a bucket only once rollout 0 verified it, as on shm
+            word = verified if hashed and k else ready
+            while run is not None and int(word[b]) != run:
+                time.sleep(20e-6)
+            if hashed and k == 0:
+                verify(b, windows[b], sums[b], 0)
+                if run is not None:
+                    verified[b] = run
+            engine.load_weights(unpacker.unpack(b, windows[b], span))
 
     times: dict[str, list[float]] = {}
-    for case, checksum in HOST_CASES:
-        mine = case == role or case == "together"
+    for c, (work, n, hashed) in enumerate(_host_cases(receivers)):
+        if role == "stage":
+            mine = work in ("stage", "together")
+        else:
+            mine = (work == "apply" and k == 0) or (work == "together" and k < n)
         for r in range(repeats + 1):
+            run = 1 + c * (repeats + 1) + r
             barrier.wait()
             t0 = time.perf_counter()
-            if mine:
-                (stage if role == "stage" else apply)(checksum)
+            if mine and role == "stage":
+                stage(hashed, run)
+            elif mine:
+                apply(hashed, run if work == "together" else None)
             if r and mine:
-                times.setdefault(f"{case}{'' if checksum else ' (no xxh3)'}", []).append(time.perf_counter() - t0)
-    result: dict[str, Any] = {"role": role, "times": times}
-    if engine is not None:
-        result["verified"] = digest(engine.params) == digest(tensors)
-    out.put(result)
+                times.setdefault(_case_name(work, n, hashed), []).append(time.perf_counter() - t0)
+    out.put({"role": role, "times": times, "digest": digest(engine.params if engine else tensors)})
 
 
 def _gloo_party(rank: int, model: str, bucket_mb: float, repeats: int, store_path: str, out: Any) -> None:
@@ -178,17 +211,25 @@ def _together(results: list[dict[str, Any]], order: list[str]) -> dict[str, floa
     return out
 
 
-def measure(model: str, bucket_mb: float, repeats: int, gloo: bool = True) -> dict[str, Any]:
+def measure(model: str, bucket_mb: float, repeats: int, receivers: list[int], gloo: bool = True) -> dict[str, Any]:
     manifest, plan = _plan(model, bucket_mb)
     nbytes = manifest.total_bytes
     result: dict[str, Any] = {"model": model, "bytes": nbytes, "tensors": len(manifest), "bucket_mb": bucket_mb,
-                              "buckets": plan.bucket_count, "repeats": repeats, "machine": machine_info(),
-                              "ceiling": host_ceiling(nbytes)}
+                              "buckets": plan.bucket_count, "repeats": repeats, "receivers": receivers,
+                              "machine": machine_info(), "ceiling": host_ceiling(nbytes)}
     ctx = mp.get_context("spawn")
-    barrier = ctx.Barrier(2)
-    host = _run(_host_party, [(role, model, bucket_mb, repeats, barrier) for role in ("stage", "apply")])
-    result["host_s"] = _together(host, [f"{c}{'' if on else ' (no xxh3)'}" for c, on in HOST_CASES])
-    result["verified"] = all(r.get("verified", True) for r in host)
+    parties = [("stage", 0)] + [("apply", k) for k in range(max(receivers))]
+    barrier = ctx.Barrier(len(parties))
+    fd, path = tempfile.mkstemp(prefix="wsync-floors-", dir="/dev/shm" if os.path.isdir("/dev/shm") else None)
+    try:
+        os.ftruncate(fd, layout(plan)[0])
+        host = _run(_host_party, [(role, k, model, bucket_mb, repeats, receivers, path, barrier)
+                                  for role, k in parties])
+    finally:
+        os.close(fd)
+        os.unlink(path)
+    result["host_s"] = _together(host, [_case_name(*c) for c in _host_cases(receivers)])
+    result["verified"] = len({r["digest"] for r in host}) == 1  # every engine equals the trainer
     if gloo:
         with tempfile.TemporaryDirectory(prefix="wsync-floors-") as d:
             path = os.path.join(d, "store")
@@ -204,6 +245,9 @@ def measure(model: str, bucket_mb: float, repeats: int, gloo: bool = True) -> di
         "prestaged_barrier_floor_x_one_copy": h["apply"] / one_copy,
         "prefetched_barrier_floor_x_one_copy": h["apply (no xxh3)"] / one_copy,
     }
+    for n in receivers:
+        if n > 1:
+            reading[f"shm_best_growth_{n}_vs_1_receiver"] = h[f"together x{n}"] / h["together"]
     if gloo:
         g = result["gloo_s"]
         reading["bucketed_x_flat"] = g["flat"] / g["buckets"]
@@ -229,6 +273,10 @@ def format_result(r: dict[str, Any]) -> str:
               f"({x['shm_best_x_ceiling_no_xxh3']:.2f}x without xxh3)",
               f"  pre-staged barrier / one copy at least: {x['prestaged_barrier_floor_x_one_copy']:.2f}x "
               f"({x['prefetched_barrier_floor_x_one_copy']:.2f}x once prefetch() verified it)"]
+    for key, v in x.items():
+        if key.startswith("shm_best_growth_"):
+            n = key.split("_")[3]
+            lines.append(f"  shm time with {n} receivers / 1 receiver at least: {v:.2f}x")
     if "bucketed_x_flat" in x:
         lines.append(f"  bucketed gloo broadcast / one flat broadcast at best: {x['bucketed_with_load_x_flat']:.2f}x "
                      f"with the rollout loading, {x['bucketed_x_flat']:.2f}x for the wire alone")
@@ -242,10 +290,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--model", default="qwen2.5-0.5b", help="built-in layout or safetensors file/folder")
     p.add_argument("--bucket-mb", type=float, default=16.0)
     p.add_argument("--repeats", type=int, default=5)
+    p.add_argument("--receivers", type=int, nargs="+", default=[1, 4], help="rollout counts on the host path")
     p.add_argument("--no-gloo", action="store_true", help="host path only")
     p.add_argument("--json", metavar="PATH")
     args = p.parse_args(argv)
-    result = measure(args.model, args.bucket_mb, args.repeats, gloo=not args.no_gloo)
+    result = measure(args.model, args.bucket_mb, args.repeats, sorted(set(args.receivers) | {1}),
+                     gloo=not args.no_gloo)
     print(format_result(result))
     if args.json:
         with open(args.json, "w") as f:

@@ -147,7 +147,7 @@ def test_floors_script_does_the_real_work(tmp_path):
     r = json.loads(out.read_text())
     assert r["verified"] is True
     assert set(r["host_s"]) == {"stage", "apply", "together", "stage (no xxh3)", "apply (no xxh3)",
-                                "together (no xxh3)"}
+                                "together (no xxh3)", "together x4"}
     assert set(r["gloo_s"]) == {"flat", "buckets", "buckets+load"}
     assert all(s > 0 for s in [*r["host_s"].values(), *r["gloo_s"].values()])
     assert "shm / copy ceiling at best" in proc.stdout
