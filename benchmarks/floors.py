@@ -95,6 +95,8 @@ def _host_party(role: str, k: int, model: str, bucket_mb: float, repeats: int, r
     if role == "stage":
         list(pack_stream(plan, manifest, tensors, lambda b: windows[b]))  # untimed: pages resident
     barrier.wait()
+    if role == "stage":
+        os.unlink(path)  # every party has it mapped now: the pages go when the last one exits
     # what the trainer would announce: each bucket's xxh3
     sums = {b: checksum(w) for b, w in enumerate(windows)} if role == "apply" and k == 0 else {}
     engine = BenchEngine(manifest) if role == "apply" else None
@@ -227,7 +229,8 @@ def measure(model: str, bucket_mb: float, repeats: int, receivers: list[int], gl
                                   for role, k in parties])
     finally:
         os.close(fd)
-        os.unlink(path)
+        if os.path.exists(path):  # a party failed before the trainer unlinked it
+            os.unlink(path)
     result["host_s"] = _together(host, [_case_name(*c) for c in _host_cases(receivers)])
     result["verified"] = len({r["digest"] for r in host}) == 1  # every engine equals the trainer
     if gloo:
