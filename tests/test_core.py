@@ -239,6 +239,46 @@ def test_each_bucket_is_verified_once_per_node(coordinator_factory, actors):
             assert_weights(r, v)
 
 
+def test_two_threads_of_one_receiver_hash_each_bucket_once():
+    """A prefetch() thread beside apply() in one process: fcntl locks belong to the process,
+    so without a lock of its own the two threads would hash the same buckets side by side."""
+    import threading
+
+    import torch
+
+    from weightsync.plan import pack_stream, plan_buckets
+    from weightsync.transports.base import TransportContext
+    from weightsync.transports.shm import ShmReceiver, ShmSender
+
+    manifest = Manifest(tuple(TensorSpec(f"w{i}", "float32", (256, 1024)) for i in range(16)))  # 16 MiB
+    cfg = SyncConfig(bucket_mb=1, device="cpu")
+    plan = plan_buckets(manifest, cfg.bucket_bytes, cfg.align_bytes)
+    ctx = TransportContext(config=cfg, plan=plan, manifest=manifest, digest=manifest.digest(), session="t",
+                           name="p", rank=0, device=torch.device("cpu"))
+    named = materialize(manifest, seed=3)
+    sender = ShmSender(ctx)
+    receiver = ShmReceiver(ctx, sender.session_info())
+    try:
+        info = sender.stage(1, 0, lambda buf, sums=None: pack_stream(plan, manifest, named, buf, sums), lambda _i: None)
+        hashed = [[0] * plan.bucket_count for _ in range(2)]
+        start = threading.Barrier(2)
+
+        def verify_all(mine: list[int]) -> None:
+            start.wait()
+            for b, buf, expected in receiver.receive(1, info, float("inf"), lambda: None):
+                mine[b] += receiver.verify_bucket(1, info, b, buf, expected)
+
+        threads = [threading.Thread(target=verify_all, args=(h,)) for h in hashed]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(60)
+        assert [a + b for a, b in zip(*hashed)] == [1] * plan.bucket_count, hashed
+    finally:
+        receiver.close()
+        sender.close()
+
+
 def test_prefetch_verifies_ahead_and_apply_only_loads(coordinator_factory, actors):
     """prefetch() while the engine would generate: the barrier is left with loading only; a
     bucket corrupted before the prefetch stays unmarked and apply() still refuses it."""

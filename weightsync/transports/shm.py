@@ -291,6 +291,9 @@ class ShmReceiver(ReceiverTransport):
         self.size, self.bases = layout(ctx.plan)
         self.attached: dict[str, Segment] = {}
         self._attach_lock = threading.Lock()
+        # fcntl locks belong to the process, so they do not keep two threads of one receiver
+        # (apply's read-ahead, a user's prefetch thread) from hashing the same bucket twice
+        self._hashing = [threading.Lock() for _ in ctx.plan.buckets]
 
     def _attach(self, name: str) -> Segment:
         with self._attach_lock:  # prefetch() may run in a thread beside apply()
@@ -357,16 +360,17 @@ class ShmReceiver(ReceiverTransport):
         word, mark = _ready_word(b) + 2, np.uint64(version + 1)
         if seg.control[word] == mark:
             return False
-        # a byte-range lock on the word: one hasher per bucket; the kernel drops it if we die
-        fcntl.lockf(seg.fd, fcntl.LOCK_EX, 8, 8 * word)
-        try:
-            if seg.control[word] == mark:
-                return False
-            verify(b, buf, expected, version)
-            seg.control[word] = mark
-            return True
-        finally:
-            fcntl.lockf(seg.fd, fcntl.LOCK_UN, 8, 8 * word)
+        with self._hashing[b]:
+            # a byte-range lock on the word: one hasher per bucket; the kernel drops it if we die
+            fcntl.lockf(seg.fd, fcntl.LOCK_EX, 8, 8 * word)
+            try:
+                if seg.control[word] == mark:
+                    return False
+                verify(b, buf, expected, version)
+                seg.control[word] = mark
+                return True
+            finally:
+                fcntl.lockf(seg.fd, fcntl.LOCK_UN, 8, 8 * word)
 
     def prefetch(self, version: int, info: dict[str, Any], deadline: float, check: Callable[[], None]) -> bool:
         """Verify (and mark for the node) each bucket as soon as the sender wrote it."""
