@@ -39,13 +39,17 @@ class Job:
         self.actors = actors
         self.coord = coordinator_factory(self.cfg)
         delays = delays or {}
-        self.rollouts = {f"rollout-{i}": self.rollout(f"rollout-{i}", i, delays.get(i, 0.0)) for i in range(receivers)}
+        # every process starts at once (each takes seconds to import torch), then all register
+        self.rollouts = {f"rollout-{i}": self.rollout(f"rollout-{i}", i, delays.get(i, 0.0), wait=False)
+                         for i in range(receivers)}
         self.trainer = self.new_trainer()
+        if self.cfg["transport"] in STREAMING:
+            ray.get([r.version.remote() for r in self.rollouts.values()])
 
-    def rollout(self, name, rank, delay=0.0):
+    def rollout(self, name, rank, delay=0.0, wait=True):
         actor = self.actors.add(Rollout.remote(self.coord, MANIFEST.to_wire(), name, rank=rank, config=self.cfg,
                                                load_delay_s=delay))
-        if self.cfg["transport"] in STREAMING:
+        if wait and self.cfg["transport"] in STREAMING:
             # Ray builds an actor asynchronously. A streaming transport sends a version to
             # the receivers registered when the sender reaches the barrier; one that registers
             # later joins at the next version (no stored copy to catch up from). A restarted
