@@ -292,7 +292,7 @@ class ShmReceiver(ReceiverTransport):
         self.attached: dict[str, Segment] = {}
         self._attach_lock = threading.Lock()
         # fcntl locks belong to the process, so they do not keep two threads of one receiver
-        # (apply's read-ahead, a user's prefetch thread) from hashing the same bucket twice
+        # (a user's prefetch() thread beside apply()) from hashing the same bucket twice
         self._hashing = [threading.Lock() for _ in ctx.plan.buckets]
 
     def _attach(self, name: str) -> Segment:
