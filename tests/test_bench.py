@@ -1,5 +1,5 @@
 """`weightsync bench` end to end on the tiny layout, and its pure parts (layouts from
-safetensors, ratios and goal checks). Timing goals are not asserted here (see benchmarks/)."""
+safetensors, ratios, comparisons and --expect). Timing goals are not asserted here (see benchmarks/)."""
 
 from __future__ import annotations
 
@@ -9,8 +9,9 @@ import math
 import pytest
 import torch
 
+from weightsync.bench import expect, report
 from weightsync.bench import layouts as bench_layouts
-from weightsync.bench import report
+from weightsync.bench.cli import exit_status
 from weightsync.bench.runner import transport_unavailable
 from weightsync.cli import main
 
@@ -19,7 +20,7 @@ def test_bench_tiny_shm_end_to_end(ray_cluster, tmp_path):
     out, png = tmp_path / "bench.json", tmp_path / "bench.png"
     rc = main(["bench", "--device", "cpu", "--model", "tiny", "--transport", "shm", "--receivers", "1", "2", "--bucket-mb", "0.25",
                "--versions", "2", "--warmup", "1", "--baselines", "ray-user", "ray-numpy", "--ceiling-repeats", "2",
-               "--checksum", "on", "off", "--no-progress", "--note", "pytest smoke", "--json", str(out), "--plot", str(png)])
+               "--checksum", "on", "off", "--no-progress", "--note", "pytest smoke", "--expect", "x_ray-user>=0", "--json", str(out), "--plot", str(png)])
     assert rc == 0
     res = json.loads(out.read_text())
     assert res["schema"] == report.SCHEMA
@@ -49,10 +50,13 @@ def test_bench_tiny_shm_end_to_end(ray_cluster, tmp_path):
     assert shm["phases_s"]["total_s"] > 0
     assert set(shm["speedup_vs"]) == {"ray-user", "ray-numpy"}
     assert shm["speedup_vs"]["ray-user"] == pytest.approx(rows[("ray-user", 1)]["median_s"] / shm["median_s"])
-    names = {c["check"] for c in res["checks"]}
-    judged = [c for c in res["checks"] if c["check"] == "best transport / copy ceiling"]
-    assert judged and judged[0]["detail"].startswith("shm @"), "rows without checksums are shown, not judged"
-    assert {"best transport vs ray-user", "best transport / copy ceiling", "shm time growth 2 vs 1 receiver"} <= names
+    one, two = res["comparisons"]
+    assert one["name"] == "shm", "rows without checksums are shown, not taken as the fastest default"
+    assert two["receivers"] == 2 and two["growth_x"] == pytest.approx(
+        two["median_s"] / next(r["median_s"] for r in res["rows"] if r["name"] == two["name"] and r["receivers"] == 1))
+    # an expectation any working run meets: judged, recorded, and the exit status stays 0
+    assert res["expectations"] == [{"expect": "x_ray-user>=0", "key": "x_ray-user", "op": ">=", "value": 0.0,
+                                    "measured": pytest.approx(one["x_ray-user"]), "ok": True, "row": one["row"]}]
 
     pytest.importorskip("matplotlib")
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
@@ -110,25 +114,66 @@ def _row(name, kind, n, median, bucket=None, barrier=None):
             "bucket_mb": bucket, "barrier_s": barrier, "error": None}
 
 
-def test_goal_checks_follow_the_issue_targets():
-    res = {"payload_bytes": 10**9, "ceiling": {"gbps": 10.0}, "rows": [
-        _row("ray-user", "baseline", 1, 4.0), _row("ray-numpy", "baseline", 1, 0.3),
-        _row("shm", "transport", 1, 0.2, 64, barrier=0.12), _row("shm", "transport", 4, 0.5, 64, barrier=0.3),
-        {**_row("ipc", "unavailable", 1, 1.0, 64), "median_s": None, "error": "not built"},
-    ]}
+def _result(rows):
+    res = {"payload_bytes": 10**9, "ceiling": {"gbps": 10.0}, "rows": rows}
     report.add_ratios(res)
-    checks = {c["check"]: c for c in report.goal_checks(res)}
-    assert checks["best transport vs ray-user"]["value"] == pytest.approx(20.0) and checks["best transport vs ray-user"]["ok"]
-    assert checks["best transport vs ray-numpy"]["value"] == pytest.approx(1.5) and checks["best transport vs ray-numpy"]["ok"]
-    assert checks["best transport / copy ceiling"]["value"] == pytest.approx(0.5)
-    assert checks["shm pre-staged barrier / one copy"]["value"] == pytest.approx(1.2)
-    growth = checks["shm time growth 4 vs 1 receiver"]
-    assert growth["value"] == pytest.approx(2.5) and not growth["ok"]
-    assert "unavailable: not built" in report.format_table({**res, "layout": {"name": "x", "tensors": 1, "dtype": "bf16"},
-                                                             "machine": {"cpu_model": "c", "cpu_count": 2, "mem_total_bytes": 2**30},
-                                                             "args": {"device": "cpu", "versions": 1, "warmup": 0},
-                                                             "checks": list(checks.values()),
-                                                             "ceiling": {"gbps": 10.0, "method": "m"}})
+    return res
+
+
+_ROWS = [
+    _row("ray-user", "baseline", 1, 4.0), _row("ray-numpy", "baseline", 1, 0.3),
+    {**_row("shm", "transport", 1, 0.2, 64, barrier=0.12), "checksum": True},
+    {**_row("shm (no xxh3)", "transport", 1, 0.1, 64, barrier=0.05), "checksum": False},
+    {**_row("ipc", "transport", 1, 0.25, 64, barrier=0.2), "checksum": True},
+    {**_row("shm", "transport", 4, 0.5, 64, barrier=0.3), "checksum": True},
+    {**_row("ipc", "unavailable", 1, 1.0, 64), "median_s": None, "error": "not built"},
+]
+
+
+def test_comparisons_describe_the_fastest_default_row_without_targets():
+    res = _result([dict(r) for r in _ROWS])
+    one = expect.fastest(res, 1)
+    assert one["row"] == "shm @ 64 MiB, 1 receiver"  # the no-xxh3 row is faster but not the default
+    assert one["x_ray-user"] == pytest.approx(20.0) and one["x_ray-numpy"] == pytest.approx(1.5)
+    assert one["x_ceiling"] == pytest.approx(0.5) and one["barrier_x_copy"] == pytest.approx(1.2)
+    assert expect.fastest(res, 4)["growth_x"] == pytest.approx(2.5)
+    res["expectations"] = []
+    text = report.format_table({**res, "layout": {"name": "x", "tensors": 1, "dtype": "bf16"},
+                                "machine": {"cpu_model": "c", "cpu_count": 2, "mem_total_bytes": 2**30},
+                                "args": {"device": "cpu", "versions": 1, "warmup": 0},
+                                "ceiling": {"gbps": 10.0, "method": "m"}})
+    assert "unavailable: not built" in text
+    assert "fastest with 1 receiver: shm @ 64 MiB, 1 receiver: 5.00 GB/s = 0.50x the copy ceiling" in text
+    assert "target" not in text and "PASS" not in text and "MISS" not in text
+
+
+@pytest.mark.parametrize("text, measured, ok", [
+    ("x_ceiling>=0.4", 0.5, True),
+    ("x_ray-numpy>=2", 1.5, False),
+    ("shm (no xxh3):gbps>=9", 10.0, True),
+    ("ipc:barrier_x_copy<=1.5", 2.0, False),
+    ("growth_x<=2", 2.5, False),
+    ("growth_x@4<=3", 2.5, True),
+    ("ipc:gbps@4>=1", None, False),  # no ipc row with 4 receivers ran: a miss, not a pass
+])
+def test_expectations_are_judged_on_the_fastest_matching_row(text, measured, ok):
+    (checked,) = expect.evaluate(_result([dict(r) for r in _ROWS]), [expect.parse_expectation(text)])
+    assert (checked["measured"], checked["ok"]) == (pytest.approx(measured) if measured else None, ok)
+
+
+def test_a_missed_expectation_is_a_non_zero_exit():
+    res = _result([dict(r) for r in _ROWS])
+    res["expectations"] = expect.evaluate(res, [expect.parse_expectation("x_ceiling>=0.4")])
+    assert exit_status(res) == 0
+    res["expectations"] += expect.evaluate(res, [expect.parse_expectation("x_ceiling>=0.6")])
+    assert exit_status(res) == 1
+
+
+@pytest.mark.parametrize("text", ["x_ceiling>0.4", "speed>=1", "x_ceiling>=fast", "x_ceiling"])
+def test_a_malformed_expectation_stops_the_bench_before_it_runs(text, capsys):
+    with pytest.raises(SystemExit) as stop:
+        main(["bench", "--expect", text])
+    assert stop.value.code == 2 and "--expect" in capsys.readouterr().err
 
 
 def test_floors_script_does_the_real_work(tmp_path):

@@ -13,6 +13,7 @@ from typing import Any
 
 from ..config import SyncConfig
 from ..layouts import LAYOUTS
+from .expect import KEYS, evaluate, fastest, parse_expectation
 
 TRANSPORTS = ("shm", "ipc", "broadcast", "auto")
 BASELINE_CHOICES = ("ray-user", "ray-numpy", "bcast-per-tensor", "bcast-flat")
@@ -48,8 +49,19 @@ def add_bench_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--no-verify", action="store_true", help="skip the bit-exact check after each row")
     p.add_argument("--no-progress", action="store_true", help="no progress bars")
     p.add_argument("--note", default="", help="free text stored in the JSON (e.g. 'machine shared')")
-    p.add_argument("--json", metavar="PATH", help="write every figure as JSON (schema: README)")
+    p.add_argument("--expect", action="append", default=[], type=_expectation, metavar="KEY>=VALUE",
+                   help="assert your own goal on the fastest matching row, e.g. x_ceiling>=0.25, "
+                   "shm:x_ray-numpy>=1, growth_x@4<=2.5 ([TRANSPORT:]KEY[@RECEIVERS], >= or <=); repeatable; "
+                   f"exit status 1 on a miss. Keys: {', '.join(KEYS)}")
+    p.add_argument("--json", metavar="PATH", help="write every figure as JSON (schema: docs/benchmarks.md)")
     p.add_argument("--plot", metavar="PATH.png", help="write a PNG of GB/s per transport and bucket size")
+
+
+def _expectation(text: str):
+    try:
+        return parse_expectation(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
 
 
 def machine_info() -> dict[str, Any]:
@@ -143,7 +155,7 @@ def run_bench(args: argparse.Namespace) -> int:
         "args": {"model": args.model, "dtype": args.dtype, "transport": args.transport, "backend": backend,
                  "receivers": receivers, "bucket_mb": args.bucket_mb, "checksum": args.checksum, "versions": args.versions,
                  "warmup": args.warmup, "device": device, "baselines": args.baselines,
-                 "real_weights": bool(args.real_weights and weights_path)},
+                 "real_weights": bool(args.real_weights and weights_path), "expect": [e.text for e in args.expect]},
         "layout": {"name": label, "tensors": len(specs), "dtype": ",".join(dtypes),
                    "largest_tensor_bytes": max((s.nbytes for s in specs), default=0)},
         "payload_bytes": payload,
@@ -153,7 +165,9 @@ def run_bench(args: argparse.Namespace) -> int:
     }
     result["machine"]["load_avg_end"] = list(os.getloadavg())
     report.add_ratios(result)
-    result["checks"] = report.goal_checks(result)
+    counts = sorted({r["receivers"] for r in rows})
+    result["comparisons"] = [f for f in (fastest(result, n) for n in counts) if f is not None]
+    result["expectations"] = evaluate(result, args.expect)
     print(report.format_table(result))
     if args.json:
         report.write_json(result, args.json)
@@ -161,7 +175,13 @@ def run_bench(args: argparse.Namespace) -> int:
     if args.plot:
         why = report.write_plot(result, args.plot)
         print(f"--plot: {why}" if why else f"wrote {args.plot}", file=sys.stderr)
-    return 1 if any(r.get("error") and r["kind"] != "unavailable" for r in rows) else 0
+    return exit_status(result)
+
+
+def exit_status(result: dict[str, Any]) -> int:
+    """1 when a row failed (one that cannot run here is no failure) or an --expect missed."""
+    failed = any(r.get("error") and r["kind"] != "unavailable" for r in result["rows"])
+    return 1 if failed or not all(e["ok"] for e in result.get("expectations", [])) else 0
 
 
 def _echo(row: dict[str, Any], bench: Any = None) -> None:

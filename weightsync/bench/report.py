@@ -1,5 +1,5 @@
-"""Turns benchmark rows into ratios, goal checks, a terminal table, JSON and a PNG plot.
-Pure functions over the result dict (see README, "Benchmark JSON schema")."""
+"""Turns benchmark rows into ratios, a terminal table with comparisons, JSON and a PNG plot.
+Pure functions over the result dict (schema: docs/benchmarks.md, "JSON schema")."""
 
 from __future__ import annotations
 
@@ -7,8 +7,10 @@ import json
 import math
 from typing import Any
 
-SCHEMA = "weightsync.bench/1"
-BASELINES = ("ray-user", "ray-numpy", "bcast-per-tensor", "bcast-flat")
+from .expect import BASELINES, comparison_lines, expectation_lines
+
+# /2: "checks" against built-in targets gave way to "comparisons" and the user's "expectations"
+SCHEMA = "weightsync.bench/2"
 
 
 def _ok(row: dict[str, Any]) -> bool:
@@ -29,44 +31,6 @@ def add_ratios(result: dict[str, Any]) -> None:
         for base in rows:
             if base["kind"] == "baseline" and base is not row and _ok(base) and base["receivers"] == row["receivers"]:
                 row["speedup_vs"][base["name"]] = base["median_s"] / row["median_s"]
-
-
-def _best(rows: list[dict[str, Any]], **match: Any) -> dict[str, Any] | None:
-    pool = [r for r in rows if _ok(r) and all(r.get(k) == v for k, v in match.items())]
-    return max(pool, key=lambda r: r["gbps"]) if pool else None
-
-
-def goal_checks(result: dict[str, Any]) -> list[dict[str, Any]]:
-    """The issue's done-when criteria, evaluated on this run's rows (where it has them)."""
-    # the targets are for the default configuration: rows with checksums off are shown, not
-    # judged (rows of runs older than the checksum option had them on)
-    rows, out = [r for r in result["rows"] if r.get("checksum") is not False], []
-
-    def check(name: str, value: float | None, op: str, target: float, detail: str) -> None:
-        if value is None:
-            return
-        ok = value >= target if op == ">=" else value <= target
-        out.append({"check": name, "value": value, "op": op, "target": target, "ok": ok, "detail": detail})
-
-    best = _best([r for r in rows if r["kind"] == "transport"], receivers=1)
-    if best is not None:
-        label = f"{best['name']} @ {best['bucket_mb']:g} MiB, 1 receiver"
-        for base, target in (("ray-user", 10.0), ("ray-numpy", 1.3)):
-            b = _best(rows, name=base, receivers=1)
-            if b is not None:
-                check(f"best transport vs {base}", b["median_s"] / best["median_s"], ">=", target,
-                      f"{label} vs {base}")
-        check("best transport / copy ceiling", best["ceiling_ratio"], ">=", 0.4, label)
-    shm1 = _best(rows, kind="transport", name="shm", receivers=1)
-    if shm1 is not None:
-        check("shm pre-staged barrier / one copy", shm1["barrier_copy_ratio"], "<=", 1.5,
-              f"shm @ {shm1['bucket_mb']:g} MiB, 1 receiver")
-        for n in sorted({r["receivers"] for r in rows if r["receivers"] and r["receivers"] > 1}):
-            shm_n = _best(rows, kind="transport", name="shm", receivers=n, bucket_mb=shm1["bucket_mb"])
-            if shm_n is not None:
-                check(f"shm time growth {n} vs 1 receiver", shm_n["median_s"] / shm1["median_s"], "<=", 2.0,
-                      f"shm @ {shm1['bucket_mb']:g} MiB")
-    return out
 
 
 # -- terminal ----------------------------------------------------------------------------
@@ -124,11 +88,9 @@ def format_table(result: dict[str, Any]) -> str:
             out.append("  ".join(v.ljust(w) for v, w in zip(ln, widths, strict=False)))
         else:
             out.append("  ".join(v.ljust(w) for v, w in zip(ln[:3], widths, strict=False)) + "  " + ln[3])
-    if result.get("checks"):
-        out.append("")
-        for ch in result["checks"]:
-            mark = "PASS" if ch["ok"] else "MISS"
-            out.append(f"{mark} {ch['check']}: {ch['value']:.2f} (target {ch['op']} {ch['target']:g}; {ch['detail']})")
+    summary = comparison_lines(result) + expectation_lines(result.get("expectations") or [])
+    if summary:
+        out += [""] + summary
     for r in result["rows"]:
         if _ok(r) and r["kind"] == "transport" and r.get("phases_s", {}).get("total_s"):
             p = r["phases_s"]
