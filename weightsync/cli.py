@@ -15,7 +15,8 @@ SUBCOMMANDS = {
 }
 
 
-def main(argv: list[str] | None = None) -> int:
+def build_parser() -> argparse.ArgumentParser:
+    """The whole command line; tests parse the documentation's commands with it."""
     parser = argparse.ArgumentParser(prog="weightsync", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
     for name, (module, help_text) in SUBCOMMANDS.items():
@@ -23,7 +24,11 @@ def main(argv: list[str] | None = None) -> int:
         p.set_defaults(_module=module)
         mod = importlib.import_module(module)
         getattr(mod, f"add_{name}_arguments", getattr(mod, "add_arguments", lambda _p: None))(p)
-    args = parser.parse_args(argv)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
     mod = importlib.import_module(args._module)
     run = getattr(mod, f"run_{args.command}", None) or mod.run
     return int(run(args) or 0)
