@@ -20,11 +20,12 @@ import torch
 
 from . import transports
 from .config import SyncConfig
-from .coordinator import ABORTED, Coordinator
+from .coordinator import Coordinator
 from .errors import ManifestError, VersionError, WeightSyncError
 from .manifest import Expected, Manifest, check_manifest
 from .party import Party
 from .plan import Unpacker
+from .versions import State
 
 LoadWeights = Callable[[Iterable[tuple[str, torch.Tensor]]], Any]
 
@@ -142,7 +143,7 @@ class WeightReceiver(Party):
 
     def _raise_if_aborted(self, version: int) -> None:
         state = self._call("state", version=version)
-        if state["state"] == ABORTED:
+        if state["state"] == State.ABORTED:
             raise VersionError(f"version {version} was aborted: {state['reason']}")
 
     def catch_up(self) -> int | None:

@@ -49,6 +49,7 @@ from .. import device as devices
 from ..errors import CapacityError, DeadlineExceeded, ProtocolError, VersionError
 from ..manifest import dtype_name, dtype_of
 from ..plan import checksum
+from ..versions import State
 from .base import Fill, Received, ReceiverTransport, SenderTransport, TransportContext, poll_until
 from .shm import PAGE, Segment, check_space, digest_word, reap_stale, segment_name
 
@@ -178,7 +179,7 @@ class _Watch:
         if not self.known:
             return
         m = self.ctx.coordinator.call("metrics", version=self.version)
-        if m["state"] == "ABORTED":
+        if m["state"] == State.ABORTED:
             raise _Aborted()
         self.names = list(m["participants"])
         self.done = set(m["failed"]) | set(m["committed"])
@@ -448,7 +449,7 @@ class IpcReceiver(ReceiverTransport):
             return
         m = self.ctx.coordinator.call("metrics", version=version)
         late = self.ctx.name not in m["participants"] or self.ctx.name in m["failed"]
-        if m["state"] in ("TRANSFERRING", "COMMITTED") and late:
+        if m["state"] in (State.TRANSFERRING, State.COMMITTED) and late:
             raise VersionError(f"ipc: receiver '{self.ctx.name}' is not a participant of version {version}: it "
                                f"registered (or came back) after the sender reached the barrier, so the sender "
                                f"does not wait for it; it joins the next version")
