@@ -113,7 +113,7 @@ def test_segment_mode_and_name(coordinator_factory, actors):
     applied = r.apply.remote(1)
     ray.get(t.step.remote(1))
     ray.get(applied)
-    name = coord.call("metrics", version=1)["info"]["segment"]
+    name = coord.metrics(1)["info"]["segment"]
     st = os.stat(os.path.join("/dev/shm", name))
     assert stat.S_IMODE(st.st_mode) == 0o600
     m = re.fullmatch(r"wsync_\d+_([0-9a-f]+)", name)

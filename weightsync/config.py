@@ -14,11 +14,16 @@ from typing import Any
 
 from .errors import ConfigError
 
-TRANSPORTS = ("auto", "shm", "broadcast", "ipc")
 BACKENDS = ("auto", "gloo", "nccl", "hccl")
 DEVICES = ("auto", "cpu", "cuda", "npu")
 ENV_PREFIX = "WEIGHTSYNC_"
 MiB = 1 << 20
+
+
+def _registered_transports() -> list[str]:
+    from .transports import names  # late: the transports import this module
+
+    return names()
 
 
 @dataclasses.dataclass(frozen=True)
@@ -63,7 +68,7 @@ class SyncConfig:
     rendezvous_port: int = 0
 
     def __post_init__(self) -> None:
-        _check_choice("transport", self.transport, TRANSPORTS)
+        _check_choice("transport", self.transport, ("auto", *_registered_transports()))
         _check_choice("backend", self.backend, BACKENDS)
         _check_choice("device", self.device, DEVICES)
         if not self.bucket_mb > 0:

@@ -44,7 +44,7 @@ class Coordinator:
         cfg = config if isinstance(config, SyncConfig) else SyncConfig.load(config)
         name = name or cfg.coordinator_name
         token = token or secrets.token_hex(16)
-        # Ray restarts a crashed coordinator; parties then re-register (Party._call) and the
+        # Ray restarts a crashed coordinator; parties then re-register (control.py) and the
         # next version goes through. Calls in flight during the restart are retried.
         options = {"name": name, "max_concurrency": 1000, "num_cpus": 0, "max_restarts": -1, "max_task_retries": -1}
         if cfg.namespace:
@@ -58,7 +58,7 @@ class Coordinator:
         except ValueError as exc:  # Ray: name already taken
             raise WeightSyncError(f"a coordinator named {name!r} already exists in this Ray namespace: {exc}") from None
         client = cls(actor, name, cfg.namespace, token, cfg)
-        client.call("status", rpc_timeout=cfg.connect_timeout_s)
+        client.rpc("status", rpc_timeout=cfg.connect_timeout_s)
         return client
 
     @classmethod
@@ -70,7 +70,9 @@ class Coordinator:
             raise WeightSyncError(f"no coordinator named {name!r} is running") from None
         return cls(actor, name, cfg.namespace, token, cfg)
 
-    def call(self, op: str, *, rpc_timeout: float | None = None, **args: Any) -> Any:
+    def rpc(self, op: str, *, rpc_timeout: float | None = None, **args: Any) -> Any:
+        """One control-plane call. Parties use the typed :class:`weightsync.control.ControlPlane`;
+        this is its transport (and the way to send a malformed call on purpose in tests)."""
         payload = protocol.encode({"op": op, "token": self.token, "args": args})
         ref = self.actor.rpc.remote(payload)
         # the rpc itself may wait up to args["timeout"]; allow it that plus slack
@@ -86,8 +88,21 @@ class Coordinator:
             _raise_remote(reply)
         return reply.get("result")
 
+    def register(self, *, role: str, name: str, rank: int, host: str, os_pid: int, node_id: str = "",
+                 device: dict | None = None, last_version: int | None = None, serving: int | None = None,
+                 served: dict | None = None, rpc_timeout: float | None = None) -> dict[str, Any]:
+        """Join the session; returns ``{"party": id, "session": ..., "config": ...}``. The last
+        three arguments are what a party that outlived a coordinator restart brings back."""
+        return self.rpc("register", rpc_timeout=rpc_timeout, role=role, name=name, rank=rank, host=host,
+                        os_pid=os_pid, node_id=node_id, device=device, last_version=last_version,
+                        serving=serving, served=served)
+
     def status(self) -> dict[str, Any]:
-        return self.call("status")
+        return self.rpc("status")
+
+    def metrics(self, version: int) -> dict[str, Any]:
+        """One version as status() shows it: state, reason, participants, phases, info."""
+        return self.rpc("metrics", version=version)
 
     def format_status(self) -> str:
         from .report import format_status
@@ -96,7 +111,7 @@ class Coordinator:
 
     def check_batch(self, batch_version: int, step: int, max_staleness: int | None = None) -> int:
         """Raise StalenessError when a batch made with ``batch_version`` is too old for ``step``."""
-        return self.call("check_batch", party=0, batch_version=batch_version, step=step,
+        return self.rpc("check_batch", party=0, batch_version=batch_version, step=step,
                          max_staleness=max_staleness)["lag"]
 
     def shutdown(self) -> None:

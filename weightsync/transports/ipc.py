@@ -171,14 +171,14 @@ class _Watch:
         self.ctx, self.version = ctx, version
         self.names: list[str] = []
         self.done: set[str] = set()
-        self.known = ctx.coordinator is not None
+        self.known = ctx.control is not None
         self.slots: dict[str, int] = {}
         self.refresh()
 
     def refresh(self) -> None:
         if not self.known:
             return
-        m = self.ctx.coordinator.call("metrics", version=self.version)
+        m = self.ctx.control.metrics(self.version)
         if m["state"] == State.ABORTED:
             raise _Aborted()
         self.names = list(m["participants"])
@@ -445,9 +445,9 @@ class IpcReceiver(ReceiverTransport):
         """Refuse a version whose sender does not wait for us, before touching the model: it
         may overwrite a bucket while we load it, and we would serve nothing instead of the
         complete version we hold. Participants are fixed when the sender reaches the barrier."""
-        if self.ctx.coordinator is None:
+        if self.ctx.control is None:
             return
-        m = self.ctx.coordinator.call("metrics", version=version)
+        m = self.ctx.control.metrics(version)
         late = self.ctx.name not in m["participants"] or self.ctx.name in m["failed"]
         if m["state"] in (State.TRANSFERRING, State.COMMITTED) and late:
             raise VersionError(f"ipc: receiver '{self.ctx.name}' is not a participant of version {version}: it "
