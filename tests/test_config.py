@@ -85,3 +85,10 @@ def test_a_registered_transport_can_be_selected_and_registering_twice_is_refused
             transports.register_transport("shm", "elsewhere", "S", "R")
     finally:
         del transports._MODULES["tcp-plugin"]
+
+
+def test_weightsync_variables_of_the_scripts_are_not_config_errors_but_typos_are():
+    env = {"WEIGHTSYNC_TORCH": "skip", "WEIGHTSYNC_DISABLE_IPC": "x", "WEIGHTSYNC_TRANSPORT": "shm"}
+    assert SyncConfig.from_env(env).transport == "shm"
+    with pytest.raises(ConfigError, match="WEIGHTSYNC_TRANSPROT"):
+        SyncConfig.from_env({"WEIGHTSYNC_TRANSPROT": "shm"})

@@ -20,7 +20,7 @@ Rollout = ray.remote(RolloutWorker).options(num_cpus=0)
 Trainer = ray.remote(TrainerWorker).options(num_cpus=0)
 MANIFEST = layout("tiny")
 CPU_TRANSPORTS = [t for t in ("shm", "ipc", "broadcast") if t in transports.names()]
-SOAK_VERSIONS = int(os.environ.get("WSYNC_SOAK_VERSIONS", "300"))
+SOAK_VERSIONS = int(os.environ.get("WEIGHTSYNC_SOAK_VERSIONS", "300"))
 
 
 def _gone(pid: int) -> bool:

@@ -17,6 +17,10 @@ from .errors import ConfigError
 BACKENDS = ("auto", "gloo", "nccl", "hccl")
 DEVICES = ("auto", "cpu", "cuda", "npu")
 ENV_PREFIX = "WEIGHTSYNC_"
+# WEIGHTSYNC_ variables that are not config fields: read by the scripts, the test tiers and
+# the capability probe; every other WEIGHTSYNC_ variable must name a field (typos fail loudly)
+NON_CONFIG_ENV = frozenset({"WEIGHTSYNC_DISABLE_IPC", "WEIGHTSYNC_TORCH", "WEIGHTSYNC_VERL_SRC",
+                            "WEIGHTSYNC_SOAK_VERSIONS"})
 MiB = 1 << 20
 
 
@@ -130,7 +134,7 @@ class SyncConfig:
         fields = _fields()
         values: dict[str, Any] = {}
         for name, raw in environ.items():
-            if not name.startswith(ENV_PREFIX):
+            if not name.startswith(ENV_PREFIX) or name in NON_CONFIG_ENV:
                 continue
             key = name[len(ENV_PREFIX):].lower()
             if key not in fields:
