@@ -117,8 +117,8 @@ class CoordinatorActor(BroadcastOps):
         except asyncio.TimeoutError:
             pass
 
-    def _party(self, pid: int) -> PartyRecord:
-        return self.parties.touch(pid, time.monotonic())
+    def _party(self, pid: int, seen: bool = True) -> PartyRecord:
+        return self.parties.touch(pid, time.monotonic(), seen)
 
     # -- registration and session --------------------------------------------------------
 
@@ -172,7 +172,7 @@ class CoordinatorActor(BroadcastOps):
         while self.manifest is None:
             if time.monotonic() >= deadline:
                 raise DeadlineExceeded(f"no sender published a manifest within {timeout:.1f}s")
-            self._party(party)
+            self._party(party, seen=False)
             await self._wait(self.changed, deadline)
         return {"manifest": self.manifest, "digest": self.digest, "transport": self.transport,
                 "info": self.transport_info, "session": self.session}
@@ -180,8 +180,9 @@ class CoordinatorActor(BroadcastOps):
     async def op_receivers(self, party: int, count: int, timeout: float) -> list[dict[str, Any]]:
         """Wait until ``count`` receivers are registered and alive; returns them by rank."""
         deadline = time.monotonic() + timeout
+        self._party(party)
         while True:
-            self._party(party)
+            self._party(party, seen=False)
             live = self.parties.receivers()
             if len(live) >= count:
                 return [{"name": p.name, "rank": p.rank, "host": p.host, "node_id": p.node_id, "device": p.device}
@@ -261,9 +262,10 @@ class CoordinatorActor(BroadcastOps):
         """Receivers: wait until ``version`` (or, for None, anything newer than what they
         serve) can be read; returns where its bytes are. ``prefetch``: only to read ahead,
         the receiver is not applying it yet."""
+        self._party(party)
         deadline = time.monotonic() + timeout
         while True:
-            p = self._party(party)
+            p = self._party(party, seen=False)
             target = self.table.target_for(p.serving, version, pipelined=bool(self.transport_info.get("pipelined")),
                                            keeps_versions=bool(self.transport_info.get("keeps_versions")))
             if target is not None:
@@ -305,11 +307,11 @@ class CoordinatorActor(BroadcastOps):
         while version not in self.table:
             if time.monotonic() >= deadline or version <= self.table.floor:
                 raise VersionError(f"version {version} was never staged (waited {timeout:.1f}s)")
-            self._party(party)
+            self._party(party, seen=False)
             await self._wait(self.changed, deadline)
         v = self.table[version]
         while v.in_flight:
-            self._party(party)
+            self._party(party, seen=False)
             if time.monotonic() >= deadline:
                 self._poke(self.table.expire(version, timeout, time.monotonic()))
                 break

@@ -51,7 +51,7 @@ class BroadcastOps(_Base):
             if time.monotonic() >= deadline:
                 raise DeadlineExceeded(f"receiver '{name}' waited {timeout:.1f}s for the sender to reach the "
                                        f"barrier of version {version}")
-            self._party(party)
+            self._party(party, seen=False)
             await self._wait(self._changed(version), deadline)
         group = self.bcast.get(version)
         rank = group_rank(group, name)

@@ -75,13 +75,17 @@ class Parties:
         self._next_pid += 1
         return record, replaced
 
-    def touch(self, pid: int, now: float) -> PartyRecord:
-        """The party behind ``pid`` made a call: it is alive (a stalled party came back)."""
+    def touch(self, pid: int, now: float, seen: bool = True) -> PartyRecord:
+        """The party behind ``pid`` made a call: it is alive (a stalled party came back).
+        ``seen=False``: a re-check inside a long wait; the call arrived once, and a party
+        killed while it waits (a sender in wait_outcome) must still go silent."""
         p = self.records.get(pid)
         if p is None:
             raise SessionLost(f"party {pid} is not registered in this session (coordinator restarted?)")
         if p.left:
             raise ProtocolError(f"{p.label} is no longer in the session: {p.why}")
+        if not seen:
+            return p
         p.last_seen = now
         if not p.alive:
             p.alive, p.why, p.reported_dead = True, "", False
