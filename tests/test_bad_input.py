@@ -84,7 +84,7 @@ def test_bad_tensors_on_the_sender(job, kind, form, request):
     assert ray.get(r.version.remote()) == good
     expected, got = materialize(MANIFEST, seed=1), ray.get(r.weights.remote())
     assert all(same_bits(got[n], expected[n]) for n in expected), "nothing of the bad version was applied"
-    assert coord.call("metrics", version=bad_version)["state"] == "ABORTED"
+    assert coord.metrics(bad_version)["state"] == "ABORTED"
 
 
 @pytest.mark.scenario("bad input", "bucket truncated in transit")
@@ -98,7 +98,7 @@ def test_truncated_segment_is_refused(coordinator_factory, actors):
     ray.get(trainer.step.remote(1))
     ray.get(applied)
     ray.get(trainer.stage.remote(2))
-    path = os.path.join("/dev/shm", coord.call("metrics", version=2)["info"]["segment"])
+    path = os.path.join("/dev/shm", coord.metrics(2)["info"]["segment"])
     os.truncate(path, os.path.getsize(path) // 2)
     applied = r.apply.remote(2)
     with pytest.raises(Exception, match="truncated"):

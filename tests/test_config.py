@@ -68,3 +68,27 @@ def test_unknown_env_variable_is_an_error():
 def test_bad_env_value_names_the_variable():
     with pytest.raises(ConfigError, match="WEIGHTSYNC_SYNC_TIMEOUT_S must be a number"):
         SyncConfig.from_env({"WEIGHTSYNC_SYNC_TIMEOUT_S": "soon"})
+
+
+def test_a_registered_transport_can_be_selected_and_registering_twice_is_refused():
+    from weightsync import transports
+
+    with pytest.raises(ConfigError, match="transport"):
+        SyncConfig(transport="tcp-plugin")
+    transports.register_transport("tcp-plugin", "weightsync.transports.shm", "ShmSender", "ShmReceiver")
+    try:
+        assert SyncConfig(transport="tcp-plugin").transport == "tcp-plugin"
+        assert transports.sender_class("tcp-plugin").__name__ == "ShmSender"
+        with pytest.raises(ValueError, match="'tcp-plugin' is already registered"):
+            transports.register_transport("tcp-plugin", "elsewhere", "S", "R")
+        with pytest.raises(ValueError, match="'shm' is already registered"):
+            transports.register_transport("shm", "elsewhere", "S", "R")
+    finally:
+        del transports._MODULES["tcp-plugin"]
+
+
+def test_weightsync_variables_of_the_scripts_are_not_config_errors_but_typos_are():
+    env = {"WEIGHTSYNC_TORCH": "skip", "WEIGHTSYNC_DISABLE_IPC": "x", "WEIGHTSYNC_TRANSPORT": "shm"}
+    assert SyncConfig.from_env(env).transport == "shm"
+    with pytest.raises(ConfigError, match="WEIGHTSYNC_TRANSPROT"):
+        SyncConfig.from_env({"WEIGHTSYNC_TRANSPROT": "shm"})

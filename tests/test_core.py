@@ -56,7 +56,7 @@ def test_twenty_versions_bit_exact(coordinator_factory, actors):
 def test_prestaged_version_then_barrier(coordinator_factory, actors):
     coord, rs, trainer = start(coordinator_factory, actors, receivers=1)
     ray.get(trainer.stage.remote(5))
-    assert coord.call("metrics", version=5)["state"] == "STAGED"
+    assert coord.metrics(5)["state"] == "STAGED"
     applied = rs[0].apply.remote(5)
     result = ray.get(trainer.sync.remote(5))
     assert ray.get(applied) == 5 and result["metrics"]["state"] == "COMMITTED"
@@ -81,7 +81,7 @@ def test_late_joiner_serves_latest_committed(coordinator_factory, actors):
 
 
 def _corrupt(coord, version, bucket_offset):
-    info = coord.call("metrics", version=version)["info"]
+    info = coord.metrics(version)["info"]
     path = os.path.join("/dev/shm", info["segment"])
     with open(path, "r+b") as f:
         f.seek(bucket_offset)

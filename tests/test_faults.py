@@ -136,7 +136,7 @@ def test_receiver_killed_after_transfer(coordinator_factory, actors, transport):
     job.step(1)
     ray.kill(job.rollouts["rollout-0"])
     time.sleep(0.5)
-    assert job.coord.call("metrics", version=1)["state"] == "COMMITTED", "a committed version stays committed"
+    assert job.coord.metrics(1)["state"] == "COMMITTED", "a committed version stays committed"
     applied = job.rollouts["rollout-1"].apply.remote(2)
     err, took = timed_failure(job.trainer.step.remote(2))
     assert took < DEADLINE_S and "rollout-0" in err.failed
@@ -235,11 +235,12 @@ def test_coordinator_killed_and_restarted(coordinator_factory, actors, transport
 def test_party_ids_from_before_a_coordinator_restart_are_not_reused(coordinator_factory):
     """Found chasing the intermittent restart failure: ids restarted at 1 with each
     incarnation, so a party still holding old id 1 passed for whoever re-registered first."""
+    from weightsync.control import ControlPlane
     from weightsync.errors import SessionLost
 
     coord = coordinator_factory(config("shm"))
     who = {"role": "receiver", "rank": 0, "host": "h", "os_pid": os.getpid()}
-    old = {n: coord.call("register", name=n, **who)["party"] for n in ("a", "b")}
+    old = {n: coord.register(name=n, **who)["party"] for n in ("a", "b")}
     before = coord.status()["session"]
     ray.kill(coord.actor, no_restart=False)
     deadline = time.monotonic() + 60
@@ -251,10 +252,10 @@ def test_party_ids_from_before_a_coordinator_restart_are_not_reused(coordinator_
             pass
         assert time.monotonic() < deadline, "the coordinator did not come back"
         time.sleep(0.2)
-    new_b = coord.call("register", name="b", **who)["party"]
+    new_b = coord.register(name="b", **who)["party"]
     assert new_b not in old.values()
-    with pytest.raises(SessionLost):
-        coord.call("heartbeat", party=old["a"])  # 'a' must notice and register again
+    with pytest.raises(SessionLost):  # 'a' must notice and register again
+        ControlPlane(coord, lambda: old["a"]).heartbeat(rpc_timeout=5.0)
 
 
 @pytest.mark.scenario("fault", "receiver restarted with an empty model catches up")

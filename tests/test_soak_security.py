@@ -20,7 +20,7 @@ Rollout = ray.remote(RolloutWorker).options(num_cpus=0)
 Trainer = ray.remote(TrainerWorker).options(num_cpus=0)
 MANIFEST = layout("tiny")
 CPU_TRANSPORTS = [t for t in ("shm", "ipc", "broadcast") if t in transports.names()]
-SOAK_VERSIONS = int(os.environ.get("WSYNC_SOAK_VERSIONS", "300"))
+SOAK_VERSIONS = int(os.environ.get("WEIGHTSYNC_SOAK_VERSIONS", "300"))
 
 
 def _gone(pid: int) -> bool:
@@ -113,7 +113,7 @@ def test_segment_mode_and_name(coordinator_factory, actors):
     applied = r.apply.remote(1)
     ray.get(t.step.remote(1))
     ray.get(applied)
-    name = coord.call("metrics", version=1)["info"]["segment"]
+    name = coord.metrics(1)["info"]["segment"]
     st = os.stat(os.path.join("/dev/shm", name))
     assert stat.S_IMODE(st.st_mode) == 0o600
     m = re.fullmatch(r"wsync_\d+_([0-9a-f]+)", name)

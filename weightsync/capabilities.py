@@ -30,7 +30,7 @@ _EXTENSION_72 = {(2, 1): "2.1.0.post17", (2, 6): "2.6.0.post3", (2, 7): "2.7.1",
 _NEWER_THAN_TABLE = (2, 9)
 # operators set this to keep auto away from ipc on a host (a driver bug, a sandbox without
 # shared device memory); the value is shown as the reason
-DISABLE_IPC_VAR = "WSYNC_DISABLE_IPC"
+DISABLE_IPC_VAR = "WEIGHTSYNC_DISABLE_IPC"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -44,12 +44,6 @@ class Capability:
         if self.notes:
             out["notes"] = list(self.notes)
         return out
-
-    @classmethod
-    def from_dict(cls, d: Mapping[str, Any] | None) -> Capability | None:
-        if not d:
-            return None
-        return cls(bool(d.get("ok")), str(d.get("reason", "")), tuple(d.get("notes") or ()))
 
 
 # -- versions ------------------------------------------------------------------------------

@@ -14,11 +14,20 @@ from typing import Any
 
 from .errors import ConfigError
 
-TRANSPORTS = ("auto", "shm", "broadcast", "ipc")
 BACKENDS = ("auto", "gloo", "nccl", "hccl")
 DEVICES = ("auto", "cpu", "cuda", "npu")
 ENV_PREFIX = "WEIGHTSYNC_"
+# WEIGHTSYNC_ variables that are not config fields: read by the scripts, the test tiers and
+# the capability probe; every other WEIGHTSYNC_ variable must name a field (typos fail loudly)
+NON_CONFIG_ENV = frozenset({"WEIGHTSYNC_DISABLE_IPC", "WEIGHTSYNC_TORCH", "WEIGHTSYNC_VERL_SRC",
+                            "WEIGHTSYNC_SOAK_VERSIONS"})
 MiB = 1 << 20
+
+
+def _registered_transports() -> list[str]:
+    from .transports import names  # late: the transports import this module
+
+    return names()
 
 
 @dataclasses.dataclass(frozen=True)
@@ -63,7 +72,7 @@ class SyncConfig:
     rendezvous_port: int = 0
 
     def __post_init__(self) -> None:
-        _check_choice("transport", self.transport, TRANSPORTS)
+        _check_choice("transport", self.transport, ("auto", *_registered_transports()))
         _check_choice("backend", self.backend, BACKENDS)
         _check_choice("device", self.device, DEVICES)
         if not self.bucket_mb > 0:
@@ -125,7 +134,7 @@ class SyncConfig:
         fields = _fields()
         values: dict[str, Any] = {}
         for name, raw in environ.items():
-            if not name.startswith(ENV_PREFIX):
+            if not name.startswith(ENV_PREFIX) or name in NON_CONFIG_ENV:
                 continue
             key = name[len(ENV_PREFIX):].lower()
             if key not in fields:

@@ -10,9 +10,9 @@ from typing import Any
 import ray
 
 from .config import SyncConfig
+from .control import ControlPlane
 from .coordinator import Coordinator
 from .device import describe, resolve
-from .errors import SessionLost
 from .manifest import Manifest
 from .plan import plan_buckets
 from .transports.base import TransportContext
@@ -39,15 +39,16 @@ class Party:
         self.device = resolve(device or self.config.device)
         self.host, self.node_id = node_identity()
         self._closed = False
+        self._rejoin_lock = threading.Lock()
+        self.control = ControlPlane(coordinator, lambda: self.party, self._rejoin)
         self._register()
         self._stop = threading.Event()
-        self._rejoin_lock = threading.Lock()
         self._beat = threading.Thread(target=self._heartbeat, name=f"weightsync-heartbeat-{name}", daemon=True)
         self._beat.start()
 
     def _register(self) -> None:
-        reply = self.coordinator.call(
-            "register", rpc_timeout=self.config.connect_timeout_s, role=self.role, name=self.name,
+        reply = self.coordinator.register(
+            rpc_timeout=self.config.connect_timeout_s, role=self.role, name=self.name,
             rank=self.rank, host=self.host, os_pid=os.getpid(), node_id=self.node_id,
             device=describe(self.device), **self._rejoin_state(),
         )
@@ -61,30 +62,25 @@ class Party:
     def _rejoined(self) -> None:
         """Called after re-registering with a restarted coordinator."""
 
-    def _call(self, op: str, **args: Any) -> Any:
-        party = self.party
-        try:
-            return self.coordinator.call(op, party=party, **args)
-        except SessionLost:
-            # the coordinator restarted and lost the session: join again, then retry once.
-            # Only the first thread to notice re-registers (heartbeat and caller race here).
-            with self._rejoin_lock:
-                if self.party == party:
-                    self._register()
-                    self._rejoined()
-            return self.coordinator.call(op, party=self.party, **args)
+    def _rejoin(self, stale: int) -> None:
+        """The coordinator restarted and lost the session: join again. Only the first thread
+        to notice re-registers (heartbeat and caller race here)."""
+        with self._rejoin_lock:
+            if self.party == stale:
+                self._register()
+                self._rejoined()
 
     def _heartbeat(self) -> None:
         interval = self.config.heartbeat_interval_s
         while not self._stop.wait(interval):
             try:
-                self._call("heartbeat", rpc_timeout=interval * 2)
+                self.control.heartbeat(rpc_timeout=interval * 2)
             except Exception:
                 pass  # the coordinator reports us silent if this keeps failing
 
     def _account(self, kind: str, delta: int) -> None:
         try:
-            self._call("resource", kind=kind, delta=delta)
+            self.control.resource(kind, delta)
         except Exception:
             pass  # accounting must never break a transfer or a shutdown
 
@@ -93,7 +89,7 @@ class Party:
         return TransportContext(
             config=self.config, plan=plan, manifest=manifest, digest=digest, session=self.session,
             name=self.name, rank=self.rank, device=self.device, account=self._account,
-            coordinator=self.coordinator,
+            control=self.control,
         )
 
     def _close_transport(self) -> None:
@@ -107,7 +103,7 @@ class Party:
         self._close_transport()
         self._stop.set()
         try:
-            self._call("leave")
+            self.control.leave()
         except Exception:
             pass
 

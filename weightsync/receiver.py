@@ -20,11 +20,12 @@ import torch
 
 from . import transports
 from .config import SyncConfig
-from .coordinator import ABORTED, Coordinator
+from .coordinator import Coordinator
 from .errors import ManifestError, VersionError, WeightSyncError
 from .manifest import Expected, Manifest, check_manifest
 from .party import Party
 from .plan import Unpacker
+from .versions import State
 
 LoadWeights = Callable[[Iterable[tuple[str, torch.Tensor]]], Any]
 
@@ -66,19 +67,19 @@ class WeightReceiver(Party):
                 self._open_session(timeout)
 
     def _open_session(self, timeout: float) -> None:
-        session = self._call("session", timeout=timeout)
-        manifest = Manifest.from_wire(session["manifest"])
-        if manifest.digest() != session["digest"]:
+        session = self.control.session(timeout)
+        manifest = Manifest.from_wire(session.manifest)
+        if manifest.digest() != session.digest:
             raise ManifestError("the manifest received differs from its digest")
         if self.expected is not None:
             try:
                 check_manifest(manifest, self.expected, strict=self.strict)
             except ManifestError as exc:
-                self._call("verdict", accepted=False, why=str(exc))
+                self.control.verdict(False, why=str(exc))
                 raise
-        self._call("verdict", accepted=True)
-        ctx = self._context(manifest, session["digest"])
-        self.transport = transports.receiver_class(session["transport"])(ctx, session["info"])
+        self.control.verdict(True)
+        ctx = self._context(manifest, session.digest)
+        self.transport = transports.receiver_class(session.transport)(ctx, session.info)
         self.unpacker = Unpacker(ctx.plan, manifest)
 
     def apply(self, version: int | None = None, timeout: float | None = None, wait: bool = True) -> int | None:
@@ -91,21 +92,21 @@ class WeightReceiver(Party):
             if version == self._version:
                 return self._version
             raise VersionError(f"receiver '{self.name}' serves version {self._version}; version {version} goes backwards")
-        target = self._call("wait_version", version=version, timeout=timeout, wait=wait)
-        v = target["version"]
+        target = self.control.wait_version(version, timeout, wait=wait)
+        v = target.version
         if v is None or v == self._version:
             return self._version
         deadline = time.monotonic() + timeout
         prev, prev_info = self._version, self._info.get("info", {})
         try:
-            self.last_metrics = self._load(v, target["info"], deadline)
+            self.last_metrics = self._load(v, target.info, deadline)
         except BaseException as exc:
             reason = f"{type(exc).__name__}: {exc}"
             if self._touched:
                 reason += self._rollback(prev, prev_info, deadline)
             self._report(v, ok=False, reason=reason)
             raise
-        self._version, self._info = v, {"slot": target["slot"], "info": target["info"]}
+        self._version, self._info = v, {"slot": target.slot, "info": target.info}
         self._report(v, ok=True, metrics=self.last_metrics)
         return v
 
@@ -115,7 +116,7 @@ class WeightReceiver(Party):
 
     def _rejoined(self) -> None:
         if getattr(self, "transport", None) is not None:
-            self.coordinator.call("verdict", party=self.party, accepted=True)
+            self.control.without_rejoin().verdict(True)
 
     def prefetch(self, version: int | None = None, timeout: float | None = None) -> int | None:
         """Verify ``version`` (None: the newest one on its way) ahead of ``apply()``, e.g. in
@@ -128,22 +129,22 @@ class WeightReceiver(Party):
         self._ensure_session(self.config.connect_timeout_s)
         if not self.config.checksum or (version is not None and self._version is not None and version <= self._version):
             return None
-        target = self._call("wait_version", version=version, timeout=timeout, prefetch=True)
-        v = target["version"]
+        target = self.control.wait_version(version, timeout, prefetch=True)
+        v = target.version
         if v is None or v == self._version:
             return None
 
         try:
-            done = self.transport.prefetch(v, target["info"], time.monotonic() + timeout,
+            done = self.transport.prefetch(v, target.info, time.monotonic() + timeout,
                                            lambda: self._raise_if_aborted(v))
         except WeightSyncError:
             return None  # a bad bucket stays unmarked: apply() verifies it and fails the version
         return v if done else None
 
     def _raise_if_aborted(self, version: int) -> None:
-        state = self._call("state", version=version)
-        if state["state"] == ABORTED:
-            raise VersionError(f"version {version} was aborted: {state['reason']}")
+        state = self.control.state(version)
+        if state.state == State.ABORTED:
+            raise VersionError(f"version {version} was aborted: {state.reason}")
 
     def catch_up(self) -> int | None:
         """Load the latest committed version if it is newer than the served one."""
@@ -197,7 +198,7 @@ class WeightReceiver(Party):
 
     def _report(self, version: int, ok: bool, reason: str = "", metrics: dict | None = None) -> None:
         try:
-            self._call("report", version=version, ok=ok, serving=self._version, reason=reason, metrics=metrics or {})
+            self.control.report(version, ok, serving=self._version, reason=reason, metrics=metrics)
         except WeightSyncError:
             if ok:
                 raise

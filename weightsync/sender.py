@@ -22,6 +22,7 @@ import torch
 from . import transports
 from .capabilities import ipc_support
 from .config import SyncConfig
+from .control import Publication
 from .coordinator import Coordinator
 from .device import describe
 from .errors import VersionError
@@ -99,17 +100,17 @@ class WeightSender(Party):
         digest = manifest.digest()
         ctx = self._context(manifest, digest)
         count = self.expected_receivers or 0
-        receivers = self._call("receivers", count=count, timeout=self.config.connect_timeout_s)
+        receivers = self.control.receivers(count, timeout=self.config.connect_timeout_s)
         # where this sender runs and whether it can share device buckets (selection.py)
         me = {"host": self.host, "device": describe(self.device),
               "ipc": ipc_support(self.device.type, self.config.shm_dir).to_dict()}
         name, reason = choose_transport(self.config.transport, me, receivers, self.config.backend)
         log.info("weightsync session %s: transport %s (%s)", self.session, name, reason)
         transport = transports.sender_class(name)(ctx)
-        self._published = {"manifest": manifest.to_wire(), "digest": digest, "payload_bytes": ctx.plan.payload_bytes,
-                           "transport": name, "reason": reason, "info": transport.session_info()}
+        self._published = Publication(manifest.to_wire(), digest, ctx.plan.payload_bytes, name, reason,
+                                      transport.session_info())
         try:
-            self._call("publish", **self._published)
+            self.control.publish(self._published)
         except BaseException:
             transport.close()
             raise
@@ -142,7 +143,7 @@ class WeightSender(Party):
 
     def _rejoined(self) -> None:
         if getattr(self, "_published", None) is not None:
-            self.coordinator.call("publish", party=self.party, **self._published)
+            self.control.without_rejoin().publish(self._published)
 
     def _stage(self, version: int, named: NamedTensors) -> float:
         t0 = time.perf_counter()
@@ -154,20 +155,20 @@ class WeightSender(Party):
             if not isinstance(named, Mapping):
                 named = list(named)  # the first version fixes the manifest: we need it whole
             self.publish(build_manifest(named))
-        slot = self._call("begin_stage", version=version)["slot"]
+        slot = self.control.begin_stage(version)
         self._last_version = version  # a restarted coordinator learns it on re-registration
         try:
             info = self.transport.stage(
                 version, slot,
                 fill=lambda bucket_buffer, checksums=None: pack_stream(self.plan, self.manifest, named, bucket_buffer,
                                                                        checksums),
-                announce=lambda early: self._call("stage_info", version=version, info=early),
+                announce=lambda early: self.control.stage_info(version, early),
             )
             stage_s = time.perf_counter() - t0
-            self._call("staged", version=version, info=info, stage_s=stage_s)
+            self.control.staged(version, info, stage_s)
         except BaseException as exc:
             try:
-                self._call("abort", version=version, reason=f"staging failed: {type(exc).__name__}: {exc}")
+                self.control.abort(version, f"staging failed: {type(exc).__name__}: {exc}")
             except Exception:
                 pass
             raise
@@ -184,9 +185,9 @@ class WeightSender(Party):
         t0 = time.perf_counter()
         try:
             if self.sends:
-                self._call("begin_sync", version=version)
+                self.control.begin_sync(version)
                 self.transport.send(version, time.monotonic() + timeout)
-            outcome = self._call("wait_outcome", version=version, timeout=timeout)
+            outcome = self.control.wait_outcome(version, timeout)
         finally:
             for old in [v for v in self._staged if v <= version]:
                 del self._staged[old]

@@ -237,7 +237,7 @@ class Bench:
                "sync_timeout_s": ROW_TIMEOUT_S / 2, "connect_timeout_s": 120.0,
                # throughput, not liveness, is measured here: a busy machine must not abort a version
                "heartbeat_timeout_s": 60.0}
-        coord = Coordinator.create(cfg, name=f"wsbench-{os.getpid()}-{next(self._ids)}", expected_receivers=receivers)
+        coord = Coordinator.create(cfg, name=f"wsbench-{os.getpid()}-{next(self._ids)}")
         seconds, prestaged, prefetched, stage_s, barrier_s, recv_metrics = [], [], [], [], [], []
         try:
             ray.get([r.open.remote(coord, cfg) for r in rx], timeout=ROW_TIMEOUT_S)

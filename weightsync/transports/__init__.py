@@ -1,6 +1,7 @@
 """Transport registry. Each transport is one module exposing a sender and a receiver class;
 modules are imported on first use, so a transport's optional dependencies (torch_npu, ...)
-are needed only when it is chosen."""
+are needed only when it is chosen. ``SyncConfig(transport=...)`` accepts exactly the names
+registered here (and "auto"), so a transport registered by a plugin can be selected."""
 
 from __future__ import annotations
 
@@ -16,6 +17,14 @@ _MODULES = {
 
 
 def register_transport(name: str, module: str, sender: str, receiver: str) -> None:
+    """Make ``name`` selectable: ``module`` (imported on first use) defines the ``sender`` and
+    ``receiver`` classes. Every party of a job must register it (e.g. at import of the plugin).
+
+    Raises:
+        ValueError: ``name`` is "auto" or already registered.
+    """
+    if name == "auto" or name in _MODULES:
+        raise ValueError(f"transport {name!r} is already registered ({_MODULES.get(name, 'reserved')})")
     _MODULES[name] = (module, sender, receiver)
 
 

@@ -11,13 +11,16 @@ import abc
 import dataclasses
 import time
 from collections.abc import Callable, Iterator
-from typing import Any, ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar
 
 import torch
 
 from ..config import SyncConfig
 from ..manifest import Manifest
 from ..plan import BucketPlan, verify
+
+if TYPE_CHECKING:
+    from ..control import ControlPlane
 
 # fill(bucket_buffer, checksums=None) packs the version into the buffers bucket_buffer(b)
 # hands out and yields each bucket index as soon as that bucket is complete; given a dict
@@ -62,8 +65,9 @@ class TransportContext:
     device: torch.device
     # called with (kind, +1/-1) when a segment or handle is opened or closed (status() shows it)
     account: Callable[[str, int], None] = lambda kind, delta: None
-    # the coordinator client, for transports that need membership (broadcast)
-    coordinator: Any = None
+    # the party's typed view of the coordinator (control.ControlPlane), for transports that
+    # need membership (broadcast, ipc); None where a transport runs without a coordinator
+    control: ControlPlane | None = None
 
 
 class SenderTransport(abc.ABC):

@@ -325,14 +325,12 @@ class _End:
             return str(exc)
         try:
             wait_s = self.ctx.config.heartbeat_timeout_s + 2 * self.ctx.config.heartbeat_interval_s
-            reply = self.ctx.coordinator.call("bcast_failed", name=self.ctx.name, version=version,
-                                              error=f"{type(exc).__name__}: {exc}"[:2000], timeout=wait_s)
-            return reply["reason"]
+            return self.ctx.control.bcast_failed(version, f"{type(exc).__name__}: {exc}"[:2000], timeout=wait_s)
         except WeightSyncError as why:
             return f"{type(exc).__name__}: {exc} (and the coordinator could not be told: {why})"
 
     def _poll(self, version: int) -> None:
-        reply = self.ctx.coordinator.call("bcast_check", name=self.ctx.name, version=version)
+        reply = self.ctx.control.bcast_check(version)
         if reply["aborted"]:
             raise Aborted(f"version {version} was aborted: {reply['aborted']}")
         if reply["lost"]:
@@ -387,7 +385,7 @@ class BroadcastSender(_End, SenderTransport):
         devices.set_current(self.device)
         group = None
         try:
-            group = self.ctx.coordinator.call("bcast_form", name=self.ctx.name, version=version)
+            group = self.ctx.control.bcast_form(version)
         except VersionError:
             pass  # aborted already; the coordinator has the reason
         except WeightSyncError as exc:
@@ -530,7 +528,7 @@ class BroadcastReceiver(_End, ReceiverTransport):
         finished = False
         try:
             left = max(0.001, deadline - time.monotonic())
-            group = self.ctx.coordinator.call("bcast_group", name=self.ctx.name, version=version, timeout=left)
+            group = self.ctx.control.bcast_group(version, timeout=left)
             g = self._join(group, group["rank"], deadline, poll)
 
             def post(b: int) -> None:

@@ -49,6 +49,7 @@ from .. import device as devices
 from ..errors import CapacityError, DeadlineExceeded, ProtocolError, VersionError
 from ..manifest import dtype_name, dtype_of
 from ..plan import checksum
+from ..versions import State
 from .base import Fill, Received, ReceiverTransport, SenderTransport, TransportContext, poll_until
 from .shm import PAGE, Segment, check_space, digest_word, reap_stale, segment_name
 
@@ -170,15 +171,15 @@ class _Watch:
         self.ctx, self.version = ctx, version
         self.names: list[str] = []
         self.done: set[str] = set()
-        self.known = ctx.coordinator is not None
+        self.known = ctx.control is not None
         self.slots: dict[str, int] = {}
         self.refresh()
 
     def refresh(self) -> None:
         if not self.known:
             return
-        m = self.ctx.coordinator.call("metrics", version=self.version)
-        if m["state"] == "ABORTED":
+        m = self.ctx.control.metrics(self.version)
+        if m["state"] == State.ABORTED:
             raise _Aborted()
         self.names = list(m["participants"])
         self.done = set(m["failed"]) | set(m["committed"])
@@ -444,11 +445,11 @@ class IpcReceiver(ReceiverTransport):
         """Refuse a version whose sender does not wait for us, before touching the model: it
         may overwrite a bucket while we load it, and we would serve nothing instead of the
         complete version we hold. Participants are fixed when the sender reaches the barrier."""
-        if self.ctx.coordinator is None:
+        if self.ctx.control is None:
             return
-        m = self.ctx.coordinator.call("metrics", version=version)
+        m = self.ctx.control.metrics(version)
         late = self.ctx.name not in m["participants"] or self.ctx.name in m["failed"]
-        if m["state"] in ("TRANSFERRING", "COMMITTED") and late:
+        if m["state"] in (State.TRANSFERRING, State.COMMITTED) and late:
             raise VersionError(f"ipc: receiver '{self.ctx.name}' is not a participant of version {version}: it "
                                f"registered (or came back) after the sender reached the barrier, so the sender "
                                f"does not wait for it; it joins the next version")

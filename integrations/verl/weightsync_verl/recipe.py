@@ -52,7 +52,7 @@ class WeightSyncTrainerMixin:
     def _create_weight_sync_group(self) -> None:
         cfg = sync_config(self.config)
         receivers = self.rollout_wg.world_size
-        self._ws_coordinator = Coordinator.create(cfg, expected_receivers=receivers)
+        self._ws_coordinator = Coordinator.create(cfg)
         self._ws_ledger = VersionLedger(cfg.max_staleness, self._ws_coordinator)
         self._ws_version: int | None = None
         self.weightsync_metrics = {}
