@@ -166,9 +166,11 @@ def test_sender_killed_at_bucket(job, transport, where):
         assert m["state"] == "ABORTED" and "trainer-0" in m["reason"] and sorted(m["committed"]) == list(RECEIVERS)
     else:
         for ref in applied:
-            apply_fails(ref, "trainer-0", "silent", "serves no version")
+            apply_fails(ref, "trainer-0", "silent")
         assert [job.serves(n) for n in RECEIVERS] == [None, None]
-        assert job.state(v) == "ABORTED"
+        m = job.metrics(v)
+        assert m["state"] == "ABORTED" and m["committed"] == []
+        assert all("serves no version until the next sync" in m["failed"][n] for n in RECEIVERS), m["failed"]
     job.restart("trainer")
     v = job.next()
     assert job.step(v) == {n: v for n in RECEIVERS} and [job.serves(n) for n in RECEIVERS] == [v, v]

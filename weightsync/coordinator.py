@@ -197,12 +197,16 @@ class CoordinatorActor:
         except asyncio.TimeoutError:
             pass
 
-    def _party(self, pid: int) -> Party:
+    def _party(self, pid: int, seen: bool = True) -> Party:
         p = self.parties.get(pid)
         if p is None:
             raise errors.SessionLost(f"party {pid} is not registered in this session (coordinator restarted?)")
         if p.left:
             raise ProtocolError(f"{self._label(p)} is no longer in the session: {p.why}")
+        if not seen:
+            # a re-check inside a long wait: the call arrived once, and a party killed while
+            # it waits (a sender in wait_outcome) must still go silent
+            return p
         p.last_seen = time.monotonic()
         if not p.alive and not p.left:
             p.alive, p.why, p.reported_dead = True, "", False  # a stalled party came back (SIGCONT)
@@ -272,7 +276,7 @@ class CoordinatorActor:
         while self.manifest is None:
             if time.monotonic() >= deadline:
                 raise DeadlineExceeded(f"no sender published a manifest within {timeout:.1f}s")
-            self._party(party)
+            self._party(party, seen=False)
             await self._wait(self.changed, deadline)
         return {"manifest": self.manifest, "digest": self.digest, "transport": self.transport,
                 "info": self.transport_info, "session": self.session}
@@ -280,8 +284,9 @@ class CoordinatorActor:
     async def op_receivers(self, party: int, count: int, timeout: float) -> list[dict[str, Any]]:
         """Wait until ``count`` receivers are registered and alive; returns them by rank."""
         deadline = time.monotonic() + timeout
+        self._party(party)
         while True:
-            self._party(party)
+            self._party(party, seen=False)
             live = [p for p in self.parties.values() if p.role == "receiver" and p.alive and not p.left]
             if len(live) >= count:
                 return [{"name": p.name, "rank": p.rank, "host": p.host, "node_id": p.node_id, "device": p.device}
@@ -405,7 +410,7 @@ class CoordinatorActor:
         p = self._party(party)
         deadline = time.monotonic() + timeout
         while True:
-            p = self._party(party)
+            p = self._party(party, seen=False)
             target = self._target_for(p, version)
             if target is not None:
                 v = self.versions[target]
@@ -493,11 +498,11 @@ class CoordinatorActor:
         while version not in self.versions:
             if time.monotonic() >= deadline or version <= self.floor:
                 raise VersionError(f"version {version} was never staged (waited {timeout:.1f}s)")
-            self._party(party)
+            self._party(party, seen=False)
             await self._wait(self.changed, deadline)
         v = self.versions[version]
         while v.state in IN_FLIGHT:
-            self._party(party)
+            self._party(party, seen=False)
             if time.monotonic() >= deadline:
                 if v.state != TRANSFERRING:
                     self._abort(v, f"version {version} did not reach the barrier within {timeout:.1f}s")
