@@ -108,16 +108,18 @@ def shm_clean():
     pytest.fail(f"segments left in /dev/shm after the tests: {sorted(left)}")
 
 
-# -- the README's Reliability table is produced from these tests --------------------------
-# Tests marked @pytest.mark.scenario(kind, name) are collected with their transport
-# parameter and outcome into results/reliability.{json,md}; scripts/reliability_table.py
-# copies the table into README.md.
+# -- the reliability table (docs/reliability.md) is produced from these tests ---------------
+# Tests marked @pytest.mark.scenario(kind, name, promise=...) are collected with the
+# transport they ran on (their `transport` parameter, else the mark's transport=, else the
+# module's CFG) and outcome into results/reliability.json; scripts/reliability_table.py
+# renders it (results/reliability.md, docs/reliability.md).
 
 _scenarios: list[dict] = []
 
 
 def pytest_configure(config):
-    config.addinivalue_line("markers", "scenario(kind, name): a fault / bad-input / soak / security case for the README table")
+    config.addinivalue_line("markers", "scenario(kind, name, promise=, transport=): a fault / bad-input / soak / "
+                                       "security case for the reliability table")
 
 
 @pytest.hookimpl(hookwrapper=True)
@@ -127,34 +129,31 @@ def pytest_runtest_makereport(item, call):
     mark = item.get_closest_marker("scenario")
     if mark is None or report.when != "call" and not (report.when == "setup" and report.outcome != "passed"):
         return
-    params = getattr(getattr(item, "callspec", None), "params", {})
+    params = dict(getattr(getattr(item, "callspec", None), "params", {}))
+    transport = params.pop("transport", None) or mark.kwargs.get("transport") or \
+        getattr(item.module, "CFG", {}).get("transport") or "none"
+    promise = mark.kwargs.get("promise", "")
+    promise = promise.get(transport, "") if isinstance(promise, dict) else promise
     outcome = "skipped" if report.skipped else report.outcome
     if hasattr(report, "wasxfail"):
         outcome = "xfail" if report.skipped else "xpass"
-    _scenarios.append({"kind": mark.args[0], "name": mark.args[1], "transport": params.get("transport", "all"),
-                       "outcome": outcome, "test": item.nodeid})
+    _scenarios.append({"kind": mark.args[0], "name": mark.args[1], "transport": transport, "promise": promise,
+                       "variant": ", ".join(f"{k}={v}" for k, v in params.items()), "outcome": outcome,
+                       "test": item.nodeid, "seconds": round(report.duration, 2)})
 
 
 def pytest_sessionfinish(session, exitstatus):
     if not _scenarios:
         return
+    import importlib.util
     import json
     from pathlib import Path
 
-    out = Path(session.config.rootpath) / "results"
+    root = Path(session.config.rootpath)
+    out = root / "results"
     out.mkdir(exist_ok=True)
     (out / "reliability.json").write_text(json.dumps(_scenarios, indent=1))
-    transports = sorted({s["transport"] for s in _scenarios})
-    rows: dict[tuple[str, str], dict[str, str]] = {}
-    for s in _scenarios:
-        rows.setdefault((s["kind"], s["name"]), {})[s["transport"]] = s["outcome"]
-    mark = {"passed": "pass", "failed": "FAIL", "skipped": "skip", "xfail": "known gap (xfail)",
-            "xpass": "pass (known gap, xfail)"}
-    lines = ["| kind | scenario | " + " | ".join(transports) + " |", "|---|---|" + "---|" * len(transports)]
-    for (kind, name), by in rows.items():
-        lines.append(f"| {kind} | {name} | " + " | ".join(mark.get(by.get(t, ""), "n/a") for t in transports) + " |")
-    counts = {k: sum(1 for s in _scenarios if s["kind"] == k and s["outcome"] == "passed") for k in
-              sorted({s["kind"] for s in _scenarios})}
-    lines.append("")
-    lines.append("Passing cases: " + ", ".join(f"{k}: {n}" for k, n in counts.items()))
-    (out / "reliability.md").write_text("\n".join(lines) + "\n")
+    spec = importlib.util.spec_from_file_location("reliability_table", root / "scripts" / "reliability_table.py")
+    table = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(table)
+    (out / "reliability.md").write_text(table.render(_scenarios))

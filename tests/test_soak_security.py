@@ -31,6 +31,7 @@ def _gone(pid: int) -> bool:
     return False
 
 
+@pytest.mark.slow  # minutes on a 2-core VM: outside the default run (pytest -m slow runs it)
 @pytest.mark.parametrize("transport", CPU_TRANSPORTS)
 def test_soak(coordinator_factory, transport, request):
     request.node.add_marker(pytest.mark.scenario("soak", f"{SOAK_VERSIONS} versions, 2 receivers"))
@@ -104,7 +105,7 @@ def test_two_jobs_are_isolated(coordinator_factory, actors, transport):
     assert jobs[0][0].status()["session"] != jobs[1][0].status()["session"]
 
 
-@pytest.mark.scenario("security", "segments are 0600 with >= 128 random bits in the name")
+@pytest.mark.scenario("security", "segments are 0600 with >= 128 random bits in the name", transport="shm")
 def test_segment_mode_and_name(coordinator_factory, actors):
     cfg = {"transport": "shm", "bucket_mb": 1 / 16}
     coord = coordinator_factory(cfg)
@@ -120,7 +121,7 @@ def test_segment_mode_and_name(coordinator_factory, actors):
     assert m and len(m.group(1)) * 4 >= 128
 
 
-@pytest.mark.scenario("security", "a pickle payload on the control plane is refused, not executed")
+@pytest.mark.scenario("security", "a pickle payload on the control plane is refused, not executed", transport="none")
 def test_pickle_payload_is_refused(coordinator_factory, tmp_path):
     coord = coordinator_factory({})
     marker = tmp_path / "pwned"
@@ -153,7 +154,7 @@ def test_wrong_token_is_refused(coordinator_factory):
     assert [p for p in coord.status()["parties"] if p["name"] == "intruder"] == []
 
 
-@pytest.mark.scenario("security", "the rendezvous store binds to the configured address only")
+@pytest.mark.scenario("security", "the rendezvous store binds to the configured address only", transport="broadcast")
 def test_rendezvous_store_binds_to_configured_address():
     import psutil
     import torch

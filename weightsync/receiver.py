@@ -55,6 +55,9 @@ class WeightReceiver(Party):
         self._info: dict[str, Any] = {}  # where the served version's bytes are (for rollback)
         self._session_lock = threading.Lock()  # prefetch() may run in a thread beside apply()
         self.last_metrics: dict[str, float] = {}
+        # a test's fault point (weightsync.testing): called as (version, bucket) once bucket b
+        # is verified and loaded, before the next one is read
+        self.on_bucket: Callable[[int, int], Any] | None = None
 
     @property
     def version(self) -> int | None:
@@ -177,6 +180,8 @@ class WeightReceiver(Party):
             t = time.perf_counter()
             verify_s += t2 - t1
             load_s += t - t2
+            if self.on_bucket is not None:
+                self.on_bucket(version, b)
         t3 = time.perf_counter()
         if self.post_load is not None:
             self.post_load()

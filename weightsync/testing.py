@@ -1,9 +1,18 @@
 """Stand-ins for a trainer and an inference engine, used by the tests, the benchmark and the
-README example. Real weightsync parties, real Ray actors; only the model is a dict."""
+README example. Real weightsync parties, real Ray actors; only the model is a dict.
+
+Fault points, so a test decides where a fault lands instead of betting on a sleep: a rollout
+worker stops after loading bucket k of a version (``hold_at``), a trainer stops before
+handing over tensor i (``stage(..., hold_at=i)``), and the test kills, stops or releases the
+process from there (``reached`` / ``release``; the actor needs ``max_concurrency`` >= 2 so
+those calls run beside the held one). A trainer can also corrupt or cut a bucket after it
+was packed and checksummed, before receivers may read it (``tamper``).
+"""
 
 from __future__ import annotations
 
 import os
+import threading
 import time
 from collections.abc import Iterable
 from typing import Any
@@ -50,6 +59,21 @@ def same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
     return torch.equal(a.contiguous().reshape(-1).view(torch.uint8), b.contiguous().reshape(-1).view(torch.uint8))
 
 
+class Gate:
+    """One fault point: the first thread to pass ``at`` signals ``reached`` and waits for ``release``."""
+
+    HOLD_S = 120.0  # a test that never releases (it killed the process) must not leave a thread forever
+
+    def __init__(self, *at: Any):
+        self.at, self.reached, self.release = tuple(at), threading.Event(), threading.Event()
+
+    def pass_(self, point: tuple) -> None:
+        if point == self.at and not self.reached.is_set():
+            self.reached.set()
+            if not self.release.wait(self.HOLD_S):
+                raise TimeoutError(f"fault point {self.at} was never released")
+
+
 class RolloutWorker:
     """A rollout worker: one receiver feeding a ToyEngine. Wrap with ``ray.remote``."""
 
@@ -64,9 +88,21 @@ class RolloutWorker:
             coordinator, self.engine.load_weights, name=name, rank=rank, post_load=self.engine.post_load,
             expected={s.name: s for s in model} if check else None, config=cfg,
         )
+        self.gate = Gate()
 
     def apply(self, version: int | None = None, timeout: float | None = None, wait: bool = True) -> int | None:
         return self.receiver.apply(version, timeout=timeout, wait=wait)
+
+    def hold_at(self, version: int, bucket: int) -> None:
+        """Fault point: once bucket ``bucket`` of ``version`` is loaded, apply() waits for release()."""
+        self.gate = Gate(version, bucket)
+        self.receiver.on_bucket = lambda v, b: self.gate.pass_((v, b))
+
+    def reached(self, timeout: float) -> bool:
+        return self.gate.reached.wait(timeout)
+
+    def release(self) -> None:
+        self.gate.release.set()
 
     def prefetch(self, version: int | None = None) -> int | None:
         return self.receiver.prefetch(version)
@@ -99,6 +135,7 @@ class TrainerWorker:
         self.manifest, self.device = Manifest.from_wire(manifest_wire), device
         cfg = SyncConfig.load(config) if config is not None else None
         self.sender = WeightSender(coordinator, rank=rank, config=cfg, expected_receivers=expected_receivers)
+        self.gate = Gate()
 
     def stage(self, version: int, seed: int | None = None, delay_s: float = 0.0,
               named: list | None = None) -> float:
@@ -109,7 +146,40 @@ class TrainerWorker:
         if delay_s:
             items = tensors.items() if isinstance(tensors, dict) else tensors
             tensors = ((n, t) for n, t in items if time.sleep(delay_s) is None)
+        if self.gate.at:
+            gate, items = self.gate, tensors.items() if isinstance(tensors, dict) else tensors
+            tensors = ((n, t) for i, (n, t) in enumerate(items) if gate.pass_((i,)) is None)
         return self.sender.stage(version, tensors).wait()
+
+    def hold_at(self, tensor: int) -> None:
+        """Fault point: the next tensor iteration stops before tensor ``tensor`` until
+        release(). Transports that pack at the barrier (ipc, broadcast) iterate in sync(),
+        so the hold lands there."""
+        self.gate = Gate(tensor)
+
+    def reached(self, timeout: float) -> bool:
+        return self.gate.reached.wait(timeout)
+
+    def release(self) -> None:
+        self.gate.release.set()
+
+    def tamper(self, version: int, bucket: int, how: str) -> None:
+        """Fault point on the wire: once bucket ``bucket`` of ``version`` is packed and its
+        checksum taken, flip one byte of it (``corrupt``) or zero its second half, as a short
+        write leaves it (``truncate``), before any receiver may read it."""
+        def hook(v: int, b: int, payload: torch.Tensor) -> None:
+            if (v, b) != (version, bucket):
+                return
+            if how == "corrupt":
+                payload[3] ^= 0x40
+            elif how == "truncate":
+                tail = payload[payload.numel() // 2:]
+                assert bool(tail.any()), "the cut must change the bytes"
+                tail.zero_()
+            else:
+                raise ValueError(f"unknown tampering {how!r}")
+
+        self.sender.transport.on_packed = hook
 
     def sync(self, version: int, timeout: float | None = None) -> dict[str, Any]:
         r = self.sender.sync(version, timeout=timeout)

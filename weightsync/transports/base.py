@@ -74,6 +74,10 @@ class SenderTransport(abc.ABC):
     name: ClassVar[str]
     # receivers may start reading a version while the sender is still staging it
     pipelined: ClassVar[bool] = False
+    # a test's fault point (weightsync.testing): called as (version, bucket, payload) once
+    # bucket b is packed and checksummed, before receivers may read it, to corrupt the bytes
+    # in transit
+    on_packed: Callable[[int, int, torch.Tensor], Any] | None = None
 
     def __init__(self, ctx: TransportContext):
         self.ctx = ctx

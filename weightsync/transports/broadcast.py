@@ -423,6 +423,8 @@ class BroadcastSender(_End, SenderTransport):
                 i = len(launched)
                 if self.trailer:
                     put_checksum(self._wire(i), plan.buckets[i].nbytes, sums.pop(i, None))
+                if self.on_packed is not None:
+                    self.on_packed(version, i, self._wire(i)[: plan.buckets[i].nbytes])
                 launched.append(g.broadcast(self._wire(i), deadline - time.monotonic()))
                 self.pending.append(launched[-1])
 

@@ -295,6 +295,8 @@ class IpcSender(SenderTransport):
                 if hashed is not None:
                     s = hashed.pop(b, None)
                     w[_ready(k) + 1] = checksum(self.buffers[k][: plan.buckets[b].nbytes]) if s is None else s
+                if self.on_packed is not None:
+                    self.on_packed(version, b, self.buffers[k][: plan.buckets[b].nbytes])
                 w[_ready(k)] = tag(version, b)
                 published = b
 

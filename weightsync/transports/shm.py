@@ -270,6 +270,8 @@ class ShmSender(SenderTransport):
                 s = hashed[b]  # pack_stream hashed the bucket while packing it, piece by piece from cache
                 head[word + 1] = s
                 sums.append(s)
+            if self.on_packed is not None:
+                self.on_packed(version, b, seg.bytes[self.bases[b]: self.bases[b] + n])
             head[word] = ready
             packed += n
             self.packed_bytes += n

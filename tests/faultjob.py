@@ -1,0 +1,165 @@
+"""One job for a module's fault tests: a coordinator, two rollout workers and a trainer, all
+real Ray actors, kept across the module's tests (starting processes is most of a fault
+test's time). Each test begins with ``fresh()``: every party alive and serving the job's
+newest version, whatever the test before it killed, stopped or corrupted.
+
+Faults land where the test puts them, never where a sleep guesses: the parties stop at a
+fault point (weightsync.testing: a rollout after loading bucket k, a trainer before tensor
+i) and say so; the test acts there. Waits in here wait for a state the coordinator reports
+(a party seen dead, a version aborted), with a deadline, not for time to pass.
+"""
+
+from __future__ import annotations
+
+import itertools
+import os
+import time
+from typing import Any
+
+import pytest
+import ray
+
+from weightsync import Coordinator, SyncFailed
+from weightsync.layouts import materialize
+from weightsync.manifest import Manifest
+from weightsync.plan import plan_buckets
+from weightsync.testing import RolloutWorker, TrainerWorker, same_bits
+
+# threaded actors: reached() / release() run beside an apply() or stage() held at a fault point
+Rollout = ray.remote(RolloutWorker).options(num_cpus=0, max_concurrency=4)
+Trainer = ray.remote(TrainerWorker).options(num_cpus=0, max_concurrency=4)
+DEADLINE_S = 30.0  # sync_timeout_s: every failure must surface well before it
+RECEIVERS = ("rollout-0", "rollout-1")
+_ids = itertools.count()
+
+
+def wait_until(what: str, cond, timeout: float = DEADLINE_S) -> Any:
+    """Poll a state the coordinator (or a party) reports until ``cond()`` is truthy."""
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            got = cond()
+        except (ray.exceptions.RayError, Exception):  # a restarting coordinator answers nothing yet
+            got = None
+        if got:
+            return got
+        assert time.monotonic() < deadline, f"timed out waiting until {what}"
+        time.sleep(0.05)
+
+
+class Job:
+    def __init__(self, transport: str, manifest: Manifest, bucket_mb: float, **extra: Any):
+        self.transport, self.manifest = transport, manifest
+        self.cfg = {"transport": transport, "bucket_mb": bucket_mb, "sync_timeout_s": DEADLINE_S, "device": "cpu",
+                    "heartbeat_interval_s": 0.2, "heartbeat_timeout_s": 3.0, "connect_timeout_s": 60.0, **extra}
+        self.buckets = plan_buckets(manifest, int(bucket_mb * 2**20), 256).bucket_count
+        self.coord = Coordinator.create(self.cfg, name=f"ws-faults-{os.getpid()}-{next(_ids)}")
+        self.actors: list[Any] = []
+        self.rollouts: dict[str, Any] = {}
+        self.dead: set[str] = set()
+        self.v = 0
+        # every process starts at once (each takes seconds to import torch), then all register
+        for rank, name in enumerate(RECEIVERS):
+            self.rollouts[name] = self._start_rollout(name, rank)
+        self.trainer = self._start_trainer()
+        ray.get([r.version.remote() for r in self.rollouts.values()], timeout=120)
+
+    # -- parties ----------------------------------------------------------------------
+
+    def _start_rollout(self, name: str, rank: int) -> Any:
+        actor = Rollout.remote(self.coord, self.manifest.to_wire(), name, rank=rank, config=self.cfg)
+        self.actors.append(actor)
+        return actor
+
+    def _start_trainer(self) -> Any:
+        actor = Trainer.remote(self.coord, self.manifest.to_wire(), config=self.cfg,
+                               expected_receivers=len(RECEIVERS))
+        self.actors.append(actor)
+        return actor
+
+    def kill(self, name: str) -> None:
+        ray.kill(self.trainer if name == "trainer" else self.rollouts[name])
+        self.dead.add(name)
+
+    def restart(self, name: str) -> Any:
+        """A replacement for a killed party. A rollout has registered when this returns: a
+        streaming transport sends a version to the receivers registered at the barrier."""
+        if name == "trainer":
+            self.trainer = self._start_trainer()
+            ray.get(self.trainer.pid.remote(), timeout=120)
+        else:
+            self.rollouts[name] = self._start_rollout(name, RECEIVERS.index(name))
+            ray.get(self.rollouts[name].version.remote(), timeout=120)
+        self.dead.discard(name)
+        return self.trainer if name == "trainer" else self.rollouts[name]
+
+    def party(self, name: str) -> dict | None:
+        found = [p for p in self.coord.status()["parties"] if p["name"] == name]
+        return found[-1] if found else None
+
+    def wait_seen(self, name: str, alive: bool) -> None:
+        wait_until(f"the coordinator sees {name} {'alive' if alive else 'dead'}",
+                   lambda: (self.party(name) or {}).get("alive") is alive)
+
+    # -- versions ---------------------------------------------------------------------
+
+    def next(self) -> int:
+        self.v += 1
+        return self.v
+
+    def fresh(self) -> int:
+        """Every party alive and serving a new committed version; returns it."""
+        for name in sorted(self.dead):
+            self.restart(name)
+        v = self.next()
+        assert self.step(v) == {n: v for n in RECEIVERS}
+        return v
+
+    def step(self, version: int, names=RECEIVERS) -> dict[str, int]:
+        applied = {n: self.rollouts[n].apply.remote(version) for n in names}
+        ray.get(self.trainer.step.remote(version), timeout=120)
+        return {n: ray.get(ref, timeout=60) for n, ref in applied.items()}
+
+    def metrics(self, version: int) -> dict[str, Any]:
+        return self.coord.metrics(version)
+
+    def state(self, version: int) -> str:
+        return self.metrics(version)["state"]
+
+    def serves(self, name: str) -> int | None:
+        """The version ``name`` serves; checks its weights are exactly that version's, bit for bit."""
+        worker = self.rollouts[name]
+        served = ray.get(worker.version.remote(), timeout=60)
+        if served is not None:
+            expected, got = materialize(self.manifest, seed=served), ray.get(worker.weights.remote(), timeout=60)
+            bad = [n for n in expected if not same_bits(got[n], expected[n])]
+            assert not bad, f"{name} claims version {served} but {len(bad)} tensors differ: {bad[:3]}"
+        return served
+
+    def close(self) -> None:
+        for actor in self.actors:
+            try:
+                ray.get(actor.close.remote(), timeout=10)
+            except Exception:
+                pass
+            ray.kill(actor)
+        self.coord.shutdown()
+
+
+def sync_failed(ref) -> SyncFailed:
+    """The sender's sync fails, within the deadline, with a SyncFailed."""
+    t0 = time.monotonic()
+    with pytest.raises(SyncFailed) as err:
+        ray.get(ref, timeout=DEADLINE_S + 30)
+    assert time.monotonic() - t0 < DEADLINE_S, "the failure surfaced before the deadline"
+    return err.value
+
+
+def apply_fails(ref, *patterns: str) -> str:
+    """A receiver's apply() fails; its error says each of ``patterns``."""
+    with pytest.raises(ray.exceptions.RayTaskError) as err:
+        ray.get(ref, timeout=DEADLINE_S + 30)
+    text = str(err.value)
+    for p in patterns:
+        assert p in text, f"{p!r} not in the receiver's error: {text[-800:]}"
+    return text
