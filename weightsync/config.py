@@ -16,6 +16,7 @@ from .errors import ConfigError
 
 TRANSPORTS = ("auto", "shm", "broadcast", "ipc")
 BACKENDS = ("auto", "gloo", "nccl", "hccl")
+COMMUNICATORS = ("auto", "torch", "torch_npu", "pyhccl", "pynccl")
 DEVICES = ("auto", "cpu", "cuda", "npu")
 ENV_PREFIX = "WEIGHTSYNC_"
 MiB = 1 << 20
@@ -29,6 +30,9 @@ class SyncConfig:
     transport: str = "auto"
     # collective backend of the broadcast transport; "auto" follows the device
     backend: str = "auto"
+    # how the broadcast group is built: "auto" is pyhccl on NPU when vllm_ascend imports
+    # (else torch_npu), torch on CUDA and CPU; pynccl on request (docs/platforms.md)
+    communicator: str = "auto"
     # device the receivers load on; "auto" detects npu > cuda > cpu
     device: str = "auto"
     # bucket size; also the unit of checksums and pipelining. 16 MiB keeps a bucket in the
@@ -65,6 +69,7 @@ class SyncConfig:
     def __post_init__(self) -> None:
         _check_choice("transport", self.transport, TRANSPORTS)
         _check_choice("backend", self.backend, BACKENDS)
+        _check_choice("communicator", self.communicator, COMMUNICATORS)
         _check_choice("device", self.device, DEVICES)
         if not self.bucket_mb > 0:
             raise ConfigError(f"bucket_mb must be > 0, got {self.bucket_mb!r}")

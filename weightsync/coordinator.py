@@ -651,6 +651,8 @@ class CoordinatorActor:
         return {
             "session": self.session,
             "transport": self.transport, "transport_reason": self.transport_reason,
+            "group": {k: self.transport_info[k] for k in ("backend", "communicator", "communicator_reason")
+                      if k in self.transport_info},
             "manifest_tensors": len(self.manifest or ()), "payload_bytes": self.payload_bytes,
             "latest_committed": self.latest_committed,
             "parties": [p.public(now) for p in sorted(self.parties.values(), key=lambda p: (p.role, p.rank, p.pid))
