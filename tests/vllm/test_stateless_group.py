@@ -5,6 +5,8 @@ processes. The communicators themselves need an NPU / a GPU (tests/test_groups.p
 
 from __future__ import annotations
 
+import sys
+
 import pytest
 import ray
 import torch
@@ -35,6 +37,9 @@ class Member:
         got = group.broadcast_obj(token if self.rank == 0 else None, src=0)
         group.barrier(timeout=30.0)
         return got, group.world_size
+
+
+ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])  # Ray workers cannot import this module
 
 
 def test_stateless_group_rendezvous_on_our_store_across_processes(ray_cluster):

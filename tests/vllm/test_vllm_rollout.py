@@ -28,11 +28,16 @@ FUSED = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_proj
 class HfTrainer:
     """Trainer rank 0: transformers' Qwen2ForCausalLM; version v's weights are seeded by v."""
 
-    def __init__(self, coord, hf_config: dict, cfg: dict):
+    def __init__(self, hf_config: dict):
         from transformers import Qwen2Config, Qwen2ForCausalLM
 
         torch.manual_seed(0)
         self.model = Qwen2ForCausalLM(Qwen2Config(**hf_config)).to(torch.bfloat16)
+        self.sender: WeightSender | None = None
+
+    def connect(self, coord, cfg: dict) -> None:
+        if self.sender is not None:
+            self.sender.close()
         self.sender = WeightSender(coord, config=SyncConfig.load(cfg), expected_receivers=1)
 
     @torch.no_grad()
@@ -47,17 +52,25 @@ class HfTrainer:
         return {n: t.clone() for n, t in state.items()}
 
     def close(self) -> None:
-        self.sender.close()
+        if self.sender is not None:
+            self.sender.close()
 
 
 class VllmRollout:
-    """A rollout worker holding a real vLLM model where verl's rollout holds it."""
+    """A rollout worker holding a real vLLM model where verl's rollout holds it. Built once
+    per module (vLLM's imports and model construction are the slow part); each test
+    connects a new receiver to its own coordinator."""
 
-    def __init__(self, coord, hf_config: dict, cfg: dict):
+    def __init__(self, hf_config: dict):
         from weightsync_verl.vllm_engine import VllmTarget
 
         self.built = vllm_cpu.build(hf_config)
         self.target = VllmTarget.from_rollout(self.built.rollout)
+        self.receiver: WeightReceiver | None = None
+        self.post_loads = 0
+
+    def connect(self, coord, cfg: dict) -> None:
+        self.close()
         self.post_loads = 0
         real = self.target.post_load
 
@@ -81,7 +94,9 @@ class VllmRollout:
         return self.target.expected(Manifest.from_wire(manifest_wire))
 
     def close(self) -> None:
-        self.receiver.close()
+        if self.receiver is not None:
+            self.receiver.close()
+            self.receiver = None
 
 
 ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])
@@ -103,15 +118,34 @@ def want_in_vllm(state: dict[str, torch.Tensor], tied: bool) -> dict[str, torch.
     return out
 
 
+@pytest.fixture(scope="module")
+def parties(ray_cluster):
+    """{tied: (rollout, trainer, parameters as built)}, all started at once."""
+    made = {}
+    for tied in (False, True):
+        hf = {**vllm_cpu.QWEN2, "tie_word_embeddings": tied}
+        made[tied] = (ray.remote(VllmRollout).options(num_cpus=0).remote(hf),
+                      ray.remote(HfTrainer).options(num_cpus=0).remote(hf))
+    try:
+        built = {tied: ray.get(r.params.remote(), timeout=600) for tied, (r, _) in made.items()}
+        yield {tied: (r, t, built[tied]) for tied, (r, t) in made.items()}
+    finally:
+        for r, t in made.values():
+            for actor in (r, t):
+                try:
+                    ray.get(actor.close.remote(), timeout=30)
+                except Exception:
+                    pass
+                ray.kill(actor)
+
+
 @pytest.mark.parametrize("tied", [False, True], ids=["untied", "tied"])
 @pytest.mark.parametrize("transport", ["shm", "ipc", "broadcast"])
-def test_hf_trainer_to_real_vllm_model(coordinator_factory, actors, transport, tied):
-    hf = {**vllm_cpu.QWEN2, "tie_word_embeddings": tied}
+def test_hf_trainer_to_real_vllm_model(coordinator_factory, parties, transport, tied):
+    rollout, trainer, built = parties[tied]
     cfg = {"transport": transport, "device": "cpu", "bucket_mb": 0.02, "sync_timeout_s": 60.0}
     coord = coordinator_factory(cfg)
-    rollout = actors.add(ray.remote(VllmRollout).options(num_cpus=0).remote(coord, hf, cfg))
-    trainer = actors.add(ray.remote(HfTrainer).options(num_cpus=0).remote(coord, hf, cfg))
-    before = ray.get(rollout.params.remote(), timeout=120)
+    ray.get([rollout.connect.remote(coord, cfg), trainer.connect.remote(coord, cfg)], timeout=120)
     for v in range(1, VERSIONS + 1):
         applied = rollout.apply.remote(v)
         state = ray.get(trainer.step.remote(v), timeout=120)
@@ -120,21 +154,19 @@ def test_hf_trainer_to_real_vllm_model(coordinator_factory, actors, transport, t
         assert set(got) == set(want), set(got) ^ set(want)
         bad = [n for n in want if not same_bits(got[n][0], want[n])]
         assert not bad, f"version {v}: {bad}"
-        moved = [n for n in got if got[n][1] != before[n][1]]
+        moved = [n for n in got if got[n][1] != built[n][1]]
         assert not moved, f"version {v}: parameters replaced instead of updated in place: {moved}"
-        assert ray.get(rollout.counts.remote()) == v
+        assert ray.get(rollout.counts.remote()) == v  # process_weights_after_loading once per version
     assert coord.status()["transport"] == transport
 
 
-def test_manifest_check_against_the_real_model_names_the_tensor(coordinator_factory, actors):
-    cfg = {"transport": "shm", "device": "cpu"}
-    coord = coordinator_factory(cfg)
-    rollout = actors.add(ray.remote(VllmRollout).options(num_cpus=0).remote(coord, vllm_cpu.QWEN2, cfg))
+def test_manifest_check_against_the_real_model_names_the_tensor(parties):
+    rollout = parties[False][0]
     good = [TensorSpec("model.layers.0.self_attn.q_proj.weight", "bfloat16", (32, 32))]
     assert ray.get(rollout.check.remote(Manifest(tuple(good)).to_wire())) == []
     unknown = Manifest((*good, TensorSpec("model.layers.0.mlp.router.weight", "bfloat16", (4, 32))))
     problems = ray.get(rollout.check.remote(unknown.to_wire()))
-    assert len(problems) == 1 and "model.layers.0.mlp.router.weight" in problems[0]
+    assert len(problems) == 1 and "'model.layers.0.mlp.router.weight'" in problems[0], problems
     wrong = Manifest((TensorSpec("model.norm.weight", "bfloat16", (33,)),))
     problems = ray.get(rollout.check.remote(wrong.to_wire()))
-    assert len(problems) == 1 and "model.norm.weight" in problems[0] and "33" in problems[0]
+    assert len(problems) == 1 and "'model.norm.weight'" in problems[0] and "[32]" in problems[0], problems
