@@ -64,3 +64,45 @@ def test_an_impossible_communicator_fails_at_registration(coordinator_factory, a
                                                                          expected_receivers=1))
     with pytest.raises(ray.exceptions.RayTaskError, match="communicator 'pyhccl' does not build a 'gloo' group"):
         ray.get(t.stage.remote(1), timeout=120)
+
+
+def _device_count(kind: str) -> int:
+    import torch
+
+    from weightsync.device import device_count
+
+    return device_count(kind) if kind != "cuda" else torch.cuda.device_count()
+
+
+@pytest.mark.parametrize("kind,communicator", [
+    pytest.param("npu", "pyhccl", marks=pytest.mark.npu), pytest.param("npu", "torch_npu", marks=pytest.mark.npu),
+    pytest.param("cuda", "torch", marks=pytest.mark.cuda), pytest.param("cuda", "pynccl", marks=pytest.mark.cuda),
+])
+def test_each_device_construction_bit_exact(coordinator_factory, actors, kind, communicator):
+    """Every construction through the broadcast transport's one code path, 3 versions,
+    bit-exact, the group built once. Needs two devices of the kind."""
+    from weightsync.device import ray_options
+    from weightsync.layouts import materialize
+    from weightsync.testing import same_bits
+
+    if _device_count(kind) < 2:
+        pytest.skip(f"needs two {kind} devices (a communicator cannot hold one device twice)")
+    if probe(communicator) is not None:
+        pytest.skip(f"{communicator} cannot be built here: {probe(communicator)}")
+    m = layout("tiny")
+    cfg = {"transport": "broadcast", "device": kind, "communicator": communicator, "bucket_mb": 1.0,
+           "sync_timeout_s": 60.0}
+    coord = coordinator_factory(cfg)
+    opts = {"num_cpus": 0, **ray_options(kind, 1)}
+    rollout = actors.add(ray.remote(RolloutWorker).options(**opts).remote(coord, m.to_wire(), "rollout-0", config=cfg))
+    sender = actors.add(ray.remote(TrainerWorker).options(**opts).remote(coord, m.to_wire(), config=cfg,
+                                                                        expected_receivers=1))
+    for v in range(1, 4):
+        applied = rollout.apply.remote(v)
+        ray.get(sender.step.remote(v), timeout=120)
+        assert ray.get(applied, timeout=120) == v
+        want, got = materialize(m, seed=v), ray.get(rollout.weights.remote())
+        assert all(same_bits(got[n].cpu(), want[n]) for n in want)
+    status = coord.status()
+    assert status["group"]["communicator"] == communicator
+    assert status["resources"]["bcast_groups"] == 2

@@ -25,10 +25,13 @@ from weightsync.errors import ConfigError
 #   vllm_rollout at v0.6.1 - v0.7.0 / ccd7d934 and the recipe's sync_rollout_weights there
 # - the sync LLM engine of verl v0.5 / v0.6 (``LLM(...)``, V0 engine)
 # - a bare worker (tests, other integrations)
+# - vLLM's Worker itself: verl 0.9.1's worker extension (vllm_rollout/utils.py) runs inside
+#   the vLLM server's worker and reads ``self.model_runner.model``
 MODEL_PATHS = (
     "inference_engine.worker.model_runner.model",
     "inference_engine.llm_engine.model_executor.driver_worker.worker.model_runner.model",
     "inference_engine.model_runner.model",
+    "model_runner.model",
 )
 # verl's MoE expert-loader patch, newest verl first: verl.utils.vllm.patch from v0.6 on
 # (ccd7d934, v0.7.0, 0.9.1), verl.utils.vllm_utils before (v0.5)
