@@ -9,7 +9,8 @@
 #
 # Why not `pip install vllm==0.11.0`: with VLLM_TARGET_DEVICE=empty the build reports version
 # 0.11.0+empty, which pip refuses for a `==0.11.0` request; so the sdist is installed by
-# direct reference (pinned URL and sha256, checked by pip). Why --no-build-isolation: vLLM's
+# direct reference: its URL on the index pip is configured with (scripts/sdist_url.py), the
+# sha256 pinned here and checked by pip. Why --no-build-isolation: vLLM's
 # build-system pins torch==2.8.0, which an isolated build would download (CUDA, GBs); the
 # empty target compiles nothing and only needs torch importable and setuptools-scm.
 # Why transformers<5: transformers 5 moved rope_theta and vLLM 0.11 then silently uses the
@@ -19,7 +20,6 @@ cd "$(dirname "$0")/.."
 venv="${WEIGHTSYNC_VLLM_VENV:-.venv-vllm}"
 python="${PYTHON:-python3}"
 torch_spec="${WEIGHTSYNC_TORCH:-torch==2.13.0}"
-vllm_url="https://files.pythonhosted.org/packages/82/5a/36d2351206f4d8d871b10780f874d03957985e08298d430cc837723e07af/vllm-0.11.0.tar.gz"
 vllm_sha="f435a64c24e9c4178d657a76f8edd8548ddc444012f7d06a9f79ac3a6392bfae"
 stamp_key="vllm=0.11.0 sha=${vllm_sha} torch=${torch_spec} pyproject=$(sha256sum pyproject.toml | cut -c1-16)"
 stamp="$venv/.weightsync-vllm-stamp"
@@ -36,6 +36,7 @@ constraints="$venv/constraints.txt"
 printf '%s\ntransformers<5\n' "$torch_spec" > "$constraints"
 $pip_q -c "$constraints" "$torch_spec"
 $pip_q -c "$constraints" "setuptools>=77.0.3,<80" "setuptools-scm>=8" wheel packaging jinja2
+vllm_url=$(python scripts/sdist_url.py vllm-0.11.0.tar.gz "$vllm_sha")
 VLLM_TARGET_DEVICE=empty $pip_q -c "$constraints" --no-build-isolation "vllm @ ${vllm_url}#sha256=${vllm_sha}"
 $pip_q -c "$constraints" -e ".[dev]"
 python -c "import vllm, torch, transformers, weightsync; print('vllm', vllm.__version__, 'torch', torch.__version__, 'transformers', transformers.__version__)" >&2
