@@ -96,6 +96,8 @@ def test_ten_versions_bit_exact_one_group(coordinator_factory, actors):
     assert [c["post_loads"] for c in counters] == [10, 10, 10]
     status = coord.status()
     assert status["transport"] == "broadcast"
+    assert status["group"] == {"backend": "gloo", "communicator": "torch",
+                               "communicator_reason": "gloo: torch ProcessGroupGloo, its only construction"}
     assert status["resources"]["bcast_groups"] == 4  # one group per party, never rebuilt
 
 

@@ -53,3 +53,23 @@ def test_doctor_text_is_pasteable(capsys):
     assert text.startswith("weightsync doctor")
     for needle in ("platform:      cpu", "torch ", "ray ", "transports:", "  ipc ", "  shm "):
         assert needle in text, needle
+
+
+def test_doctor_json_names_the_group_constructions_and_the_one_used_here():
+    report = json.loads(_doctor("--json"))
+    group = report["broadcast_group"]
+    assert set(group["constructions"]["hccl"]) == {"pyhccl", "torch_npu"}
+    assert set(group["constructions"]["nccl"]) == {"torch", "pynccl"}
+    # this CPU machine has neither vllm-ascend nor torch_npu: each says why not
+    for name in ("pyhccl", "torch_npu"):
+        c = group["constructions"]["hccl"][name]
+        assert c["available"] is False and "No module named" in c["reason"], (name, c)
+    assert group["used_here"] == {"backend": "gloo", "communicator": "torch",
+                                  "reason": "gloo: torch ProcessGroupGloo, its only construction"}
+
+
+def test_doctor_reports_an_explicit_communicator_that_cannot_work(capsys, monkeypatch):
+    monkeypatch.setenv("WEIGHTSYNC_COMMUNICATOR", "pyhccl")
+    used = json.loads(_doctor_here(capsys, "--json"))["broadcast_group"]["used_here"]
+    assert used["communicator"] is None
+    assert used["reason"] == "communicator 'pyhccl' does not build a 'gloo' group; backend 'gloo' takes torch"

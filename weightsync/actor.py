@@ -338,6 +338,8 @@ class CoordinatorActor(BroadcastOps):
         return {
             "session": self.session,
             "transport": self.transport, "transport_reason": self.transport_reason,
+            "group": {k: self.transport_info[k] for k in ("backend", "communicator", "communicator_reason")
+                      if k in self.transport_info},
             "manifest_tensors": len(self.manifest or ()), "payload_bytes": self.payload_bytes,
             "latest_committed": self.table.latest_committed,
             "parties": self.parties.public(now),

@@ -15,12 +15,13 @@ from typing import Any
 from .errors import ConfigError
 
 BACKENDS = ("auto", "gloo", "nccl", "hccl")
+COMMUNICATORS = ("auto", "torch", "torch_npu", "pyhccl", "pynccl")
 DEVICES = ("auto", "cpu", "cuda", "npu")
 ENV_PREFIX = "WEIGHTSYNC_"
 # WEIGHTSYNC_ variables that are not config fields: read by the scripts, the test tiers and
 # the capability probe; every other WEIGHTSYNC_ variable must name a field (typos fail loudly)
 NON_CONFIG_ENV = frozenset({"WEIGHTSYNC_DISABLE_IPC", "WEIGHTSYNC_TORCH", "WEIGHTSYNC_VERL_SRC",
-                            "WEIGHTSYNC_SOAK_VERSIONS"})
+                            "WEIGHTSYNC_SOAK_VERSIONS", "WEIGHTSYNC_VLLM_TIER", "WEIGHTSYNC_VLLM_VENV"})
 MiB = 1 << 20
 
 
@@ -38,6 +39,9 @@ class SyncConfig:
     transport: str = "auto"
     # collective backend of the broadcast transport; "auto" follows the device
     backend: str = "auto"
+    # how the broadcast group is built: "auto" is pyhccl on NPU when vllm_ascend imports
+    # (else torch_npu), torch on CUDA and CPU; pynccl on request (docs/platforms.md)
+    communicator: str = "auto"
     # device the receivers load on; "auto" detects npu > cuda > cpu
     device: str = "auto"
     # bucket size; also the unit of checksums and pipelining. 16 MiB keeps a bucket in the
@@ -74,6 +78,7 @@ class SyncConfig:
     def __post_init__(self) -> None:
         _check_choice("transport", self.transport, ("auto", *_registered_transports()))
         _check_choice("backend", self.backend, BACKENDS)
+        _check_choice("communicator", self.communicator, COMMUNICATORS)
         _check_choice("device", self.device, DEVICES)
         if not self.bucket_mb > 0:
             raise ConfigError(f"bucket_mb must be > 0, got {self.bucket_mb!r}")

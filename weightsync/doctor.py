@@ -70,14 +70,30 @@ def _broadcast(kind: str, registered: bool) -> Capability:
             import torch_npu  # noqa: F401
         except Exception as exc:
             return Capability(False, f"hccl needs torch_npu: {exc}")
-        return Capability(True, "backend hccl (torch_npu ProcessGroupHCCL); also across nodes")
+        return Capability(True, "backend hccl (construction: see broadcast_group); also across nodes")
     if kind == "cuda":
         if not dist.is_nccl_available():
             return Capability(False, "this torch build has no NCCL")
-        return Capability(True, "backend nccl; also across nodes")
+        return Capability(True, "backend nccl (construction: see broadcast_group); also across nodes")
     if not dist.is_gloo_available():
         return Capability(False, "this torch build has no gloo")
     return Capability(True, "backend gloo (host memory); also across nodes")
+
+
+def _groups(kind: str) -> dict[str, Any]:
+    """The broadcast group's constructions per backend, and the one this platform would use
+    with the config's ``communicator`` (``WEIGHTSYNC_COMMUNICATOR``, default auto)."""
+    from .transports import groups
+
+    backend = groups.BACKEND_OF_DEVICE.get(kind, "gloo")
+    requested = os.environ.get("WEIGHTSYNC_COMMUNICATOR", "auto")
+    try:
+        name, why = groups.choose_communicator(requested, backend)
+        used: dict[str, Any] = {"backend": backend, "communicator": name, "reason": why}
+    except Exception as exc:  # an explicit choice that cannot work here, or nothing can
+        used = {"backend": backend, "communicator": None, "reason": str(exc)}
+    return {"used_here": used, "requested": requested,
+            "constructions": {b: groups.constructions(b) for b in ("hccl", "nccl", "gloo")}}
 
 
 def collect(shm_dir: str = "/dev/shm") -> dict[str, Any]:
@@ -118,6 +134,7 @@ def collect(shm_dir: str = "/dev/shm") -> dict[str, Any]:
         "shm": _shm(shm_dir),
         "transports": {n: {"available": c.ok, "reason": c.reason, **({"notes": list(c.notes)} if c.notes else {})}
                        for n, c in transport_caps.items()},
+        "broadcast_group": _groups(kind),
         "auto": ("auto picks ipc for receivers on the sender's device, shm (CPU) or broadcast (accelerators) "
                  "for receivers on other devices of the node, broadcast across nodes"),
     }
@@ -140,6 +157,14 @@ def format_report(r: dict[str, Any]) -> str:
     for name, t in r["transports"].items():
         lines.append(f"  {name:<10} {'yes' if t['available'] else 'no '}  {t['reason']}")
         lines += [f"             note: {n}" for n in t.get("notes", ())]
+    g = r["broadcast_group"]
+    used = g["used_here"]
+    lines += ["", f"broadcast group: backend {used['backend']}, communicator {used['communicator'] or '-'}: "
+                  f"{used['reason']}"]
+    for backend, options in g["constructions"].items():
+        for name, c in options.items():
+            lines.append(f"  {backend:<5} {name:<10} {'yes' if c['available'] else 'no '}  "
+                         + (c["what"] if c["available"] else f"{c['what']}; {c['reason']}"))
     lines += ["", r["auto"]]
     return "\n".join(lines)
 

@@ -2,10 +2,10 @@
 standalone process group, the same code for HCCL (Ascend), NCCL (CUDA) and gloo (CPU).
 
 The group is never the default ``torch.distributed`` world (vLLM and FSDP own it in these
-processes): the sender hosts a TCPStore (address published in ``session_info``), and each
-party builds the backend's ProcessGroup class directly on a PrefixStore of it. Only
-:func:`new_process_group` differs per backend; so the gloo tests run the code that runs on
-Ascend.
+processes): the sender hosts a TCPStore (address published in ``session_info``) and every
+party builds its group on a PrefixStore of it. How it is built (torch gloo / NCCL,
+torch_npu HCCL, or vLLM's StatelessProcessGroup + PyHccl / PyNccl) is :mod:`.groups`, the
+only per-backend part; so the gloo tests run the code that runs on Ascend.
 
 Membership comes from the coordinator: at the barrier the sender fixes the group of the
 version (itself as rank 0, the live participants by user rank after it), receivers learn
@@ -31,14 +31,10 @@ background, holding their own buffers) and the next version re-forms without the
 
 from __future__ import annotations
 
-import datetime
-import os
 import secrets
-import socket
 import struct
 import threading
 import time
-import zlib
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -49,148 +45,24 @@ from .. import device as devices
 from ..errors import ConfigError, DeadlineExceeded, ProtocolError, VersionError, WeightSyncError
 from ..plan import checksum
 from .base import Fill, Received, ReceiverTransport, SenderTransport, TransportContext
+from .groups import (  # noqa: F401  (re-exported: bench/collective.py and the tests use them from here)
+    BACKEND_OF_DEVICE,
+    DEVICE_OF_BACKEND,
+    Group,
+    choose_backend,
+    choose_communicator,
+    comm_device,
+    connect_store,
+    host_store,
+    new_process_group,
+    probe,
+    store_host,
+    sync_device,
+)
 
-BACKEND_OF_DEVICE = {"npu": "hccl", "cuda": "nccl", "cpu": "gloo"}
-DEVICE_OF_BACKEND = {"hccl": "npu", "nccl": "cuda"}
 TRAILER = 8  # bytes of the xxh3 that follows a bucket's payload on gloo
 POLL_S = 0.25  # how long a collective may be silent before we ask the coordinator why
 BUFFERS = 2  # per side: one bucket in flight while the other is packed (or loaded)
-
-
-# -- group construction: the only per-backend part -------------------------------------
-
-
-def choose_backend(requested: str, device: torch.device) -> str:
-    """The backend for a config value: ``auto`` follows the sender's device."""
-    if requested != "auto":
-        return requested
-    return BACKEND_OF_DEVICE.get(device.type, "gloo")
-
-
-def comm_device(backend: str, device: torch.device, who: str) -> torch.device:
-    """Where this party's bucket buffers live: the communicator's device."""
-    want = DEVICE_OF_BACKEND.get(backend)
-    if want is None:
-        return torch.device("cpu")  # gloo moves host buffers whatever the engine's device
-    if device.type != want:
-        raise ConfigError(f"backend '{backend}' needs {want} devices, but {who} runs on {device.type}; "
-                          f"set backend: gloo, or place {who} on a {want} device")
-    return device
-
-
-def new_process_group(backend: str, store: Any, rank: int, size: int, timeout: datetime.timedelta) -> Any:
-    """A standalone process group of ``backend``; needs the device set in this thread."""
-    if backend == "gloo":
-        return dist.ProcessGroupGloo(store, rank, size, timeout)
-    if backend == "nccl":
-        if not dist.is_nccl_available():
-            raise ConfigError("backend 'nccl' requested but this torch build has no NCCL")
-        opts = dist.ProcessGroupNCCL.Options()
-        opts._timeout = timeout
-        return dist.ProcessGroupNCCL(store, rank, size, opts)
-    if backend == "hccl":
-        try:
-            import torch_npu  # noqa: F401  (registers the npu device)
-            from torch_npu._C._distributed_c10d import ProcessGroupHCCL
-        except ImportError as exc:
-            raise ConfigError(f"backend 'hccl' needs torch_npu: {exc}") from None
-        opts = ProcessGroupHCCL.Options()
-        opts._timeout = timeout
-        return ProcessGroupHCCL(store, rank, size, opts)
-    raise ConfigError(f"unknown collective backend {backend!r}")
-
-
-def store_host(config_host: str) -> str:
-    """The address receivers dial: ``auto`` is this node's Ray address."""
-    if config_host != "auto":
-        return config_host
-    try:
-        import ray
-
-        if ray.is_initialized():
-            return ray.util.get_node_ip_address()
-    except Exception:
-        pass
-    return socket.gethostbyname(socket.gethostname())
-
-
-def host_store(host: str, port: int, timeout: float) -> dist.TCPStore:
-    """The rendezvous store, listening on ``host`` only. torch's TCPStore server binds every
-    interface by itself, so we bind the socket and hand it over (master_listen_fd); the store
-    owns the descriptor from then on and closes it. Port 0: a free port."""
-    family = socket.AF_INET6 if ":" in host else socket.AF_INET
-    sock = socket.socket(family, socket.SOCK_STREAM)
-    try:
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        sock.bind((host, port))
-        sock.listen(512)
-        bound = sock.getsockname()[1]
-    except BaseException:
-        sock.close()
-        raise
-    fd = sock.detach()
-    try:
-        return dist.TCPStore(host, bound, None, True, datetime.timedelta(seconds=timeout),
-                             wait_for_workers=False, master_listen_fd=fd)
-    except BaseException:
-        os.close(fd)
-        raise
-
-
-def connect_store(host: str, port: int, timeout: float) -> dist.TCPStore:
-    return dist.TCPStore(host, port, None, False, datetime.timedelta(seconds=timeout))
-
-
-class Group:
-    """One epoch's process group: built once, reused for every version of that epoch."""
-
-    def __init__(self, pg: Any, backend: str, epoch: int, rank: int, size: int, device: torch.device):
-        self.pg, self.backend, self.epoch, self.rank, self.size, self.device = pg, backend, epoch, rank, size, device
-
-    @classmethod
-    def build(cls, backend: str, store: Any, prefix: str, rank: int, size: int, device: torch.device,
-              timeout: float, names: list[str]) -> Group:
-        """Rendezvous under ``prefix`` and check it with a first broadcast of the epoch tag,
-        so a lazily connecting backend (NCCL, HCCL) connects here too, not in bucket 0.
-        Raises naming the members that never showed up."""
-        devices.set_current(device)  # HCCL and NCCL use the thread's current device
-        scoped = dist.PrefixStore(prefix, store)
-        scoped.set(f"joined/{rank}", names[rank])
-        try:
-            pg = new_process_group(backend, scoped, rank, size, datetime.timedelta(seconds=timeout))
-            group = cls(pg, backend, 0, rank, size, device)
-            tag = torch.tensor([_tag(prefix) if rank == 0 else -1], dtype=torch.int64, device=device)
-            group.broadcast(tag, timeout).wait()
-        except Exception as exc:
-            try:
-                missing = [names[r] for r in range(size) if not scoped.check([f"joined/{r}"])]
-            except Exception:
-                missing = []  # the store itself is gone (the sender died): the error says so
-            if missing:
-                raise DeadlineExceeded(f"broadcast group {prefix!r}: {', '.join(missing)} never joined "
-                                       f"within {timeout:.1f}s") from exc
-            raise
-        if int(tag.item()) != _tag(prefix):
-            raise ProtocolError(f"broadcast group {prefix!r}: rank {rank} met another group's traffic")
-        return group
-
-    def broadcast(self, tensor: torch.Tensor, timeout: float) -> Any:
-        opts = dist.BroadcastOptions()
-        opts.rootRank, opts.rootTensor = 0, 0
-        opts.timeout = datetime.timedelta(seconds=max(timeout, 0.001))
-        return self.pg.broadcast([tensor], opts)
-
-
-def _tag(prefix: str) -> int:
-    return zlib.crc32(prefix.encode()) & 0x7FFFFFFF
-
-
-def sync_device(device: torch.device) -> None:
-    """Wait for the queued device work: only then did every bucket really arrive."""
-    if device.type == "cuda":
-        torch.cuda.current_stream(device).synchronize()
-    elif device.type == "npu":
-        torch.npu.current_stream(device).synchronize()
 
 
 class Aborted(VersionError):
@@ -231,7 +103,8 @@ def retire(group: Group | None, works: list[Any], what: str) -> None:
             except Exception:
                 pass
         try:
-            group.pg.abort()
+            if group is not None:
+                group.abort()
         except Exception:
             pass
 
@@ -255,9 +128,15 @@ def get_checksum(buf: torch.Tensor, n: int) -> int:
 class _End:
     """What both ends share: the session's store, the current group, the two buffers."""
 
-    def _setup(self, ctx: TransportContext, backend: str, who: str) -> None:
+    def _setup(self, ctx: TransportContext, backend: str, who: str, communicator: str | None = None) -> None:
         self.backend = backend
         self.device = comm_device(backend, ctx.device, who)
+        # the sender picks the construction; a receiver builds the same one or fails to register
+        try:
+            self.communicator, self.communicator_reason = choose_communicator(
+                communicator or ctx.config.communicator, backend)
+        except ConfigError as exc:
+            raise ConfigError(f"{who}: {exc}") from None
         self.trailer = TRAILER if backend == "gloo" and ctx.config.checksum else 0
         self.group: Group | None = None
         self.buffers: list[torch.Tensor] | None = None
@@ -289,7 +168,7 @@ class _End:
         def build() -> None:
             try:
                 box["group"] = Group.build(self.backend, self._store(), prefix, rank, len(names), self.device,
-                                           timeout, names)
+                                           timeout, names, self.communicator)
             except BaseException as exc:
                 box["error"] = exc
 
@@ -365,7 +244,8 @@ class BroadcastSender(_End, SenderTransport):
 
     def session_info(self) -> dict[str, Any]:
         store = self._store()
-        return {"pipelined": self.pipelined, "backend": self.backend, "host": store_host(self.ctx.config.rendezvous_host),
+        return {"pipelined": self.pipelined, "backend": self.backend, "communicator": self.communicator,
+                "communicator_reason": self.communicator_reason, "host": store_host(self.ctx.config.rendezvous_host),
                 "port": store.port, "checksum": bool(self.trailer), "store_id": self.store_id}
 
     def stage(self, version: int, slot: int, fill: Fill, announce: Callable[[dict[str, Any]], None]) -> dict[str, Any]:
@@ -487,7 +367,7 @@ class BroadcastReceiver(_End, ReceiverTransport):
 
     def __init__(self, ctx: TransportContext, session_info: dict[str, Any]):
         super().__init__(ctx, session_info)
-        self._setup(ctx, session_info["backend"], f"receiver '{ctx.name}'")
+        self._setup(ctx, session_info["backend"], f"receiver '{ctx.name}'", session_info.get("communicator", "torch"))
         if bool(self.trailer) != bool(session_info.get("checksum")):
             raise ConfigError(f"receiver '{ctx.name}' has checksum={ctx.config.checksum} but the sender "
                               f"{'sends' if session_info.get('checksum') else 'does not send'} checksums; "
@@ -505,10 +385,12 @@ class BroadcastReceiver(_End, ReceiverTransport):
         dead sender's group and store; the next group is built on the new store."""
         if info.get("store_id") in (None, self.session_info.get("store_id")):
             return
-        if info.get("backend", self.backend) != self.backend or bool(info.get("checksum")) != bool(self.trailer):
+        if (info.get("backend", self.backend), info.get("communicator", self.communicator), bool(info.get("checksum"))) \
+                != (self.backend, self.communicator, bool(self.trailer)):
             raise ConfigError(f"receiver '{self.ctx.name}': the restarted sender uses backend "
-                              f"{info.get('backend')!r}, checksum={info.get('checksum')}; this receiver was set up "
-                              f"for {self.backend!r}, checksum={bool(self.trailer)}")
+                              f"{info.get('backend')!r} ({info.get('communicator')}), checksum={info.get('checksum')}; "
+                              f"this receiver was set up for {self.backend!r} ({self.communicator}), "
+                              f"checksum={bool(self.trailer)}")
         self._drop()
         self.store = None
         self.session_info = {**self.session_info, **{k: info[k] for k in ("host", "port", "store_id")}}

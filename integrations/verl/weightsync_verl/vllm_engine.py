@@ -9,6 +9,7 @@ fusion, as a class attribute) instead of comparing names one to one.
 
 from __future__ import annotations
 
+import importlib
 import re
 from collections.abc import Callable, Iterable, Mapping
 from typing import Any
@@ -16,13 +17,25 @@ from typing import Any
 import torch
 
 from weightsync import Manifest
+from weightsync.errors import ConfigError
 
-# where the model sits, newest verl first (async server worker, then the sync LLM engine)
+# where the model sits in verl's rollout (``self.rollout``), newest verl first:
+# - ``inference_engine`` is vLLM's WorkerWrapperBase, ``.worker`` vLLM 0.11's V1 Worker
+#   (gpu_worker / vllm-ascend's NPUWorker), ``.model_runner.model`` its model: verl's
+#   vllm_rollout at v0.6.1 - v0.7.0 / ccd7d934 and the recipe's sync_rollout_weights there
+# - the sync LLM engine of verl v0.5 / v0.6 (``LLM(...)``, V0 engine)
+# - a bare worker (tests, other integrations)
+# - vLLM's Worker itself: verl 0.9.1's worker extension (vllm_rollout/utils.py) runs inside
+#   the vLLM server's worker and reads ``self.model_runner.model``
 MODEL_PATHS = (
     "inference_engine.worker.model_runner.model",
     "inference_engine.llm_engine.model_executor.driver_worker.worker.model_runner.model",
     "inference_engine.model_runner.model",
+    "model_runner.model",
 )
+# verl's MoE expert-loader patch, newest verl first: verl.utils.vllm.patch from v0.6 on
+# (ccd7d934, v0.7.0, 0.9.1), verl.utils.vllm_utils before (v0.5)
+MOE_PATCHES = ("verl.utils.vllm.patch", "verl.utils.vllm_utils")
 # names HF checkpoints carry that vLLM models skip on purpose
 IGNORED = (re.compile(r"(^|\.)rotary_emb\.inv_freq$"), re.compile(r"(^|\.)rotary_emb\.(cos|sin)_cached$"))
 
@@ -42,8 +55,30 @@ def find_model(rollout: Any) -> tuple[Any, Any]:
         except AttributeError:
             tried.append(path)
             continue
+        # vLLM wraps the model for CUDA / ACL graphs (CUDAGraphWrapper, vllm-ascend's
+        # ACLGraphWrapper): the parameters, loader and mappings are the wrapped module's
+        while not isinstance(model, torch.nn.Module) and hasattr(model, "runnable"):
+            model = model.runnable
         return model, _walk(rollout, path.rsplit(".", 1)[0])
     raise RuntimeError(f"no vLLM model found in {type(rollout).__name__}; looked at self.rollout.{{{', '.join(tried)}}}")
+
+
+def find_moe_patch() -> tuple[Callable[[Any], None] | None, list[str]]:
+    """verl's ``patch_vllm_moe_model_weight_loader`` for the installed verl, and where it was
+    looked for (for the error when there is none)."""
+    tried = []
+    for module in MOE_PATCHES:
+        try:
+            return importlib.import_module(module).patch_vllm_moe_model_weight_loader, tried
+        except (ImportError, AttributeError) as exc:
+            tried.append(f"{module}: {type(exc).__name__}: {exc}")
+    return None, tried
+
+
+def is_moe(model: Any) -> bool:
+    """Whether the model holds vLLM fused experts (FusedMoE, or a platform's subclass)."""
+    modules = model.modules() if hasattr(model, "modules") else ()
+    return any(any(k.__name__ == "FusedMoE" for k in type(m).__mro__) for m in modules)
 
 
 def vllm_post_load(model: Any, runner: Any) -> Callable[[], None] | None:
@@ -72,31 +107,63 @@ def fused_names(name: str, packed: Mapping[str, Iterable[str]]) -> str:
     return name
 
 
+def _tp_size() -> int:
+    try:
+        from vllm.distributed import get_tensor_model_parallel_world_size
+
+        return get_tensor_model_parallel_world_size()
+    except Exception:  # no vLLM, or its parallel state is not initialized (a stand-in model)
+        return 1
+
+
+def shape_problem(target: str, specs: list[Any], param: Any, tp: int) -> str | None:
+    """Why the offered tensors cannot fill ``param``, or None. Fused parts concatenate along
+    the parameter's ``output_dim``; a dim vLLM shards (``output_dim`` / ``input_dim``: TP
+    ranks, vocabulary padding) may hold up to ``tp`` times the offer, every other dim must
+    match exactly."""
+    shape = tuple(param.shape)
+    out_dim, in_dim = getattr(param, "output_dim", None), getattr(param, "input_dim", None)
+    cat = 0 if out_dim is None else out_dim
+    offered = list(specs[0].shape)
+    for spec in specs[1:]:
+        if len(spec.shape) == len(offered) and len(offered) > cat:
+            offered[cat] += spec.shape[cat]
+    ok = len(offered) == len(shape) and all(
+        o <= n * tp if d in (out_dim, in_dim) else o == n for d, (o, n) in enumerate(zip(offered, shape)))
+    if ok:
+        return None
+    names = ", ".join(f"{s.name!r} ({s.describe()})" for s in specs)
+    return f"tensor {names} does not fit parameter {target!r} of shape {list(shape)} in the rollout model"
+
+
 def fused_check(model: Any, strict: bool = False) -> Callable[[Manifest], list[str]] | None:
     """The manifest check for a vLLM-style model: every offered tensor must land in one of
-    the model's parameters through ``packed_modules_mapping``; with ``strict`` every
-    parameter must also be fed. None for models that rename further (``hf_to_vllm_mapper``),
-    where only the model's own loader knows the mapping."""
+    the model's parameters through ``packed_modules_mapping``, with a shape that fits it;
+    with ``strict`` every parameter must also be fed. None for models that rename further
+    (``hf_to_vllm_mapper``), where only the model's own loader knows the mapping."""
     if getattr(model, "hf_to_vllm_mapper", None) is not None or not hasattr(model, "named_parameters"):
         return None
     packed = dict(getattr(model, "packed_modules_mapping", None) or {})
-    params = {name for name, _ in model.named_parameters()}
+    params = dict(model.named_parameters())
 
     def check(manifest: Manifest) -> list[str]:
-        problems, fed = [], set()
+        problems: list[str] = []
+        fed: dict[str, list[Any]] = {}
         for spec in manifest:
             if any(p.search(spec.name) for p in IGNORED):
                 continue
             target = fused_names(spec.name, packed)
             if target in params:
-                fed.add(target)
+                fed.setdefault(target, []).append(spec)
             elif spec.name == "lm_head.weight" and "lm_head.weight" not in params:
                 continue  # tied embeddings: vLLM shares embed_tokens and skips lm_head
             else:
                 problems.append(f"unknown tensor {spec.name!r} ({spec.describe()}): the rollout model has no "
                                 f"parameter {target!r}")
+        tp = _tp_size()
+        problems += [why for t, specs in fed.items() if (why := shape_problem(t, specs, params[t], tp))]
         if strict:
-            problems += [f"parameter {p!r} of the rollout model is fed by no offered tensor" for p in sorted(params - fed)]
+            problems += [f"parameter {p!r} of the rollout model is fed by no offered tensor" for p in sorted(set(params) - set(fed))]
         return problems
 
     return check
@@ -112,13 +179,18 @@ class VllmTarget:
 
     @classmethod
     def from_rollout(cls, rollout: Any) -> VllmTarget:
+        """Bind to the vLLM model of a verl rollout; call it at the first sync (in the recipe
+        from ccd7d934 on, the sync group exists before vLLM starts). A MoE model needs verl's
+        expert-loader patch before a direct ``load_weights`` (as the recipe applies it);
+        without one the experts would not load, so that is an error here."""
         model, runner = find_model(rollout)
-        try:  # MoE experts need verl's loader patch before a direct load_weights (as the recipe does)
-            from verl.utils.vllm_utils import patch_vllm_moe_model_weight_loader
-
-            patch_vllm_moe_model_weight_loader(model)
-        except ImportError:
-            pass
+        patch, tried = find_moe_patch()
+        if patch is not None:
+            patch(model)
+        elif is_moe(model):
+            raise ConfigError(f"{type(model).__name__} is a MoE model and needs verl's "
+                              f"patch_vllm_moe_model_weight_loader before weights are loaded into it, "
+                              f"but none was found: {'; '.join(tried)}")
         return cls(model, vllm_post_load(model, runner))
 
     @torch.no_grad()

@@ -1,0 +1,45 @@
+#!/usr/bin/env bash
+# Creates .venv-vllm for the vllm test tier: torch==2.13.0 (CPU), vLLM 0.11.0 built from its
+# source distribution with VLLM_TARGET_DEVICE=empty (how Ascend users install it: no kernels,
+# the real Python model code), transformers<5, and weightsync (editable) with its dev extra.
+# A venv of its own because vLLM's pins differ from the verl extra's.
+#
+# Idempotent: a stamp records what was installed; when it matches, this returns in about a
+# second. Prints the venv's python on its last line.
+#
+# Why not `pip install vllm==0.11.0`: with VLLM_TARGET_DEVICE=empty the build reports version
+# 0.11.0+empty, which pip refuses for a `==0.11.0` request; so the sdist is installed by
+# direct reference: its URL on the index pip is configured with (scripts/sdist_url.py), the
+# sha256 pinned here and checked by pip. Why --no-build-isolation: vLLM's
+# build-system pins torch==2.8.0, which an isolated build would download (CUDA, GBs); the
+# empty target compiles nothing and only needs torch importable and setuptools-scm.
+# Why transformers<5: transformers 5 moved rope_theta and vLLM 0.11 then silently uses the
+# wrong RoPE base.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+venv="${WEIGHTSYNC_VLLM_VENV:-.venv-vllm}"
+python="${PYTHON:-python3}"
+torch_spec="${WEIGHTSYNC_TORCH:-torch==2.13.0}"
+vllm_sha="f435a64c24e9c4178d657a76f8edd8548ddc444012f7d06a9f79ac3a6392bfae"
+stamp_key="vllm=0.11.0 sha=${vllm_sha} torch=${torch_spec} pyproject=$(sha256sum pyproject.toml | cut -c1-16)"
+stamp="$venv/.weightsync-vllm-stamp"
+
+if [ -f "$stamp" ] && [ "$(cat "$stamp")" = "$stamp_key" ] && [ -x "$venv/bin/python" ]; then
+    echo "$venv/bin/python"
+    exit 0
+fi
+started=$(date +%s)
+[ -x "$venv/bin/python" ] || "$python" -m venv "$venv"
+. "$venv/bin/activate"
+pip_q="pip install --quiet --disable-pip-version-check"
+constraints="$venv/constraints.txt"
+printf '%s\ntransformers<5\n' "$torch_spec" > "$constraints"
+$pip_q -c "$constraints" "$torch_spec"
+$pip_q -c "$constraints" "setuptools>=77.0.3,<80" "setuptools-scm>=8" wheel packaging jinja2
+vllm_url=$(python scripts/sdist_url.py vllm-0.11.0.tar.gz "$vllm_sha")
+VLLM_TARGET_DEVICE=empty $pip_q -c "$constraints" --no-build-isolation "vllm @ ${vllm_url}#sha256=${vllm_sha}"
+$pip_q -c "$constraints" -e ".[dev]"
+python -c "import vllm, torch, transformers, weightsync; print('vllm', vllm.__version__, 'torch', torch.__version__, 'transformers', transformers.__version__)" >&2
+echo "$stamp_key" > "$stamp"
+echo "weightsync: $venv ready in $(( $(date +%s) - started )) s" >&2
+echo "$venv/bin/python"

@@ -1,0 +1,317 @@
+"""How the broadcast transport's group is built: the only per-device part of that transport.
+
+Five constructions, one interface (``Group.broadcast(tensor, timeout) -> work``, ``abort``):
+
+- ``torch``: torch's own ProcessGroup class on our store: gloo on CPU, NCCL on CUDA.
+- ``torch_npu``: torch_npu's ``ProcessGroupHCCL`` on our store.
+- ``pyhccl``: vLLM's ``StatelessProcessGroup`` on our store + vllm-ascend's
+  ``PyHcclCommunicator(group, device)``, ``broadcast(tensor, src, stream)`` in place. This is
+  how verl (one-step-off recipe from v0.7.0, ``distributed_util.vllm_stateless_init_process_group``)
+  and vllm-ascend's HCCL weight-transfer engine build it on the user's Ascend stack, so it is
+  the default on NPU when ``vllm_ascend`` imports.
+- ``pynccl``: the same with vLLM's ``PyNcclCommunicator`` on CUDA.
+
+Rendezvous always goes through the sender's store, whose address the coordinator hands out:
+the StatelessProcessGroup is built on a PrefixStore of it (not ``StatelessProcessGroup.create``,
+which would host a second store). The communicators of vLLM / vllm-ascend have no timeout
+of their own: they are built in the transport's helper thread, and each broadcast is
+followed by a device event that the transport polls against its deadline, so a stalled
+peer still becomes an error that names it. A stuck op cannot be cancelled; its group is
+abandoned (and destroyed once its ops end) and the next version re-forms without the peer.
+"""
+
+from __future__ import annotations
+
+import datetime
+import importlib
+import os
+import socket
+import zlib
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from .. import device as devices
+from ..errors import ConfigError, DeadlineExceeded, ProtocolError
+
+BACKEND_OF_DEVICE = {"npu": "hccl", "cuda": "nccl", "cpu": "gloo"}
+DEVICE_OF_BACKEND = {"hccl": "npu", "nccl": "cuda"}
+# the constructions each backend has, preferred first
+CONSTRUCTIONS = {"gloo": ("torch",), "nccl": ("torch", "pynccl"), "hccl": ("pyhccl", "torch_npu")}
+COMMUNICATORS = ("auto", "torch", "torch_npu", "pyhccl", "pynccl")
+_STATELESS = {  # construction -> (module, class) of its communicator
+    "pyhccl": ("vllm_ascend.distributed.device_communicators.pyhccl", "PyHcclCommunicator"),
+    "pynccl": ("vllm.distributed.device_communicators.pynccl", "PyNcclCommunicator"),
+}
+AUTO_WHY = {
+    ("gloo", "torch"): "gloo: torch ProcessGroupGloo, its only construction",
+    ("nccl", "torch"): "auto on CUDA: torch ProcessGroupNCCL, which has timeouts and abort of its own; pynccl on request",
+    ("hccl", "pyhccl"): "auto on NPU: pyhccl, the construction verl >= 0.7 and vllm-ascend run on the user's stack",
+    ("hccl", "torch_npu"): "auto on NPU: torch_npu ProcessGroupHCCL",
+}
+WHAT = {
+    "torch": "torch ProcessGroup (gloo / NCCL) on the session's store",
+    "torch_npu": "torch_npu ProcessGroupHCCL on the session's store",
+    "pyhccl": "vLLM StatelessProcessGroup + vllm-ascend PyHcclCommunicator (as verl >= 0.7 and vllm-ascend build it)",
+    "pynccl": "vLLM StatelessProcessGroup + vLLM PyNcclCommunicator",
+}
+
+
+# -- which construction ----------------------------------------------------------------
+
+
+def choose_backend(requested: str, device: torch.device) -> str:
+    """The backend for a config value: ``auto`` follows the sender's device."""
+    if requested != "auto":
+        return requested
+    return BACKEND_OF_DEVICE.get(device.type, "gloo")
+
+
+def comm_device(backend: str, device: torch.device, who: str) -> torch.device:
+    """Where this party's bucket buffers live: the communicator's device."""
+    want = DEVICE_OF_BACKEND.get(backend)
+    if want is None:
+        return torch.device("cpu")  # gloo moves host buffers whatever the engine's device
+    if device.type != want:
+        raise ConfigError(f"backend '{backend}' needs {want} devices, but {who} runs on {device.type}; "
+                          f"set backend: gloo, or place {who} on a {want} device")
+    return device
+
+
+def probe(name: str) -> str | None:
+    """Why construction ``name`` cannot be built in this process, or None if it can."""
+    try:
+        if name == "torch_npu":
+            importlib.import_module("torch_npu._C._distributed_c10d").ProcessGroupHCCL  # noqa: B018
+        elif name in _STATELESS:
+            importlib.import_module("vllm.distributed.utils").StatelessProcessGroup  # noqa: B018
+            module, cls = _STATELESS[name]
+            getattr(importlib.import_module(module), cls)
+    except Exception as exc:  # ImportError, or a platform plugin that fails on import
+        return f"{type(exc).__name__}: {exc}"[:300]
+    return None
+
+
+def choose_communicator(requested: str, backend: str, probe: Callable[[str], str | None] = probe) -> tuple[str, str]:
+    """(construction, why) for ``backend``. ``auto`` takes the backend's first construction
+    that can be built here; an explicit one that cannot is a ConfigError with the reason."""
+    options = CONSTRUCTIONS.get(backend)
+    if options is None:
+        raise ConfigError(f"unknown collective backend {backend!r}")
+    if requested != "auto":
+        if requested not in options:
+            raise ConfigError(f"communicator '{requested}' does not build a '{backend}' group; "
+                              f"backend '{backend}' takes {' or '.join(options)}")
+        why_not = probe(requested)
+        if why_not:
+            raise ConfigError(f"communicator '{requested}' cannot be built here: {why_not}")
+        return requested, f"communicator: {requested} (set in the config)"
+    skipped = []
+    for name in options:
+        why_not = probe(name)
+        if why_not is None:
+            return name, AUTO_WHY[(backend, name)] + "".join(f"; {s}" for s in skipped)
+        skipped.append(f"{name} not available ({why_not})")
+    raise ConfigError(f"no '{backend}' group can be built here: " + "; ".join(skipped))
+
+
+def constructions(backend: str, probe: Callable[[str], str | None] = probe) -> dict[str, dict[str, Any]]:
+    """Every construction of ``backend`` and whether it can be built here (for doctor)."""
+    out = {}
+    for name in CONSTRUCTIONS.get(backend, ()):
+        why_not = probe(name)
+        out[name] = {"available": why_not is None, "what": WHAT[name], **({"reason": why_not} if why_not else {})}
+    return out
+
+
+# -- the rendezvous store --------------------------------------------------------------
+
+
+def store_host(config_host: str) -> str:
+    """The address receivers dial: ``auto`` is this node's Ray address."""
+    if config_host != "auto":
+        return config_host
+    try:
+        import ray
+
+        if ray.is_initialized():
+            return ray.util.get_node_ip_address()
+    except Exception:
+        pass
+    return socket.gethostbyname(socket.gethostname())
+
+
+def host_store(host: str, port: int, timeout: float) -> dist.TCPStore:
+    """The rendezvous store, listening on ``host`` only. torch's TCPStore server binds every
+    interface by itself, so we bind the socket and hand it over (master_listen_fd); the store
+    owns the descriptor from then on and closes it. Port 0: a free port."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind((host, port))
+        sock.listen(512)
+        bound = sock.getsockname()[1]
+    except BaseException:
+        sock.close()
+        raise
+    fd = sock.detach()
+    try:
+        return dist.TCPStore(host, bound, None, True, datetime.timedelta(seconds=timeout),
+                             wait_for_workers=False, master_listen_fd=fd)
+    except BaseException:
+        os.close(fd)
+        raise
+
+
+def connect_store(host: str, port: int, timeout: float) -> dist.TCPStore:
+    return dist.TCPStore(host, port, None, False, datetime.timedelta(seconds=timeout))
+
+
+# -- the constructions -------------------------------------------------------------------
+
+
+def new_process_group(backend: str, store: Any, rank: int, size: int, timeout: datetime.timedelta) -> Any:
+    """A standalone torch ProcessGroup of ``backend``; needs the device set in this thread."""
+    if backend == "gloo":
+        return dist.ProcessGroupGloo(store, rank, size, timeout)
+    if backend == "nccl":
+        if not dist.is_nccl_available():
+            raise ConfigError("backend 'nccl' requested but this torch build has no NCCL")
+        opts = dist.ProcessGroupNCCL.Options()
+        opts._timeout = timeout
+        return dist.ProcessGroupNCCL(store, rank, size, opts)
+    if backend == "hccl":
+        try:
+            import torch_npu  # noqa: F401  (registers the npu device)
+            from torch_npu._C._distributed_c10d import ProcessGroupHCCL
+        except ImportError as exc:
+            raise ConfigError(f"backend 'hccl' needs torch_npu: {exc}") from None
+        opts = ProcessGroupHCCL.Options()
+        opts._timeout = timeout
+        return ProcessGroupHCCL(store, rank, size, opts)
+    raise ConfigError(f"unknown collective backend {backend!r}")
+
+
+def stateless_group(store: Any, rank: int, size: int) -> Any:
+    """vLLM's StatelessProcessGroup on our (prefixed) store, not on a store of its own."""
+    from vllm.distributed.utils import StatelessProcessGroup
+
+    return StatelessProcessGroup(rank=rank, world_size=size, store=store, socket=None)
+
+
+class _TorchComm:
+    def __init__(self, pg: Any):
+        self.pg = pg
+
+    def broadcast(self, tensor: torch.Tensor, timeout: float) -> Any:
+        opts = dist.BroadcastOptions()
+        opts.rootRank, opts.rootTensor = 0, 0
+        opts.timeout = datetime.timedelta(seconds=max(timeout, 0.001))
+        return self.pg.broadcast([tensor], opts)
+
+    def abort(self) -> None:
+        self.pg.abort()
+
+
+class EventWork:
+    """A broadcast enqueued on a device stream, seen through an event recorded after it: the
+    transport polls ``is_completed`` against its deadline (these communicators have none)."""
+
+    def __init__(self, device: torch.device):
+        api = getattr(torch, device.type)
+        self.event = api.Event()
+        self.event.record(api.current_stream(device))
+
+    def is_completed(self) -> bool:
+        return bool(self.event.query())
+
+    def wait(self) -> None:
+        self.event.synchronize()
+
+
+class _StatelessComm:
+    def __init__(self, name: str, store: Any, rank: int, size: int, device: torch.device):
+        module, cls = _STATELESS[name]
+        communicator = getattr(importlib.import_module(module), cls)
+        self.name, self.device, self.group = name, device, stateless_group(store, rank, size)
+        # rank 0 makes the unique id and broadcast_obj()s it through our store; then the
+        # communicator's init and warm-up all_reduce block until every rank is in them
+        self.comm = communicator(self.group, device=device)
+        if getattr(self.comm, "disabled", False) or not getattr(self.comm, "available", True):
+            # both classes disable themselves silently when the library does not load, and a
+            # disabled one's broadcast() returns without moving a byte
+            raise ConfigError(f"communicator '{name}': {cls} disabled itself on {device} (its library did not "
+                              f"load); choose communicator: {'torch_npu' if name == 'pyhccl' else 'torch'}")
+
+    def broadcast(self, tensor: torch.Tensor, timeout: float) -> EventWork:
+        stream = getattr(torch, self.device.type).current_stream(self.device)
+        self.comm.broadcast(tensor, src=0, stream=stream)
+        return EventWork(self.device)
+
+    def abort(self) -> None:
+        # called only once the group's ops ended: destroying a communicator with ops in
+        # flight is undefined, so a stuck one is left to the process's exit
+        lib = getattr(self.comm, "hccl", None) or getattr(self.comm, "nccl", None)
+        destroy = getattr(lib, "hcclCommDestroy", None) or getattr(lib, "ncclCommDestroy", None)
+        if destroy is not None and getattr(self.comm, "comm", None) is not None:
+            destroy(self.comm.comm)
+            self.comm.comm = None
+
+
+class Group:
+    """One epoch's group: built once, reused for every version of that epoch."""
+
+    def __init__(self, comm: Any, backend: str, epoch: Any, rank: int, size: int, device: torch.device,
+                 communicator: str = "torch"):
+        self.comm, self.backend, self.epoch, self.rank, self.size, self.device = comm, backend, epoch, rank, size, device
+        self.communicator = communicator
+
+    @classmethod
+    def build(cls, backend: str, store: Any, prefix: str, rank: int, size: int, device: torch.device,
+              timeout: float, names: list[str], communicator: str = "torch") -> Group:
+        """Rendezvous under ``prefix`` and check it with a first broadcast of the epoch tag,
+        so a lazily connecting backend (NCCL, HCCL) connects here too, not in bucket 0.
+        Raises naming the members that never showed up."""
+        devices.set_current(device)  # HCCL and NCCL use the thread's current device
+        scoped = dist.PrefixStore(prefix, store)
+        scoped.set(f"joined/{rank}", names[rank])
+        try:
+            if communicator in _STATELESS:
+                comm: Any = _StatelessComm(communicator, scoped, rank, size, device)
+            else:
+                comm = _TorchComm(new_process_group(backend, scoped, rank, size, datetime.timedelta(seconds=timeout)))
+            group = cls(comm, backend, 0, rank, size, device, communicator)
+            tag = torch.tensor([_tag(prefix) if rank == 0 else -1], dtype=torch.int64, device=device)
+            group.broadcast(tag, timeout).wait()
+        except ConfigError:
+            raise
+        except Exception as exc:
+            try:
+                missing = [names[r] for r in range(size) if not scoped.check([f"joined/{r}"])]
+            except Exception:
+                missing = []  # the store itself is gone (the sender died): the error says so
+            if missing:
+                raise DeadlineExceeded(f"broadcast group {prefix!r}: {', '.join(missing)} never joined "
+                                       f"within {timeout:.1f}s") from exc
+            raise
+        if int(tag.item()) != _tag(prefix):
+            raise ProtocolError(f"broadcast group {prefix!r}: rank {rank} met another group's traffic")
+        return group
+
+    def broadcast(self, tensor: torch.Tensor, timeout: float) -> Any:
+        return self.comm.broadcast(tensor, timeout)
+
+    def abort(self) -> None:
+        self.comm.abort()
+
+
+def _tag(prefix: str) -> int:
+    return zlib.crc32(prefix.encode()) & 0x7FFFFFFF
+
+
+def sync_device(device: torch.device) -> None:
+    """Wait for the queued device work: only then did every bucket really arrive."""
+    devices.synchronize(device)
