@@ -81,6 +81,15 @@ def local_index(kind: str, physical: int) -> int | None:
     return physical
 
 
+# the collective backend that moves bytes between devices of each kind
+BACKENDS = {"npu": "hccl", "cuda": "nccl", "cpu": "gloo"}
+
+
+def backend_for(kind: str) -> str:
+    """The collective backend for a device kind ("cpu", "cuda", "npu"); gloo for anything else."""
+    return BACKENDS.get(kind, "gloo")
+
+
 def synchronize(device: torch.device) -> None:
     """Wait for the work queued on ``device``'s current stream (no-op on CPU): what a
     bucket's copies wrote is visible to another process only after this."""

@@ -83,9 +83,10 @@ def _broadcast(kind: str, registered: bool) -> Capability:
 def _groups(kind: str) -> dict[str, Any]:
     """The broadcast group's constructions per backend, and the one this platform would use
     with the config's ``communicator`` (``WEIGHTSYNC_COMMUNICATOR``, default auto)."""
+    from .device import backend_for
     from .transports import groups
 
-    backend = groups.BACKEND_OF_DEVICE.get(kind, "gloo")
+    backend = backend_for(kind)
     requested = os.environ.get("WEIGHTSYNC_COMMUNICATOR", "auto")
     try:
         name, why = groups.choose_communicator(requested, backend)

@@ -54,7 +54,7 @@ class BucketPlan:
         return len(self.buckets)
 
 
-def _align_up(n: int, a: int) -> int:
+def align_up(n: int, a: int) -> int:
     return (n + a - 1) // a * a
 
 
@@ -69,7 +69,7 @@ def plan_buckets(manifest: Manifest, bucket_bytes: int, align: int = 256) -> Buc
     cursor = 0
     for i, spec in enumerate(manifest):
         n = spec.nbytes
-        cursor = _align_up(cursor, align)
+        cursor = align_up(cursor, align)
         if cursor + n > bucket_bytes and (n <= bucket_bytes or cursor >= bucket_bytes):
             # a tensor that fits in a bucket never straddles two; a big one fills what is left
             buckets.append([])

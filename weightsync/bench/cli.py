@@ -12,6 +12,7 @@ import time
 from typing import Any
 
 from ..config import SyncConfig
+from ..device import backend_for
 from ..layouts import LAYOUTS
 from .expect import KEYS, evaluate, fastest, parse_expectation
 
@@ -105,7 +106,7 @@ def run_bench(args: argparse.Namespace) -> int:
         raise SystemExit("weightsync bench: --receivers must be >= 1")
     if args.versions < 1 or args.warmup < 0:
         raise SystemExit("weightsync bench: --versions must be >= 1 and --warmup >= 0")
-    backend = args.backend if args.backend != "auto" else {"cuda": "nccl", "npu": "hccl"}.get(device, "gloo")
+    backend = args.backend if args.backend != "auto" else backend_for(device)
     specs = list(manifest)
     dtypes = sorted({s.dtype for s in specs})
     print(f"weightsync bench: {label}, {len(specs)} tensors, {payload / 2**30:.2f} GiB, device={device}; "

@@ -121,9 +121,9 @@ class Peer:
 
 
 def _sync(device: torch.device) -> None:
-    from ..transports.broadcast import sync_device
+    from ..device import synchronize
 
-    sync_device(device)
+    synchronize(device)
 
 
 def _peers(manifest: Manifest, receivers: int, backend: str, device: str, resources: dict | None,

@@ -10,7 +10,7 @@ from typing import Any
 
 import psutil
 
-from ..device import ray_options
+from ..device import backend_for, ray_options
 
 # per baseline: the function of weightsync.bench.collective and whether it checks the bytes
 FUNCTIONS = {"bcast-per-tensor": ("per_tensor_broadcast", True), "bcast-flat": ("raw_broadcast", False)}
@@ -30,7 +30,7 @@ def unavailable(kind: str, backend: str, device: str, payload: int, receivers: i
     fn = FUNCTIONS[kind][0]
     if not hasattr(mod, fn):
         return f"weightsync.bench.collective has no {fn}()"
-    want = {"cpu": "gloo", "cuda": "nccl", "npu": "hccl"}.get(device)
+    want = backend_for(device)
     if backend != want and not (backend == "gloo" and device == "cpu"):
         return f"backend {backend} does not match device {device} (expected {want})"
     if device == "cpu":

@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING, Any, ClassVar
 import torch
 
 from ..config import SyncConfig
+from ..errors import VersionError
 from ..manifest import Manifest
 from ..plan import BucketPlan, verify
 
@@ -29,6 +30,10 @@ if TYPE_CHECKING:
 Fill = Callable[..., Iterator[int]]
 # a received bucket: (index, uint8 bytes of the bucket, the sender's checksum or None)
 Received = tuple[int, torch.Tensor, "int | None"]
+
+
+class Aborted(VersionError):
+    """The coordinator already aborted the version; its reason names the fault."""
 
 
 # polling a word in shared memory: the first waits are short (a device bucket lands in tens of

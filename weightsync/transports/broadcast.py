@@ -44,9 +44,8 @@ import torch.distributed as dist
 from .. import device as devices
 from ..errors import ConfigError, DeadlineExceeded, ProtocolError, VersionError, WeightSyncError
 from ..plan import checksum
-from .base import Fill, Received, ReceiverTransport, SenderTransport, TransportContext
+from .base import Aborted, Fill, Received, ReceiverTransport, SenderTransport, TransportContext
 from .groups import (  # noqa: F401  (re-exported: bench/collective.py and the tests use them from here)
-    BACKEND_OF_DEVICE,
     DEVICE_OF_BACKEND,
     Group,
     choose_backend,
@@ -57,16 +56,11 @@ from .groups import (  # noqa: F401  (re-exported: bench/collective.py and the t
     new_process_group,
     probe,
     store_host,
-    sync_device,
 )
 
 TRAILER = 8  # bytes of the xxh3 that follows a bucket's payload on gloo
 POLL_S = 0.25  # how long a collective may be silent before we ask the coordinator why
 BUFFERS = 2  # per side: one bucket in flight while the other is packed (or loaded)
-
-
-class Aborted(VersionError):
-    """The coordinator already aborted the version; its reason names the fault."""
 
 
 def settle(work: Any, deadline: float, poll: Callable[[], None], what: str) -> None:
@@ -334,7 +328,7 @@ class BroadcastSender(_End, SenderTransport):
                 launch_until(plan.bucket_count)
                 for b in range(max(0, plan.bucket_count - BUFFERS), plan.bucket_count):
                     settle(launched[b], deadline, poll, f"bucket {b} of version {version}")
-                sync_device(self.device)
+                devices.synchronize(self.device)
                 self.pending = []
             except Exception as exc:
                 fail(exc)
@@ -428,7 +422,7 @@ class BroadcastReceiver(_End, ReceiverTransport):
                 expected = get_checksum(wire, bucket.nbytes) if self.trailer else None
                 yield b, wire[: bucket.nbytes], expected
                 post(b + BUFFERS)  # the consumer is done with this buffer
-            sync_device(self.device)
+            devices.synchronize(self.device)
             self.pending = []
             finished = True
         except VersionError:

@@ -36,11 +36,9 @@ import torch.distributed as dist
 from .. import device as devices
 from ..errors import ConfigError, DeadlineExceeded, ProtocolError
 
-BACKEND_OF_DEVICE = {"npu": "hccl", "cuda": "nccl", "cpu": "gloo"}
-DEVICE_OF_BACKEND = {"hccl": "npu", "nccl": "cuda"}
+DEVICE_OF_BACKEND = {b: kind for kind, b in devices.BACKENDS.items() if b != "gloo"}
 # the constructions each backend has, preferred first
 CONSTRUCTIONS = {"gloo": ("torch",), "nccl": ("torch", "pynccl"), "hccl": ("pyhccl", "torch_npu")}
-COMMUNICATORS = ("auto", "torch", "torch_npu", "pyhccl", "pynccl")
 _STATELESS = {  # construction -> (module, class) of its communicator
     "pyhccl": ("vllm_ascend.distributed.device_communicators.pyhccl", "PyHcclCommunicator"),
     "pynccl": ("vllm.distributed.device_communicators.pynccl", "PyNcclCommunicator"),
@@ -66,7 +64,7 @@ def choose_backend(requested: str, device: torch.device) -> str:
     """The backend for a config value: ``auto`` follows the sender's device."""
     if requested != "auto":
         return requested
-    return BACKEND_OF_DEVICE.get(device.type, "gloo")
+    return devices.backend_for(device.type)
 
 
 def comm_device(backend: str, device: torch.device, who: str) -> torch.device:
@@ -312,6 +310,3 @@ def _tag(prefix: str) -> int:
     return zlib.crc32(prefix.encode()) & 0x7FFFFFFF
 
 
-def sync_device(device: torch.device) -> None:
-    """Wait for the queued device work: only then did every bucket really arrive."""
-    devices.synchronize(device)

@@ -37,7 +37,6 @@ from __future__ import annotations
 import fcntl
 import importlib
 import os
-import re
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -48,10 +47,10 @@ import xxhash
 from .. import device as devices
 from ..errors import CapacityError, DeadlineExceeded, ProtocolError, VersionError
 from ..manifest import dtype_name, dtype_of
-from ..plan import checksum
+from ..plan import align_up, checksum
 from ..versions import State
-from .base import Fill, Received, ReceiverTransport, SenderTransport, TransportContext, poll_until
-from .shm import PAGE, Segment, check_space, digest_word, reap_stale, segment_name
+from .base import Aborted, Fill, Received, ReceiverTransport, SenderTransport, TransportContext, poll_until
+from .shm import PAGE, SEGMENT_NAME, Segment, check_space, digest_word, reap_stale, segment_name
 
 MAGIC = 0x5753594E43495043  # "WSYNCIPC"
 NBUF = 2
@@ -60,7 +59,6 @@ MAX_RECEIVERS = 256
 _BUF0, _BUF_WORDS = 16, 4
 _SLOT0, _SLOT_WORDS = _BUF0 + MAX_BUFFERS * _BUF_WORDS, 16
 CONTROL_BYTES = (_SLOT0 + MAX_RECEIVERS * _SLOT_WORDS) * 8
-_NAME = re.compile(r"^wsync_\d+_[0-9a-f]{32}$")
 _BUCKET_BITS = 24
 # rebuild functions a receiver may call, by device type; nothing else is ever invoked
 _REBUILD = {
@@ -160,10 +158,6 @@ def _find_slot(words: np.ndarray, owner: int) -> int | None:
     return int(hit[0]) if hit.size else None
 
 
-class _Aborted(Exception):
-    pass
-
-
 class _Watch:
     """The sender's view of who takes part in a version, refreshed while it waits."""
 
@@ -180,7 +174,7 @@ class _Watch:
             return
         m = self.ctx.control.metrics(self.version)
         if m["state"] == State.ABORTED:
-            raise _Aborted()
+            raise Aborted(f"version {self.version} was aborted: {m['reason']}")
         self.names = list(m["participants"])
         self.done = set(m["failed"]) | set(m["committed"])
 
@@ -240,7 +234,7 @@ class IpcSender(SenderTransport):
 
     def _allocate(self) -> None:
         if self.ctx.device.type == "cpu":
-            size = (self.capacity + PAGE - 1) // PAGE * PAGE
+            size = align_up(self.capacity, PAGE)
             seg = self._segment(size, f"an ipc bucket of {self.capacity} bytes", "ipc_handles")
             self.buffers.append(seg.bytes[: self.capacity])
             self.handles.append({"kind": "host", "segment": seg.name, "bytes": self.capacity})
@@ -273,7 +267,7 @@ class IpcSender(SenderTransport):
         devices.set_current(self.ctx.device)
         try:
             self._stream(version, fill, _Watch(self.ctx, version), deadline)
-        except _Aborted:
+        except Aborted:
             pass  # the coordinator has the reason; sync() reports it through wait_outcome
 
     def _stream(self, version: int, fill: Fill, watch: _Watch, deadline: float) -> None:
@@ -394,7 +388,7 @@ class IpcReceiver(ReceiverTransport):
         self._attach(info)
 
     def _map(self, name: str, size: int, writable: bool, kind: str) -> Segment:
-        if not isinstance(name, str) or not _NAME.match(name):
+        if not isinstance(name, str) or not SEGMENT_NAME.match(name):
             raise ProtocolError(f"refusing segment name {name!r}: not one of ours")
         try:
             seg = Segment(os.path.join(self.directory, name), size, create=False, writable=writable)

@@ -38,13 +38,13 @@ import torch
 
 from .. import device as devices
 from ..errors import CapacityError, DeadlineExceeded, ProtocolError
-from ..plan import BucketPlan, verify
+from ..plan import BucketPlan, align_up, verify
 from .base import Fill, Received, ReceiverTransport, SenderTransport, TransportContext, poll_until
 
 MAGIC = 0x5753594E43534D31  # "WSYNCSM1"
 PAGE = 4096
 PREFIX = "wsync_"
-_NAME = re.compile(r"^wsync_(\d+)_([0-9a-f]{32})$")
+SEGMENT_NAME = re.compile(r"^wsync_(\d+)_([0-9a-f]{32})$")  # wsync_<creator pid>_<128 random bits>
 _HEAD_WORDS = 8
 _PER_BUCKET = 3  # ready, checksum, verified
 
@@ -53,12 +53,8 @@ def _ready_word(b: int) -> int:
     return _HEAD_WORDS + _PER_BUCKET * b
 
 
-def _align(n: int, a: int = PAGE) -> int:
-    return (n + a - 1) // a * a
-
-
 def header_bytes(plan: BucketPlan) -> int:
-    return _align(8 * (_HEAD_WORDS + _PER_BUCKET * plan.bucket_count))
+    return align_up(8 * (_HEAD_WORDS + _PER_BUCKET * plan.bucket_count), PAGE)
 
 
 def layout(plan: BucketPlan) -> tuple[int, list[int]]:
@@ -67,7 +63,7 @@ def layout(plan: BucketPlan) -> tuple[int, list[int]]:
     bases = []
     for b in plan.buckets:
         bases.append(offset)
-        offset += _align(max(b.nbytes, 1))
+        offset += align_up(max(b.nbytes, 1), PAGE)
     return offset, bases
 
 
@@ -107,7 +103,7 @@ def reap_stale(directory: str = "/dev/shm") -> list[str]:
     except FileNotFoundError:
         return removed
     for name in names:
-        m = _NAME.match(name)
+        m = SEGMENT_NAME.match(name)
         if not m:
             continue
         try:
@@ -127,7 +123,7 @@ def reap_stale(directory: str = "/dev/shm") -> list[str]:
 
 def our_segments(directory: str = "/dev/shm") -> list[str]:
     try:
-        return sorted(n for n in os.listdir(directory) if _NAME.match(n))
+        return sorted(n for n in os.listdir(directory) if SEGMENT_NAME.match(n))
     except FileNotFoundError:
         return []
 
@@ -304,7 +300,7 @@ class ShmReceiver(ReceiverTransport):
     def _attach_locked(self, name: str) -> Segment:
         seg = self.attached.get(name)
         if seg is None:
-            if not _NAME.match(name):
+            if not SEGMENT_NAME.match(name):
                 raise ProtocolError(f"refusing segment name {name!r}: not one of ours")
             try:
                 seg = Segment(os.path.join(self.directory, name), self.size, create=False,
