@@ -56,6 +56,9 @@ def _moe(layers: int, experts: int, hidden: int, expert_inter: int, dtype: str) 
 LAYOUTS: dict[str, Callable[[str], list[TensorSpec]]] = {
     # Qwen2.5-0.5B with an untied head: two embedding-size tensors and many small ones, ~1.2 GB in bf16
     "qwen2.5-0.5b": lambda dt: _dense(151936, 896, 4864, 24, 14, 2, 64, True, False, False, dt),
+    # the growth curve: the same family at 3.1 GB and 6.2 GB in bf16 (tied embeddings, as released)
+    "qwen2.5-1.5b": lambda dt: _dense(151936, 1536, 8960, 28, 12, 2, 128, True, False, True, dt),
+    "qwen2.5-3b": lambda dt: _dense(151936, 2048, 11008, 36, 16, 2, 128, True, False, True, dt),
     "qwen3-8b": lambda dt: _dense(151936, 4096, 12288, 36, 32, 8, 128, False, True, False, dt),
     # ~2,300 tensors, ~0.5 GB in bf16
     "moe-small": lambda dt: _moe(12, 64, 512, 128, dt),
