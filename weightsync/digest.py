@@ -13,9 +13,11 @@ Two kinds:
 buckets; docs/digest.md has the measurements behind that choice.
 
 The torch digest. The bucket is read as little-endian int32 words, zero-padded at the end,
-in rows of COLS words: x[r, c]. With odd pseudo-random weights that depend only on the
-position (so every device and every chunking computes the same value):
-    lane_k[r, c] = x[r, c] * A_k[c]  mod 2**32, as a signed int32      (k = 1, 2)
+in rows of COLS words: x[r, c]; rot(x) is x with its two 16-bit halves swapped. With odd
+pseudo-random weights that depend only on the position (so every device and every
+chunking computes the same value):
+    lane_1[r, c] = x[r, c] * A_1[c]       mod 2**32, as a signed int32
+    lane_2[r, c] = rot(x[r, c]) * A_2[c]  mod 2**32, as a signed int32
     s_k[r]       = sum_c lane_k[r, c]            exact in int64 (|s_k| < 2**48)
     D            = n * LENGTH_MIX + sum_r R[r] * (s_1[r] + 2**32 * s_2[r])   mod 2**64
 Why it catches what a transport can do wrong:
@@ -24,16 +26,16 @@ Why it catches what a transport can do wrong:
   lowest set bit is d's, below bit 32; R[r] is odd: D always changes;
 - 4-byte words, not 8-byte ones, keep every lane difference below 2**32 for that reason;
 - several words changed in one row (swapped words, a torn stretch) move s_1 and s_2 by
-  sums of lane differences that are non-linear in the data (products wrap mod 2**32): both
-  must cancel for D to stay, about 2**-64 for data not chosen against the tables;
+  sums of lane differences that wrap mod 2**32, so they are not linear in the data: both
+  must cancel for D to stay, about 2**-64 for data not chosen against the tables. A
+  multiply mod 2**32 carries a change only upwards: words that differ only in bit 31 (a
+  sign bit) differ only in bit 31 of lane 1 too, and a few such differences cancel easily.
+  rot() moves bit 31 to bit 15 for lane 2, where the multiply spreads it over 17 bits;
 - changes spread over rows (a stale bucket from the previous version, a zeroed tail, a
   shifted copy) must cancel in a sum weighted by the independent odd 64-bit R[r]: about
   2**-63 whenever the low bits of some row's change move, as real weight updates do.
-  A weighted sum without the wrapped lanes would be linear over the data, and changes
-  confined to the top bits of words (sign bits) could then cancel for whole classes of
-  positions; the lanes are what rule that out.
 It is a checksum against faults, not a MAC: it does not resist a crafted collision.
-Cost: per chunk one int32 multiply (both lanes at once, into a reused buffer) and one row
+Cost: per chunk one half-word swap and two int32 multiplies into a reused buffer, one row
 sum; one small combination per bucket; no host transfer until the value is read.
 """
 
@@ -70,7 +72,8 @@ def resolve(choice: str, checksum: bool, device: torch.device | str) -> str | No
         return None
     if choice != "auto":
         return choice
-    return "xxh3" if torch.device(device).type == "cpu" else "torch"
+    kind = device.type if isinstance(device, torch.device) else str(device).split(":")[0]
+    return "xxh3" if kind == "cpu" else "torch"
 
 
 def kind_of(config: Any, device: torch.device | str) -> str | None:
@@ -135,9 +138,9 @@ def _scratch_for(device: torch.device, rows: int) -> torch.Tensor:
     if cache is None:
         cache = _scratch.bufs = {}
     buf = cache.get(device)
-    if buf is None or buf.shape[0] < rows:
-        buf = cache[device] = torch.empty((rows, 2, COLS), dtype=torch.int32, device=device)
-    return buf[:rows]
+    if buf is None or buf.shape[1] < rows:
+        buf = cache[device] = torch.empty((3, rows, COLS), dtype=torch.int32, device=device)
+    return buf[:, :rows]
 
 
 def _words(buf: torch.Tensor) -> torch.Tensor:
@@ -146,6 +149,12 @@ def _words(buf: torch.Tensor) -> torch.Tensor:
     if body.storage_offset() % 4:
         body = body.clone()  # an odd start; buckets never have one, slices of them might
     return body.view(torch.int32)
+
+
+def _rot(words: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+    """int32 words with their 16-bit halves swapped."""
+    out = torch.bitwise_left_shift(words, 16, out=out)
+    return out.bitwise_or_(torch.bitwise_right_shift(words, 16).bitwise_and_(0xFFFF))
 
 
 def torch_digest(buf: torch.Tensor) -> torch.Tensor:
@@ -165,16 +174,20 @@ def torch_digest(buf: torch.Tensor) -> torch.Tensor:
     step = max(1, CHUNK_WORDS.get(device.type, DEVICE_CHUNK_WORDS) // COLS)
     for r0 in range(0, full_rows, step):
         r1 = min(full_rows, r0 + step)
-        block = words[r0 * COLS: r1 * COLS].view(r1 - r0, 1, COLS)
-        lanes = torch.mul(block, cols, out=_scratch_for(device, r1 - r0))
-        torch.sum(lanes, -1, out=sums[r0:r1])
+        block = words[r0 * COLS: r1 * COLS].view(r1 - r0, COLS)
+        scratch = _scratch_for(device, r1 - r0)  # lane 1, lane 2, rot(block)
+        torch.mul(block, cols[0], out=scratch[0])
+        torch.mul(_rot(block, out=scratch[2]), cols[1], out=scratch[1])
+        sums[r0:r1] = scratch[:2].sum(-1).T
     if nrows > full_rows:
         last = words[full_rows * COLS:]
         if tail:
             pad = torch.zeros(4, dtype=torch.uint8, device=device)
             pad[:tail] = buf[nw * 4:]
             last = torch.cat([last, pad.view(torch.int32)])
-        torch.sum(last * cols[:, : last.numel()], -1, out=sums[full_rows])
+        k = last.numel()
+        sums[full_rows, 0] = (last * cols[0, :k]).sum()
+        sums[full_rows, 1] = (_rot(last) * cols[1, :k]).sum()
     rows = tables.rows_upto(max(nrows, 1))[: sums.shape[0]]
     combined = sums[:, 0] + sums[:, 1] * (1 << 32)
     return (combined * rows).sum() + _signed(n * LENGTH_MIX)
