@@ -82,3 +82,14 @@ def test_pack_transposed_split(benchmark):
     assert len(done) == p.bucket_count == 8
     assert torch.equal(torch.cat(out).view(torch.float32).view(weight.shape), weight)
     benchmark.extra_info["GB/s"] = manifest.total_bytes / benchmark.stats.stats.median / 1e9
+
+
+@pytest.mark.parametrize("kind", ["xxh3", "torch"])
+def test_bucket_digest(benchmark, kind):
+    """One 16 MiB bucket (the default) of random bytes, each digest kind (docs/digest.md)."""
+    from weightsync import digest
+
+    buf = torch.randint(0, 256, (16 * MiB,), dtype=torch.uint8, generator=torch.Generator().manual_seed(0))
+    value = benchmark(lambda: digest.as_int(digest.compute(kind, buf)))
+    assert value == digest.as_int(digest.compute(kind, buf.clone()))
+    benchmark.extra_info["GB/s"] = buf.numel() / benchmark.stats.stats.median / 1e9

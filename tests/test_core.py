@@ -259,7 +259,8 @@ def test_two_threads_of_one_receiver_hash_each_bucket_once():
     sender = ShmSender(ctx)
     receiver = ShmReceiver(ctx, sender.session_info())
     try:
-        info = sender.stage(1, 0, lambda buf, sums=None: pack_stream(plan, manifest, named, buf, sums), lambda _i: None)
+        info = sender.stage(1, 0, lambda buf, sums=None, kind="xxh3": pack_stream(plan, manifest, named, buf, sums,
+                                                                                  kind), lambda _i: None)
         hashed = [[0] * plan.bucket_count for _ in range(2)]
         start = threading.Barrier(2)
 

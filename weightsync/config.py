@@ -17,6 +17,7 @@ from .errors import ConfigError
 BACKENDS = ("auto", "gloo", "nccl", "hccl")
 COMMUNICATORS = ("auto", "torch", "torch_npu", "pyhccl", "pynccl")
 DEVICES = ("auto", "cpu", "cuda", "npu")
+DIGESTS = ("auto", "xxh3", "torch", "off")
 ENV_PREFIX = "WEIGHTSYNC_"
 # WEIGHTSYNC_ variables that are not config fields: read by the scripts, the test tiers and
 # the capability probe; every other WEIGHTSYNC_ variable must name a field (typos fail loudly)
@@ -50,8 +51,11 @@ class SyncConfig:
     bucket_mb: float = 16.0
     # byte alignment of every tensor inside a bucket (power of two, >= 16)
     align_bytes: int = 256
-    # verify a per-bucket xxh3 checksum before any byte of the bucket is loaded
+    # verify a per-bucket digest before any byte of the bucket is loaded; false = digest off
     checksum: bool = True
+    # its kind: xxh3 on the host, torch ops on the bucket's device, "auto" (xxh3 for host
+    # buckets, torch for device ones: NCCL/HCCL broadcast, device ipc), or off (docs/digest.md)
+    digest: str = "auto"
     # keep the previous version's data until every receiver committed the new one,
     # so a receiver that fails part-way can roll back instead of going stale
     keep_previous: bool = True
@@ -80,6 +84,7 @@ class SyncConfig:
         _check_choice("backend", self.backend, BACKENDS)
         _check_choice("communicator", self.communicator, COMMUNICATORS)
         _check_choice("device", self.device, DEVICES)
+        _check_choice("digest", self.digest, DIGESTS)
         if not self.bucket_mb > 0:
             raise ConfigError(f"bucket_mb must be > 0, got {self.bucket_mb!r}")
         a = self.align_bytes

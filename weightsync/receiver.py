@@ -21,6 +21,7 @@ import torch
 from . import transports
 from .config import SyncConfig
 from .coordinator import Coordinator
+from .digest import version_digest
 from .errors import ManifestError, VersionError, WeightSyncError
 from .manifest import Expected, Manifest, check_manifest
 from .party import Party
@@ -54,7 +55,7 @@ class WeightReceiver(Party):
         self._touched = False  # a bucket of the version being applied reached the model
         self._info: dict[str, Any] = {}  # where the served version's bytes are (for rollback)
         self._session_lock = threading.Lock()  # prefetch() may run in a thread beside apply()
-        self.last_metrics: dict[str, float] = {}
+        self.last_metrics: dict[str, Any] = {}
         # a test's fault point (weightsync.testing): called as (version, bucket) once bucket b
         # is verified and loaded, before the next one is read
         self.on_bucket: Callable[[int, int], Any] | None = None
@@ -130,7 +131,8 @@ class WeightReceiver(Party):
         newer, checksums off, or a transport that keeps nothing to read ahead)."""
         timeout = self.config.sync_timeout_s if timeout is None else timeout
         self._ensure_session(self.config.connect_timeout_s)
-        if not self.config.checksum or (version is not None and self._version is not None and version <= self._version):
+        if self.transport.kind is None or (version is not None and self._version is not None
+                                           and version <= self._version):
             return None
         target = self.control.wait_version(version, timeout, prefetch=True)
         v = target.version
@@ -163,12 +165,15 @@ class WeightReceiver(Party):
         t0 = time.perf_counter()
         wait_s = verify_s = load_s = 0.0
         nbytes = peer_verified = 0
+        verified: list[int] = []  # bucket digests, verified here or by a peer on the node
         t = time.perf_counter()
         for b, buf, expected in self.transport.receive(version, info, deadline, check):
             t1 = time.perf_counter()
             wait_s += t1 - t
             if not self.transport.verify_bucket(version, info, b, buf, expected) and expected is not None:
                 peer_verified += 1  # another receiver on the node hashed these very bytes
+            if expected is not None:
+                verified.append(expected)
             t2 = time.perf_counter()
             pairs = self.unpacker.unpack(b, buf, span)
             if pairs:
@@ -187,9 +192,13 @@ class WeightReceiver(Party):
             self.post_load()
         post_s = time.perf_counter() - t3
         total = time.perf_counter() - t0
+        kind = self.transport.kind if len(verified) == self.unpacker.plan.bucket_count else None
         return {"wait_s": wait_s, "verify_s": verify_s, "load_s": load_s, "post_load_s": post_s,
                 "total_s": total, "bytes": nbytes, "peer_verified_buckets": peer_verified,
-                "gbps": nbytes / total / 1e9 if total > 0 else 0.0}
+                "gbps": nbytes / total / 1e9 if total > 0 else 0.0,
+                # the whole version's digest, from the bucket digests it verified: equal to the
+                # sender's when both hold the same bytes (status() shows both)
+                "digest": version_digest(kind, verified)}
 
     def _rollback(self, prev: int | None, info: dict[str, Any], deadline: float) -> str:
         if prev is None or not self.config.keep_previous or not self.transport.can_replay(prev, info):

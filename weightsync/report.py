@@ -27,7 +27,10 @@ def format_status(status: dict[str, Any]) -> str:
         stage = v["phases_s"].get("stage_s")
         stage_txt = f" stage={stage * 1e3:.1f}ms" if stage is not None else ""
         reason = f" reason: {v['reason']}" if v.get("reason") else ""
-        lines.append(f"    v{v['version']:<6} {v['state']:<12} slot={v['slot']}{stage_txt}{barrier}{speed}{reason}")
+        digest = f" digest={v['digest']}" if v.get("digest") else ""
+        odd = sorted(n for n, d in (v.get("receiver_digests") or {}).items() if d and d != v.get("digest"))
+        digest += f" (differs on {', '.join(odd)})" if digest and odd else ""
+        lines.append(f"    v{v['version']:<6} {v['state']:<12} slot={v['slot']}{stage_txt}{barrier}{speed}{digest}{reason}")
     if status.get("resources"):
         lines.append("  open resources: " + ", ".join(f"{k}={n}" for k, n in sorted(status["resources"].items())))
     return "\n".join(lines)

@@ -85,6 +85,7 @@ class WeightSender(Party):
         self.transport: transports.SenderTransport | None = None
         self.transport_name: str | None = None
         self._staged: dict[int, StagedVersion] = {}
+        self._staged_digest: dict[int, str | None] = {}  # version digests reported when staged
         self._pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix=f"weightsync-stage-{self.name}")
 
     @property
@@ -160,12 +161,14 @@ class WeightSender(Party):
         try:
             info = self.transport.stage(
                 version, slot,
-                fill=lambda bucket_buffer, checksums=None: pack_stream(self.plan, self.manifest, named, bucket_buffer,
-                                                                       checksums),
+                fill=lambda bucket_buffer, checksums=None, kind="xxh3": pack_stream(
+                    self.plan, self.manifest, named, bucket_buffer, checksums, kind),
                 announce=lambda early: self.control.stage_info(version, early),
             )
             stage_s = time.perf_counter() - t0
             self.control.staged(version, info, stage_s)
+            self._staged_digest = {v: d for v, d in self._staged_digest.items() if v > version - 8}
+            self._staged_digest[version] = info.get("digest")
         except BaseException as exc:
             try:
                 self.control.abort(version, f"staging failed: {type(exc).__name__}: {exc}")
@@ -187,6 +190,10 @@ class WeightSender(Party):
             if self.sends:
                 self.control.begin_sync(version)
                 self.transport.send(version, time.monotonic() + timeout)
+                # transports that pack at the barrier know the version's digest only now
+                digest = self.transport.version_digests.get(version)
+                if digest is not None and digest != self._staged_digest.pop(version, None):
+                    self.control.stage_info(version, {"digest": digest})
             outcome = self.control.wait_outcome(version, timeout)
         finally:
             for old in [v for v in self._staged if v <= version]:

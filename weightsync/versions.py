@@ -70,6 +70,10 @@ class Version:
             "participants": list(self.participants), "committed": list(self.committed),
             "failed": dict(self.failed), "phases_s": dict(self.phases), "receivers": dict(self.receivers),
             "bytes": payload_bytes, "info": dict(self.info),
+            # whole-version digests (docs/digest.md): the sender's and each receiver's, equal
+            # when they hold the same bytes; None with digests off
+            "digest": self.info.get("digest"),
+            "receiver_digests": {n: m.get("digest") for n, m in self.receivers.items()},
         }
         if self.finished is not None and self.sync_started is not None:
             barrier = self.finished - self.sync_started

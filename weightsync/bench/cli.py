@@ -36,7 +36,10 @@ def add_bench_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--bucket-mb", nargs="+", type=float, default=[SyncConfig().bucket_mb], metavar="MB",
                    help="bucket sizes to sweep")
     p.add_argument("--checksum", nargs="+", default=["on"], choices=("on", "off"),
-                   help="per-bucket xxh3 on or off (the config's checksum); both 'on off' shows what it costs")
+                   help="per-bucket digest on or off (the config's checksum), on every transport, device "
+                        "links included; both 'on off' shows what it costs")
+    p.add_argument("--digest", default="auto", choices=("auto", "xxh3", "torch"),
+                   help="digest kind when on: auto = xxh3 for host buckets, torch ops on device buckets")
     p.add_argument("--versions", type=int, default=5, help="timed versions per row")
     p.add_argument("--warmup", type=int, default=2, help="untimed versions first: they allocate the transport's reusable buffers (shm alternates two segments) and fault their pages in")
     p.add_argument("--device", default="auto", choices=("auto", "cpu", "cuda", "npu"),
@@ -139,7 +142,7 @@ def run_bench(args: argparse.Namespace) -> int:
                 for mb in args.bucket_mb:
                     for ck in dict.fromkeys(args.checksum):
                         rows.append(bench.sync_row(t, mb, n, backend=backend if t == "broadcast" else "auto",
-                                                   checksum=ck == "on"))
+                                                   checksum=ck == "on", digest=args.digest))
                         _echo(rows[-1], bench)
     finally:
         if bench is not None:
@@ -154,7 +157,7 @@ def run_bench(args: argparse.Namespace) -> int:
         "note": args.note,
         "machine": machine_info(),
         "args": {"model": args.model, "dtype": args.dtype, "transport": args.transport, "backend": backend,
-                 "receivers": receivers, "bucket_mb": args.bucket_mb, "checksum": args.checksum, "versions": args.versions,
+                 "receivers": receivers, "bucket_mb": args.bucket_mb, "checksum": args.checksum, "digest": args.digest, "versions": args.versions,
                  "warmup": args.warmup, "device": device, "baselines": args.baselines,
                  "real_weights": bool(args.real_weights and weights_path), "expect": [e.text for e in args.expect]},
         "layout": {"name": label, "tensors": len(specs), "dtype": ",".join(dtypes),

@@ -219,10 +219,11 @@ class Bench:
     # -- weightsync transports -----------------------------------------------------------
 
     def sync_row(self, transport: str, bucket_mb: float, receivers: int, backend: str = "auto",
-                 checksum: bool = True) -> dict[str, Any]:
-        name = transport if checksum else f"{transport} (no xxh3)"
+                 checksum: bool = True, digest: str = "auto") -> dict[str, Any]:
+        suffix = "" if not checksum or digest == "auto" else f" ({digest} digest)"
+        name = (transport if checksum else f"{transport} (no xxh3)") + suffix
         row = self._row(kind="transport", name=name, transport=transport, backend=backend, bucket_mb=bucket_mb,
-                        receivers=receivers, checksum=checksum)
+                        receivers=receivers, checksum=checksum, digest=digest if checksum else "off")
         spread = transport == "broadcast" and one_device_per_rank(backend, self.device)
         # the set made for the first such row serves every receiver count of the run
         why = transport_unavailable(transport, backend, self.device) or (
@@ -233,7 +234,7 @@ class Bench:
         trainer, pool = self._parties(spread)
         rx = pool[:receivers]
         cfg = {"transport": transport, "backend": backend, "device": self.device, "bucket_mb": bucket_mb,
-               "checksum": checksum,
+               "checksum": checksum, "digest": digest,
                "sync_timeout_s": ROW_TIMEOUT_S / 2, "connect_timeout_s": 120.0,
                # throughput, not liveness, is measured here: a busy machine must not abort a version
                "heartbeat_timeout_s": 60.0}
@@ -279,7 +280,7 @@ class Bench:
             coord.shutdown()
         row.update(closed)
         if row["transport"] == "auto" and closed.get("chosen"):
-            row["name"] = f"auto->{closed['chosen']}" + ("" if checksum else " (no xxh3)")
+            row["name"] = f"auto->{closed['chosen']}" + ("" if checksum else " (no xxh3)") + suffix
         row["prestaged_s"] = prestaged
         row["stage_s"] = statistics.median(stage_s) if stage_s else None
         row["barrier_s"] = statistics.median(prestaged) if prestaged else None

@@ -15,20 +15,21 @@ from typing import TYPE_CHECKING, Any, ClassVar
 
 import torch
 
+from .. import digest
 from ..config import SyncConfig
 from ..errors import VersionError
 from ..manifest import Manifest
-from ..plan import BucketPlan, verify
+from ..plan import BucketPlan
 
 if TYPE_CHECKING:
     from ..control import ControlPlane
 
-# fill(bucket_buffer, checksums=None) packs the version into the buffers bucket_buffer(b)
-# hands out and yields each bucket index as soon as that bucket is complete; given a dict
-# (host buffers only), it stores each bucket's xxh3 there once its last byte is in, before
-# it asks for the next bucket's buffer
+# fill(bucket_buffer, checksums=None, kind="xxh3") packs the version into the buffers
+# bucket_buffer(b) hands out and yields each bucket index as soon as that bucket is complete;
+# given a dict, it stores each bucket's digest of ``kind`` there once its last byte is in
+# (an int, or a 0-dim device tensor for "torch"), before it asks for the next bucket's buffer
 Fill = Callable[..., Iterator[int]]
-# a received bucket: (index, uint8 bytes of the bucket, the sender's checksum or None)
+# a received bucket: (index, uint8 bytes of the bucket, the sender's digest or None)
 Received = tuple[int, torch.Tensor, "int | None"]
 
 
@@ -86,10 +87,24 @@ class SenderTransport(abc.ABC):
 
     def __init__(self, ctx: TransportContext):
         self.ctx = ctx
+        # the digest of this transport's buckets (None: off), from where its buffers live
+        self.digest_kind: str | None = digest.kind_of(ctx.config, self.buffer_device())
+        # version -> digest of the whole version (digest.version_digest), once it was packed
+        self.version_digests: dict[int, str | None] = {}
+
+    def buffer_device(self) -> torch.device:
+        """Where this transport's bucket buffers live (host for shm)."""
+        return torch.device("cpu")
+
+    def _record(self, version: int, bucket_digests: list[Any]) -> str | None:
+        value = digest.version_digest(self.digest_kind, bucket_digests) if self.digest_kind else None
+        self.version_digests = {v: d for v, d in self.version_digests.items() if v > version - 8}
+        self.version_digests[version] = value
+        return value
 
     def session_info(self) -> dict[str, Any]:
         """Published once through the coordinator for every receiver (rendezvous, ...)."""
-        return {"pipelined": self.pipelined}
+        return {"pipelined": self.pipelined, "digest_kind": self.digest_kind}
 
     @abc.abstractmethod
     def stage(self, version: int, slot: int, fill: Fill, announce: Callable[[dict[str, Any]], None]) -> dict[str, Any]:
@@ -111,6 +126,9 @@ class ReceiverTransport(abc.ABC):
     def __init__(self, ctx: TransportContext, session_info: dict[str, Any]):
         self.ctx = ctx
         self.session_info = session_info
+        # the sender's digest kind, unless this receiver's own config turns digests off
+        self.kind: str | None = (session_info.get("digest_kind")
+                                 if digest.kind_of(ctx.config, ctx.device) is not None else None)
 
     @abc.abstractmethod
     def receive(self, version: int, info: dict[str, Any], deadline: float,
@@ -120,12 +138,12 @@ class ReceiverTransport(abc.ABC):
         while waiting. Raise DeadlineExceeded past ``deadline`` (time.monotonic())."""
 
     def verify_bucket(self, version: int, info: dict[str, Any], b: int, buf: torch.Tensor, expected: int | None) -> bool:
-        """Raise ChecksumError if bucket b does not match the sender's checksum (None: not
-        checksummed). True if it was hashed here; a transport whose receivers share the bytes
+        """Raise ChecksumError if bucket b does not match the sender's digest (None: no
+        digest). True if it was digested here; a transport whose receivers share the bytes
         may let one of them verify for all (shm)."""
-        if expected is None:
+        if expected is None or self.kind is None:
             return False
-        verify(b, buf, expected, version)
+        digest.verify(self.kind, b, buf, expected, version)
         return True
 
     def prefetch(self, version: int, info: dict[str, Any], deadline: float, check: Callable[[], None]) -> bool:

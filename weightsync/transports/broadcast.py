@@ -16,12 +16,13 @@ re-form under a fresh store prefix, so a new group never meets traffic of an old
 One version, on the wire:
   sender    pack bucket b+1 (pack_stream) while bucket b is in flight, two buffers
   receivers post bucket b+1 while bucket b is verified and loaded, two buffers
-  each bucket: [payload bytes][8-byte xxh3 of them] (gloo) or [payload bytes] (device)
-Checksums: on gloo the bytes cross host memory and TCP, whose 16-bit checksum misses
-corruption now and then, and hashing a host buffer costs ~1/5 of sending it here, so each
-bucket carries its xxh3 (when ``config.checksum``). Device links (HCCS, NVLink, RoCE)
-carry link-level CRC, and an end-to-end hash would need a device-to-host copy of every
-bucket, dearer than the transfer itself: there the checksum is None.
+  each bucket: [payload bytes][8-byte digest of them] (no trailer with digest: off)
+Digests: every bucket carries one, verified by every receiver before it loads. On gloo the
+bytes cross host memory and TCP, whose 16-bit checksum misses corruption now and then: xxh3
+(cheapest on host memory). On NCCL / HCCL the torch digest, computed on the device by both
+ends, so no byte goes to the host: link-level CRC does not cover a torn or stale buffer
+(a protocol race, a rebuilt communicator). The sender writes its digest into the trailer
+with a device copy, without waiting for it.
 
 Failures: every wait polls the coordinator while it is slow. A dead or stalled member turns
 into an abort of the version that names it (``bcast_failed``), seen by every party within
@@ -42,8 +43,8 @@ import torch
 import torch.distributed as dist
 
 from .. import device as devices
+from ..digest import compute, kind_of
 from ..errors import ConfigError, DeadlineExceeded, ProtocolError, VersionError, WeightSyncError
-from ..plan import checksum
 from .base import Aborted, Fill, Received, ReceiverTransport, SenderTransport, TransportContext
 from .groups import (  # noqa: F401  (re-exported: bench/collective.py and the tests use them from here)
     DEVICE_OF_BACKEND,
@@ -58,7 +59,7 @@ from .groups import (  # noqa: F401  (re-exported: bench/collective.py and the t
     store_host,
 )
 
-TRAILER = 8  # bytes of the xxh3 that follows a bucket's payload on gloo
+TRAILER = 8  # bytes of the digest that follows a bucket's payload
 POLL_S = 0.25  # how long a collective may be silent before we ask the coordinator why
 BUFFERS = 2  # per side: one bucket in flight while the other is packed (or loaded)
 
@@ -105,15 +106,21 @@ def retire(group: Group | None, works: list[Any], what: str) -> None:
     threading.Thread(target=drain, name=f"weightsync-retire-{what}", daemon=True).start()
 
 
-def put_checksum(buf: torch.Tensor, n: int, value: int | None = None) -> int:
-    """Append the bucket's xxh3 (``value`` if pack_stream computed it already) as a trailer."""
-    value = checksum(buf[:n]) if value is None else value
-    buf[n: n + TRAILER].copy_(torch.frombuffer(bytearray(struct.pack("<Q", value)), dtype=torch.uint8))
+def put_checksum(buf: torch.Tensor, n: int, value: int | torch.Tensor | None = None,
+                 kind: str = "xxh3") -> int | torch.Tensor:
+    """Append the bucket's digest (``value`` if pack_stream computed it already) as a
+    trailer. A device value is copied on the device: nothing waits for it."""
+    value = compute(kind, buf[:n]) if value is None else value
+    if isinstance(value, torch.Tensor):
+        # little-endian int64 bytes, as struct writes them below (every device torch runs on)
+        buf[n: n + TRAILER].copy_(value.reshape(1).view(torch.uint8))
+    else:
+        buf[n: n + TRAILER].copy_(torch.frombuffer(bytearray(struct.pack("<Q", value)), dtype=torch.uint8))
     return value
 
 
 def get_checksum(buf: torch.Tensor, n: int) -> int:
-    return struct.unpack("<Q", buf[n: n + TRAILER].numpy().tobytes())[0]
+    return struct.unpack("<Q", buf[n: n + TRAILER].cpu().numpy().tobytes())[0]
 
 
 # -- the two ends ----------------------------------------------------------------------
@@ -131,7 +138,7 @@ class _End:
                 communicator or ctx.config.communicator, backend)
         except ConfigError as exc:
             raise ConfigError(f"{who}: {exc}") from None
-        self.trailer = TRAILER if backend == "gloo" and ctx.config.checksum else 0
+        self.trailer = TRAILER if kind_of(ctx.config, self.device) else 0
         self.group: Group | None = None
         self.buffers: list[torch.Tensor] | None = None
         self.pending: list[Any] = []  # ops posted and not yet settled
@@ -230,6 +237,10 @@ class BroadcastSender(_End, SenderTransport):
         # tells this sender's store from a restarted sender's, even on a fixed rendezvous_port
         self.store_id = secrets.token_hex(8)
 
+    def buffer_device(self) -> torch.device:
+        return comm_device(choose_backend(self.ctx.config.backend, self.ctx.device), self.ctx.device,
+                           f"sender '{self.ctx.name}'")
+
     def _store(self) -> dist.TCPStore:
         if self.store is None:
             self.store = host_store(store_host(self.ctx.config.rendezvous_host),
@@ -240,7 +251,8 @@ class BroadcastSender(_End, SenderTransport):
         store = self._store()
         return {"pipelined": self.pipelined, "backend": self.backend, "communicator": self.communicator,
                 "communicator_reason": self.communicator_reason, "host": store_host(self.ctx.config.rendezvous_host),
-                "port": store.port, "checksum": bool(self.trailer), "store_id": self.store_id}
+                "port": store.port, "checksum": bool(self.trailer), "store_id": self.store_id,
+                "digest_kind": self.digest_kind}
 
     def stage(self, version: int, slot: int, fill: Fill, announce: Callable[[dict[str, Any]], None]) -> dict[str, Any]:
         # Nothing moves before the barrier: the tensors are read, packed and sent in send(),
@@ -281,7 +293,9 @@ class BroadcastSender(_End, SenderTransport):
         plan = self.ctx.plan
         poll = lambda: self._poll(version)  # noqa: E731
         launched: list[Any] = []
-        sums: dict[int, int] = {}  # each bucket's xxh3, computed by pack_stream while packing
+        sums: dict[int, Any] = {}  # each bucket's digest, computed by pack_stream while packing
+        kind = self.digest_kind
+        written: list[Any] = []  # the same, in plan order, for the version's digest
         error: BaseException | None = None
         g: Group | None = None
 
@@ -296,7 +310,7 @@ class BroadcastSender(_End, SenderTransport):
             while len(launched) < b:
                 i = len(launched)
                 if self.trailer:
-                    put_checksum(self._wire(i), plan.buckets[i].nbytes, sums.pop(i, None))
+                    written.append(put_checksum(self._wire(i), plan.buckets[i].nbytes, sums.pop(i, None), kind))
                 if self.on_packed is not None:
                     self.on_packed(version, i, self._wire(i)[: plan.buckets[i].nbytes])
                 launched.append(g.broadcast(self._wire(i), deadline - time.monotonic()))
@@ -318,7 +332,7 @@ class BroadcastSender(_End, SenderTransport):
         except Exception as exc:
             fail(exc)
         try:
-            for _ in fill(bucket_buffer, sums if self.trailer else None):
+            for _ in fill(bucket_buffer, sums if self.trailer else None, kind or "xxh3"):
                 pass
         except BaseException as exc:
             fail(exc)  # the trainer's tensors are off the manifest, or its iteration failed
@@ -330,6 +344,7 @@ class BroadcastSender(_End, SenderTransport):
                     settle(launched[b], deadline, poll, f"bucket {b} of version {version}")
                 devices.synchronize(self.device)
                 self.pending = []
+                self._record(version, written)  # device digests are final after the sync
             except Exception as exc:
                 fail(exc)
         # a failed transfer is not raised here: sync()'s wait_outcome raises SyncFailed

@@ -14,9 +14,10 @@ numbering (Ray actors see renumbered devices through *_VISIBLE_DEVICES).
 
 Handshakes run through a small control segment in /dev/shm (uint64 words), no
 coordinator round trip per bucket:
-  [0] magic [1] layout digest [2] buffer count [3] receiver slots [4] sender pid [5] checksums on
+  [0] magic [1] layout digest [2] buffer count [3] receiver slots [4] sender pid [5] digest kind
   [16 + 4k] ready word of buffer k: tag(version, bucket) once written, 0 while being written
-  [17 + 4k] xxh3 of the bucket in buffer k (CPU buffers only)
+  [17 + 4k] digest of the bucket in buffer k: xxh3 for host buffers, the torch digest computed
+            on the device for device buffers (digest: auto), so device ipc is verified too
   [48 + 16r] receiver slot r: owner (hash of the receiver's name), [+1] pid,
              [+2 + k] tag of the last bucket the receiver finished with in buffer k
 Bucket b of a version goes to buffer b % nbuf. Before overwriting a buffer the sender waits
@@ -45,9 +46,10 @@ import torch
 import xxhash
 
 from .. import device as devices
+from ..digest import as_int, compute, kind_of
 from ..errors import CapacityError, DeadlineExceeded, ProtocolError, VersionError
 from ..manifest import dtype_name, dtype_of
-from ..plan import align_up, checksum
+from ..plan import align_up
 from ..versions import State
 from .base import Aborted, Fill, Received, ReceiverTransport, SenderTransport, TransportContext, poll_until
 from .shm import PAGE, SEGMENT_NAME, Segment, check_space, digest_word, reap_stale, segment_name
@@ -60,6 +62,7 @@ _BUF0, _BUF_WORDS = 16, 4
 _SLOT0, _SLOT_WORDS = _BUF0 + MAX_BUFFERS * _BUF_WORDS, 16
 CONTROL_BYTES = (_SLOT0 + MAX_RECEIVERS * _SLOT_WORDS) * 8
 _BUCKET_BITS = 24
+_KIND_CODE = {None: 0, "xxh3": 1, "torch": 2}
 # rebuild functions a receiver may call, by device type; nothing else is ever invoked
 _REBUILD = {
     "cuda": ("torch.multiprocessing.reductions", "rebuild_cuda_tensor"),
@@ -209,7 +212,6 @@ class IpcSender(SenderTransport):
         reap_stale(self.directory)
         self.nbuf = max(1, min(NBUF, ctx.plan.bucket_count))
         self.capacity = max([b.nbytes for b in ctx.plan.buckets] + [1])
-        self.checksums = bool(ctx.config.checksum) and ctx.device.type == "cpu"
         self.segments: list[Segment] = []
         self.buffers: list[torch.Tensor] = []
         self.handles: list[dict[str, Any]] = []
@@ -218,12 +220,15 @@ class IpcSender(SenderTransport):
             self.control = self._segment(CONTROL_BYTES, "an ipc control block", "ipc_control")
             w = self.control.words
             w[0], w[1], w[2], w[3], w[4], w[5] = (MAGIC, digest_word(ctx.digest), self.nbuf, MAX_RECEIVERS,
-                                                   os.getpid(), int(self.checksums))
+                                                   os.getpid(), _KIND_CODE[self.digest_kind])
             for _ in range(self.nbuf):
                 self._allocate()
         except BaseException:
             self.close()
             raise
+
+    def buffer_device(self) -> torch.device:
+        return self.ctx.device
 
     def _segment(self, size: int, what: str, kind: str) -> Segment:
         check_space(self.directory, size, what)
@@ -248,7 +253,8 @@ class IpcSender(SenderTransport):
 
     def session_info(self) -> dict[str, Any]:
         return {"pipelined": False, "control": self.control.name, "buffers": list(self.handles),
-                "nbuf": self.nbuf, "capacity": self.capacity, "checksums": self.checksums,
+                "nbuf": self.nbuf, "capacity": self.capacity, "checksums": bool(self.digest_kind),
+                "digest_kind": self.digest_kind,
                 "device": devices.describe(self.ctx.device)}
 
     def stage(self, version: int, slot: int, fill: Fill, announce: Callable[[dict[str, Any]], None]) -> dict[str, Any]:
@@ -274,8 +280,9 @@ class IpcSender(SenderTransport):
         plan, w = self.ctx.plan, self.control.words
         published = -1
         asked: set[int] = set()
-        # filled by pack_stream as it packs (host buffers)
-        hashed: dict[int, int] | None = {} if self.checksums else None
+        kind = self.digest_kind
+        hashed: dict[int, Any] | None = {} if kind else None  # filled by pack_stream as it packs
+        sums: list[int] = []
 
         def publish_through(last: int) -> None:
             nonlocal published
@@ -287,8 +294,10 @@ class IpcSender(SenderTransport):
                     bucket_buffer(b)  # never handed out (nothing to write): still claim the buffer
                 k = b % self.nbuf
                 if hashed is not None:
+                    # a device digest was queued behind the copies: reading it costs no extra wait
                     s = hashed.pop(b, None)
-                    w[_ready(k) + 1] = checksum(self.buffers[k][: plan.buckets[b].nbytes]) if s is None else s
+                    sums.append(as_int(compute(kind, self.buffers[k][: plan.buckets[b].nbytes]) if s is None else s))
+                    w[_ready(k) + 1] = sums[-1]
                 if self.on_packed is not None:
                     self.on_packed(version, b, self.buffers[k][: plan.buckets[b].nbytes])
                 w[_ready(k)] = tag(version, b)
@@ -305,9 +314,10 @@ class IpcSender(SenderTransport):
             w[_ready(k)] = 0  # receivers that outlived their turn see the overwrite
             return self.buffers[k][: plan.buckets[b].nbytes]
 
-        for b in fill(bucket_buffer, hashed):
+        for b in fill(bucket_buffer, hashed, kind or "xxh3"):
             publish_through(b)
         publish_through(plan.bucket_count - 1)
+        self._record(version, sums)
 
     def _wait_released(self, version: int, b: int, k: int, watch: _Watch, deadline: float) -> None:
         need, w = tag(version, b), self.control.words
@@ -356,7 +366,8 @@ class IpcReceiver(ReceiverTransport):
         nbuf = int(info["nbuf"])
         if not 1 <= nbuf <= MAX_BUFFERS:
             raise ProtocolError(f"ipc: session announces {nbuf} buffers")
-        self.nbuf, self.capacity, self.checksums = nbuf, int(info["capacity"]), bool(info.get("checksums"))
+        self.nbuf, self.capacity = nbuf, int(info["capacity"])
+        self.kind = info.get("digest_kind") if kind_of(ctx.config, ctx.device) is not None else None
         try:
             self.control = self._map(info["control"], CONTROL_BYTES, writable=True, kind="ipc_control")
             w = self.control.words
@@ -429,7 +440,7 @@ class IpcReceiver(ReceiverTransport):
             word = _ready(k)
             if int(w[word]) != want:
                 self._wait(w, word, want, version, b, deadline, check)
-            expected = int(w[word + 1]) if self.checksums else None
+            expected = int(w[word + 1]) if self.kind else None
             yield b, self.buffers[k][: bucket.nbytes], expected
             devices.synchronize(self.ctx.device)  # the engine's copies out of the buffer are done
             if int(w[word]) != want:

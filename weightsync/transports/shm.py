@@ -9,15 +9,13 @@ the latest committed version, all without the trainer.
 Segment layout: header pages of uint64 words (as many as the bucket count needs), then the
 buckets, each page-aligned.
   [0] magic  [1] layout digest  [2] bucket count  [3] version being written
-  [8 + 3b] version + 1 once bucket b is complete (0 while it is written)  [9 + 3b] its xxh3
-  [10 + 3b] version + 1 once a receiver verified bucket b's checksum
-The sender writes the bytes of a bucket, then its checksum, then its ready word, so a
+  [8 + 3b] version + 1 once bucket b is complete (0 while it is written)  [9 + 3b] its digest
+  [10 + 3b] version + 1 once a receiver verified bucket b's digest (xxh3 under auto: host)
+The sender writes the bytes of a bucket, then its digest, then its ready word, so a
 receiver may read bucket b as soon as the word says so: staging and receiving overlap.
-
-Every receiver on the node reads the same pages, so a bucket's checksum is verified once per
-node, not once per receiver: under a lock on its verified word (fcntl, released if the
-holder dies), the first receiver hashes it and marks it; the others see the mark and load.
-A receiver that finds a bad checksum marks nothing, so every receiver checks for itself.
+A bucket's digest is verified once per node, not per receiver: under a lock on its verified
+word (fcntl, released if the holder dies), the first receiver digests it and marks it; the
+others see the mark and load. One that finds a bad digest marks nothing: all check for themselves.
 """
 
 from __future__ import annotations
@@ -37,8 +35,9 @@ import numpy as np
 import torch
 
 from .. import device as devices
+from ..digest import as_int, verify
 from ..errors import CapacityError, DeadlineExceeded, ProtocolError
-from ..plan import BucketPlan, align_up, verify
+from ..plan import BucketPlan, align_up
 from .base import Fill, Received, ReceiverTransport, SenderTransport, TransportContext, poll_until
 
 MAGIC = 0x5753594E43534D31  # "WSYNCSM1"
@@ -46,7 +45,7 @@ PAGE = 4096
 PREFIX = "wsync_"
 SEGMENT_NAME = re.compile(r"^wsync_(\d+)_([0-9a-f]{32})$")  # wsync_<creator pid>_<128 random bits>
 _HEAD_WORDS = 8
-_PER_BUCKET = 3  # ready, checksum, verified
+_PER_BUCKET = 3  # ready, digest, verified
 
 
 def _ready_word(b: int) -> int:
@@ -256,22 +255,22 @@ class ShmSender(SenderTransport):
         info = {"segment": seg.name, "size": self.size, "readable": True}
         announce(info)
         sums: list[int] = []
-        hashed: dict[int, int] | None = {} if self.ctx.config.checksum else None
-        packed = 0
-        ready = np.uint64(version + 1)
-        for b in fill(lambda b: seg.bytes[self.bases[b]: self.bases[b] + self.ctx.plan.buckets[b].nbytes], hashed):
+        kind = self.digest_kind
+        hashed: dict[int, Any] | None = {} if kind else None
+        packed, ready = 0, np.uint64(version + 1)
+        for b in fill(lambda b: seg.bytes[self.bases[b]: self.bases[b] + self.ctx.plan.buckets[b].nbytes],
+                      hashed, kind or "xxh3"):
             n = self.ctx.plan.buckets[b].nbytes
             word = _ready_word(b)
-            if hashed is not None:
-                s = hashed[b]  # pack_stream hashed the bucket while packing it, piece by piece from cache
-                head[word + 1] = s
-                sums.append(s)
+            if hashed is not None:  # pack_stream digested the bucket while packing it
+                sums.append(as_int(hashed.pop(b)))
+                head[word + 1] = sums[-1]
             if self.on_packed is not None:
                 self.on_packed(version, b, seg.bytes[self.bases[b]: self.bases[b] + n])
             head[word] = ready
             packed += n
             self.packed_bytes += n
-        return {**info, "checksums": sums, "packed_bytes": packed}
+        return {**info, "checksums": sums, "packed_bytes": packed, "digest": self._record(version, sums)}
 
     def close(self) -> None:
         for seg in self.slots.values():
@@ -333,7 +332,7 @@ class ShmReceiver(ReceiverTransport):
         for b, bucket in enumerate(self.ctx.plan.buckets):
             word = _ready_word(b)
             self._wait_ready(head, word, ready, version, b, deadline, check)
-            expected = int(head[word + 1]) if self.ctx.config.checksum else None
+            expected = int(head[word + 1]) if self.kind else None
             if sums is not None and expected is not None and sums[b] != expected:
                 raise ProtocolError(f"bucket {b} of version {version}: header checksum differs from the sender's report")
             yield b, seg.bytes[self.bases[b]: self.bases[b] + bucket.nbytes], expected
@@ -352,7 +351,7 @@ class ShmReceiver(ReceiverTransport):
     def verify_bucket(self, version: int, info: dict[str, Any], b: int, buf: torch.Tensor, expected: int | None) -> bool:
         """Verify bucket b unless another receiver on the node already did (see module doc).
         True if this receiver hashed it."""
-        if expected is None:
+        if expected is None or self.kind is None:
             return False
         seg = self._attach(info["segment"])
         word, mark = _ready_word(b) + 2, np.uint64(version + 1)
@@ -364,7 +363,7 @@ class ShmReceiver(ReceiverTransport):
             try:
                 if seg.control[word] == mark:
                     return False
-                verify(b, buf, expected, version)
+                verify(self.kind, b, buf, expected, version)
                 seg.control[word] = mark
                 return True
             finally:

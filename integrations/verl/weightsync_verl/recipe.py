@@ -31,6 +31,7 @@ import ray
 from verl.single_controller.base.decorator import Dispatch, register
 
 from weightsync import Coordinator, Manifest, WeightReceiver, WeightSender, build_manifest
+from weightsync.digest import metrics as digest_metrics
 from weightsync.manifest import TensorSpec, dtype_name
 
 from .config import sync_config
@@ -83,6 +84,8 @@ class WeightSyncTrainerMixin:
             "weightsync/version": version,
             "weightsync/stage_s": result.get("stage_s", 0.0),
             "weightsync/barrier_s": result.get("barrier_s", 0.0),
+            # trainer and every rollout hold the same bytes: their version digests agree
+            **digest_metrics(self._ws_coordinator.metrics(version)),
         }
         if self._ws_ledger.last_lag is not None:
             self.weightsync_metrics["weightsync/lag"] = self._ws_ledger.last_lag

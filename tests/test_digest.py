@@ -1,0 +1,264 @@
+"""Bucket digests (weightsync/digest.py): the torch digest's definition and sensitivity, the
+kind each transport uses, and end to end: a corrupted bucket is refused on shm, ipc and
+gloo broadcast by the torch digest, and a version's digest is the same on every party."""
+
+from __future__ import annotations
+
+import sys
+
+import numpy as np
+import pytest
+import ray
+import torch
+
+from weightsync import ConfigError, SyncConfig, SyncFailed
+from weightsync import digest as D
+from weightsync.layouts import layout, materialize
+from weightsync.plan import pack_stream, plan_buckets
+from weightsync.testing import RolloutWorker, TrainerWorker, same_bits
+
+TINY = layout("tiny")
+BUCKET = 1 << 16  # 64 KiB: the tiny layout spans several buckets, one tensor split over some
+
+
+def _reference(buf: torch.Tensor) -> int:
+    """The torch digest written out in Python integers, from its definition in digest.py."""
+    data = bytes(buf.numpy())
+    n = len(data)
+    words = [int(v) for v in np.frombuffer(data + b"\0" * (-n % 4), dtype=np.int32)]
+    lanes = D._Tables(torch.device("cpu")).cols.numpy().astype(np.int64)
+    nrows = max(1, -(-len(words) // D.COLS))
+    row_w = [int(v) for v in D._splitmix(D._SEED_ROW, 0, nrows)]
+    sums = [[0, 0] for _ in range(nrows)]
+    for i, x in enumerate(words):
+        r, c = divmod(i, D.COLS)
+        u = x & 0xFFFFFFFF
+        for k, y in enumerate((u, (u >> 16) | ((u & 0xFFFF) << 16))):
+            v = (y * int(lanes[k, c])) & 0xFFFFFFFF
+            sums[r][k] += v - (1 << 32) if v >> 31 else v
+    total = n * D.LENGTH_MIX + sum(row_w[r] * (s1 + (s2 << 32)) for r, (s1, s2) in enumerate(sums))
+    return total & D.MASK
+
+
+@pytest.mark.parametrize("nbytes", [0, 1, 3, 4, 6, 1000, 4 * D.COLS, 4 * D.COLS + 2, 2 * 4 * D.COLS + 7])
+def test_torch_digest_matches_its_definition(nbytes):
+    buf = torch.randint(0, 256, (nbytes,), dtype=torch.uint8, generator=torch.Generator().manual_seed(nbytes))
+    assert D.as_int(D.torch_digest(buf)) == _reference(buf)
+
+
+def test_torch_digest_does_not_depend_on_the_chunking(monkeypatch):
+    """Sender and receiver may digest in other steps (CPU and device chunk sizes differ)."""
+    buf = torch.randint(0, 256, (8 << 20,), dtype=torch.uint8, generator=torch.Generator().manual_seed(1))
+    values = set()
+    for words in (D.COLS, 1 << 18, 1 << 23):
+        monkeypatch.setitem(D.CHUNK_WORDS, "cpu", words)
+        values.add(D.as_int(D.torch_digest(buf)))
+    assert len(values) == 1
+
+
+# -- sensitivity: what a transport can do wrong to a bucket -----------------------------------
+
+def _bucket(version: int, b: int = 0) -> torch.Tensor:
+    """Bucket ``b`` of the tiny layout's weights of ``version``, packed as a sender packs it."""
+    plan = plan_buckets(TINY, BUCKET)
+    bufs = {i: torch.zeros(bk.nbytes, dtype=torch.uint8) for i, bk in enumerate(plan.buckets)}
+    for _ in pack_stream(plan, TINY, materialize(TINY, seed=version), lambda i: bufs[i]):
+        pass
+    return bufs[b]
+
+
+def _changed(kind: str, before: torch.Tensor, after: torch.Tensor) -> bool:
+    assert not torch.equal(before, after), "the test must change the bytes"
+    return D.as_int(D.compute(kind, before)) != D.as_int(D.compute(kind, after))
+
+
+KINDS = pytest.mark.parametrize("kind", D.KINDS)
+
+
+@KINDS
+def test_every_single_flipped_bit_is_caught(kind):
+    buf = _bucket(1)
+    n = buf.numel()
+    missed = []
+    for byte in (0, 1, 2, 3, n // 2, n // 2 + 3, n - 5, n - 1):
+        for bit in range(8):
+            bad = buf.clone()
+            bad[byte] ^= 1 << bit
+            if not _changed(kind, buf, bad):
+                missed.append((byte, bit))
+    assert not missed
+
+
+@KINDS
+def test_swapped_8_byte_words_are_caught(kind):
+    buf = _bucket(1)
+    buf = buf[: buf.numel() // 8 * 8].clone()
+    words = buf.view(torch.int64)
+    missed = []
+    for i, j in ((0, 1), (5, 900), (100, words.numel() - 1), (7, words.numel() // 2 + 3)):
+        if words[i] == words[j]:
+            continue
+        bad = buf.clone()
+        w = bad.view(torch.int64)
+        w[i], w[j] = words[j].item(), words[i].item()
+        if not _changed(kind, buf, bad):
+            missed.append((i, j))
+    assert not missed
+
+
+@KINDS
+def test_swapped_words_that_differ_only_in_their_sign_bits_are_caught(kind):
+    """The worst case for a weighted sum that is linear over the data: 8-byte words whose
+    two halves differ only in bit 31, once up and once down, so that plain differences cancel."""
+    buf = torch.zeros(1 << 16, dtype=torch.uint8)
+    halves = buf.view(torch.int32)
+    halves[10], halves[11] = 5, -7                       # word 5: (5, -7)
+    halves[2000], halves[2001] = 5 - 2**31, -7 + 2**31   # word 1000: both sign bits flipped
+    bad = buf.clone()
+    b = bad.view(torch.int64)
+    b[5], b[1000] = buf.view(torch.int64)[1000].item(), buf.view(torch.int64)[5].item()
+    assert _changed(kind, buf, bad)
+
+
+@KINDS
+def test_a_zeroed_tail_is_caught(kind):
+    buf = _bucket(1)
+    bad = buf.clone()
+    bad[-1000:] = 0
+    assert _changed(kind, buf, bad)
+
+
+@KINDS
+def test_a_stale_bucket_from_the_previous_version_is_caught(kind):
+    plan = plan_buckets(TINY, BUCKET)
+    missed = [b for b in range(plan.bucket_count) if not _changed(kind, _bucket(1, b), _bucket(2, b))]
+    assert not missed
+
+
+# -- packing and choosing the kind ------------------------------------------------------------
+
+def test_pack_stream_stores_the_torch_digest_of_each_packed_bucket():
+    plan = plan_buckets(TINY, BUCKET)
+    bufs = {i: torch.zeros(bk.nbytes, dtype=torch.uint8) for i, bk in enumerate(plan.buckets)}
+    sums: dict = {}
+    for _ in pack_stream(plan, TINY, materialize(TINY, seed=3), lambda i: bufs[i], sums, "torch"):
+        pass
+    assert {b: D.as_int(v) for b, v in sums.items()} == {b: D.as_int(D.torch_digest(bufs[b]))
+                                                           for b in range(plan.bucket_count)}
+
+
+def test_batched_packing_writes_the_same_bytes_as_hashed_packing():
+    """Without a streaming hash the copies go through one _foreach_copy_ per bucket."""
+    plan = plan_buckets(TINY, BUCKET)
+    out = []
+    for sums, kind in (({}, "xxh3"), (None, "xxh3"), ({}, "torch")):
+        bufs = {i: torch.zeros(bk.nbytes, dtype=torch.uint8) for i, bk in enumerate(plan.buckets)}
+        for _ in pack_stream(plan, TINY, materialize(TINY, seed=4), lambda i, bufs=bufs: bufs[i], sums, kind):
+            pass
+        out.append(torch.cat(list(bufs.values())))
+    assert same_bits(out[0], out[1]) and same_bits(out[0], out[2])
+
+
+@pytest.mark.parametrize("digest,checksum,device,want", [
+    ("auto", True, "cpu", "xxh3"), ("auto", True, "cuda", "torch"), ("auto", True, "npu", "torch"),
+    ("torch", True, "cpu", "torch"), ("xxh3", True, "cuda", "xxh3"), ("off", True, "cpu", None),
+    ("auto", False, "cuda", None), ("torch", False, "cpu", None),
+])
+def test_kind_follows_where_the_buckets_live(digest, checksum, device, want):
+    assert D.kind_of(SyncConfig(digest=digest, checksum=checksum), device) == want
+
+
+def test_unknown_digest_kind_is_a_config_error():
+    with pytest.raises(ConfigError, match="digest must be one of auto, xxh3, torch, off"):
+        SyncConfig.from_mapping({"digest": "crc32"})
+
+
+# -- end to end, real Ray actors --------------------------------------------------------------
+
+def _corrupting(fill, target: int):
+    """``fill`` with one byte of bucket ``target`` flipped after the sender digested it and
+    before the transport publishes it: what a receiver sees after corruption in transit."""
+    def run(bucket_buffer, *args):
+        bufs, done = {}, []
+
+        def hit():
+            if not done and target in bufs:
+                bufs[target][3] ^= 0x40
+                done.append(True)
+
+        def wrapped(b):
+            if b > target:
+                hit()  # bucket ``target`` is complete and digested once a later one is asked for
+            bufs[b] = bucket_buffer(b)
+            return bufs[b]
+
+        for b in fill(wrapped, *args):
+            if b == target:
+                hit()
+            yield b
+        hit()
+    return run
+
+
+class CorruptingTrainer(TrainerWorker):
+    """A trainer whose transport gets one corrupted bucket in the version named."""
+
+    def corrupt_next(self, version: int, bucket: int) -> None:
+        transport = self.sender.transport
+        stage = transport.stage
+
+        def corrupted_stage(v, slot, fill, announce):
+            return stage(v, slot, _corrupting(fill, bucket) if v == version else fill, announce)
+
+        transport.stage = corrupted_stage
+
+
+ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])
+
+
+def _start(coordinator_factory, actors, transport: str, digest: str, receivers: int):
+    cfg = {"transport": transport, "bucket_mb": BUCKET / 2**20, "device": "cpu", "digest": digest}
+    coord = coordinator_factory(cfg)
+    rs = [actors.add(ray.remote(RolloutWorker).options(num_cpus=0).remote(
+        coord, TINY.to_wire(), f"rollout-{i}", rank=i, config=cfg)) for i in range(receivers)]
+    trainer = actors.add(ray.remote(CorruptingTrainer).options(num_cpus=0).remote(
+        coord, TINY.to_wire(), config=cfg, expected_receivers=receivers))
+    return coord, rs, trainer
+
+
+def _step(rs, trainer, version):
+    applied = [r.apply.remote(version) for r in rs]
+    result = ray.get(trainer.step.remote(version))
+    return result, applied
+
+
+@pytest.mark.scenario("bad input", "bucket corrupted in transit (torch digest)")
+@pytest.mark.parametrize("transport", ["shm", "ipc", "broadcast"])
+def test_torch_digest_refuses_a_corrupted_bucket(coordinator_factory, actors, transport):
+    coord, rs, trainer = _start(coordinator_factory, actors, transport, "torch", receivers=1)
+    _, applied = _step(rs, trainer, 1)
+    assert ray.get(applied) == [1]
+    ray.get(trainer.corrupt_next.remote(2, 0))
+    applied = rs[0].apply.remote(2)
+    with pytest.raises(SyncFailed) as err:
+        ray.get(trainer.step.remote(2))
+    with pytest.raises(Exception, match="torch digest"):
+        ray.get(applied)
+    why = err.value.failed["rollout-0"]
+    weights = ray.get(rs[0].weights.remote())
+    expected = materialize(TINY, seed=1)
+    assert ("ChecksumError" in why and "bucket 0 of version 2" in why
+            and ray.get(rs[0].version.remote()) == 1
+            and all(same_bits(weights[n], expected[n]) for n in expected)), why
+
+
+@pytest.mark.parametrize("transport,digest", [("shm", "auto"), ("ipc", "torch"), ("broadcast", "torch")])
+def test_version_digest_is_the_same_on_sender_and_every_receiver(coordinator_factory, actors, transport, digest):
+    coord, rs, trainer = _start(coordinator_factory, actors, transport, digest, receivers=2)
+    for v in (1, 2):
+        _, applied = _step(rs, trainer, v)
+        ray.get(applied)
+    seen = {v["version"]: (v["digest"], v["receiver_digests"]) for v in coord.status()["versions"]}
+    kind = "xxh3" if digest == "auto" else digest
+    assert all(sent.startswith(f"{kind}:") and got == {"rollout-0": sent, "rollout-1": sent}
+               for sent, got in seen.values()), seen

@@ -1,0 +1,245 @@
+"""Bucket digests: one per bucket per transport, checked by every receiver before it loads.
+
+Two kinds:
+
+- ``xxh3``: xxh3-64 of the bucket's bytes on the host. The fastest choice for host memory
+  (one pass, SIMD, hashed from cache while the bucket is packed), but a device bucket
+  would need a copy to host first.
+- ``torch``: a 64-bit position-weighted sum computed with torch ops on the bucket's own
+  device (CPU, CUDA, NPU alike), so NCCL / HCCL broadcast and device IPC are verified end
+  to end without moving a byte to the host.
+
+``auto`` (the config default) picks xxh3 for buckets in host memory and torch for device
+buckets; docs/digest.md has the measurements behind that choice.
+
+The torch digest. The bucket is read as little-endian int32 words, zero-padded at the end,
+in rows of COLS words: x[r, c]; rot(x) is x with its two 16-bit halves swapped. With odd
+pseudo-random weights that depend only on the position (so every device and every
+chunking computes the same value):
+    lane_1[r, c] = x[r, c] * A_1[c]       mod 2**32, as a signed int32
+    lane_2[r, c] = rot(x[r, c]) * A_2[c]  mod 2**32, as a signed int32
+    s_k[r]       = sum_c lane_k[r, c]            exact in int64 (|s_k| < 2**48)
+    D            = n * LENGTH_MIX + sum_r R[r] * (s_1[r] + 2**32 * s_2[r])   mod 2**64
+Why it catches what a transport can do wrong:
+- a change confined to one word (a flipped bit, one corrupted word) changes s_1[r] by some
+  d with 0 < |d| < 2**32 (A_1 odd), so the row term moves by R[r] * (d + 2**32 * d2), whose
+  lowest set bit is d's, below bit 32; R[r] is odd: D always changes;
+- 4-byte words, not 8-byte ones, keep every lane difference below 2**32 for that reason;
+- several words changed in one row (swapped words, a torn stretch) move s_1 and s_2 by
+  sums of lane differences that wrap mod 2**32, so they are not linear in the data: both
+  must cancel for D to stay, about 2**-64 for data not chosen against the tables. A
+  multiply mod 2**32 carries a change only upwards: words that differ only in bit 31 (a
+  sign bit) differ only in bit 31 of lane 1 too, and a few such differences cancel easily.
+  rot() moves bit 31 to bit 15 for lane 2, where the multiply spreads it over 17 bits;
+- changes spread over rows (a stale bucket from the previous version, a zeroed tail, a
+  shifted copy) must cancel in a sum weighted by the independent odd 64-bit R[r]: about
+  2**-63 whenever the low bits of some row's change move, as real weight updates do.
+It is a checksum against faults, not a MAC: it does not resist a crafted collision.
+Cost: per chunk one half-word swap and two int32 multiplies into a reused buffer, one row
+sum; one small combination per bucket; no host transfer until the value is read.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Iterable, Sequence
+from typing import Any
+
+import numpy as np
+import torch
+import xxhash
+
+from .errors import ChecksumError, ConfigError
+
+KINDS = ("xxh3", "torch")
+CHOICES = ("auto", "xxh3", "torch", "off")
+MASK = (1 << 64) - 1
+COLS = 1 << 16  # weights per row: the column table is 512 KiB per device
+LENGTH_MIX = 0x9E3779B97F4A7C15  # the byte length enters D too: buckets of other sizes differ
+# words digested per step: the int64 products of one step stay in L2 on a CPU; on a device a
+# step is one kernel launch per op, so there it is larger (fewer launches, 32 MiB scratch)
+CHUNK_WORDS = {"cpu": 1 << 18}
+DEVICE_CHUNK_WORDS = 1 << 22
+_SEED_COL, _SEED_ROW = 0x5753594E43434F4C, 0x5753594E43524F57
+
+
+def resolve(choice: str, checksum: bool, device: torch.device | str) -> str | None:
+    """The digest kind for buckets that live on ``device``; None: no digest.
+    ``checksum: false`` (the older switch) is ``off``."""
+    if choice not in CHOICES:
+        raise ConfigError(f"digest must be one of {', '.join(CHOICES)}; got {choice!r}")
+    if not checksum or choice == "off":
+        return None
+    if choice != "auto":
+        return choice
+    kind = device.type if isinstance(device, torch.device) else str(device).split(":")[0]
+    return "xxh3" if kind == "cpu" else "torch"
+
+
+def kind_of(config: Any, device: torch.device | str) -> str | None:
+    """``resolve`` for a SyncConfig (one written before the ``digest`` field means auto)."""
+    return resolve(getattr(config, "digest", "auto"), bool(config.checksum), device)
+
+
+# -- xxh3 -------------------------------------------------------------------------------------
+
+def xxh3(buf: torch.Tensor) -> int:
+    """xxh3-64 of a uint8 buffer, without copying it when it is on the host."""
+    if buf.device.type != "cpu":
+        buf = buf.cpu()
+    return xxhash.xxh3_64_intdigest(memoryview(buf.numpy()))
+
+
+# -- the torch digest -------------------------------------------------------------------------
+
+def _splitmix(seed: int, start: int, count: int) -> np.ndarray:
+    """Odd pseudo-random 64-bit values for indices [start, start + count), as int64."""
+    with np.errstate(over="ignore"):
+        z = (np.arange(start, start + count, dtype=np.uint64) + np.uint64(1)) * np.uint64(0x9E3779B97F4A7C15)
+        z += np.uint64(seed)
+        z = (z ^ (z >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
+        z = (z ^ (z >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
+        z ^= z >> np.uint64(31)
+    return (z | np.uint64(1)).view(np.int64)
+
+
+class _Tables:
+    """Weight tables of one device, grown (never changed) as larger buckets come."""
+
+    def __init__(self, device: torch.device):
+        self.device = device
+        lanes = _splitmix(_SEED_COL, 0, 2 * COLS).view(np.uint64) & np.uint64(0xFFFFFFFF)
+        # two odd 32-bit weights per column, as the int32 with the same bits
+        self.cols = torch.from_numpy(lanes.astype(np.uint32).view(np.int32).reshape(2, COLS).copy()).to(device)
+        self.rows = torch.empty(0, dtype=torch.int64, device=device)
+
+    def rows_upto(self, n: int) -> torch.Tensor:
+        if self.rows.numel() < n:
+            grown = max(n, 2 * self.rows.numel(), 64)
+            self.rows = torch.from_numpy(_splitmix(_SEED_ROW, 0, grown)).to(self.device)
+        return self.rows
+
+
+_tables: dict[torch.device, _Tables] = {}
+_tables_lock = threading.Lock()
+_scratch = threading.local()  # per thread: prefetch() may digest beside apply()
+
+
+def _tables_for(device: torch.device) -> _Tables:
+    with _tables_lock:
+        t = _tables.get(device)
+        if t is None:
+            t = _tables[device] = _Tables(device)
+        return t
+
+
+def _scratch_for(device: torch.device, rows: int) -> torch.Tensor:
+    cache = getattr(_scratch, "bufs", None)
+    if cache is None:
+        cache = _scratch.bufs = {}
+    buf = cache.get(device)
+    if buf is None or buf.shape[1] < rows:
+        buf = cache[device] = torch.empty((3, rows, COLS), dtype=torch.int32, device=device)
+    return buf[:, :rows]
+
+
+def _words(buf: torch.Tensor) -> torch.Tensor:
+    """The whole int32 words of a uint8 buffer, as a view where the buffer is 4-byte aligned."""
+    body = buf[: buf.numel() // 4 * 4]
+    if body.storage_offset() % 4:
+        body = body.clone()  # an odd start; buckets never have one, slices of them might
+    return body.view(torch.int32)
+
+
+def _rot(words: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+    """int32 words with their 16-bit halves swapped."""
+    out = torch.bitwise_left_shift(words, 16, out=out)
+    return out.bitwise_or_(torch.bitwise_right_shift(words, 16).bitwise_and_(0xFFFF))
+
+
+def torch_digest(buf: torch.Tensor) -> torch.Tensor:
+    """The digest of a 1-D uint8 buffer as a 0-dim int64 tensor on the buffer's device (no
+    host synchronization: read it with :func:`as_int` when it is needed)."""
+    if buf.dim() != 1 or buf.dtype != torch.uint8:
+        raise TypeError(f"torch_digest needs a 1-D uint8 tensor, got {buf.dtype} of shape {tuple(buf.shape)}")
+    device, n = buf.device, buf.numel()
+    words = _words(buf)
+    nw = words.numel()
+    full_rows, rest = divmod(nw, COLS)
+    tail = n - nw * 4
+    nrows = full_rows + (1 if rest or tail else 0)
+    tables = _tables_for(device)
+    cols = tables.cols
+    sums = torch.zeros((max(nrows, 1), 2), dtype=torch.int64, device=device)
+    step = max(1, CHUNK_WORDS.get(device.type, DEVICE_CHUNK_WORDS) // COLS)
+    for r0 in range(0, full_rows, step):
+        r1 = min(full_rows, r0 + step)
+        block = words[r0 * COLS: r1 * COLS].view(r1 - r0, COLS)
+        scratch = _scratch_for(device, r1 - r0)  # lane 1, lane 2, rot(block)
+        torch.mul(block, cols[0], out=scratch[0])
+        torch.mul(_rot(block, out=scratch[2]), cols[1], out=scratch[1])
+        sums[r0:r1] = scratch[:2].sum(-1).T
+    if nrows > full_rows:
+        last = words[full_rows * COLS:]
+        if tail:
+            pad = torch.zeros(4, dtype=torch.uint8, device=device)
+            pad[:tail] = buf[nw * 4:]
+            last = torch.cat([last, pad.view(torch.int32)])
+        k = last.numel()
+        sums[full_rows, 0] = (last * cols[0, :k]).sum()
+        sums[full_rows, 1] = (_rot(last) * cols[1, :k]).sum()
+    rows = tables.rows_upto(max(nrows, 1))[: sums.shape[0]]
+    combined = sums[:, 0] + sums[:, 1] * (1 << 32)
+    return (combined * rows).sum() + _signed(n * LENGTH_MIX)
+
+
+def _signed(v: int) -> int:
+    v &= MASK
+    return v - (1 << 64) if v >> 63 else v
+
+
+def as_int(value: int | torch.Tensor) -> int:
+    """A digest as an unsigned 64-bit Python int (reads a device value: synchronizes)."""
+    if isinstance(value, torch.Tensor):
+        value = int(value.item())
+    return value & MASK
+
+
+def compute(kind: str, buf: torch.Tensor) -> int | torch.Tensor:
+    """The digest of ``buf`` in ``kind``; a torch digest stays a device value."""
+    if kind == "xxh3":
+        return xxh3(buf)
+    if kind == "torch":
+        return torch_digest(buf)
+    raise ValueError(f"unknown digest kind {kind!r}")
+
+
+def verify(kind: str, bucket_index: int, buf: torch.Tensor, expected: int, version: int) -> None:
+    """Raise ChecksumError if ``buf`` does not digest to what the sender wrote."""
+    got = as_int(compute(kind, buf))
+    if got != expected & MASK:
+        raise ChecksumError(f"bucket {bucket_index} of version {version} is corrupted: {kind} digest {got:016x}, "
+                            f"sender wrote {expected & MASK:016x}")
+
+
+def version_digest(kind: str | None, bucket_digests: Sequence[int] | Iterable[int]) -> str | None:
+    """One value for a whole version, from its bucket digests in plan order: equal on the
+    sender and on every receiver that holds the same version. None without digests."""
+    if kind is None:
+        return None
+    values = [as_int(d) for d in bucket_digests]
+    h = xxhash.xxh3_64(kind.encode())
+    h.update(np.asarray(values, dtype=np.uint64).tobytes())
+    return f"{kind}:{h.hexdigest()}"
+
+
+def metrics(version_record: dict[str, Any]) -> dict[str, float]:
+    """Numeric digest metrics of one version (coordinator ``metrics(version)``) for trainer
+    loggers, which take numbers only: the low 32 bits of the sender's version digest (exact
+    in a float; the full value is in status()) and whether every receiver reported the same."""
+    sent = version_record.get("digest")
+    if not sent:
+        return {}
+    got = list((version_record.get("receiver_digests") or {}).values())
+    return {"weightsync/digest": float(int(sent.rsplit(":", 1)[-1][-8:], 16)),
+            "weightsync/digest_agree": float(bool(got) and all(d == sent for d in got))}
