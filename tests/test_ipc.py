@@ -12,7 +12,7 @@ from weightsync.capabilities import DISABLE_IPC_VAR
 from weightsync.errors import ConfigError, ProtocolError, SyncFailed
 from weightsync.layouts import layout, materialize
 from weightsync.testing import RolloutWorker, TrainerWorker, same_bits
-from weightsync.transports.ipc import import_handle, tag
+from weightsync.transports.ipc_wire import import_handle, tag
 
 # 30 KiB buckets: the 125 KiB embedding of "tiny" spans five buckets, more than the two
 # ping-pong buffers, which is the case that needs buckets published before their tensor ends
@@ -140,7 +140,7 @@ def test_tags_order_buckets_within_and_across_versions():
 _CHILD = """
 import sys, torch
 from weightsync import protocol
-from weightsync.transports.ipc import import_handle
+from weightsync.transports.ipc_wire import import_handle
 if sys.argv[1] == "npu":
     import torch_npu  # noqa: F401
 t = import_handle(protocol.decode(sys.stdin.buffer.read()))
@@ -155,7 +155,7 @@ def _roundtrip_in_child(kind: str):
 
     from weightsync import protocol
     from weightsync.device import resolve
-    from weightsync.transports.ipc import export_handle
+    from weightsync.transports.ipc_wire import export_handle
 
     dev = resolve(kind)
     t = torch.arange(4096, dtype=torch.int32, device=dev).view(torch.uint8)

@@ -34,7 +34,6 @@ from __future__ import annotations
 
 import secrets
 import struct
-import threading
 import time
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -56,54 +55,13 @@ from .groups import (  # noqa: F401  (re-exported: bench/collective.py and the t
     host_store,
     new_process_group,
     probe,
+    retire,
+    settle,
     store_host,
 )
 
 TRAILER = 8  # bytes of the digest that follows a bucket's payload
-POLL_S = 0.25  # how long a collective may be silent before we ask the coordinator why
 BUFFERS = 2  # per side: one bucket in flight while the other is packed (or loaded)
-
-
-def settle(work: Any, deadline: float, poll: Callable[[], None], what: str) -> None:
-    """Wait for a collective; while it is slow, ``poll()`` (raises if the version is off)."""
-    done = threading.Event()
-    try:
-        work.get_future().add_done_callback(lambda _: done.set())
-        wait = done.wait
-    except (RuntimeError, AttributeError):  # a backend without futures: poll the work
-        def wait(limit: float) -> bool:
-            end = time.monotonic() + limit
-            while not work.is_completed() and time.monotonic() < end:
-                time.sleep(1e-4)
-            return work.is_completed()
-    while not wait(max(0.0, min(POLL_S, deadline - time.monotonic()))):
-        if time.monotonic() >= deadline:
-            raise DeadlineExceeded(f"{what} did not complete before the deadline")
-        poll()
-    # raises the op's own error; on a device it orders the current stream after the op
-    work.wait()
-
-
-def retire(group: Group | None, works: list[Any], what: str) -> None:
-    """Let a broken group's pending ops end (error or their own timeout) off the caller's
-    path: a gloo group's destructor waits for them, and they may still write into buffers
-    that the caller has already replaced."""
-    if group is None and not works:
-        return
-
-    def drain() -> None:
-        for w in works:
-            try:
-                w.wait()
-            except Exception:
-                pass
-        try:
-            if group is not None:
-                group.abort()
-        except Exception:
-            pass
-
-    threading.Thread(target=drain, name=f"weightsync-retire-{what}", daemon=True).start()
 
 
 def put_checksum(buf: torch.Tensor, n: int, value: int | torch.Tensor | None = None,
@@ -164,27 +122,9 @@ class _End:
         names = [group["sender"]] + list(group["members"])
         prefix = f"weightsync/{self.ctx.session}/{self.ctx.digest[:16]}/{group.get('nonce')}/epoch{group['epoch']}"
         timeout = max(0.001, min(self.ctx.config.connect_timeout_s, deadline - time.monotonic()))
-        box: dict[str, Any] = {}
-
-        def build() -> None:
-            try:
-                box["group"] = Group.build(self.backend, self._store(), prefix, rank, len(names), self.device,
-                                           timeout, names, self.communicator)
-            except BaseException as exc:
-                box["error"] = exc
-
-        thread = threading.Thread(target=build, name=f"weightsync-bcast-build-{self.ctx.name}", daemon=True)
-        thread.start()
-        limit = time.monotonic() + timeout + 1.0
-        while thread.is_alive():
-            thread.join(POLL_S)
-            if thread.is_alive():
-                if time.monotonic() >= limit:
-                    raise DeadlineExceeded(f"building broadcast group epoch {group['epoch']} took over {timeout:.1f}s")
-                poll()
-        if "error" in box:
-            raise box["error"]
-        self.group = box["group"]
+        self.group = Group.build_polled(self.backend, self._store(), prefix, rank, len(names), self.device,
+                                        timeout, names, self.communicator, poll,
+                                        f"building broadcast group epoch {group['epoch']}")
         self.group.epoch = ident
         self.ctx.account("bcast_groups", +1)
         return self.group

@@ -26,6 +26,8 @@ import datetime
 import importlib
 import os
 import socket
+import threading
+import time
 import zlib
 from collections.abc import Callable
 from typing import Any
@@ -299,6 +301,33 @@ class Group:
             raise ProtocolError(f"broadcast group {prefix!r}: rank {rank} met another group's traffic")
         return group
 
+    @classmethod
+    def build_polled(cls, backend: str, store: Any, prefix: str, rank: int, size: int, device: torch.device,
+                     timeout: float, names: list[str], communicator: str, poll: Callable[[], None],
+                     what: str) -> Group:
+        """:meth:`build` in a helper thread while this one keeps calling ``poll()`` (which
+        raises if the version was aborted meanwhile): a rendezvous can wait on a dead peer."""
+        box: dict[str, Any] = {}
+
+        def run() -> None:
+            try:
+                box["group"] = cls.build(backend, store, prefix, rank, size, device, timeout, names, communicator)
+            except BaseException as exc:
+                box["error"] = exc
+
+        thread = threading.Thread(target=run, name=f"weightsync-bcast-build-{names[rank]}", daemon=True)
+        thread.start()
+        limit = time.monotonic() + timeout + 1.0
+        while thread.is_alive():
+            thread.join(POLL_S)
+            if thread.is_alive():
+                if time.monotonic() >= limit:
+                    raise DeadlineExceeded(f"{what} took over {timeout:.1f}s")
+                poll()
+        if "error" in box:
+            raise box["error"]
+        return box["group"]
+
     def broadcast(self, tensor: torch.Tensor, timeout: float) -> Any:
         return self.comm.broadcast(tensor, timeout)
 
@@ -310,3 +339,48 @@ def _tag(prefix: str) -> int:
     return zlib.crc32(prefix.encode()) & 0x7FFFFFFF
 
 
+# -- waiting on collectives ------------------------------------------------------------
+
+POLL_S = 0.25  # how long a collective may be silent before we ask the coordinator why
+
+
+def settle(work: Any, deadline: float, poll: Callable[[], None], what: str) -> None:
+    """Wait for a collective; while it is slow, ``poll()`` (raises if the version is off)."""
+    done = threading.Event()
+    try:
+        work.get_future().add_done_callback(lambda _: done.set())
+        wait = done.wait
+    except (RuntimeError, AttributeError):  # a backend without futures: poll the work
+        def wait(limit: float) -> bool:
+            end = time.monotonic() + limit
+            while not work.is_completed() and time.monotonic() < end:
+                time.sleep(1e-4)
+            return work.is_completed()
+    while not wait(max(0.0, min(POLL_S, deadline - time.monotonic()))):
+        if time.monotonic() >= deadline:
+            raise DeadlineExceeded(f"{what} did not complete before the deadline")
+        poll()
+    # raises the op's own error; on a device it orders the current stream after the op
+    work.wait()
+
+
+def retire(group: Group | None, works: list[Any], what: str) -> None:
+    """Let a broken group's pending ops end (error or their own timeout) off the caller's
+    path: a gloo group's destructor waits for them, and they may still write into buffers
+    that the caller has already replaced."""
+    if group is None and not works:
+        return
+
+    def drain() -> None:
+        for w in works:
+            try:
+                w.wait()
+            except Exception:
+                pass
+        try:
+            if group is not None:
+                group.abort()
+        except Exception:
+            pass
+
+    threading.Thread(target=drain, name=f"weightsync-retire-{what}", daemon=True).start()

@@ -5,21 +5,9 @@ and shares them by handle; receivers open the handles once and load every bucket
 out of the shared buffer, so a version never crosses host memory on an accelerator. On
 CPU the buffers are files in /dev/shm shared by name: the same protocol, testable here.
 
-Handles cross the process boundary as plain msgpack data. ``reduce_tensor`` (torch_npu
-patches it for NPU) returns a rebuild function and its arguments; we ship the arguments'
-values only (sizes, dtype name, handle bytes) and the receiver calls a rebuild function
-from a fixed allowlist, so nothing is ever unpickled. The device index in a handle is the
-sender's logical index; it is sent as a physical id and mapped back to the receiver's own
-numbering (Ray actors see renumbered devices through *_VISIBLE_DEVICES).
-
-Handshakes run through a small control segment in /dev/shm (uint64 words), no
-coordinator round trip per bucket:
-  [0] magic [1] layout digest [2] buffer count [3] receiver slots [4] sender pid [5] digest kind
-  [16 + 4k] ready word of buffer k: tag(version, bucket) once written, 0 while being written
-  [17 + 4k] digest of the bucket in buffer k: xxh3 for host buffers, the torch digest computed
-            on the device for device buffers (digest: auto), so device ipc is verified too
-  [48 + 16r] receiver slot r: owner (hash of the receiver's name), [+1] pid,
-             [+2 + k] tag of the last bucket the receiver finished with in buffer k
+Handles cross the process boundary as plain msgpack data and handshakes run through a small
+control segment in /dev/shm, no coordinator round trip per bucket: both wire formats are laid
+out in :mod:`weightsync.transports.ipc_wire`.
 Bucket b of a version goes to buffer b % nbuf. Before overwriting a buffer the sender waits
 until every receiver taking part in the version released the bucket it held; a receiver
 the coordinator declared failed or dead is no longer waited for, and a receiver that is not
@@ -36,129 +24,39 @@ unchanged until it returns.
 from __future__ import annotations
 
 import fcntl
-import importlib
 import os
 from collections.abc import Callable, Iterator
 from typing import Any
 
 import numpy as np
 import torch
-import xxhash
 
 from .. import device as devices
 from ..digest import as_int, compute, kind_of
 from ..errors import CapacityError, DeadlineExceeded, ProtocolError, VersionError
-from ..manifest import dtype_name, dtype_of
 from ..plan import align_up
 from ..versions import State
 from .base import Aborted, Fill, Received, ReceiverTransport, SenderTransport, TransportContext, poll_until
+from .ipc_wire import (
+    BUCKET_BITS,
+    CONTROL_BYTES,
+    KIND_CODE,
+    MAGIC,
+    MAX_BUFFERS,
+    MAX_RECEIVERS,
+    NBUF,
+    SLOT0,
+    SLOT_WORDS,
+    check_nd,
+    export_handle,
+    find_slot,
+    import_handle,
+    owner_word,
+    ready_word,
+    slot_word,
+    tag,
+)
 from .shm import PAGE, SEGMENT_NAME, Segment, check_space, digest_word, reap_stale, segment_name
-
-MAGIC = 0x5753594E43495043  # "WSYNCIPC"
-NBUF = 2
-MAX_BUFFERS = 8
-MAX_RECEIVERS = 256
-_BUF0, _BUF_WORDS = 16, 4
-_SLOT0, _SLOT_WORDS = _BUF0 + MAX_BUFFERS * _BUF_WORDS, 16
-CONTROL_BYTES = (_SLOT0 + MAX_RECEIVERS * _SLOT_WORDS) * 8
-_BUCKET_BITS = 24
-_KIND_CODE = {None: 0, "xxh3": 1, "torch": 2}
-# rebuild functions a receiver may call, by device type; nothing else is ever invoked
-_REBUILD = {
-    "cuda": ("torch.multiprocessing.reductions", "rebuild_cuda_tensor"),
-    "npu": ("torch_npu.multiprocessing.reductions", "rebuild_npu_tensor"),
-}
-
-
-def tag(version: int, bucket: int) -> int:
-    """One monotonic word per (version, bucket): later buckets and versions compare larger."""
-    return ((version + 1) << _BUCKET_BITS) | bucket
-
-
-def owner_word(name: str) -> int:
-    return xxhash.xxh3_64_intdigest(name.encode()) | 1  # never 0, which marks a free slot
-
-
-# -- device handles as plain data ------------------------------------------------------------
-
-def export_handle(t: torch.Tensor) -> dict[str, Any]:
-    """A device tensor's IPC handle as msgpack-safe data."""
-    from torch.multiprocessing import reductions  # looked up now: torch_npu patches it on import
-
-    kind = t.device.type
-    rebuild, args = reductions.reduce_tensor(t)
-    if (getattr(rebuild, "__module__", ""), getattr(rebuild, "__name__", "")) != _REBUILD.get(kind):
-        raise ProtocolError(f"ipc: {kind} tensors reduce through {rebuild!r}, not an IPC handle this version "
-                            f"of weightsync knows; use transport 'shm'")
-    (_cls, size, stride, offset, storage_cls, dtype, dev, handle, nbytes, storage_offset,
-     _grad, ref_handle, ref_offset, event, event_sync) = args
-    return {
-        "kind": kind, "physical": devices.physical_index(torch.device(kind, int(dev))),
-        "size": [int(x) for x in size], "stride": [int(x) for x in stride], "offset": int(offset),
-        "typed": storage_cls is torch.storage.TypedStorage, "dtype": dtype_name(dtype),
-        "handle": bytes(handle), "storage_bytes": int(nbytes), "storage_offset": int(storage_offset),
-        "ref_handle": None if ref_handle is None else bytes(ref_handle), "ref_offset": int(ref_offset or 0),
-        "event": None if event is None else bytes(event), "event_sync": bool(event_sync),
-    }
-
-
-def _field(h: dict[str, Any], key: str, kind: type | tuple[type, ...]) -> Any:
-    value = h.get(key)
-    if not isinstance(value, kind) or (isinstance(value, bool) and kind is int):
-        raise ProtocolError(f"ipc handle field {key!r} is malformed: {type(value).__name__}")
-    return value
-
-
-def import_handle(h: dict[str, Any]) -> torch.Tensor:
-    """Open a handle from :func:`export_handle` on this process's view of the same device."""
-    kind = _field(h, "kind", str)
-    if kind not in _REBUILD:
-        raise ProtocolError(f"ipc handle of unknown kind {kind!r}")
-    physical = _field(h, "physical", int)
-    local = devices.local_index(kind, physical)
-    if local is None:
-        var = devices.visible_devices_var(kind)
-        raise ProtocolError(f"ipc: the sender's buffers are on physical {kind} {physical}, which this receiver "
-                            f"cannot see ({var}={os.environ.get(var or '', '')!r}); ipc needs both on one device")
-    module, name = _REBUILD[kind]
-    rebuild = getattr(importlib.import_module(module), name)
-    ints = [_field(h, k, int) for k in ("offset", "storage_bytes", "storage_offset", "ref_offset")]
-    size = [int(x) for x in _field(h, "size", list)]
-    stride = [int(x) for x in _field(h, "stride", list)]
-    return rebuild(
-        torch.Tensor, torch.Size(size), tuple(stride), ints[0],
-        torch.storage.TypedStorage if _field(h, "typed", bool) else torch.UntypedStorage,
-        dtype_of(_field(h, "dtype", str)), local, _field(h, "handle", bytes), ints[1], ints[2], False,
-        _field(h, "ref_handle", (bytes, type(None))), ints[3], _field(h, "event", (bytes, type(None))),
-        _field(h, "event_sync", bool),
-    )
-
-
-def _check_nd(t: torch.Tensor) -> None:
-    if t.device.type != "npu":
-        return
-    import torch_npu
-
-    fmt = torch_npu.get_npu_format(t)
-    if fmt != 2:  # ACL_FORMAT_ND
-        raise CapacityError(f"ipc: the bucket buffer has NPU format {fmt}, not ND; FRACTAL_NZ and other private "
-                            f"formats cannot be shared by handle (set VLLM_ASCEND_ENABLE_NZ=0)")
-
-
-# -- the control block ------------------------------------------------------------------------
-
-def _ready(k: int) -> int:
-    return _BUF0 + _BUF_WORDS * k
-
-
-def _slot(r: int) -> int:
-    return _SLOT0 + _SLOT_WORDS * r
-
-
-def _find_slot(words: np.ndarray, owner: int) -> int | None:
-    owners = words[_SLOT0::_SLOT_WORDS][:MAX_RECEIVERS]
-    hit = np.flatnonzero(owners == np.uint64(owner))
-    return int(hit[0]) if hit.size else None
 
 
 class _Watch:
@@ -184,21 +82,21 @@ class _Watch:
     def pending(self, words: np.ndarray, need: int, k: int) -> list[str]:
         """Receivers still holding the bucket tagged ``need`` in buffer ``k``."""
         if not self.known:  # no coordinator: wait for every receiver attached to the block
-            owners = words[_SLOT0::_SLOT_WORDS][:MAX_RECEIVERS]
+            owners = words[SLOT0::SLOT_WORDS][:MAX_RECEIVERS]
             return [f"slot {r}" for r in np.flatnonzero(owners)
-                    if int(words[_slot(int(r)) + 2 + k]) < need]
+                    if int(words[slot_word(int(r)) + 2 + k]) < need]
         out = []
         for name in self.names:
             if name in self.done:
                 continue
             r = self.slots.get(name)
             if r is None:
-                r = _find_slot(words, owner_word(name))
+                r = find_slot(words, owner_word(name))
                 if r is None:
                     out.append(name)  # not attached yet: it still has every bucket to read
                     continue
                 self.slots[name] = r
-            if int(words[_slot(r) + 2 + k]) < need:
+            if int(words[slot_word(r) + 2 + k]) < need:
                 out.append(name)
         return out
 
@@ -220,7 +118,7 @@ class IpcSender(SenderTransport):
             self.control = self._segment(CONTROL_BYTES, "an ipc control block", "ipc_control")
             w = self.control.words
             w[0], w[1], w[2], w[3], w[4], w[5] = (MAGIC, digest_word(ctx.digest), self.nbuf, MAX_RECEIVERS,
-                                                   os.getpid(), _KIND_CODE[self.digest_kind])
+                                                   os.getpid(), KIND_CODE[self.digest_kind])
             for _ in range(self.nbuf):
                 self._allocate()
         except BaseException:
@@ -246,7 +144,7 @@ class IpcSender(SenderTransport):
             return
         devices.set_current(self.ctx.device)
         t = torch.empty(self.capacity, dtype=torch.uint8, device=self.ctx.device)
-        _check_nd(t)
+        check_nd(t)
         self.handles.append(export_handle(t))
         self.buffers.append(t)
         self.ctx.account("ipc_handles", +1)
@@ -258,7 +156,7 @@ class IpcSender(SenderTransport):
                 "device": devices.describe(self.ctx.device)}
 
     def stage(self, version: int, slot: int, fill: Fill, announce: Callable[[dict[str, Any]], None]) -> dict[str, Any]:
-        if not 0 <= version < 1 << (63 - _BUCKET_BITS) or self.ctx.plan.bucket_count >= 1 << _BUCKET_BITS:
+        if not 0 <= version < 1 << (63 - BUCKET_BITS) or self.ctx.plan.bucket_count >= 1 << BUCKET_BITS:
             raise VersionError(f"ipc: version {version} is out of range (0 .. 2**39)")
         # a newer version supersedes one staged but never sent
         self._pending = {version: fill}
@@ -297,10 +195,10 @@ class IpcSender(SenderTransport):
                     # a device digest was queued behind the copies: reading it costs no extra wait
                     s = hashed.pop(b, None)
                     sums.append(as_int(compute(kind, self.buffers[k][: plan.buckets[b].nbytes]) if s is None else s))
-                    w[_ready(k) + 1] = sums[-1]
+                    w[ready_word(k) + 1] = sums[-1]
                 if self.on_packed is not None:
                     self.on_packed(version, b, self.buffers[k][: plan.buckets[b].nbytes])
-                w[_ready(k)] = tag(version, b)
+                w[ready_word(k)] = tag(version, b)
                 published = b
 
         def bucket_buffer(b: int) -> torch.Tensor:
@@ -311,7 +209,7 @@ class IpcSender(SenderTransport):
             k = b % self.nbuf
             if b >= self.nbuf:
                 self._wait_released(version, b - self.nbuf, k, watch, deadline)
-            w[_ready(k)] = 0  # receivers that outlived their turn see the overwrite
+            w[ready_word(k)] = 0  # receivers that outlived their turn see the overwrite
             return self.buffers[k][: plan.buckets[b].nbytes]
 
         for b in fill(bucket_buffer, hashed, kind or "xxh3"):
@@ -415,12 +313,12 @@ class IpcReceiver(ReceiverTransport):
         w = self.control.words
         fcntl.flock(self.control.fd, fcntl.LOCK_EX)  # receivers attach concurrently
         try:
-            r = _find_slot(w, me)
+            r = find_slot(w, me)
             if r is None:
-                r = _find_slot(w, 0)
+                r = find_slot(w, 0)
                 if r is None:
                     raise CapacityError(f"ipc: all {MAX_RECEIVERS} receiver slots of the session are taken")
-            base = _slot(r)
+            base = slot_word(r)
             w[base + 2: base + 2 + MAX_BUFFERS] = 0
             w[base + 1] = os.getpid()
             w[base] = me
@@ -433,11 +331,11 @@ class IpcReceiver(ReceiverTransport):
         self._follow(info)
         self._check_member(version)
         w = self.control.words
-        mine = _slot(self.slot)
+        mine = slot_word(self.slot)
         for b, bucket in enumerate(self.ctx.plan.buckets):
             k = b % self.nbuf
             want = tag(version, b)
-            word = _ready(k)
+            word = ready_word(k)
             if int(w[word]) != want:
                 self._wait(w, word, want, version, b, deadline, check)
             expected = int(w[word + 1]) if self.kind else None
@@ -478,7 +376,7 @@ class IpcReceiver(ReceiverTransport):
     def close(self) -> None:
         if self.slot is not None and getattr(self, "control", None) is not None:
             w = self.control.words
-            base = _slot(self.slot)
+            base = slot_word(self.slot)
             fcntl.flock(self.control.fd, fcntl.LOCK_EX)
             try:
                 if int(w[base]) == owner_word(self.ctx.name):
