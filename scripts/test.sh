@@ -2,7 +2,7 @@
 # The test suite on a fresh machine: set-up (venv, pinned torch, weightsync + dev + verl extras),
 # the documentation build (--strict: a broken link or a stale API reference fails), then pytest.
 # Extra arguments go to pytest (e.g. scripts/test.sh -m cuda).
-# Without arguments it then runs the vllm tier (tests/vllm, real vLLM 0.11.0 model code) in
+# Without arguments it then runs the vllm tier (tests/vllm_tier, real vLLM 0.11.0 model code) in
 # its own venv, .venv-vllm (scripts/vllm_env.sh; vLLM's pins differ from the verl extra's);
 # WEIGHTSYNC_VLLM_TIER=0 skips it, =1 runs it even with arguments.
 set -euo pipefail
@@ -19,7 +19,7 @@ python -m pytest "$@" || status=$?
 deactivate
 vpython=$(bash scripts/vllm_env.sh | tail -n 1)
 rc=0
-"$vpython" -m pytest tests/vllm "$@" || rc=$?
+"$vpython" -m pytest tests/vllm_tier "$@" || rc=$?
 [ "$rc" -eq 5 ] && rc=0  # every vllm test deselected by the arguments (e.g. -m cuda)
 [ "$status" -ne 0 ] && exit "$status"
 exit "$rc"

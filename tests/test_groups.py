@@ -1,7 +1,7 @@
 """Which construction builds the broadcast group, and why (weightsync.transports.groups).
 
 The constructions themselves run in tests/test_broadcast.py (torch gloo here; nccl / hccl
-on devices), tests/vllm/test_stateless_group.py (vLLM's StatelessProcessGroup on our store)
+on devices), tests/vllm_tier/test_stateless_group.py (vLLM's StatelessProcessGroup on our store)
 and the npu / cuda tests below."""
 
 from __future__ import annotations

@@ -13,7 +13,7 @@ import sys
 import pytest
 import ray
 import torch
-import vllm_cpu  # noqa: E402  (tests/vllm is on sys.path: pytest prepends it)
+import vllm_cpu  # noqa: E402  (tests/vllm_tier is on sys.path: pytest prepends it)
 
 from weightsync.config import SyncConfig
 from weightsync.manifest import Manifest, TensorSpec
