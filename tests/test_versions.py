@@ -334,7 +334,7 @@ def test_target_for_a_named_version_waits_until_it_is_readable():
     table = VersionTable()
     table.begin_stage(1, slot0, now=1.0)
     assert table.target_for(None, 1, pipelined=False, keeps_versions=True) is None
-    table[1].info["readable"] = True
+    table[1].readable = True
     assert table.target_for(None, 1, pipelined=True, keeps_versions=True) == 1
     table.staged(1, {}, 0.1)
     assert table.target_for(None, 1, pipelined=False, keeps_versions=True) == 1

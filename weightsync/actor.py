@@ -43,7 +43,8 @@ class CoordinatorActor(BroadcastOps):
         self.payload_bytes = 0
         self.transport: str | None = None
         self.transport_reason = ""
-        self.transport_info: dict[str, Any] = {}
+        self.transport_info: dict[str, Any] = {}  # the transport's own, for receivers only
+        self.pipelined = self.keeps_versions = False  # the transport's traits (SenderTransport)
         self.resources: dict[str, int] = {}
         self.changed = asyncio.Event()  # any party / session change; waiters re-check
         self._version_changed: dict[int, asyncio.Event] = {}
@@ -89,7 +90,7 @@ class CoordinatorActor(BroadcastOps):
     def _party_lost(self, p: PartyRecord) -> None:
         now = time.monotonic()
         if p.role == "sender" and p.rank == 0:
-            hit = self.table.sender_lost(f"{p.label} {p.why}", bool(self.transport_info.get("keeps_versions")), now)
+            hit = self.table.sender_lost(f"{p.label} {p.why}", self.keeps_versions, now)
         elif p.role == "receiver":
             hit = self.table.receiver_lost(p.name, f"{p.label} {p.why}", now)
             p.reported_dead = p.reported_dead or bool(hit)
@@ -154,7 +155,8 @@ class CoordinatorActor(BroadcastOps):
         return {}
 
     async def op_publish(self, party: int, manifest: list, digest: str, payload_bytes: int,
-                         transport: str, reason: str, info: dict) -> dict[str, Any]:
+                         transport: str, reason: str, info: dict, pipelined: bool = False,
+                         keeps_versions: bool = False) -> dict[str, Any]:
         self._party(party)
         if self.digest is not None and self.digest != digest:
             raise ManifestError(
@@ -163,6 +165,7 @@ class CoordinatorActor(BroadcastOps):
             )
         self.manifest, self.digest, self.payload_bytes = manifest, digest, payload_bytes
         self.transport, self.transport_reason, self.transport_info = transport, reason, dict(info)
+        self.pipelined, self.keeps_versions = bool(pipelined), bool(keeps_versions)
         self._poke()
         return {}
 
@@ -225,11 +228,13 @@ class CoordinatorActor(BroadcastOps):
         self._poke(v, *superseded)
         return {"slot": v.slot}
 
-    async def op_stage_info(self, party: int, version: int, info: dict) -> dict[str, Any]:
-        """Early per-version info (where the bytes will be), so pipelined receivers can start."""
+    async def op_stage_info(self, party: int, version: int, info: dict, readable: bool = False) -> dict[str, Any]:
+        """More per-version info (where the bytes are, the digest once known); ``readable``:
+        a pipelined sender announced the version, receivers may start reading it."""
         self._party(party)
         v = self.table[version]
         v.info.update(info)
+        v.readable = v.readable or bool(readable)
         self._poke(v)
         return {}
 
@@ -266,8 +271,8 @@ class CoordinatorActor(BroadcastOps):
         deadline = time.monotonic() + timeout
         while True:
             p = self._party(party, seen=False)
-            target = self.table.target_for(p.serving, version, pipelined=bool(self.transport_info.get("pipelined")),
-                                           keeps_versions=bool(self.transport_info.get("keeps_versions")))
+            target = self.table.target_for(p.serving, version, pipelined=self.pipelined,
+                                           keeps_versions=self.keeps_versions)
             if target is not None:
                 v = self.table[target]
                 if not prefetch:

@@ -32,7 +32,9 @@ class Publication:
     payload_bytes: int
     transport: str
     reason: str  # why this transport was chosen
-    info: dict[str, Any]  # the transport's session info (rendezvous, segment names, ...)
+    info: dict[str, Any]  # the transport's session info (rendezvous, segment names, ...): for receivers
+    pipelined: bool = False  # see SenderTransport.pipelined
+    keeps_versions: bool = False  # see SenderTransport.keeps_versions
 
 
 @dataclasses.dataclass(frozen=True)
@@ -108,8 +110,10 @@ class ControlPlane:
         """Open ``version``; returns the storage slot it takes."""
         return self._send("begin_stage", version=version)["slot"]
 
-    def stage_info(self, version: int, info: dict[str, Any]) -> None:
-        self._send("stage_info", version=version, info=info)
+    def stage_info(self, version: int, info: dict[str, Any], readable: bool = False) -> None:
+        """More of ``version``'s info; ``readable``: receivers of a pipelined transport may
+        start reading it (the sender is still writing)."""
+        self._send("stage_info", version=version, info=info, readable=readable)
 
     def staged(self, version: int, info: dict[str, Any], stage_s: float) -> None:
         self._send("staged", version=version, info=info, stage_s=stage_s)

@@ -109,7 +109,7 @@ class WeightSender(Party):
         log.info("weightsync session %s: transport %s (%s)", self.session, name, reason)
         transport = transports.sender_class(name)(ctx)
         self._published = Publication(manifest.to_wire(), digest, ctx.plan.payload_bytes, name, reason,
-                                      transport.session_info())
+                                      transport.session_info(), transport.pipelined, transport.keeps_versions)
         try:
             self.control.publish(self._published)
         except BaseException:
@@ -163,7 +163,7 @@ class WeightSender(Party):
                 version, slot,
                 fill=lambda bucket_buffer, checksums=None, kind="xxh3": pack_stream(
                     self.plan, self.manifest, named, bucket_buffer, checksums, kind),
-                announce=lambda early: self.control.stage_info(version, early),
+                announce=lambda early: self.control.stage_info(version, early, readable=True),
             )
             stage_s = time.perf_counter() - t0
             self.control.staged(version, info, stage_s)

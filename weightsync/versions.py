@@ -55,6 +55,7 @@ class Version:
     receivers: dict[str, dict[str, float]] = dataclasses.field(default_factory=dict)
     sync_started: float | None = None
     finished: float | None = None
+    readable: bool = False  # a pipelined sender announced it: receivers may read while it is written
 
     @property
     def in_flight(self) -> bool:
@@ -285,4 +286,4 @@ class VersionTable:
 
 
 def _readable(v: Version, pipelined: bool) -> bool:
-    return v.state != State.STAGING or (pipelined and bool(v.info.get("readable")))
+    return v.state != State.STAGING or (pipelined and v.readable)

@@ -78,8 +78,13 @@ class TransportContext:
 
 class SenderTransport(abc.ABC):
     name: ClassVar[str]
-    # receivers may start reading a version while the sender is still staging it
+    # what the coordinator needs to know of a transport, published with the session (typed, in
+    # control.Publication), never read out of the transport's own info:
+    # receivers may start reading a version once stage() announced it, while it is still written
     pipelined: ClassVar[bool] = False
+    # a committed version stays readable after the sender moved on or died (late joiners catch
+    # up from it, a receiver rolls back to it); streaming transports keep nothing
+    keeps_versions: ClassVar[bool] = False
     # a test's fault point (weightsync.testing): called as (version, bucket, payload) once
     # bucket b is packed and checksummed, before receivers may read it, to corrupt the bytes
     # in transit
@@ -103,14 +108,16 @@ class SenderTransport(abc.ABC):
         return value
 
     def session_info(self) -> dict[str, Any]:
-        """Published once through the coordinator for every receiver (rendezvous, ...)."""
-        return {"pipelined": self.pipelined, "digest_kind": self.digest_kind}
+        """Published once through the coordinator for every receiver (rendezvous, ...); the
+        coordinator passes it on without reading it."""
+        return {"digest_kind": self.digest_kind}
 
     @abc.abstractmethod
     def stage(self, version: int, slot: int, fill: Fill, announce: Callable[[dict[str, Any]], None]) -> dict[str, Any]:
         """Pack ``version``; may run while receivers are still busy. ``slot`` is the
         coordinator's choice of reusable storage (a transport that keeps no versions ignores
-        it). ``announce(info)`` publishes early info to receivers (pipelined transports).
+        it). ``announce(info)`` publishes early info to receivers and makes the version readable
+        from then on (pipelined transports).
         Returns the per-version info receivers need."""
 
     def send(self, version: int, deadline: float) -> None:

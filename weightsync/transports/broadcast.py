@@ -189,7 +189,7 @@ class BroadcastSender(_End, SenderTransport):
 
     def session_info(self) -> dict[str, Any]:
         store = self._store()
-        return {"pipelined": self.pipelined, "backend": self.backend, "communicator": self.communicator,
+        return {"backend": self.backend, "communicator": self.communicator,
                 "communicator_reason": self.communicator_reason, "host": store_host(self.ctx.config.rendezvous_host),
                 "port": store.port, "checksum": bool(self.trailer), "store_id": self.store_id,
                 "digest_kind": self.digest_kind}
@@ -202,7 +202,7 @@ class BroadcastSender(_End, SenderTransport):
         self.fills[version] = fill
         # the store's address rides along with every version: a restarted trainer hosts a
         # new store, and receivers still connected to the dead one's follow it (receive())
-        return {k: v for k, v in self.session_info().items() if k != "pipelined"}
+        return self.session_info()
 
     def send(self, version: int, deadline: float) -> None:
         fill = self.fills.pop(version, None)

@@ -150,7 +150,7 @@ class IpcSender(SenderTransport):
         self.ctx.account("ipc_handles", +1)
 
     def session_info(self) -> dict[str, Any]:
-        return {"pipelined": False, "control": self.control.name, "buffers": list(self.handles),
+        return {"control": self.control.name, "buffers": list(self.handles),
                 "nbuf": self.nbuf, "capacity": self.capacity, "checksums": bool(self.digest_kind),
                 "digest_kind": self.digest_kind,
                 "device": devices.describe(self.ctx.device)}
@@ -162,7 +162,7 @@ class IpcSender(SenderTransport):
         self._pending = {version: fill}
         # the whole rendezvous rides along with every version: a restarted trainer brings a
         # new control block and buffers, and receivers attached to the dead one's re-attach
-        return {k: v for k, v in self.session_info().items() if k != "pipelined"}
+        return self.session_info()
 
     def send(self, version: int, deadline: float) -> None:
         fill = self._pending.pop(version, None)

@@ -211,10 +211,8 @@ def check_space(directory: str, need: int, what: str) -> None:
 class ShmSender(SenderTransport):
     name = "shm"
     pipelined = True
-
-    def session_info(self) -> dict[str, Any]:
-        # versions stay in their segments: late or restarted receivers catch up without the trainer
-        return {**super().session_info(), "keeps_versions": True}
+    # versions stay in their segments: late or restarted receivers catch up without the trainer
+    keeps_versions = True
 
     def __init__(self, ctx: TransportContext):
         super().__init__(ctx)
@@ -252,7 +250,7 @@ class ShmSender(SenderTransport):
         words[:, 0] = 0  # invalidate every bucket first
         words[:, 2] = 0  # and its verification
         head[3] = version
-        info = {"segment": seg.name, "size": self.size, "readable": True}
+        info = {"segment": seg.name, "size": self.size}
         announce(info)
         sums: list[int] = []
         kind = self.digest_kind
