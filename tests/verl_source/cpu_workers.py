@@ -1,6 +1,7 @@
 """CPU subclasses of the recipe's REAL worker classes (imported from a verl source tree),
 differing from them only where CPU forces it:
 
+- torch.cpu gets the RNG-state and empty_cache functions verl calls on the device namespace;
 - the process group: the recipe's ``ActorRolloutRefWorker.__init__`` asks for
   ``cpu:gloo,<device>:<nccl|hccl>``; here a plain gloo group is made first (the real
   ``__init__`` then skips its own, as it does whenever one exists);
@@ -81,9 +82,21 @@ class CpuVllmRollout(CpuVllmAsyncRollout):
         return self.inference_engine.llm_engine.model_executor.driver_worker.worker.model_runner.model
 
 
+def _torch_cpu_device_api() -> None:
+    """verl calls the device namespace (``get_torch_device()`` = ``torch.cpu`` here) for RNG
+    state and cache release; torch.cpu lacks them: the host RNG is torch's global one and
+    the host has no cache to release."""
+    for name, fn in (("get_rng_state", torch.get_rng_state), ("set_rng_state", torch.set_rng_state),
+                     ("manual_seed", torch.manual_seed), ("empty_cache", lambda: None)):
+        if not hasattr(torch.cpu, name):
+            setattr(torch.cpu, name, fn)
+
+
 def _gloo_and_cpu_rollouts() -> None:
     import torch.distributed as dist
     from verl.workers.rollout import base
+
+    _torch_cpu_device_api()
 
     if not dist.is_initialized():
         dist.init_process_group("gloo", rank=int(os.environ["RANK"]), world_size=int(os.environ["WORLD_SIZE"]))

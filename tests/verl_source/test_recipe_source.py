@@ -28,6 +28,8 @@ USER = ["algorithm.adv_estimator=grpo", "actor_rollout_ref.actor.strategy=fsdp2"
 CPU = ["trainer.device=cpu", "trainer.n_gpus_per_node=2", "+actor_rollout_ref.model.override_config.attn_implementation=eager",
        # float32 rollout: the engine holds exactly the bytes that crossed, compared bit for bit
        "actor_rollout_ref.rollout.dtype=float32", "data.train_batch_size=2", "actor_rollout_ref.actor.ppo_mini_batch_size=2",
+       "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=1", "actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu=1",
+       "actor_rollout_ref.ref.log_prob_micro_batch_size_per_gpu=1",
        "actor_rollout_ref.actor.use_kl_loss=False", "algorithm.use_kl_in_reward=False", "trainer.logger=[console]"]
 WEIGHTSYNC = ["+weightsync.transport=shm", "+weightsync.bucket_mb=0.01", "+weightsync.sync_timeout_s=120",
               "+weightsync.connect_timeout_s=120", "+weightsync.heartbeat_timeout_s=10", "+weightsync.device=cpu"]
@@ -138,7 +140,7 @@ def test_recipe_init_workers_and_fit_syncs_bit_exactly(tmp_path, ray_cluster, re
         for rank, got in enumerate(trainer.rollout_wg.engine_weights()):
             bad = [n for n, t in expected.items() if not same_bits(got["weights"][n], t)]
             assert not bad, f"version {version}, rollout rank {rank}: differs from the trainer: {bad}"
-        served = ray.get([w.weightsync_version.remote() for w in trainer.rollout_wg.workers])
+        served = trainer.rollout_wg.weightsync_version()
         assert served == [version] * len(served)
 
     try:
