@@ -29,8 +29,10 @@ def pytest_collection_modifyitems(config, items):
 @pytest.fixture(scope="session")
 def ray_cluster():
     import ray
+    from weightsync_verl.recipe import add_setup_hook
 
-    ray.init(num_cpus=16, num_gpus=4, resources={"cpu": 4}, include_dashboard=False, log_to_driver=False, logging_level="ERROR",
-             object_store_memory=600 * 2**20)
+    # every Ray worker installs the patch at start-up, as python -m weightsync_verl.one_step_off arranges
+    ray.init(num_cpus=16, num_gpus=4, resources={"cpu": 4}, include_dashboard=False, log_to_driver=False,
+             logging_level="ERROR", object_store_memory=600 * 2**20, runtime_env=add_setup_hook(None))
     yield ray
     ray.shutdown()

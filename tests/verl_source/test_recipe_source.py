@@ -80,6 +80,8 @@ def recipe_modules(monkeypatch):
     from weightsync_verl import recipe as adapter
 
     monkeypatch.chdir(SRC)  # the recipe's config finds verl's through file://verl/trainer/config
+    if not has_sync_group_method():
+        pytest.skip("this recipe generation is refused (test_generation_is_refused_or_imports)")
     adapter.install()
     import recipe.one_step_off_policy.fsdp_workers as workers
     import recipe.one_step_off_policy.main_ppo as main_ppo
@@ -87,6 +89,34 @@ def recipe_modules(monkeypatch):
 
     yield trainer_module, workers, main_ppo
     sys.meta_path[:] = [f for f in sys.meta_path if not isinstance(f, adapter._PatchOnImport)]
+
+
+def has_sync_group_method() -> bool:
+    with open(os.path.join(SRC, "recipe/one_step_off_policy/ray_trainer.py")) as f:
+        return "def create_weight_sync_group" in (text := f.read()) or "def _create_weight_sync_group" in text
+
+
+def test_generation_is_refused_or_imports(monkeypatch):
+    """v0.5.0 (group built inline in init_workers) is refused when the recipe's trainer module
+    is imported, with a message naming the generation; later generations import patched."""
+    from weightsync_verl import recipe as adapter
+
+    monkeypatch.chdir(SRC)
+    for name in [m for m in sys.modules if m == "recipe" or m.startswith("recipe.")]:
+        monkeypatch.delitem(sys.modules, name)
+    adapter.install()
+    try:
+        if has_sync_group_method():
+            import recipe.one_step_off_policy.ray_trainer as trainer_module
+
+            assert issubclass(trainer_module.OneStepOffRayTrainer, adapter.WeightSyncTrainerMixin)
+        else:
+            with pytest.raises(RuntimeError, match=r"verl v0\.5\.0's recipe.*from v0\.6\.1 on"):
+                import recipe.one_step_off_policy.ray_trainer  # noqa: F401
+    finally:
+        sys.meta_path[:] = [f for f in sys.meta_path if not isinstance(f, adapter._PatchOnImport)]
+        for name in [m for m in sys.modules if m == "recipe" or m.startswith("recipe.")]:
+            sys.modules.pop(name, None)
 
 
 def _generation(trainer_cls: type) -> str:

@@ -161,7 +161,14 @@ def patch_module(module: Any) -> list[str]:
     for name, mixin in PATCHES.get(module.__name__, {}).items():
         cls = getattr(module, name, None)
         if isinstance(cls, type):
-            setattr(module, name, with_weightsync(cls, mixin))
+            patched = with_weightsync(cls, mixin)
+            if patched is not cls:
+                # keep the recipe's class importable by name: Ray pickles the patched class by
+                # value and its bases by reference (by value, v0.6.1's drag unpicklable globals)
+                original = f"_weightsync_original_{name}"
+                setattr(module, original, cls)
+                cls.__qualname__ = original
+            setattr(module, name, patched)
             done.append(name)
     if module.__name__.endswith("ray_trainer") and "OneStepOffRayTrainer" in done:
         trainer = module.OneStepOffRayTrainer
