@@ -15,16 +15,40 @@ pytestmark = pytest.mark.verl
 
 
 class StandInTrainer:
-    """What OneStepOffRayTrainer (verl 0.7) brings that the sync touches."""
+    """What OneStepOffRayTrainer (verl v0.5.0-716-gccd7d934 / v0.7.0) brings that the sync
+    touches: ``init_workers`` runs ``_init_models`` (workers' init_model, weights info,
+    ``_create_weight_sync_group``) and only then ``_init_async_rollout_manager``, which starts
+    the vLLM servers (here: the rollout workers' ``start_engine``)."""
 
     def __init__(self, config, actor_wg, rollout_wg):
         self.config, self.actor_wg, self.rollout_wg = config, actor_wg, rollout_wg
+
+    def _init_models(self):
+        self.actor_wg.init_model()
+        self.rollout_wg.init_model()
+        self._create_weight_sync_group()
+
+    def _init_async_rollout_manager(self):
+        self.rollout_wg.start_engine()
 
     async def _async_gen_next_batch(self):
         from verl import DataProto
 
         # (metrics, timing_raw, epoch, batch, future_reward), as verl 0.7 returns it
         return {}, {}, 0, DataProto(meta_info={"global_steps": self.global_steps}), None
+
+
+SETTINGS = {"transport": "shm", "bucket_mb": 1 / 128, "heartbeat_interval_s": 0.2, "heartbeat_timeout_s": 5.0,
+            "sync_timeout_s": 60.0, "connect_timeout_s": 60.0}
+
+
+def trainer_config(name, **extra):
+    """The trainer's config as the recipe has it: the rollout block verl turns into its strict
+    RolloutConfig, weightsync's settings in their own top-level block."""
+    from omegaconf import OmegaConf
+
+    return OmegaConf.create({"actor_rollout_ref": {"rollout": {"name": "vllm", "mode": "async"}},
+                             "weightsync": {**SETTINGS, "coordinator_name": name}, **extra})
 
 
 @pytest.fixture
@@ -36,28 +60,33 @@ def groups(ray_cluster):
     made.close()
 
 
+def make_trainer(groups, config):
+    from weightsync_verl.recipe import WeightSyncTrainerMixin, with_weightsync
+    from weightsync_verl.testing import StandInActor, StandInRollout
+
+    actor_wg = groups(StandInActor, 2)
+    rollout_wg = groups(StandInRollout, 1, config=config.actor_rollout_ref, role="rollout")
+    return with_weightsync(StandInTrainer, WeightSyncTrainerMixin)(config, actor_wg, rollout_wg)
+
+
 def test_recipe_syncs_versions_bit_exactly_and_bounds_staleness(groups):
     import ray
-    from omegaconf import OmegaConf
-    from weightsync_verl.recipe import WeightSyncTrainerMixin, with_weightsync
-    from weightsync_verl.testing import StandInActor, StandInRollout, hf_weights
+    from weightsync_verl.testing import hf_weights
 
     from weightsync import StalenessError
     from weightsync.testing import same_bits
 
-    config = OmegaConf.create({"actor_rollout_ref": {"rollout": {"weight_sync": {
-        "transport": "shm", "bucket_mb": 1 / 128, "coordinator_name": "ws-verl-recipe", "heartbeat_interval_s": 0.2,
-        "heartbeat_timeout_s": 5.0, "sync_timeout_s": 60.0, "connect_timeout_s": 60.0}}}})
-    actor_wg, rollout_wg = groups(StandInActor, 2), groups(StandInRollout, 1)
-    trainer = with_weightsync(StandInTrainer, WeightSyncTrainerMixin)(config, actor_wg, rollout_wg)
-    trainer._create_weight_sync_group()
+    trainer = make_trainer(groups, trainer_config("ws-verl-recipe"))
+    actor_wg, rollout_wg = trainer.actor_wg, trainer.rollout_wg
+    # init_workers(): the group first, the engine after it (as vLLM's servers start)
+    trainer._init_models()
+    trainer._init_async_rollout_manager()
 
     def check_rollouts(version, syncs):
         expected = hf_weights(version)
         for got in rollout_wg.weights():
             bad = [n for n in expected if not same_bits(got["weights"][n], expected[n])]
             assert not bad, f"version {version}: rollout weights differ from the trainer's: {bad}"
-            assert got["post_loads"] == syncs  # once per version, not per bucket
             assert got["loads"] >= 2 * syncs  # several buckets per version
 
     try:
@@ -95,6 +124,34 @@ def test_recipe_syncs_versions_bit_exactly_and_bounds_staleness(groups):
         trainer._ws_coordinator.shutdown()
 
 
+def test_sync_without_engine_names_the_worker_and_where_it_looked(groups):
+    import ray
+
+    trainer = make_trainer(groups, trainer_config("ws-verl-no-engine"))
+    trainer._init_models()  # no _init_async_rollout_manager: vLLM never started
+    try:
+        with pytest.raises(ray.exceptions.RayTaskError, match=r"rollout-0 \(StandInRollout.*has no vLLM engine at the "
+                                                              r"sync of version 1.*inference_engine\.worker"):
+            ray.get(trainer.rollout_wg.sync_rollout_weights(1))
+    finally:
+        trainer.rollout_wg.close()
+        trainer.actor_wg.close()
+        trainer._ws_coordinator.shutdown()
+
+
+def test_old_settings_key_is_refused_when_the_trainer_is_built():
+    """Before any worker starts: verl's rollout workers would fail on the key with a bare
+    TypeError from RolloutConfig."""
+    from omegaconf import OmegaConf
+    from weightsync_verl.config import ConfigKeyError
+    from weightsync_verl.recipe import WeightSyncTrainerMixin, with_weightsync
+
+    config = trainer_config("ws-verl-old-key")
+    OmegaConf.update(config, "actor_rollout_ref.rollout.weight_sync", {"transport": "shm"}, force_add=True)
+    with pytest.raises(ConfigKeyError, match=r"actor_rollout_ref\.rollout\.weight_sync.*\+weightsync\.transport=shm"):
+        with_weightsync(StandInTrainer, WeightSyncTrainerMixin)(config, None, None)
+
+
 def test_manifest_check_maps_fused_names():
     from weightsync_verl.testing import FusedModel, hf_specs
     from weightsync_verl.vllm_engine import fused_check
@@ -120,6 +177,9 @@ def test_install_patches_recipe_on_import(tmp_path, monkeypatch):
     (pkg / "__init__.py").write_text("")
     (pkg / "ray_trainer.py").write_text(textwrap.dedent("""
         class OneStepOffRayTrainer:
+            def _create_weight_sync_group(self):
+                return "nccl"
+
             def sync_rollout_weights(self):
                 return "nccl"
     """))
@@ -134,10 +194,43 @@ def test_install_patches_recipe_on_import(tmp_path, monkeypatch):
         assert OneStepOffRayTrainer.sync_rollout_weights is recipe.WeightSyncTrainerMixin.sync_rollout_weights
         recipe.install()  # idempotent: no second layer
         assert recipe.with_weightsync(OneStepOffRayTrainer, recipe.WeightSyncTrainerMixin) is OneStepOffRayTrainer
-        env = recipe.add_setup_hook({"env_vars": {"A": "1"}})
-        assert env["worker_process_setup_hook"] == recipe.HOOK and env["env_vars"] == {"A": "1"}
+        env = recipe.add_setup_hook({"env_vars": {"A": "1", "WEIGHTSYNC_BUCKET_MB": "8"}},
+                                    environ={"WEIGHTSYNC_TRANSPORT": "shm", "WEIGHTSYNC_BUCKET_MB": "64", "HOME": "/x"})
+        # the launching shell's WEIGHTSYNC_* reach the job's workers; the job's own values win
+        assert env["worker_process_setup_hook"] == recipe.HOOK
+        assert env["env_vars"] == {"A": "1", "WEIGHTSYNC_TRANSPORT": "shm", "WEIGHTSYNC_BUCKET_MB": "8"}
         with pytest.raises(RuntimeError, match="already has worker_process_setup_hook"):
             recipe.add_setup_hook({"worker_process_setup_hook": "other.hook"})
+    finally:
+        sys.meta_path[:] = [f for f in sys.meta_path if not isinstance(f, recipe._PatchOnImport)]
+        for name in [m for m in sys.modules if m == "recipe" or m.startswith("recipe.")]:
+            sys.modules.pop(name, None)
+
+
+def test_recipe_without_a_sync_group_method_is_refused_at_import(tmp_path, monkeypatch):
+    """verl v0.5.0's trainer builds its NCCL group inline in init_workers (no method to replace)."""
+    from weightsync_verl import recipe
+
+    pkg = tmp_path / "recipe" / "one_step_off_policy"
+    pkg.mkdir(parents=True)
+    (tmp_path / "recipe" / "__init__.py").write_text("")
+    (pkg / "__init__.py").write_text("")
+    (pkg / "ray_trainer.py").write_text(textwrap.dedent("""
+        class OneStepOffRayTrainer:
+            def init_workers(self):
+                from ray.util.collective import collective
+                collective.create_collective_group([], 0, [], backend="nccl", group_name="actor_rollout")
+
+            def sync_rollout_weights(self):
+                return "nccl"
+    """))
+    monkeypatch.syspath_prepend(str(tmp_path))
+    for name in [m for m in sys.modules if m == "recipe" or m.startswith("recipe.")]:
+        monkeypatch.delitem(sys.modules, name)
+    recipe.install()
+    try:
+        with pytest.raises(RuntimeError, match=r"verl v0\.5\.0's recipe.*from v0\.6\.1 on"):
+            import recipe.one_step_off_policy.ray_trainer  # noqa: F401
     finally:
         sys.meta_path[:] = [f for f in sys.meta_path if not isinstance(f, recipe._PatchOnImport)]
         for name in [m for m in sys.modules if m == "recipe" or m.startswith("recipe.")]:

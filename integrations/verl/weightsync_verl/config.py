@@ -1,9 +1,12 @@
 """Where the adapter finds its settings in verl's Hydra config.
 
-Recipe adapter: ``actor_rollout_ref.rollout.weight_sync`` (every key is a SyncConfig field,
-e.g. ``+actor_rollout_ref.rollout.weight_sync.transport=shm``). Checkpoint-engine backend:
-``actor_rollout_ref.rollout.checkpoint_engine.engine_kwargs.weightsync`` (verl hands that
-block to the backend's constructor). ``WEIGHTSYNC_*`` environment variables win over both.
+Recipe adapter: a top-level ``weightsync`` block (every key is a SyncConfig field, e.g.
+``+weightsync.transport=shm``). The trainer reads it and hands it to the workers inside the
+coordinator, so no worker config carries it: verl turns ``actor_rollout_ref.rollout`` into
+its strict ``RolloutConfig`` dataclass, which refuses keys it does not know.
+Checkpoint-engine backend (verl >= 0.8): ``actor_rollout_ref.rollout.checkpoint_engine.engine_kwargs.weightsync``
+(verl hands that block to the backend's constructor). ``WEIGHTSYNC_*`` environment
+variables win over both.
 """
 
 from __future__ import annotations
@@ -12,7 +15,13 @@ from typing import Any
 
 from weightsync import SyncConfig
 
-BLOCK = "weight_sync"
+BLOCK = "weightsync"
+# where an earlier README put the block; verl's RolloutConfig refuses it with a TypeError
+OLD_BLOCK = ("actor_rollout_ref", "rollout", "weight_sync")
+
+
+class ConfigKeyError(ValueError):
+    """A weightsync setting sits where verl cannot accept it."""
 
 
 def plain(node: Any) -> Any:
@@ -34,14 +43,25 @@ def _get(node: Any, key: str) -> Any:
     return getattr(node, key, None)
 
 
+def refuse_old_key(config: Any) -> None:
+    """Raise ConfigKeyError if the trainer config still has ``actor_rollout_ref.rollout.weight_sync``
+    (before verl's rollout workers fail on it with a bare TypeError)."""
+    node = config
+    for key in OLD_BLOCK:
+        node = _get(node, key)
+        if node is None:
+            return
+    keys = ", ".join(sorted(plain(node))) if isinstance(plain(node), dict) else "..."
+    raise ConfigKeyError(
+        f"'{'.'.join(OLD_BLOCK)}' ({keys}) is no longer read: verl turns actor_rollout_ref.rollout into its "
+        f"RolloutConfig dataclass, which fails on unknown keys. Write the settings as a top-level block instead, "
+        f"e.g. '+{BLOCK}.transport=shm' (or WEIGHTSYNC_TRANSPORT=shm)")
+
+
 def sync_config(config: Any = None, **defaults: Any) -> SyncConfig:
-    """SyncConfig from a trainer config (the whole one, ``actor_rollout_ref``, or its
-    ``rollout`` part), with ``defaults`` below the user's keys and the environment on top."""
-    block = config
-    for key in ("actor_rollout_ref", "rollout"):
-        inner = _get(block, key)
-        if inner is not None:
-            block = inner
-    mapping = plain(_get(block, BLOCK)) if block is not None else None
+    """SyncConfig from the trainer's whole config (its ``weightsync`` block), with ``defaults``
+    below the user's keys and the environment on top."""
+    refuse_old_key(config)
+    mapping = plain(_get(config, BLOCK))
     base = SyncConfig.from_mapping(defaults) if defaults else None
     return SyncConfig.from_env(base=SyncConfig.from_mapping(mapping, base=base))

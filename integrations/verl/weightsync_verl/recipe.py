@@ -1,8 +1,9 @@
-"""Adapter for verl's one-step-off-policy recipe (``recipe/one_step_off_policy``, verl 0.5-0.7).
+"""Adapter for verl's one-step-off-policy recipe (``recipe/one_step_off_policy``, verl 0.6.1-0.7;
+v0.5.0 is refused, see UNSUPPORTED).
 
 The recipe builds its sync group with ``ray.util.collective`` (NCCL only; "NCCL is not
-available" on Ascend) and broadcasts one tensor at a time. These mixins replace exactly the
-four methods involved, keeping the recipe's call pattern:
+available" on Ascend) and broadcasts one tensor at a time. These mixins (the workers' in workers.py) replace
+exactly the four methods involved, keeping the recipe's call pattern:
 
     trainer._create_weight_sync_group()   driver: start the coordinator, hand it to workers
     trainer.sync_rollout_weights()        actor_wg.sync_rollout_weights(v)        (not awaited)
@@ -11,32 +12,33 @@ four methods involved, keeping the recipe's call pattern:
                   Megatron's gathers are collectives); rank 0 sends through WeightSender
     rollout worker: WeightReceiver -> vLLM ``load_weights`` per bucket -> post-load once
 
-Use:  ``python -m weightsync_verl.one_step_off <the recipe's Hydra overrides>``, or call
-:func:`install` before the recipe modules are used (it patches them as they are imported).
+Use:  ``python -m weightsync_verl.one_step_off <the recipe's Hydra overrides> +weightsync.<key>=...``,
+or call :func:`install` before the recipe modules are used (it patches them as they are
+imported). Generations: see :data:`PATCHES` and docs/verl.md.
 """
 
 from __future__ import annotations
 
-import contextlib
 import importlib
 import importlib.abc
 import inspect
 import os
 import sys
 import time
-from collections.abc import Iterator
 from typing import Any
 
 import ray
-from verl.single_controller.base.decorator import Dispatch, register
 
-from weightsync import Coordinator, Manifest, WeightReceiver, WeightSender, build_manifest
+from weightsync import Coordinator
+from weightsync.config import ENV_PREFIX
 from weightsync.digest import metrics as digest_metrics
-from weightsync.manifest import TensorSpec, dtype_name
 
-from .config import sync_config
+from .config import refuse_old_key, sync_config
 from .tagging import VersionLedger, agreed_version, next_version, stamp_all
-from .vllm_engine import VllmTarget
+from .workers import FSDPActorWeightSyncMixin, MegatronActorWeightSyncMixin, RolloutWeightSyncMixin
+
+__all__ = ["FSDPActorWeightSyncMixin", "MegatronActorWeightSyncMixin", "RolloutWeightSyncMixin",
+           "WeightSyncTrainerMixin", "install", "enable_in_ray_workers", "add_setup_hook", "PATCHES"]
 
 RECIPE = "recipe.one_step_off_policy"
 
@@ -49,6 +51,12 @@ class WeightSyncTrainerMixin:
     ``self.actor_wg`` and ``self.rollout_wg`` as the recipe sets them."""
 
     weightsync_metrics: dict[str, float]
+
+    def __init__(self, config: Any, *args: Any, **kwargs: Any):
+        # before any worker starts: verl's rollout workers would fail on the old key with a
+        # bare TypeError from RolloutConfig
+        refuse_old_key(config)
+        super().__init__(config, *args, **kwargs)
 
     def _create_weight_sync_group(self) -> None:
         cfg = sync_config(self.config)
@@ -117,159 +125,29 @@ class WeightSyncTrainerMixin:
         return self._ws_coordinator.format_status()
 
 
-# -- actor workers -----------------------------------------------------------------------------
-
-
-class _ActorSide:
-    _ws_sender: WeightSender | None = None
-
-    @register(dispatch_mode=Dispatch.ONE_TO_ALL, blocking=False)
-    def create_weight_sync_group(self, coordinator: Coordinator, expected_receivers: int) -> None:
-        self._ws_sender = WeightSender(coordinator, rank=self.rank, name=f"actor-{self.rank}",
-                                       expected_receivers=expected_receivers)
-
-    @register(dispatch_mode=Dispatch.ONE_TO_ALL, blocking=False)
-    def sync_rollout_weights(self, version: int) -> dict[str, Any]:
-        sender = self._ws_sender
-        if sender.sends and sender.transport is None:
-            manifest = self.weightsync_manifest()
-            if manifest is not None:  # fixes the layout without holding a whole copy of the model
-                sender.publish(manifest)
-        with self.weightsync_params() as named:
-            sender.stage(version, named)
-        if not sender.sends:
-            # ranks other than 0 only walk the parameters: the coordinator answers
-            # wait_outcome(v) with "never staged" while rank 0 has not begun v, the normal
-            # order for a rank that packs nothing; rank 0's sync reports for the group
-            return {}
-        result = sender.sync(version)
-        return {"version": result.version, "bytes": result.bytes, "stage_s": result.stage_s,
-                "barrier_s": result.barrier_s, "gbps": result.gbps}
-
-    def weightsync_manifest(self) -> Manifest | None:
-        """The layout from the recipe's ``_weights_info`` [(name, shape, dtype)], if it has one."""
-        info = getattr(self, "_weights_info", None)
-        if not info:
-            return None
-        return build_manifest((n, TensorSpec(n, dtype_name(d), tuple(s))) for n, s, d in info)
-
-    def weightsync_params(self) -> contextlib.AbstractContextManager[Iterator[tuple[str, Any]]]:
-        raise NotImplementedError
-
-
-class FSDPActorWeightSyncMixin(_ActorSide):
-    """For the recipe's FSDP ``DetachActorWorker`` (``_get_actor_params``)."""
-
-    @contextlib.contextmanager
-    def weightsync_params(self) -> Iterator[Iterator[tuple[str, Any]]]:
-        offload = getattr(self, "_is_offload_param", False)
-        if offload:
-            from verl.utils.fsdp_utils import load_fsdp_model_to_gpu
-
-            load_fsdp_model_to_gpu(self.actor_module_fsdp)
-        try:
-            params = self._get_actor_params()
-            info = getattr(self, "_weights_info", None)
-            order = [n for n, *_ in info] if info else list(params)
-            yield _full_tensors(params, order)
-        finally:
-            if offload:
-                from verl.utils.fsdp_utils import offload_fsdp_model_to_cpu
-
-                offload_fsdp_model_to_cpu(self.actor_module_fsdp)
-            _empty_device_cache()
-
-
-def _full_tensors(params: Any, order: list[str]) -> Iterator[tuple[str, Any]]:
-    for name in order:
-        tensor = params[name]
-        if hasattr(tensor, "full_tensor"):
-            tensor = tensor.full_tensor()  # collective over the FSDP ranks: every rank gets here
-        yield name, tensor
-
-
-class MegatronActorWeightSyncMixin(_ActorSide):
-    """For the recipe's Megatron ``DetachActorWorker`` (``_get_actor_params_generator``)."""
-
-    @contextlib.contextmanager
-    def weightsync_params(self) -> Iterator[Iterator[tuple[str, Any]]]:
-        offload = getattr(self, "_is_offload_param", False)
-        if offload:
-            from verl.utils.megatron_utils import load_megatron_model_to_gpu
-
-            load_megatron_model_to_gpu(self.actor_module)
-        try:
-            yield iter(self._get_actor_params_generator())
-        finally:
-            if offload:
-                from verl.utils.megatron_utils import offload_megatron_model_to_cpu
-
-                offload_megatron_model_to_cpu(self.actor_module)
-            _empty_device_cache()
-
-
-def _empty_device_cache() -> None:
-    with contextlib.suppress(Exception):
-        from verl.utils.device import get_torch_device
-
-        get_torch_device().empty_cache()
-
-
-# -- rollout workers ---------------------------------------------------------------------------
-
-
-class RolloutWeightSyncMixin:
-    """For the recipe's rollout worker (vLLM): one WeightReceiver per worker (per TP rank;
-    vLLM's ``load_weights`` shards full tensors itself)."""
-
-    _ws_receiver: WeightReceiver | None = None
-
-    @register(dispatch_mode=Dispatch.ONE_TO_ALL, blocking=False)
-    def create_weight_sync_group(self, coordinator: Coordinator) -> None:
-        target = self.weightsync_target()
-        self._ws_target = target
-        self._ws_receiver = WeightReceiver(coordinator, target.load_weights, name=f"rollout-{self.rank}",
-                                           rank=self.rank, post_load=target.post_load, expected=target.expected)
-
-    @register(dispatch_mode=Dispatch.ONE_TO_ALL, blocking=False)
-    def sync_rollout_weights(self, version: int) -> dict[str, Any]:
-        served = self._ws_receiver.apply(version)
-        self.weightsync_clear_cache()
-        return {"version": served, **self._ws_receiver.last_metrics}
-
-    @register(dispatch_mode=Dispatch.ONE_TO_ALL)
-    def weightsync_version(self) -> int | None:
-        return self._ws_receiver.version if self._ws_receiver is not None else None
-
-    def weightsync_target(self) -> Any:
-        """Object with ``load_weights``, ``post_load`` and ``expected`` (see VllmTarget)."""
-        return VllmTarget.from_rollout(self.rollout)
-
-    def weightsync_clear_cache(self) -> None:
-        """Drop KV blocks computed with the old weights, where the engine lives in this process
-        (vLLM's offline ``LLM``). The async servers' caches are cleared by the trainer."""
-        engine = getattr(getattr(self, "rollout", None), "inference_engine", None)
-        reset = getattr(engine, "reset_prefix_cache", None)
-        if callable(reset):
-            reset()
-
-
 # -- applying it to the recipe -----------------------------------------------------------------
 
-# recipe module -> {class name: the mixin that goes in front of it}
+# recipe module -> {class name: the mixin that goes in front of it}; the names each
+# generation's main_ppo maps Role.Actor / Role.Rollout to
+_WORKERS = {
+    "DetachActorWorker": "actor",  # v0.5.0-716 (ccd7d934), v0.7.0
+    "DetachAsyncRolloutWorker": "rollout",  # v0.5.0-716 (ccd7d934), v0.7.0
+    "ActorRolloutRefWorker": "actor",  # v0.6.1 (rollout.mode=sync)
+    "RolloutWorker": "rollout",  # v0.6.1
+}
 PATCHES = {
     f"{RECIPE}.ray_trainer": {"OneStepOffRayTrainer": WeightSyncTrainerMixin},
-    f"{RECIPE}.fsdp_workers": {"DetachActorWorker": FSDPActorWeightSyncMixin,
-                               "ActorRolloutRefWorker": FSDPActorWeightSyncMixin,
-                               "DetachAsyncRolloutWorker": RolloutWeightSyncMixin,
-                               "RolloutWorker": RolloutWeightSyncMixin,
-                               "AsyncRolloutWorker": RolloutWeightSyncMixin},
-    f"{RECIPE}.megatron_workers": {"DetachActorWorker": MegatronActorWeightSyncMixin,
-                                   "ActorRolloutRefWorker": MegatronActorWeightSyncMixin,
-                                   "DetachAsyncRolloutWorker": RolloutWeightSyncMixin,
-                                   "RolloutWorker": RolloutWeightSyncMixin,
-                                   "AsyncRolloutWorker": RolloutWeightSyncMixin},
+    f"{RECIPE}.fsdp_workers": {n: FSDPActorWeightSyncMixin if r == "actor" else RolloutWeightSyncMixin
+                               for n, r in _WORKERS.items()},
+    f"{RECIPE}.megatron_workers": {n: MegatronActorWeightSyncMixin if r == "actor" else RolloutWeightSyncMixin
+                                   for n, r in _WORKERS.items()},
 }
+UNSUPPORTED = (
+    "{module}.OneStepOffRayTrainer has no create_weight_sync_group / _create_weight_sync_group: this is verl "
+    "v0.5.0's recipe, which builds its NCCL group inline in init_workers() and syncs right after, so no method "
+    "can be replaced without copying the recipe. weightsync supports the recipe from v0.6.1 on (v0.6.1, "
+    "v0.5.0-716-gccd7d934, v0.7.0); on verl >= 0.8 use the checkpoint-engine backend "
+    "(checkpoint_engine.custom_backend_module=weightsync_verl.checkpoint_engine)")
 
 
 def with_weightsync(cls: type, mixin: type) -> type:
@@ -286,13 +164,23 @@ def patch_module(module: Any) -> list[str]:
     for name, mixin in PATCHES.get(module.__name__, {}).items():
         cls = getattr(module, name, None)
         if isinstance(cls, type):
-            setattr(module, name, with_weightsync(cls, mixin))
+            patched = with_weightsync(cls, mixin)
+            if patched is not cls:
+                # keep the recipe's class importable by name: Ray pickles the patched class by
+                # value and its bases by reference (by value, v0.6.1's drag unpicklable globals)
+                original = f"_weightsync_original_{name}"
+                setattr(module, original, cls)
+                cls.__qualname__ = original
+            setattr(module, name, patched)
             done.append(name)
     if module.__name__.endswith("ray_trainer") and "OneStepOffRayTrainer" in done:
         trainer = module.OneStepOffRayTrainer
-        if not any(hasattr(b, "sync_rollout_weights") for b in trainer.__mro__[2:]):
+        bases = trainer.__mro__[2:]
+        if not any(hasattr(b, "sync_rollout_weights") for b in bases):
             raise RuntimeError(f"{module.__name__}.OneStepOffRayTrainer has no sync_rollout_weights: this verl "
                                "generation syncs through its checkpoint engine; use weightsync_verl.checkpoint_engine")
+        if not any(hasattr(b, m) for b in bases for m in ("create_weight_sync_group", "_create_weight_sync_group")):
+            raise RuntimeError(UNSUPPORTED.format(module=module.__name__))
     return done
 
 
@@ -337,15 +225,20 @@ def install() -> None:
 HOOK = f"{__name__}.install"
 
 
-def add_setup_hook(runtime_env: dict | None) -> dict:
+def add_setup_hook(runtime_env: dict | None, environ: dict[str, str] | None = None) -> dict:
     """For ``RAY_RUNTIME_ENV_HOOK``: every Ray worker runs :func:`install` at start-up, so the
-    recipe's task runner (a Ray actor) builds the patched trainer and worker classes."""
+    recipe's task runner (a Ray actor) builds the patched trainer and worker classes. The
+    launching shell's ``WEIGHTSYNC_*`` variables go into the job's ``env_vars``: on a
+    ``ray start`` cluster the workers inherit the raylet's environment, not this one's."""
     env = dict(runtime_env or {})
     current = env.get("worker_process_setup_hook")
     if current not in (None, HOOK):
         raise RuntimeError(f"runtime_env already has worker_process_setup_hook={current!r}; "
                            f"call {HOOK}() from it to use weightsync")
     env["worker_process_setup_hook"] = HOOK
+    ours = {k: v for k, v in (os.environ if environ is None else environ).items() if k.startswith(ENV_PREFIX)}
+    if ours:
+        env["env_vars"] = {**ours, **(env.get("env_vars") or {})}  # the job's own values win
     return env
 
 

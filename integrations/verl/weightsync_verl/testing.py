@@ -6,14 +6,14 @@ from __future__ import annotations
 
 import os
 from collections.abc import Iterable
+from types import SimpleNamespace
 from typing import Any
 
 import torch
 from verl.single_controller.base import Worker
 from verl.single_controller.base.decorator import Dispatch, register
 
-from .recipe import FSDPActorWeightSyncMixin, RolloutWeightSyncMixin
-from .vllm_engine import VllmTarget
+from .workers import FSDPActorWeightSyncMixin, RolloutWeightSyncMixin
 
 HIDDEN, KV, FFN, VOCAB, LAYERS = 32, 16, 48, 64, 2
 
@@ -54,7 +54,8 @@ def hf_weights(version: int) -> dict[str, torch.Tensor]:
 class FusedModel:
     """vLLM-style model: q/k/v fused into ``qkv_proj``, gate/up into ``gate_up_proj``;
     ``load_weights`` maps HF names through a stacked-params table and loads each shard into
-    its slice, as vLLM's Qwen2 loader does. ``post_load`` counts calls."""
+    its slice, as vLLM's Qwen2 loader does (vllm 0.11.0 ``Qwen2Model.load_weights``).
+    ``specs`` [(HF name, shape, dtype)] gives the trainer's layout (default: hf_specs())."""
 
     packed_modules_mapping = {"qkv_proj": ["q_proj", "k_proj", "v_proj"], "gate_up_proj": ["gate_proj", "up_proj"]}
     stacked_params_mapping = [  # (fused param, HF shard, shard id)
@@ -62,40 +63,38 @@ class FusedModel:
         ("gate_up_proj", "gate_proj", 0), ("gate_up_proj", "up_proj", 1),
     ]
 
-    def __init__(self) -> None:
+    def __init__(self, specs: Iterable[tuple[str, Any, torch.dtype]] | None = None) -> None:
+        self.specs = [(n, tuple(s), d) for n, s, d in (hf_specs() if specs is None else specs)]
         self.params: dict[str, torch.Tensor] = {}
-        for name, shape, dtype in hf_specs():
-            for fused, shard, _ in self.stacked_params_mapping:
-                if f".{shard}." in name:
-                    name = name.replace(f".{shard}.", f".{fused}.")
-                    rows = {"qkv_proj": HIDDEN + 2 * KV, "gate_up_proj": 2 * FFN}[fused]
-                    shape = (rows, *shape[1:])
-                    break
-            self.params.setdefault(name, torch.zeros(shape, dtype=dtype))
+        self.slices: dict[str, slice] = {}  # HF name -> rows of its fused parameter
+        fused_shapes: dict[str, tuple[list[int], Any, torch.dtype]] = {}
+        for name, shape, dtype in self.specs:
+            target = self._fused(name)
+            if target == name:
+                self.params[name] = torch.zeros(shape, dtype=dtype)
+                continue
+            rows, rest, _ = fused_shapes.setdefault(target, ([0], shape[1:], dtype))
+            self.slices[name] = slice(rows[0], rows[0] + shape[0])
+            rows[0] += shape[0]
+        for target, (rows, rest, dtype) in fused_shapes.items():
+            self.params[target] = torch.zeros((rows[0], *rest), dtype=dtype)
         self.loads = self.post_loads = 0
+
+    def _fused(self, name: str) -> str:
+        for fused, shard, _ in self.stacked_params_mapping:
+            if f".{shard}." in name:
+                return name.replace(f".{shard}.", f".{fused}.")
+        return name
 
     def named_parameters(self) -> Iterable[tuple[str, torch.Tensor]]:
         return iter(self.params.items())
 
-    @staticmethod
-    def _slice(fused: str, shard_id: Any) -> slice:
-        if fused == "qkv_proj":
-            start = {"q": 0, "k": HIDDEN, "v": HIDDEN + KV}[shard_id]
-            return slice(start, start + (HIDDEN if shard_id == "q" else KV))
-        return slice(shard_id * FFN, (shard_id + 1) * FFN)
-
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
         loaded = set()
         for name, tensor in weights:
-            for fused, shard, shard_id in self.stacked_params_mapping:
-                if f".{shard}." not in name:
-                    continue
-                target = name.replace(f".{shard}.", f".{fused}.")
-                self.params[target][self._slice(fused, shard_id)].copy_(tensor)
-                break
-            else:
-                target = name
-                self.params[target].copy_(tensor)
+            target = self._fused(name)
+            dest = self.params[target]
+            (dest[self.slices[name]] if name in self.slices else dest).copy_(tensor)
             loaded.add(target)
         self.loads += 1
         return loaded
@@ -106,13 +105,9 @@ class FusedModel:
     def unfused(self) -> dict[str, torch.Tensor]:
         """The model's weights under HF names, for bit-exact comparison with the trainer's."""
         out = {}
-        for name, _, _ in hf_specs():
-            for fused, shard, shard_id in self.stacked_params_mapping:
-                if f".{shard}." in name:
-                    out[name] = self.params[name.replace(f".{shard}.", f".{fused}.")][self._slice(fused, shard_id)].clone()
-                    break
-            else:
-                out[name] = self.params[name].clone()
+        for name, _, _ in self.specs:
+            dest = self.params[self._fused(name)]
+            out[name] = (dest[self.slices[name]] if name in self.slices else dest).clone()
         return out
 
 
@@ -132,6 +127,10 @@ class StandInActor(FSDPActorWeightSyncMixin, Worker):
         self.params: dict[str, Any] = {}
         if self.rank == 0:  # as get_actor_weights_info caches it
             self._weights_info = [(n, torch.Size(s), d) for n, s, d in hf_specs()]
+
+    @register(dispatch_mode=Dispatch.ONE_TO_ALL)
+    def init_model(self) -> None:
+        """The real one builds the FSDP model; here set_version provides the weights."""
 
     @register(dispatch_mode=Dispatch.ONE_TO_ALL)
     def set_version(self, version: int) -> None:
@@ -154,18 +153,46 @@ class StandInActor(FSDPActorWeightSyncMixin, Worker):
 
 
 class StandInRollout(RolloutWeightSyncMixin, Worker):
-    """The recipe's rollout worker with a FusedModel in place of vLLM."""
+    """The recipe's rollout worker, in the order and strictness of the real one
+    (``DetachAsyncRolloutWorker`` at verl v0.5.0-716-gccd7d934 / v0.7.0):
 
-    def __init__(self) -> None:
+    - built with ``(config=actor_rollout_ref, role="rollout")``; ``init_model`` turns
+      ``config.rollout`` into verl's ``RolloutConfig`` dataclass (``omega_conf_to_dataclass``,
+      which refuses unknown keys) and builds a rollout whose ``inference_engine`` is None,
+      as ``vLLMAsyncRollout.__init__`` leaves it;
+    - the engine appears only in ``start_engine``, which does what vLLM's server does through
+      ``vLLMAsyncRollout._init_worker`` / ``_load_model`` when the trainer's
+      ``_init_async_rollout_manager`` starts it, i.e. after ``_create_weight_sync_group``;
+    - the model sits at ``self.rollout.inference_engine.worker.model_runner.model``, as the
+      recipe's own ``sync_rollout_weights`` reads it; a FusedModel stands in for vLLM's model.
+    """
+
+    def __init__(self, config: Any, role: str) -> None:
         super().__init__()
-        self.model = FusedModel()
+        assert role == "rollout"
+        self.config = config
+        self.rollout: Any = None
 
-    def weightsync_target(self) -> VllmTarget:
-        return VllmTarget(self.model, post_load=self.model.post_load, strict=True)
+    @register(dispatch_mode=Dispatch.ONE_TO_ALL)
+    def init_model(self) -> None:
+        from verl.utils.config import omega_conf_to_dataclass
+        from verl.workers.config import RolloutConfig
+
+        rollout_config = omega_conf_to_dataclass(self.config.rollout, dataclass_type=RolloutConfig)
+        self.rollout = SimpleNamespace(config=rollout_config, inference_engine=None)
+
+    @register(dispatch_mode=Dispatch.ONE_TO_ALL)
+    def start_engine(self) -> None:
+        model = FusedModel()
+        self.rollout.inference_engine = SimpleNamespace(worker=SimpleNamespace(model_runner=SimpleNamespace(model=model)))
+
+    def _model(self) -> FusedModel:
+        return self.rollout.inference_engine.worker.model_runner.model
 
     @register(dispatch_mode=Dispatch.ONE_TO_ALL)
     def weights(self) -> dict[str, Any]:
-        return {"weights": self.model.unfused(), "loads": self.model.loads, "post_loads": self.model.post_loads}
+        model = self._model()
+        return {"weights": model.unfused(), "loads": model.loads}
 
     @register(dispatch_mode=Dispatch.ONE_TO_ALL)
     def close(self) -> None:

@@ -1,0 +1,68 @@
+#!/usr/bin/env bash
+# Prepares a verl source tree at a revision, and a venv that imports it on CPU, for the
+# real-source test tier (tests/verl_source, `pytest -m verl_source`; see docs/verl.md).
+#
+#   scripts/verl_source.sh <tag-or-commit> [<dir>]
+#
+#   <dir>/src   the verl tree at that revision (verl/ and recipe/), never inside this repo
+#   <dir>/venv  python venv: torch (CPU), this repo (editable), the pins below for the generation
+#   default <dir>: /tmp/verl-source/<rev>
+#
+# Where verl comes from: VERL_GIT=<a git dir or checkout holding verl's history> (read only,
+# e.g. a bare mirror), else a clone of https://github.com/volcengine/verl into <dir>/git.
+# Nothing is compiled: verl itself is put on the path, not installed; packages that only
+# ship sources with native parts (liger-kernel, flash-attn, vllm) are left out, and
+# megatron-core is installed without its dependencies (imported, never run, on CPU).
+# Then:  WEIGHTSYNC_VERL_SRC=<dir>/src <dir>/venv/bin/python -m pytest -m verl_source tests/verl_source
+set -euo pipefail
+rev="${1:?usage: scripts/verl_source.sh <tag-or-commit> [<dir>]}"
+dir="${2:-/tmp/verl-source/$rev}"
+repo="$(cd "$(dirname "$0")/.." && pwd)"
+python="${PYTHON:-python3}"
+torch_spec="${WEIGHTSYNC_TORCH:-torch==2.13.0}"
+case "$(realpath -m "$dir")/" in "$repo"/*) echo "keep <dir> outside the repo ($repo): verl's code is not ours to commit" >&2; exit 2;; esac
+mkdir -p "$dir"
+
+# -- the source tree --------------------------------------------------------------------
+git_dir="${VERL_GIT:-}"
+if [ -z "$git_dir" ]; then
+    git_dir="$dir/git"
+    [ -d "$git_dir" ] || git clone --bare --filter=blob:none https://github.com/volcengine/verl "$git_dir"
+fi
+[ -d "$git_dir/.git" ] && git_dir="$git_dir/.git"
+sha="$(git --git-dir="$git_dir" rev-parse --verify "$rev^{commit}")"
+if [ ! -f "$dir/src/.verl-rev" ] || [ "$(cat "$dir/src/.verl-rev")" != "$sha" ]; then
+    rm -rf "$dir/src" && mkdir -p "$dir/src"
+    git --git-dir="$git_dir" archive "$sha" | tar -x -C "$dir/src"
+    echo "$sha" > "$dir/src/.verl-rev"
+fi
+[ -d "$dir/src/recipe/one_step_off_policy" ] || echo "note: $rev has no recipe/one_step_off_policy" >&2
+
+# -- the venv ---------------------------------------------------------------------------
+# pins that import verl's trainer, FSDP workers and the recipe on CPU, per generation
+common=(accelerate codetiming dill "hydra-core>=1.3,<1.4" "omegaconf>=2.3,<2.4" pandas peft pybind11 torchdata
+        "tensordict>=0.8.0,<=0.10.0,!=0.9.0" uvicorn fastapi "ray[default]>=2.47" "numpy<2.0.0" pylatexenc
+        math_verify latex2sympy2_extended)
+case "$rev" in
+    v0.5.*) gen=("transformers>=4.53,<4.54" "pyarrow>=19,<21" "datasets>=3.6,<4.1") ;;
+    v0.6.*) gen=("transformers>=4.56,<4.57" "pyarrow>=20,<21" "datasets>=4.0,<4.1") ;;
+    *) gen=("transformers>=4.57,<4.58" "pyarrow>=20,<21" "datasets>=4.0,<4.1") ;;  # ccd7d934, v0.7.x
+esac
+if [ ! -x "$dir/venv/bin/python" ]; then
+    "$python" -m venv "$dir/venv"
+fi
+pip=("$dir/venv/bin/pip" install --quiet --disable-pip-version-check)
+"${pip[@]}" "$torch_spec"
+"${pip[@]}" -e "$repo[dev]" "${common[@]}" "${gen[@]}"
+"${pip[@]}" --no-deps "megatron-core>=0.14,<0.15"
+# verl and the recipe come from the tree, in this venv only
+site="$("$dir/venv/bin/python" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')"
+echo "$dir/src" > "$site/verl-source.pth"
+"$dir/venv/bin/python" - "$dir/src" <<'EOF'
+import sys
+import verl
+assert verl.__file__.startswith(sys.argv[1]), f"verl imported from {verl.__file__}, not the tree {sys.argv[1]}"
+import recipe.one_step_off_policy.ray_trainer  # noqa: F401  (the recipe imports on CPU)
+print(f"verl {getattr(verl, '__version__', '?')} from {verl.__file__}: recipe imports")
+EOF
+echo "WEIGHTSYNC_VERL_SRC=$dir/src $dir/venv/bin/python -m pytest -m verl_source $repo/tests/verl_source"
