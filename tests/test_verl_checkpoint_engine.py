@@ -12,26 +12,6 @@ pytestmark = pytest.mark.verl
 MODULE = "weightsync_verl.checkpoint_engine"
 
 
-class FakeReplica:
-    """What the manager needs of a rollout replica: its workers and the request gates."""
-
-    def __init__(self, workers):
-        self.workers = workers
-        self.calls = []
-
-    async def abort_all_requests(self, reject_request=False):
-        self.calls.append("abort")
-
-    async def release_kv_cache(self):
-        self.calls.append("release")
-
-    async def resume_kv_cache(self):
-        self.calls.append("resume_kv")
-
-    async def resume_generation(self):
-        self.calls.append("resume")
-
-
 def _config(transport):
     from verl.workers.config import CheckpointEngineConfig
 
@@ -80,7 +60,7 @@ def _transports():
 def test_manager_transfer_is_bit_exact(worker_groups, transport):
     import ray
     from verl.checkpoint_engine import CheckpointEngineManager
-    from weightsync_verl.testing import hf_weights
+    from weightsync_verl.testing import ReplicaGates, hf_weights
 
     from weightsync.testing import same_bits
 
@@ -88,7 +68,7 @@ def test_manager_transfer_is_bit_exact(worker_groups, transport):
     cfg = _config(transport)
     actors.use_engine(cfg)
     rollouts.use_engine(cfg)
-    replicas = [FakeReplica(rollouts.workers[:1]), FakeReplica(rollouts.workers[1:])]
+    replicas = [ReplicaGates(rollouts.workers[:1]), ReplicaGates(rollouts.workers[1:])]
     manager = CheckpointEngineManager(config=cfg, actor_wg=actors, replicas=replicas)
     try:
         for step in (1, 2, 3):

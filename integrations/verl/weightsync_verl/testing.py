@@ -223,6 +223,10 @@ class EngineActor(Worker):
             **cfg.engine_kwargs.get(cfg.backend, {}))
         self.iterated = 0
 
+    @register(dispatch_mode=Dispatch.ONE_TO_ALL)
+    def init_model(self) -> None:
+        """The real one builds the model engine; here update_weights produces the weights."""
+
     @register(dispatch_mode=Dispatch.ONE_TO_ALL, blocking=False)
     async def update_weights(self, global_steps: int | None = None, mode: str = "auto") -> Any:
         def weights():  # every rank walks it (in verl, producing a tensor is a collective)
@@ -254,6 +258,27 @@ class Collector:
         got = self.received.setdefault(global_steps, {})
         async for name, tensor in ensure_async_iterator(weights):
             got[name] = tensor.clone()  # a vLLM adapter copies into its IPC bucket here
+
+
+class ReplicaGates:
+    """What verl's CheckpointEngineManager (0.9.1) calls on a ``RolloutReplica`` around a sync:
+    its ``workers`` and the request / KV-cache gates, which a vLLM server would act on."""
+
+    def __init__(self, workers: list) -> None:
+        self.workers = workers
+        self.calls: list[str] = []
+
+    async def abort_all_requests(self, reject_request: bool = False) -> None:
+        self.calls.append("abort")
+
+    async def release_kv_cache(self) -> None:
+        self.calls.append("release")
+
+    async def resume_kv_cache(self) -> None:
+        self.calls.append("resume_kv")
+
+    async def resume_generation(self) -> None:
+        self.calls.append("resume")
 
 
 def engine_rollout_worker() -> type:
