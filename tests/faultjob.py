@@ -120,6 +120,17 @@ class Job:
         ray.get(self.trainer.step.remote(version), timeout=120)
         return {n: ray.get(ref, timeout=60) for n, ref in applied.items()}
 
+    def start_held(self, version: int, bucket: int, sync_timeout: float | None = None) -> tuple[dict[str, Any], Any]:
+        """Every rollout stops after loading ``bucket`` of ``version`` (a fault point it
+        signals); the trainer stages and syncs the version. Returns (each rollout's apply
+        ref, the trainer's sync ref) once every rollout stands at that point."""
+        ray.get([r.hold_at.remote(version, bucket) for r in self.rollouts.values()])
+        ray.get(self.trainer.stage.remote(version))
+        applied = {n: r.apply.remote(version) for n, r in self.rollouts.items()}
+        sync = self.trainer.sync.remote(version, sync_timeout)
+        assert all(ray.get([r.reached.remote(DEADLINE_S) for r in self.rollouts.values()]))
+        return applied, sync
+
     def metrics(self, version: int) -> dict[str, Any]:
         return self.coord.metrics(version)
 

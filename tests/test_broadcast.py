@@ -12,7 +12,7 @@ from types import SimpleNamespace
 import pytest
 import ray
 import torch
-from faultjob import DEADLINE_S, RECEIVERS, Job, apply_fails, sync_failed, wait_until
+from faultjob import RECEIVERS, Job, apply_fails, sync_failed, wait_until
 
 from weightsync.device import ray_options
 from weightsync.errors import ConfigError
@@ -135,10 +135,7 @@ def test_receiver_killed_at_bucket(wide, where):
     job = wide
     base = job.fresh()
     v, k = job.next(), _at(job, where)
-    ray.get([r.hold_at.remote(v, k) for r in job.rollouts.values()])
-    applied = {n: r.apply.remote(v) for n, r in job.rollouts.items()}
-    sync = job.trainer.step.remote(v)
-    assert all(ray.get([r.reached.remote(DEADLINE_S) for r in job.rollouts.values()]))
+    applied, sync = job.start_held(v, k)
     job.kill("rollout-1")
     wait_until("rollout-1 is failed in v", lambda: "rollout-1" in job.metrics(v)["failed"])
     ray.get(job.rollouts["rollout-0"].release.remote())
@@ -169,11 +166,7 @@ def test_sender_killed_at_bucket(wide, where):
     job = wide
     base = job.fresh()
     v, k = job.next(), _at(job, where)
-    ray.get([r.hold_at.remote(v, k) for r in job.rollouts.values()])
-    ray.get(job.trainer.stage.remote(v))
-    applied = [r.apply.remote(v) for r in job.rollouts.values()]
-    job.trainer.sync.remote(v)
-    assert all(ray.get([r.reached.remote(DEADLINE_S) for r in job.rollouts.values()]))
+    applied = list(job.start_held(v, k)[0].values())
     job.kill("trainer")
     wait_until("the coordinator aborted v", lambda: job.state(v) == "ABORTED")
     ray.get([r.release.remote() for r in job.rollouts.values()])
@@ -203,11 +196,8 @@ def test_stuck_receiver_times_out_the_version(wide):
     job = wide
     base = job.fresh()
     v, short = job.next(), 3.0
-    ray.get([r.hold_at.remote(v, 0) for r in job.rollouts.values()])
-    ray.get(job.trainer.stage.remote(v))
-    applied = [r.apply.remote(v) for r in job.rollouts.values()]  # only the sender's deadline is short
-    sync = job.trainer.sync.remote(v, short)
-    assert all(ray.get([r.reached.remote(DEADLINE_S) for r in job.rollouts.values()]))
+    applied, sync = job.start_held(v, 0, sync_timeout=short)  # only the sender's deadline is short
+    applied = list(applied.values())
     ray.get(job.rollouts["rollout-0"].release.remote())  # rollout-0 goes on; rollout-1 stays stuck
     err = sync_failed(sync)
     assert set(err.failed) == set(RECEIVERS) and err.committed == []

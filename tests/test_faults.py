@@ -82,10 +82,7 @@ def test_receiver_killed_at_bucket(job, where):
     sender stops waiting for a receiver declared dead)."""
     job.fresh()
     v, k = job.next(), bucket(job, where)
-    ray.get([r.hold_at.remote(v, k) for r in job.rollouts.values()])
-    applied = {n: r.apply.remote(v) for n, r in job.rollouts.items()}
-    sync = job.trainer.step.remote(v)
-    assert all(ray.get([r.reached.remote(DEADLINE_S) for r in job.rollouts.values()]))
+    applied, sync = job.start_held(v, k)
     job.kill("rollout-1")
     wait_until("rollout-1 is failed in v", lambda: "rollout-1" in job.metrics(v)["failed"])
     ray.get(job.rollouts["rollout-0"].release.remote())
@@ -146,11 +143,7 @@ def test_sender_killed_while_staging(job, transport):
 def test_sender_killed_at_bucket(job, transport, where):
     job.fresh()
     v, k = job.next(), bucket(job, where)
-    ray.get([r.hold_at.remote(v, k) for r in job.rollouts.values()])
-    ray.get(job.trainer.stage.remote(v))
-    applied = [r.apply.remote(v) for r in job.rollouts.values()]
-    job.trainer.sync.remote(v)
-    assert all(ray.get([r.reached.remote(DEADLINE_S) for r in job.rollouts.values()]))
+    applied = list(job.start_held(v, k)[0].values())
     wait_until("v is at the barrier", lambda: job.state(v) == "TRANSFERRING")
     job.kill("trainer")
     if transport != "shm":

@@ -39,7 +39,8 @@ def unavailable(kind: str, backend: str, device: str, payload: int, receivers: i
         need = 2 * payload * (receivers + 1)
         free = psutil.virtual_memory().available
         if need > 0.5 * free:  # margin: the benchmark's own actors and segments grow meanwhile
-            return f"needs about {need / 2**30:.1f} GiB of free memory, {free / 2**30:.1f} GiB available"
+            return (f"needs about {need / 2**30:.1f} GiB, twice that free for the benchmark's own actors to grow; "
+                    f"{free / 2**30:.1f} GiB available")
     return None
 
 
