@@ -11,8 +11,10 @@
 # Where verl comes from: VERL_GIT=<a git dir or checkout holding verl's history> (read only,
 # e.g. a bare mirror), else a clone of https://github.com/volcengine/verl into <dir>/git.
 # Nothing is compiled: verl itself is put on the path, not installed; packages that only
-# ship sources with native parts (liger-kernel, flash-attn, vllm) are left out, and
-# megatron-core is installed without its dependencies (imported, never run, on CPU).
+# ship sources with native parts (liger-kernel, flash-attn) are left out, megatron-core is
+# installed without its dependencies (imported, never run, on CPU), and where a generation
+# needs vLLM importable (v0.6.x: its rollout worker imports verl.third_party.vllm) vLLM 0.11.0
+# is built for VLLM_TARGET_DEVICE=empty, Python only, as the vllm tier does (vllm_env.sh).
 # Then:  WEIGHTSYNC_VERL_SRC=<dir>/src <dir>/venv/bin/python -m pytest -m verl_source tests/verl_source
 set -euo pipefail
 rev="${1:?usage: scripts/verl_source.sh <tag-or-commit> [<dir>]}"
@@ -55,6 +57,16 @@ pip=("$dir/venv/bin/pip" install --quiet --disable-pip-version-check)
 "${pip[@]}" "$torch_spec"
 "${pip[@]}" -e "$repo[dev]" "${common[@]}" "${gen[@]}"
 "${pip[@]}" --no-deps "megatron-core>=0.14,<0.15"
+case "$rev" in
+    v0.6.*)
+        vllm_sha="f435a64c24e9c4178d657a76f8edd8548ddc444012f7d06a9f79ac3a6392bfae"
+        vllm_url="$("$dir/venv/bin/python" "$repo/scripts/sdist_url.py" vllm-0.11.0.tar.gz "$vllm_sha")"
+        printf '%s\ntransformers<5\n' "$torch_spec" > "$dir/venv/constraints.txt"
+        "${pip[@]}" -c "$dir/venv/constraints.txt" "setuptools>=77.0.3,<80" "setuptools-scm>=8" wheel packaging jinja2
+        VLLM_TARGET_DEVICE=empty "${pip[@]}" -c "$dir/venv/constraints.txt" --no-build-isolation \
+            "vllm @ ${vllm_url}#sha256=${vllm_sha}"
+        ;;
+esac
 # verl and the recipe come from the tree, in this venv only
 site="$("$dir/venv/bin/python" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')"
 echo "$dir/src" > "$site/verl-source.pth"

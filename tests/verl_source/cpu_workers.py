@@ -45,10 +45,15 @@ def model_specs(model_path: str, dtype: Any) -> list[tuple[str, tuple[int, ...],
 
 
 def _engine(model: FusedModel, sync: bool) -> Any:
-    worker = SimpleNamespace(model_runner=SimpleNamespace(model=model))
-    if sync:  # vLLM's offline LLM: inference_engine.llm_engine.model_executor.driver_worker.worker
+    # vLLM's model runner: the model, and the model_config / device that vLLM's
+    # process_weights_after_loading takes (weightsync runs it once per version)
+    worker = SimpleNamespace(model_runner=SimpleNamespace(model=model, model_config=SimpleNamespace(),
+                                                          device=torch.device("cpu")))
+    if sync:  # vLLM's offline LLM: inference_engine.llm_engine.model_executor.driver_worker.worker,
+        # and the calls v0.6.1's VLLMShardingManager makes on it (LLM.wake_up / sleep / reset_prefix_cache)
         return SimpleNamespace(llm_engine=SimpleNamespace(model_executor=SimpleNamespace(
-            driver_worker=SimpleNamespace(worker=worker))), reset_prefix_cache=lambda: None)
+            driver_worker=SimpleNamespace(worker=worker))), reset_prefix_cache=lambda: None,
+            wake_up=lambda tags=None: None, sleep=lambda level=1: None)
     return SimpleNamespace(worker=worker)  # vLLM's WorkerWrapperBase
 
 

@@ -79,6 +79,9 @@ class FusedModel:
         for target, (rows, rest, dtype) in fused_shapes.items():
             self.params[target] = torch.zeros((rows[0], *rest), dtype=dtype)
         self.loads = self.post_loads = 0
+        # vLLM's *ForCausalLM keep their decoder stack under .model; verl's MoE loader patch
+        # (verl.utils.vllm.patch, called on every rollout model) refuses a model without it
+        self.model = SimpleNamespace(layers=[])
 
     def _fused(self, name: str) -> str:
         for fused, shard, _ in self.stacked_params_mapping:
@@ -101,6 +104,11 @@ class FusedModel:
 
     def post_load(self) -> None:
         self.post_loads += 1
+
+    def named_modules(self) -> Iterable[tuple[str, Any]]:
+        """torch.nn.Module's walk, which vLLM's process_weights_after_loading makes: this model
+        has no submodules, and nothing on it to process after loading."""
+        return iter([("", self)])
 
     def unfused(self) -> dict[str, torch.Tensor]:
         """The model's weights under HF names, for bit-exact comparison with the trainer's."""
