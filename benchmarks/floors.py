@@ -43,9 +43,11 @@ from weightsync.bench.actors import BenchEngine, digest
 from weightsync.bench.ceiling import host_ceiling
 from weightsync.bench.cli import machine_info
 from weightsync.bench.layouts import resolve
+from weightsync.digest import verify
+from weightsync.digest import xxh3 as checksum
 from weightsync.layouts import materialize
 from weightsync.manifest import Manifest
-from weightsync.plan import BucketPlan, Unpacker, checksum, pack_stream, plan_buckets, verify
+from weightsync.plan import BucketPlan, Unpacker, pack_stream, plan_buckets
 from weightsync.transports.shm import layout, spans
 
 MiB = 1 << 20
@@ -105,7 +107,7 @@ def _host_party(role: str, k: int, model: str, bucket_mb: float, repeats: int, r
             while run is not None and int(word[b]) != run:
                 time.sleep(20e-6)
             if hashed and k == 0:
-                verify(b, windows[b], sums[b], 0)
+                verify("xxh3", b, windows[b], sums[b], 0)
                 if run is not None:
                     verified[b] = run
             engine.load_weights(unpacker.unpack(b, windows[b], span))

@@ -10,9 +10,10 @@ from __future__ import annotations
 import pytest
 import torch
 
+from weightsync.digest import xxh3 as checksum
 from weightsync.layouts import layout, materialize
 from weightsync.manifest import Manifest, TensorSpec
-from weightsync.plan import Unpacker, checksum, pack_stream, plan_buckets
+from weightsync.plan import Unpacker, pack_stream, plan_buckets
 
 pytest.importorskip("pytest_benchmark")
 

@@ -6,8 +6,9 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from weightsync import ManifestError
+from weightsync.digest import xxh3 as checksum
 from weightsync.manifest import DTYPES, Manifest, TensorSpec, build_manifest, check_manifest
-from weightsync.plan import Unpacker, checksum, pack_stream, plan_buckets
+from weightsync.plan import Unpacker, pack_stream, plan_buckets
 from weightsync.testing import same_bits
 
 

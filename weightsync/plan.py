@@ -98,15 +98,6 @@ def plan_buckets(manifest: Manifest, bucket_bytes: int, align: int = 256) -> Buc
     return BucketPlan(bucket_bytes, align, built, tuple(per_tensor))
 
 
-def checksum(buf: torch.Tensor) -> int:
-    """xxh3-64 of a uint8 buffer, without copying it when it is on the host."""
-    return digests.xxh3(buf)
-
-
-def verify(bucket_index: int, buf: torch.Tensor, expected: int, version: int, kind: str = "xxh3") -> None:
-    digests.verify(kind, bucket_index, buf, expected, version)
-
-
 def _flat_bytes(t: torch.Tensor) -> torch.Tensor:
     # reshape copies only when the tensor is not contiguous; view(uint8) is free
     return t.reshape(-1).view(torch.uint8)
@@ -119,7 +110,7 @@ CHUNK = 512 << 10
 
 class _StreamHash:
     """xxh3 of a host bucket, fed in plan order while the bucket is filled; equals
-    ``checksum(bucket[:nbytes])``. Alignment gaps are hashed too, as they lie in the buffer."""
+    ``digest.xxh3(bucket[:nbytes])``. Alignment gaps are hashed too, as they lie in the buffer."""
 
     def __init__(self, buf: torch.Tensor):
         self.state = xxhash.xxh3_64()

@@ -191,7 +191,7 @@ class BroadcastSender(_End, SenderTransport):
         store = self._store()
         return {"backend": self.backend, "communicator": self.communicator,
                 "communicator_reason": self.communicator_reason, "host": store_host(self.ctx.config.rendezvous_host),
-                "port": store.port, "checksum": bool(self.trailer), "store_id": self.store_id,
+                "port": store.port, "store_id": self.store_id,
                 "digest_kind": self.digest_kind}
 
     def stage(self, version: int, slot: int, fill: Fill, announce: Callable[[dict[str, Any]], None]) -> dict[str, Any]:
@@ -317,9 +317,9 @@ class BroadcastReceiver(_End, ReceiverTransport):
     def __init__(self, ctx: TransportContext, session_info: dict[str, Any]):
         super().__init__(ctx, session_info)
         self._setup(ctx, session_info["backend"], f"receiver '{ctx.name}'", session_info.get("communicator", "torch"))
-        if bool(self.trailer) != bool(session_info.get("checksum")):
+        if bool(self.trailer) != bool(session_info.get("digest_kind")):
             raise ConfigError(f"receiver '{ctx.name}' has checksum={ctx.config.checksum} but the sender "
-                              f"{'sends' if session_info.get('checksum') else 'does not send'} checksums; "
+                              f"{'sends' if session_info.get('digest_kind') else 'does not send'} digests; "
                               f"use one config for every party")
         self.store: dist.TCPStore | None = None
 
@@ -334,10 +334,11 @@ class BroadcastReceiver(_End, ReceiverTransport):
         dead sender's group and store; the next group is built on the new store."""
         if info.get("store_id") in (None, self.session_info.get("store_id")):
             return
-        if (info.get("backend", self.backend), info.get("communicator", self.communicator), bool(info.get("checksum"))) \
+        sends = bool(info.get("digest_kind"))
+        if (info.get("backend", self.backend), info.get("communicator", self.communicator), sends) \
                 != (self.backend, self.communicator, bool(self.trailer)):
             raise ConfigError(f"receiver '{self.ctx.name}': the restarted sender uses backend "
-                              f"{info.get('backend')!r} ({info.get('communicator')}), checksum={info.get('checksum')}; "
+                              f"{info.get('backend')!r} ({info.get('communicator')}), checksum={sends}; "
                               f"this receiver was set up for {self.backend!r} ({self.communicator}), "
                               f"checksum={bool(self.trailer)}")
         self._drop()

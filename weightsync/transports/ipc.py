@@ -151,7 +151,7 @@ class IpcSender(SenderTransport):
 
     def session_info(self) -> dict[str, Any]:
         return {"control": self.control.name, "buffers": list(self.handles),
-                "nbuf": self.nbuf, "capacity": self.capacity, "checksums": bool(self.digest_kind),
+                "nbuf": self.nbuf, "capacity": self.capacity,
                 "digest_kind": self.digest_kind,
                 "device": devices.describe(self.ctx.device)}
 
