@@ -8,7 +8,7 @@ import os
 
 import pytest
 
-from weightsync.transports.shm import our_segments, reap_stale
+from weightsync.transports.segment import our_segments, reap_stale
 
 _ids = itertools.count()
 

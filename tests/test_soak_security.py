@@ -14,7 +14,7 @@ import ray
 from weightsync import Coordinator, ProtocolError, WeightReceiver, protocol, transports
 from weightsync.layouts import layout, materialize
 from weightsync.testing import RolloutWorker, TrainerWorker, same_bits
-from weightsync.transports.shm import our_segments
+from weightsync.transports.segment import our_segments
 
 Rollout = ray.remote(RolloutWorker).options(num_cpus=0)
 Trainer = ray.remote(TrainerWorker).options(num_cpus=0)

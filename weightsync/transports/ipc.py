@@ -56,7 +56,8 @@ from .ipc_wire import (
     slot_word,
     tag,
 )
-from .shm import PAGE, SEGMENT_NAME, Segment, check_space, digest_word, reap_stale, segment_name
+from .segment import PAGE, SEGMENT_NAME, Segment, check_space, reap_stale, segment_name
+from .shm import digest_word
 
 
 class _Watch:
