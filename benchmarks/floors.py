@@ -18,8 +18,8 @@ gloo path (what broadcast does on CPU), trainer rank 0 and one rollout rank 1
   buckets   the same bytes as one broadcast per bucket, two in flight, nothing else
   +load     the same, with the rollout loading each bucket into the engine as it lands
 
-A transport's time minus its floor is what its protocol costs; a target below the floor is
-out of reach on this machine whatever the transport does. Each figure is the median of
+A transport's time minus its floor is what its protocol costs; a time below the floor is out
+of reach on this machine whatever the transport does. Each figure is the median of
 --repeats runs after one untimed run.
 """
 
@@ -263,7 +263,7 @@ def format_result(r: dict[str, Any]) -> str:
     for name, s in rows:
         lines.append(f"{name:34} {s:7.3f} {gb / s:6.2f} {c['seconds'] / s:9.2f}")
     x = r["reading"]
-    lines += ["", "what this means for the benchmark's targets (a transport can only be slower than its floor):",
+    lines += ["", "what this means for the transports' figures (a transport can only be slower than its floor):",
               f"  shm / copy ceiling at best: {x['shm_best_x_ceiling']:.2f}x "
               f"({x['shm_best_x_ceiling_no_xxh3']:.2f}x without xxh3)",
               f"  pre-staged barrier / one copy at least: {x['prestaged_barrier_floor_x_one_copy']:.2f}x "

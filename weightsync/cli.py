@@ -17,7 +17,10 @@ SUBCOMMANDS = {
 
 def build_parser() -> argparse.ArgumentParser:
     """The whole command line; tests parse the documentation's commands with it."""
-    parser = argparse.ArgumentParser(prog="weightsync", description=__doc__)
+    parser = argparse.ArgumentParser(
+        prog="weightsync",
+        description="Move model weights from an RL trainer to its rollout engines; these commands measure, "
+                    "diagnose and inspect it (docs: docs/index.md).")
     sub = parser.add_subparsers(dest="command", required=True)
     for name, (module, help_text) in SUBCOMMANDS.items():
         p = sub.add_parser(name, help=help_text, description=help_text)
