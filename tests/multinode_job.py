@@ -44,8 +44,11 @@ NODE = {"num_cpus": 2, "object_store_memory": 80 * 2**20}
 
 def addresses() -> list[str | None]:
     """127.0.0.2-4 where this loopback answers on them, else Ray's default for every node.
-    127.0.0.1 is not used: Ray rewrites it to the machine's address when a driver connects."""
+    127.0.0.1 is not used: Ray rewrites it to the machine's address when a driver connects.
+    MULTINODE_ONE_ADDRESS=1 forces the fallback (to check it where the loopback has them)."""
     try:
+        if os.environ.get("MULTINODE_ONE_ADDRESS") == "1":
+            raise OSError("one address requested")
         for last in (2, 3, 4):
             with socket.socket() as s:
                 s.bind((f"127.0.0.{last}", 0))
