@@ -6,8 +6,10 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import sys
+import tempfile
 
 import pytest
 
@@ -19,8 +21,14 @@ def job(tmp_path_factory):
     out = tmp_path_factory.mktemp("multinode") / "job.json"
     env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
     env["PYTHONPATH"] = os.pathsep.join([ROOT, env.get("PYTHONPATH", "")])
-    proc = subprocess.run([sys.executable, os.path.join(ROOT, "tests", "multinode_job.py"), str(out)],
-                          env=env, cwd=ROOT, capture_output=True, text=True, timeout=400)
+    # a Ray temp dir of its own: the job's sessions, sockets and its "current cluster" record
+    # stay apart from the test session's Ray (short path: Unix socket names are limited)
+    env["RAY_TMPDIR"] = tempfile.mkdtemp(prefix="wsmn-", dir="/tmp" if os.path.isdir("/tmp") else None)
+    try:
+        proc = subprocess.run([sys.executable, os.path.join(ROOT, "tests", "multinode_job.py"), str(out)],
+                              env=env, cwd=ROOT, capture_output=True, text=True, timeout=400)
+    finally:
+        shutil.rmtree(env["RAY_TMPDIR"], ignore_errors=True)
     seen = json.loads(out.read_text()) if out.exists() else {}
     assert proc.returncode == 0 and "error" not in seen, (seen.get("error"), proc.stderr[-3000:])
     assert seen["left"] == [], f"processes left after the cluster shut down: {seen['left']}"
