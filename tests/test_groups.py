@@ -106,3 +106,37 @@ def test_each_device_construction_bit_exact(coordinator_factory, actors, kind, c
     status = coord.status()
     assert status["group"]["communicator"] == communicator
     assert status["resources"]["bcast_groups"] == 2
+
+
+def _gloo_listens(monkeypatch, ifname: str | None) -> set[str]:
+    """Addresses the sockets of a new 2-rank gloo group listen on (ranks in two threads)."""
+    import datetime
+    import threading
+
+    import psutil
+    import torch.distributed as dist
+
+    from weightsync.transports.groups import new_process_group
+
+    if ifname is None:
+        monkeypatch.delenv("GLOO_SOCKET_IFNAME", raising=False)
+    else:
+        monkeypatch.setenv("GLOO_SOCKET_IFNAME", ifname)
+
+    def listening() -> set[tuple[str, int]]:
+        return {(c.laddr.ip, c.laddr.port) for c in psutil.Process().net_connections("tcp")
+                if c.status == psutil.CONN_LISTEN}
+
+    before, store, groups = listening(), dist.HashStore(), []
+    threads = [threading.Thread(target=lambda r=r: groups.append(
+        new_process_group("gloo", store, r, 2, datetime.timedelta(seconds=20)))) for r in (0, 1)]
+    [t.start() for t in threads]
+    [t.join() for t in threads]
+    assert len(groups) == 2
+    return {ip.removeprefix("::ffff:") for ip, _ in listening() - before}
+
+
+def test_gloo_listens_on_the_ray_node_address_unless_gloo_socket_ifname_says(ray_cluster, monkeypatch):
+    # gloo's default follows the hostname, often a loopback address other nodes cannot reach
+    assert _gloo_listens(monkeypatch, None) == {ray.util.get_node_ip_address()}
+    assert _gloo_listens(monkeypatch, "lo") == {"127.0.0.1"}

@@ -14,8 +14,10 @@ OK = {"ok": True, "reason": "ipc fine"}
 NO = {"ok": False, "reason": "CANN 8.2.RC1 is older than 8.3.RC1"}
 
 
-def party(host="h1", kind="cpu", physical=None, ipc=None, name=None):
+def party(host="h1", kind="cpu", physical=None, ipc=None, name=None, node=None):
     d = {"host": host, "device": {"type": kind, "index": 0 if kind != "cpu" else None, "physical": physical}}
+    if node is not None:
+        d["node_id"] = node
     if ipc is not None:
         d["ipc"] = ipc
     if name:
@@ -31,6 +33,47 @@ def test_placement_compares_host_then_physical_device():
     assert placement(s, party(kind="npu", physical=4)) == SAME_NODE
     assert placement(s, party(host="h2", kind="npu", physical=3)) == REMOTE
     assert placement(party(), party()) == COLOCATED  # host memory: one node is one device
+
+
+def test_placement_is_by_ray_node_id_and_by_host_only_without_one():
+    # several raylets on one machine (a simulated cluster) share an address, not a /dev/shm view
+    a, b = party(node="aaaa1111aaaa"), party(node="bbbb2222bbbb")
+    assert placement(a, b) == REMOTE
+    assert placement(a, party(host="h2", node="aaaa1111aaaa")) == COLOCATED  # one node, two addresses
+    assert placement(party(kind="npu", physical=0, node="n1"), party(kind="npu", physical=0, node="n2")) == REMOTE
+    assert placement(a, party()) == COLOCATED  # no node id on one side (no Ray): the host decides
+    assert placement(party(), party(host="h2")) == REMOTE
+
+
+def test_auto_across_ray_nodes_on_one_address_picks_broadcast_naming_them():
+    s = party(host="10.0.0.1", node="aaaa1111" * 7, ipc=OK)
+    far = [party(host="10.0.0.1", node="bbbb2222" * 7, name="rollout-0"),
+           party(host="10.0.0.1", node="cccc3333" * 7, name="rollout-1")]
+    name, reason = choose_transport("auto", s, far)
+    assert name == "broadcast"
+    assert reason == ("auto: 2 receiver(s) (rollout-0, rollout-1) on other nodes (10.0.0.1 (node bbbb2222), "
+                      "10.0.0.1 (node cccc3333)); broadcast")
+    with pytest.raises(ConfigError, match=r"1 receiver\(s\) \(rollout-1\) on 10.0.0.1 \(node cccc3333\) are not"):
+        choose_transport("shm", s, [party(host="10.0.0.1", node="aaaa1111" * 7), far[1]])
+    # the same receivers on the sender's node: shm
+    assert choose_transport("auto", s, [party(host="10.0.0.1", node="aaaa1111" * 7)] * 2)[0] == "shm"
+
+
+def test_auto_mixed_placement_broadcasts_to_all_and_says_shm_within_a_node_is_not_built():
+    s = party(node="n-a", ipc=OK)
+    name, reason = choose_transport("auto", s, [party(node="n-a", name="local-0"), party(node="n-b", name="far-0")])
+    assert name == "broadcast"
+    assert "1 receiver(s) (far-0) on other nodes" in reason
+    assert "1 receiver(s) (local-0) on the sender's node included" in reason and "not built yet" in reason
+
+
+def test_one_device_twice_is_per_ray_node():
+    # physical device 0 on two Ray nodes is two devices, even behind one address
+    s = party(kind="cuda", physical=0, node="n-a")
+    assert choose_transport("broadcast", s, [party(kind="cuda", physical=0, node="n-b")])[0] == "broadcast"
+    with pytest.raises(ConfigError, match=r"share physical cuda 0 on h1 \(node n-a\)"):
+        choose_transport("broadcast", s, [party(kind="cuda", physical=0, node="n-a"),
+                                          party(kind="cuda", physical=1, node="n-a")])
 
 
 def test_auto_colocated_with_ipc_picks_ipc():

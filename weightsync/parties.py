@@ -47,8 +47,8 @@ class PartyRecord:
 
     def public(self, now: float) -> dict[str, Any]:
         return {
-            "name": self.name, "role": self.role, "rank": self.rank, "host": self.host, "pid": self.os_pid,
-            "alive": self.present, "left": self.left, "serving": self.serving,
+            "name": self.name, "role": self.role, "rank": self.rank, "host": self.host, "node_id": self.node_id,
+            "pid": self.os_pid, "alive": self.present, "left": self.left, "serving": self.serving,
             "applying": self.applying, "silent_s": round(now - self.last_seen, 3),
             "manifest": "pending" if self.verdict is None else ("accepted" if self.verdict == "" else "rejected"),
             "why": self.why,

@@ -19,7 +19,8 @@ from .transports.base import TransportContext
 
 
 def node_identity() -> tuple[str, str]:
-    """(host address, Ray node id): parties with equal hosts share /dev/shm."""
+    """(host address, Ray node id). Parties with equal node ids share a node (its /dev/shm, its
+    devices); the host decides only without Ray (selection.on_one_node)."""
     if ray.is_initialized():
         try:
             return ray.util.get_node_ip_address(), ray.get_runtime_context().get_node_id()

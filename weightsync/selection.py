@@ -1,8 +1,11 @@
 """Which transport a session uses: a pure function of the config and where parties run.
 
-Each party is described by a plain dict: ``host`` (node address), ``device`` (the
-``device.describe`` dict: type, index, physical), and for the sender ``ipc`` (its
-``Capability.to_dict()``: can this process share device buckets by handle).
+Each party is described by a plain dict: ``node_id`` (its Ray node id), ``host`` (node
+address), ``device`` (the ``device.describe`` dict: type, index, physical), and for the
+sender ``ipc`` (its ``Capability.to_dict()``: can this process share device buckets by handle).
+Two parties share a node (its /dev/shm, its devices) when their Ray node ids are equal; the
+host address decides only where a party has no node id (no Ray): several raylets on one
+machine, or nodes behind one address, are distinct nodes with distinct /dev/shm views.
 
 The chain for ``auto``, best first:
   every receiver on the sender's device (same host, same physical accelerator)
@@ -12,7 +15,8 @@ The chain for ``auto``, best first:
   every receiver on the sender's node, on other devices
       -> broadcast over the device collective (hccl / nccl); shm on CPU-only nodes
   any receiver on another node
-      -> broadcast
+      -> broadcast, to every receiver (shm within the sender's node beside a broadcast
+         across nodes is not built: receivers on the sender's node join the broadcast)
 """
 
 from __future__ import annotations
@@ -26,9 +30,26 @@ COLOCATED, SAME_NODE, REMOTE = "colocated", "same node", "remote"
 ACCELERATORS = ("cuda", "npu")
 
 
+def node_key(party: dict[str, Any]) -> str | None:
+    """What identifies a party's node: its Ray node id, else (no Ray) its host address."""
+    return party.get("node_id") or party.get("host")
+
+
+def on_one_node(a: dict[str, Any], b: dict[str, Any]) -> bool:
+    if a.get("node_id") and b.get("node_id"):
+        return a["node_id"] == b["node_id"]
+    return a.get("host") == b.get("host")
+
+
+def node_label(party: dict[str, Any]) -> str:
+    """A node as people read it: address and short Ray node id (simulated nodes share an address)."""
+    node = party.get("node_id")
+    return f"{party.get('host')} (node {node[:8]})" if node else str(party.get("host"))
+
+
 def placement(sender: dict[str, Any], receiver: dict[str, Any]) -> str:
     """Where ``receiver`` runs relative to ``sender``: COLOCATED, SAME_NODE or REMOTE."""
-    if receiver.get("host") != sender.get("host"):
+    if not on_one_node(sender, receiver):
         return REMOTE
     sd, rd = sender.get("device") or {}, receiver.get("device") or {}
     kind = sd.get("type", "cpu")
@@ -40,10 +61,14 @@ def placement(sender: dict[str, Any], receiver: dict[str, Any]) -> str:
     return COLOCATED if mine is not None and mine == theirs else SAME_NODE
 
 
-def _describe(receivers: Sequence[dict[str, Any]], where: list[str], kind: str) -> str:
-    names = [r.get("name") or f"rank {r.get('rank')}" for r, w in zip(receivers, where) if w == kind]
+def _describe(receivers: Sequence[dict[str, Any]], where: list[str], *kinds: str) -> str:
+    names = [r.get("name") or f"rank {r.get('rank')}" for r, w in zip(receivers, where) if w in kinds]
     shown = ", ".join(str(n) for n in names[:4]) + (f" and {len(names) - 4} more" if len(names) > 4 else "")
     return f"{len(names)} receiver(s) ({shown})"
+
+
+def _far(receivers: Sequence[dict[str, Any]], where: list[str]) -> str:
+    return ", ".join(sorted({node_label(r) for r, w in zip(receivers, where) if w == REMOTE}))
 
 
 def shared_device(sender: dict[str, Any], receivers: Sequence[dict[str, Any]]) -> str | None:
@@ -55,9 +80,9 @@ def shared_device(sender: dict[str, Any], receivers: Sequence[dict[str, Any]]) -
         dev = party.get("device") or {}
         if dev.get("type") not in ACCELERATORS or dev.get("physical") is None:
             continue
-        key = (party.get("host"), dev["type"], dev["physical"])
+        key = (node_key(party), dev["type"], dev["physical"])
         if key in seen:
-            return f"{seen[key]} and {who} share physical {dev['type']} {dev['physical']} on {party.get('host')}"
+            return f"{seen[key]} and {who} share physical {dev['type']} {dev['physical']} on {node_label(party)}"
         seen[key] = who
     return None
 
@@ -85,7 +110,7 @@ def choose_transport(requested: str, sender: dict[str, Any], receivers: Sequence
                                       "(pass expected_receivers to the sender) to check they share its device")
                 kind = REMOTE if REMOTE in where else SAME_NODE
                 raise ConfigError(
-                    f"transport 'ipc' needs every receiver on the sender's device ({sender.get('host')}, "
+                    f"transport 'ipc' needs every receiver on the sender's device ({node_label(sender)}, "
                     f"{on_device}); {_describe(receivers, where, kind)} "
                     f"{'run on another node' if kind == REMOTE else 'use another device'}"
                 )
@@ -93,8 +118,8 @@ def choose_transport(requested: str, sender: dict[str, Any], receivers: Sequence
             raise ConfigError(f"transport 'broadcast' over the {device} collective needs one device per rank: {clash}; "
                               f"use 'ipc' for parties on one device, or backend 'gloo'")
         if requested == "shm" and not same_node:
-            far = sorted({r.get("host") for r, w in zip(receivers, where) if w == REMOTE})
-            raise ConfigError(f"transport 'shm' needs every receiver on the sender's node; receivers on {far} are not")
+            raise ConfigError(f"transport 'shm' needs every receiver on the sender's node ({node_label(sender)}); "
+                              f"{_describe(receivers, where, REMOTE)} on {_far(receivers, where)} are not")
         return requested, f"transport '{requested}' requested by config"
 
     if not where:
@@ -124,4 +149,8 @@ def choose_transport(requested: str, sender: dict[str, Any], receivers: Sequence
     if clash:
         raise ConfigError(f"auto: {_describe(receivers, where, REMOTE)} on other nodes need broadcast, but {clash}; "
                           f"place each party of a node on its own device, or set backend 'gloo'")
-    return "broadcast", f"auto: {_describe(receivers, where, REMOTE)} on other nodes; broadcast"
+    why = f"auto: {_describe(receivers, where, REMOTE)} on other nodes ({_far(receivers, where)}); broadcast"
+    if any(w != REMOTE for w in where):
+        why += (f" to every receiver, {_describe(receivers, where, COLOCATED, SAME_NODE)} on the sender's node included "
+                f"(shm within a node beside broadcast across nodes is not built yet)")
+    return "broadcast", why

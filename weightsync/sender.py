@@ -103,7 +103,7 @@ class WeightSender(Party):
         count = self.expected_receivers or 0
         receivers = self.control.receivers(count, timeout=self.config.connect_timeout_s)
         # where this sender runs and whether it can share device buckets (selection.py)
-        me = {"host": self.host, "device": describe(self.device),
+        me = {"host": self.host, "node_id": self.node_id, "device": describe(self.device),
               "ipc": ipc_support(self.device.type, self.config.shm_dir).to_dict()}
         name, reason = choose_transport(self.config.transport, me, receivers, self.config.backend)
         log.info("weightsync session %s: transport %s (%s)", self.session, name, reason)

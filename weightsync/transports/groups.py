@@ -129,10 +129,8 @@ def constructions(backend: str, probe: Callable[[str], str | None] = probe) -> d
 # -- the rendezvous store --------------------------------------------------------------
 
 
-def store_host(config_host: str) -> str:
-    """The address receivers dial: ``auto`` is this node's Ray address."""
-    if config_host != "auto":
-        return config_host
+def node_address() -> str | None:
+    """This process's Ray node address (what other nodes reach it by), or None without Ray."""
     try:
         import ray
 
@@ -140,7 +138,14 @@ def store_host(config_host: str) -> str:
             return ray.util.get_node_ip_address()
     except Exception:
         pass
-    return socket.gethostbyname(socket.gethostname())
+    return None
+
+
+def store_host(config_host: str) -> str:
+    """The address receivers dial: ``auto`` is this node's Ray address."""
+    if config_host != "auto":
+        return config_host
+    return node_address() or socket.gethostbyname(socket.gethostname())
 
 
 def host_store(host: str, port: int, timeout: float) -> dist.TCPStore:
@@ -176,7 +181,15 @@ def connect_store(host: str, port: int, timeout: float) -> dist.TCPStore:
 def new_process_group(backend: str, store: Any, rank: int, size: int, timeout: datetime.timedelta) -> Any:
     """A standalone torch ProcessGroup of ``backend``; needs the device set in this thread."""
     if backend == "gloo":
-        return dist.ProcessGroupGloo(store, rank, size, timeout)
+        # gloo binds what the hostname resolves to, often a loopback address ("127.0.1.1 host"
+        # in /etc/hosts) that other nodes cannot reach: bind the Ray node address instead,
+        # unless GLOO_SOCKET_IFNAME names the interface
+        bind = None if os.environ.get("GLOO_SOCKET_IFNAME") else node_address()
+        if bind is None:
+            return dist.ProcessGroupGloo(store, rank, size, timeout)
+        opts = dist.ProcessGroupGloo._Options()
+        opts._timeout, opts._devices = timeout, [dist.ProcessGroupGloo.create_device(hostname=bind)]
+        return dist.ProcessGroupGloo(store, rank, size, opts)
     if backend == "nccl":
         if not dist.is_nccl_available():
             raise ConfigError("backend 'nccl' requested but this torch build has no NCCL")
