@@ -89,6 +89,9 @@ class SenderTransport(abc.ABC):
     # bucket b is packed and checksummed, before receivers may read it, to corrupt the bytes
     # in transit
     on_packed: Callable[[int, int, torch.Tensor], Any] | None = None
+    # how this transport runs here and why (shm: whole versions or a bounded stream), added to
+    # the transport reason status() shows; set by the transport
+    mode_reason: str = ""
 
     def __init__(self, ctx: TransportContext):
         self.ctx = ctx
