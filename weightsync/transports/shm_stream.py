@@ -24,6 +24,7 @@ trainer's tensors are read then and must not change until it returns.
 from __future__ import annotations
 
 import dataclasses
+import math
 import os
 from collections.abc import Callable, Iterator
 from typing import Any, ClassVar
@@ -93,7 +94,8 @@ def choose_mode(plan: BucketPlan, config: SyncConfig, capacity: Callable[[str], 
         raise CapacityError(
             f"shm: the budget of {size_text(limit)} ({source}) holds neither {slots} whole versions "
             f"({slots} x {size_text(segment)}) nor a ring of {MIN_BUFFERS} bucket buffers of {size_text(buffer)} "
-            f"plus a {size_text(control)} control block: set shm_budget_mb >= {-(-least // MiB)}, or a smaller "
+            f"plus a {size_text(control)} control block: set shm_budget_mb >= {math.ceil(least * 100 / MiB) / 100:g}, "
+            f"or a smaller "
             f"bucket_mb{', or free memory / grow ' + config.shm_dir if config.shm_budget_mb == 0 else ''}")
     k = max(1, min(fits, MAX_BUFFERS, plan.bucket_count))
     return ShmMode(True, k, k * buffer + control,
