@@ -1,6 +1,7 @@
 """IPC transport for colocated parties: sender and receivers on the same physical device.
 
-The sender allocates two bucket-sized buffers on its device once per session (ping-pong)
+The sender allocates two bucket-sized buffers on its device once per session (ping-pong;
+shm's streaming mode, transports/shm_stream.py, uses up to MAX_BUFFERS in host memory)
 and shares them by handle; receivers open the handles once and load every bucket straight
 out of the shared buffer, so a version never crosses host memory on an accelerator. On
 CPU the buffers are files in /dev/shm shared by name: the same protocol, testable here.
