@@ -124,7 +124,9 @@ def test_manifest_too_large_for_shm_is_refused_before_writing(tmp_path):
 
     free = os.statvfs("/dev/shm").f_bavail * os.statvfs("/dev/shm").f_frsize
     huge = Manifest((TensorSpec("w", "uint8", (free + (1 << 30),)),))
-    cfg = SyncConfig(bucket_mb=64)
+    # a budget that lets whole versions through (by default this manifest streams instead): the
+    # segment itself is refused by the space check
+    cfg = SyncConfig(bucket_mb=64, shm_budget_mb=4 * (free + (1 << 30)) / 2**20)
     ctx = TransportContext(config=cfg, plan=plan_buckets(huge, cfg.bucket_bytes, cfg.align_bytes), manifest=huge,
                            digest=huge.digest(), session="t", name="trainer-0", rank=0, device=torch.device("cpu"))
     sender = ShmSender(ctx)

@@ -20,11 +20,14 @@ def _share(kind: str, parties: int) -> dict:
     return ray_options(kind, 1 / parties)
 
 
-@pytest.mark.parametrize("transport,chosen", [("auto", "ipc"), ("ipc", "ipc"), ("shm", "shm")])
+# shm-stream: shm under a budget below two versions, a ring of host buffers read onto the device
+@pytest.mark.parametrize("transport,chosen", [("auto", "ipc"), ("ipc", "ipc"), ("shm", "shm"), ("shm-stream", "shm")])
 @pytest.mark.parametrize("kind", KINDS)
 def test_colocated_on_one_device_bit_exact(ray_cluster, coordinator_factory, actors, kind, transport, chosen):
     ray, m = ray_cluster, layout("tiny")
     cfg = {**CFG, "device": kind, "transport": transport}
+    if transport == "shm-stream":
+        cfg.update(transport="shm", shm_budget_mb=0.2)
     coord = coordinator_factory(cfg)
     opts = {"num_cpus": 0, **_share(kind, 3)}
     rs = [actors.add(ray.remote(RolloutWorker).options(**opts).remote(coord, m.to_wire(), f"rollout-{i}", rank=i,
@@ -42,6 +45,7 @@ def test_colocated_on_one_device_bit_exact(ray_cluster, coordinator_factory, act
             assert not bad, f"version {v}: {len(bad)} tensors differ, first {bad[0]}"
     status = coord.status()
     assert status["transport"] == chosen and status["latest_committed"] == 5
+    assert ("shm streaming" in status["transport_reason"]) == (transport == "shm-stream")
 
 
 @pytest.mark.parametrize("kind", KINDS)

@@ -240,3 +240,18 @@ def test_split_tensors_come_back_as_views_where_storage_is_contiguous(contiguous
     assert all(same_bits(out[n], named[n]) for n in named)
     shares = out["big"].untyped_storage().data_ptr() == storage.untyped_storage().data_ptr()
     assert shares == contiguous, "a view of the storage, no copy, exactly when it is contiguous"
+
+
+@pytest.mark.parametrize("keep", [True, False])
+def test_rebuild_buffers_are_kept_across_versions_only_when_asked(keep):
+    # bounded shm streams with keep_assembly=False: a split tensor's buffer lives while it is loaded
+    named = {"big": random_tensor(torch.bfloat16, (5000,), 2), "tail": random_tensor(torch.int8, (7,), 3)}
+    manifest = build_manifest(named)
+    plan = plan_buckets(manifest, 1024, 256)
+    storage = torch.zeros(plan.bucket_count * 1024, dtype=torch.uint8)
+    for _ in pack_stream(plan, manifest, named, lambda b: storage[b * 1024:(b + 1) * 1024]):
+        pass
+    unpacker, out = Unpacker(plan, manifest, keep_assembly=keep), {}
+    for b in range(plan.bucket_count):
+        out.update(unpacker.unpack(b, storage[b * 1024:(b + 1) * 1024]))
+    assert (all(same_bits(out[n], named[n]) for n in named), len(unpacker._assembly)) == (True, int(keep))

@@ -75,6 +75,10 @@ class SyncConfig:
     # where shared-memory segments live and how many one session may hold at once
     shm_dir: str = "/dev/shm"
     shm_max_segments: int = 3
+    # shared memory the shm transport may use on a node, in MiB; 0 = auto (half of what the
+    # node can give: the smaller of shm_dir's free space and MemAvailable). Whole versions when
+    # shm_max_segments of them fit, else streaming through a ring of bucket buffers (docs/design.md)
+    shm_budget_mb: float = 0.0
     # address the broadcast rendezvous store binds to ("auto": this node's Ray address)
     rendezvous_host: str = "auto"
     rendezvous_port: int = 0
@@ -108,6 +112,8 @@ class SyncConfig:
             )
         if self.shm_max_segments < 2:
             raise ConfigError(f"shm_max_segments must be >= 2, got {self.shm_max_segments!r}")
+        if not self.shm_budget_mb >= 0:
+            raise ConfigError(f"shm_budget_mb must be >= 0 (0: auto), got {self.shm_budget_mb!r}")
         if not 0 <= self.rendezvous_port < 65536:
             raise ConfigError(f"rendezvous_port must be in 0..65535, got {self.rendezvous_port!r}")
         if not self.coordinator_name:

@@ -292,12 +292,15 @@ class Unpacker:
     reuses it, which is after ``load_weights`` returned. Split tensors are rebuilt in a
     buffer of their own, allocated once and reused across versions, unless ``span`` gives a
     view of them where they already lie contiguously (a transport that holds the whole
-    version, such as shm): then they come back as views too, with no extra copy.
+    version, such as shm): then they come back as views too, with no extra copy. With
+    ``keep_assembly=False`` a rebuilt tensor's buffer is dropped once it was handed out, so a
+    receiver holds one split tensor at a time instead of up to a second copy of the model.
     """
 
-    def __init__(self, plan: BucketPlan, manifest: Manifest):
+    def __init__(self, plan: BucketPlan, manifest: Manifest, keep_assembly: bool = True):
         self.plan = plan
         self.manifest = manifest
+        self.keep_assembly = keep_assembly
         self._assembly: dict[int, torch.Tensor] = {}
 
     def unpack(self, bucket_index: int, buf: torch.Tensor,
@@ -332,6 +335,8 @@ class Unpacker:
             whole[piece.start : piece.start + piece.nbytes].copy_(buf[piece.offset : piece.offset + piece.nbytes])
             if piece.start + piece.nbytes == spec.nbytes:
                 out.append((spec.name, whole.view(dtype).view(spec.shape)))
+                if not self.keep_assembly:
+                    del self._assembly[piece.tensor]  # freed once the caller dropped the pair
         return out
 
     def _rebuild(self, tensor: int, span: Callable[[int, int, int], torch.Tensor | None]) -> torch.Tensor:

@@ -106,8 +106,10 @@ class WeightSender(Party):
         me = {"host": self.host, "node_id": self.node_id, "device": describe(self.device),
               "ipc": ipc_support(self.device.type, self.config.shm_dir).to_dict()}
         name, reason = choose_transport(self.config.transport, me, receivers, self.config.backend)
-        log.info("weightsync session %s: transport %s (%s)", self.session, name, reason)
         transport = transports.sender_class(name)(ctx)
+        if transport.mode_reason:
+            reason = f"{reason}; {transport.mode_reason}"
+        log.info("weightsync session %s: transport %s (%s)", self.session, name, reason)
         self._published = Publication(manifest.to_wire(), digest, ctx.plan.payload_bytes, name, reason,
                                       transport.session_info(), transport.pipelined, transport.keeps_versions)
         try:

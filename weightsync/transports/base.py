@@ -89,6 +89,9 @@ class SenderTransport(abc.ABC):
     # bucket b is packed and checksummed, before receivers may read it, to corrupt the bytes
     # in transit
     on_packed: Callable[[int, int, torch.Tensor], Any] | None = None
+    # how this transport runs here and why (shm: whole versions or a bounded stream), added to
+    # the transport reason status() shows; set by the transport
+    mode_reason: str = ""
 
     def __init__(self, ctx: TransportContext):
         self.ctx = ctx
@@ -129,6 +132,9 @@ class SenderTransport(abc.ABC):
 
 class ReceiverTransport(abc.ABC):
     name: ClassVar[str]
+    # tensors split over buckets are rebuilt in buffers kept across versions (no allocation per
+    # version, up to a model's worth of receiver memory); a memory-bounded transport drops them
+    keep_assembly: ClassVar[bool] = True
 
     def __init__(self, ctx: TransportContext, session_info: dict[str, Any]):
         self.ctx = ctx

@@ -1,6 +1,7 @@
 """IPC transport for colocated parties: sender and receivers on the same physical device.
 
-The sender allocates two bucket-sized buffers on its device once per session (ping-pong)
+The sender allocates two bucket-sized buffers on its device once per session (ping-pong;
+shm's streaming mode, transports/shm_stream.py, uses up to MAX_BUFFERS in host memory)
 and shares them by handle; receivers open the handles once and load every bucket straight
 out of the shared buffer, so a version never crosses host memory on an accelerator. On
 CPU the buffers are files in /dev/shm shared by name: the same protocol, testable here.
@@ -26,7 +27,7 @@ from __future__ import annotations
 import fcntl
 import os
 from collections.abc import Callable, Iterator
-from typing import Any
+from typing import Any, ClassVar
 
 import numpy as np
 import torch
@@ -45,8 +46,7 @@ from .ipc_wire import (
     MAX_BUFFERS,
     MAX_RECEIVERS,
     NBUF,
-    SLOT0,
-    SLOT_WORDS,
+    Watch,
     check_nd,
     export_handle,
     find_slot,
@@ -60,63 +60,26 @@ from .segment import PAGE, SEGMENT_NAME, Segment, check_space, reap_stale, segme
 from .shm import digest_word
 
 
-class _Watch:
-    """The sender's view of who takes part in a version, refreshed while it waits."""
-
-    def __init__(self, ctx: TransportContext, version: int):
-        self.ctx, self.version = ctx, version
-        self.names: list[str] = []
-        self.done: set[str] = set()
-        self.known = ctx.control is not None
-        self.slots: dict[str, int] = {}
-        self.refresh()
-
-    def refresh(self) -> None:
-        if not self.known:
-            return
-        m = self.ctx.control.metrics(self.version)
-        if m["state"] == State.ABORTED:
-            raise Aborted(f"version {self.version} was aborted: {m['reason']}")
-        self.names = list(m["participants"])
-        self.done = set(m["failed"]) | set(m["committed"])
-
-    def pending(self, words: np.ndarray, need: int, k: int) -> list[str]:
-        """Receivers still holding the bucket tagged ``need`` in buffer ``k``."""
-        if not self.known:  # no coordinator: wait for every receiver attached to the block
-            owners = words[SLOT0::SLOT_WORDS][:MAX_RECEIVERS]
-            return [f"slot {r}" for r in np.flatnonzero(owners)
-                    if int(words[slot_word(int(r)) + 2 + k]) < need]
-        out = []
-        for name in self.names:
-            if name in self.done:
-                continue
-            r = self.slots.get(name)
-            if r is None:
-                r = find_slot(words, owner_word(name))
-                if r is None:
-                    out.append(name)  # not attached yet: it still has every bucket to read
-                    continue
-                self.slots[name] = r
-            if int(words[slot_word(r) + 2 + k]) < need:
-                out.append(name)
-        return out
-
-
 class IpcSender(SenderTransport):
     name = "ipc"
+    # bucket buffers in host shared memory even on an accelerator (shm's streaming mode)
+    host_buffers: ClassVar[bool] = False
+    resource: ClassVar[str] = "ipc"  # status() counts our segments and handles as <resource>_*
 
-    def __init__(self, ctx: TransportContext):
+    def __init__(self, ctx: TransportContext, nbuf: int = NBUF):
         super().__init__(ctx)
         self.directory = ctx.config.shm_dir
         reap_stale(self.directory)
-        self.nbuf = max(1, min(NBUF, ctx.plan.bucket_count))
+        if not 1 <= nbuf <= MAX_BUFFERS:
+            raise ValueError(f"{self.name}: {nbuf} buffers; the control block has room for 1 .. {MAX_BUFFERS}")
+        self.nbuf = max(1, min(nbuf, ctx.plan.bucket_count))
         self.capacity = max([b.nbytes for b in ctx.plan.buckets] + [1])
         self.segments: list[Segment] = []
         self.buffers: list[torch.Tensor] = []
         self.handles: list[dict[str, Any]] = []
         self._pending: dict[int, Fill] = {}
         try:
-            self.control = self._segment(CONTROL_BYTES, "an ipc control block", "ipc_control")
+            self.control = self._segment(CONTROL_BYTES, f"an {self.name} control block", f"{self.resource}_control")
             w = self.control.words
             w[0], w[1], w[2], w[3], w[4], w[5] = (MAGIC, digest_word(ctx.digest), self.nbuf, MAX_RECEIVERS,
                                                    os.getpid(), KIND_CODE[self.digest_kind])
@@ -127,7 +90,7 @@ class IpcSender(SenderTransport):
             raise
 
     def buffer_device(self) -> torch.device:
-        return self.ctx.device
+        return torch.device("cpu") if self.host_buffers else self.ctx.device
 
     def _segment(self, size: int, what: str, kind: str) -> Segment:
         check_space(self.directory, size, what)
@@ -137,9 +100,10 @@ class IpcSender(SenderTransport):
         return seg
 
     def _allocate(self) -> None:
-        if self.ctx.device.type == "cpu":
+        if self.buffer_device().type == "cpu":
             size = align_up(self.capacity, PAGE)
-            seg = self._segment(size, f"an ipc bucket of {self.capacity} bytes", "ipc_handles")
+            seg = self._segment(size, f"a {self.name} bucket of {self.capacity} bytes", f"{self.resource}_handles")
+            seg.pin(self.ctx.device)  # reused for every bucket of every version: page-locked once
             self.buffers.append(seg.bytes[: self.capacity])
             self.handles.append({"kind": "host", "segment": seg.name, "bytes": self.capacity})
             return
@@ -148,17 +112,17 @@ class IpcSender(SenderTransport):
         check_nd(t)
         self.handles.append(export_handle(t))
         self.buffers.append(t)
-        self.ctx.account("ipc_handles", +1)
+        self.ctx.account(f"{self.resource}_handles", +1)
 
     def session_info(self) -> dict[str, Any]:
         return {"control": self.control.name, "buffers": list(self.handles),
                 "nbuf": self.nbuf, "capacity": self.capacity,
                 "digest_kind": self.digest_kind,
-                "device": devices.describe(self.ctx.device)}
+                "device": devices.describe(self.buffer_device())}
 
     def stage(self, version: int, slot: int, fill: Fill, announce: Callable[[dict[str, Any]], None]) -> dict[str, Any]:
         if not 0 <= version < 1 << (63 - BUCKET_BITS) or self.ctx.plan.bucket_count >= 1 << BUCKET_BITS:
-            raise VersionError(f"ipc: version {version} is out of range (0 .. 2**39)")
+            raise VersionError(f"{self.name}: version {version} is out of range (0 .. 2**39)")
         # a newer version supersedes one staged but never sent
         self._pending = {version: fill}
         # the whole rendezvous rides along with every version: a restarted trainer brings a
@@ -168,14 +132,14 @@ class IpcSender(SenderTransport):
     def send(self, version: int, deadline: float) -> None:
         fill = self._pending.pop(version, None)
         if fill is None:
-            raise VersionError(f"ipc: version {version} was not staged on this transport (superseded?)")
+            raise VersionError(f"{self.name}: version {version} was not staged on this transport (superseded?)")
         devices.set_current(self.ctx.device)
         try:
-            self._stream(version, fill, _Watch(self.ctx, version), deadline)
+            self._stream(version, fill, Watch(self.ctx, version), deadline)
         except Aborted:
             pass  # the coordinator has the reason; sync() reports it through wait_outcome
 
-    def _stream(self, version: int, fill: Fill, watch: _Watch, deadline: float) -> None:
+    def _stream(self, version: int, fill: Fill, watch: Watch, deadline: float) -> None:
         plan, w = self.ctx.plan, self.control.words
         published = -1
         asked: set[int] = set()
@@ -218,32 +182,35 @@ class IpcSender(SenderTransport):
         publish_through(plan.bucket_count - 1)
         self._record(version, sums)
 
-    def _wait_released(self, version: int, b: int, k: int, watch: _Watch, deadline: float) -> None:
+    def _wait_released(self, version: int, b: int, k: int, watch: Watch, deadline: float) -> None:
         need, w = tag(version, b), self.control.words
         if not watch.pending(w, need, k):
             return
         poll_until(
             lambda: not watch.pending(w, need, k), deadline, watch.refresh,
             lambda: DeadlineExceeded(
-                f"ipc: receiver(s) {', '.join(watch.pending(w, need, k))} did not finish bucket {b} of version "
+                f"{self.name}: receiver(s) {', '.join(watch.pending(w, need, k))} did not finish bucket {b} of version "
                 f"{version} before the deadline (stalled in load_weights, or never called apply?)"),
         )
 
     def close(self) -> None:
         self._pending.clear()
         self.buffers.clear()  # device memory is freed once receivers dropped their mappings too
-        if self.ctx.device.type != "cpu":
+        if self.buffer_device().type != "cpu":
             for _ in self.handles:
-                self.ctx.account("ipc_handles", -1)
+                self.ctx.account(f"{self.resource}_handles", -1)
         self.handles.clear()
         for seg in self.segments:
             seg.close()
-            self.ctx.account("ipc_control" if seg is getattr(self, "control", None) else "ipc_handles", -1)
+            self.ctx.account(f"{self.resource}_control" if seg is getattr(self, "control", None)
+                             else f"{self.resource}_handles", -1)
         self.segments.clear()
 
 
 class IpcReceiver(ReceiverTransport):
     name = "ipc"
+    host_buffers: ClassVar[bool] = False  # host buffers: the receiver may load onto any device
+    resource: ClassVar[str] = "ipc"
 
     def __init__(self, ctx: TransportContext, session_info: dict[str, Any]):
         super().__init__(ctx, session_info)
@@ -259,16 +226,16 @@ class IpcReceiver(ReceiverTransport):
         """Open the sender's control block and buffers and take a receiver slot."""
         ctx = self.ctx
         sender_dev = info.get("device") or {}
-        if sender_dev.get("type") != ctx.device.type:
-            raise ProtocolError(f"ipc: the sender's buckets are in {sender_dev.get('type')} memory but receiver "
+        if sender_dev.get("type") != ctx.device.type and not (self.host_buffers and sender_dev.get("type") == "cpu"):
+            raise ProtocolError(f"{self.name}: the sender's buckets are in {sender_dev.get('type')} memory but receiver "
                                 f"'{ctx.name}' runs on {ctx.device.type}; both must share one device")
         nbuf = int(info["nbuf"])
         if not 1 <= nbuf <= MAX_BUFFERS:
-            raise ProtocolError(f"ipc: session announces {nbuf} buffers")
+            raise ProtocolError(f"{self.name}: session announces {nbuf} buffers")
         self.nbuf, self.capacity = nbuf, int(info["capacity"])
         self.kind = info.get("digest_kind") if kind_of(ctx.config, ctx.device) is not None else None
         try:
-            self.control = self._map(info["control"], CONTROL_BYTES, writable=True, kind="ipc_control")
+            self.control = self._map(info["control"], CONTROL_BYTES, writable=True, kind=f"{self.resource}_control")
             w = self.control.words
             if int(w[0]) != MAGIC or int(w[1]) != digest_word(ctx.digest):
                 raise ProtocolError(f"ipc control block {self.control.name} belongs to another session layout")
@@ -276,12 +243,13 @@ class IpcReceiver(ReceiverTransport):
             devices.set_current(ctx.device)
             for h in info["buffers"]:
                 if h.get("kind") == "host":
-                    seg = self._map(h["segment"], int(h["bytes"]), writable=False, kind="ipc_handles")
+                    seg = self._map(h["segment"], int(h["bytes"]), writable=False, kind=f"{self.resource}_handles")
+                    seg.pin(ctx.device)
                     self.buffers.append(seg.bytes[: self.capacity])
                 else:
                     self.buffers.append(import_handle(h))
                     self.opened += 1
-                    ctx.account("ipc_handles", +1)
+                    ctx.account(f"{self.resource}_handles", +1)
         except BaseException:
             self.close()
             raise
@@ -343,7 +311,7 @@ class IpcReceiver(ReceiverTransport):
             yield b, self.buffers[k][: bucket.nbytes], expected
             devices.synchronize(self.ctx.device)  # the engine's copies out of the buffer are done
             if int(w[word]) != want:
-                raise ProtocolError(f"ipc: bucket {b} of version {version} was overwritten while it was loaded "
+                raise ProtocolError(f"{self.name}: bucket {b} of version {version} was overwritten while it was loaded "
                                     f"(the sender gave up waiting for receiver '{self.ctx.name}')")
             w[mine + 2 + k] = want
 
@@ -356,7 +324,7 @@ class IpcReceiver(ReceiverTransport):
         m = self.ctx.control.metrics(version)
         late = self.ctx.name not in m["participants"] or self.ctx.name in m["failed"]
         if m["state"] in (State.TRANSFERRING, State.COMMITTED) and late:
-            raise VersionError(f"ipc: receiver '{self.ctx.name}' is not a participant of version {version}: it "
+            raise VersionError(f"{self.name}: receiver '{self.ctx.name}' is not a participant of version {version}: it "
                                f"registered (or came back) after the sender reached the barrier, so the sender "
                                f"does not wait for it; it joins the next version")
 
@@ -387,10 +355,11 @@ class IpcReceiver(ReceiverTransport):
             self.slot = None
         self.buffers.clear()
         for _ in range(self.opened):
-            self.ctx.account("ipc_handles", -1)
+            self.ctx.account(f"{self.resource}_handles", -1)
         self.opened = 0
         for seg in self.mappings:
             seg.close()
-            self.ctx.account("ipc_control" if seg is getattr(self, "control", None) else "ipc_handles", -1)
+            self.ctx.account(f"{self.resource}_control" if seg is getattr(self, "control", None)
+                             else f"{self.resource}_handles", -1)
         self.mappings.clear()
         self.control = None

@@ -31,6 +31,8 @@ import xxhash
 from .. import device as devices
 from ..errors import CapacityError, ProtocolError
 from ..manifest import dtype_name, dtype_of
+from ..versions import State
+from .base import Aborted, TransportContext
 
 # rebuild functions a receiver may call, by device type; nothing else is ever invoked
 _REBUILD = {
@@ -137,3 +139,47 @@ def find_slot(words: np.ndarray, owner: int) -> int | None:
     owners = words[SLOT0::SLOT_WORDS][:MAX_RECEIVERS]
     hit = np.flatnonzero(owners == np.uint64(owner))
     return int(hit[0]) if hit.size else None
+
+
+# -- whom the sender waits for ----------------------------------------------------------------
+
+class Watch:
+    """The sender's view of who takes part in a version, refreshed while it waits."""
+
+    def __init__(self, ctx: TransportContext, version: int):
+        self.ctx, self.version = ctx, version
+        self.names: list[str] = []
+        self.done: set[str] = set()
+        self.known = ctx.control is not None
+        self.slots: dict[str, int] = {}
+        self.refresh()
+
+    def refresh(self) -> None:
+        if not self.known:
+            return
+        m = self.ctx.control.metrics(self.version)
+        if m["state"] == State.ABORTED:
+            raise Aborted(f"version {self.version} was aborted: {m['reason']}")
+        self.names = list(m["participants"])
+        self.done = set(m["failed"]) | set(m["committed"])
+
+    def pending(self, words: np.ndarray, need: int, k: int) -> list[str]:
+        """Receivers still holding the bucket tagged ``need`` in buffer ``k``."""
+        if not self.known:  # no coordinator: wait for every receiver attached to the block
+            owners = words[SLOT0::SLOT_WORDS][:MAX_RECEIVERS]
+            return [f"slot {r}" for r in np.flatnonzero(owners)
+                    if int(words[slot_word(int(r)) + 2 + k]) < need]
+        out = []
+        for name in self.names:
+            if name in self.done:
+                continue
+            r = self.slots.get(name)
+            if r is None:
+                r = find_slot(words, owner_word(name))
+                if r is None:
+                    out.append(name)  # not attached yet: it still has every bucket to read
+                    continue
+                self.slots[name] = r
+            if int(words[slot_word(r) + 2 + k]) < need:
+                out.append(name)
+        return out

@@ -87,6 +87,18 @@ class ShmSender(SenderTransport):
     # versions stay in their segments: late or restarted receivers catch up without the trainer
     keeps_versions = True
 
+    def __new__(cls, ctx: TransportContext) -> SenderTransport:
+        # the mode is fixed here, from the plan and the node's budget (shm_stream.py): whole
+        # versions, or a ring of bucket buffers that speaks ipc's protocol (another class)
+        from .shm_stream import ShmStreamSender, choose_mode
+
+        mode = choose_mode(ctx.plan, ctx.config)
+        if mode.streaming:
+            return ShmStreamSender(ctx, mode)
+        self = super().__new__(cls)
+        self.mode_reason = mode.reason
+        return self
+
     def __init__(self, ctx: TransportContext):
         super().__init__(ctx)
         self.directory = ctx.config.shm_dir
@@ -153,6 +165,13 @@ class ShmSender(SenderTransport):
 class ShmReceiver(ReceiverTransport):
     name = "shm"
 
+    def __new__(cls, ctx: TransportContext, session_info: dict[str, Any]) -> ReceiverTransport:
+        if session_info.get("mode") == "stream":  # the sender's choice (ShmSender.__new__)
+            from .shm_stream import ShmStreamReceiver
+
+            return ShmStreamReceiver(ctx, session_info)
+        return super().__new__(cls)
+
     def __init__(self, ctx: TransportContext, session_info: dict[str, Any]):
         super().__init__(ctx, session_info)
         self.directory = ctx.config.shm_dir
@@ -192,6 +211,9 @@ class ShmReceiver(ReceiverTransport):
 
     def receive(self, version: int, info: dict[str, Any], deadline: float,
                 check: Callable[[], None]) -> Iterator[Received]:
+        if "segment" not in info:
+            raise ProtocolError(f"shm: version {version} is published in streaming mode, but this receiver attached "
+                                f"to a whole-version session; restart the receiver")
         seg = self._attach(info["segment"])
         size = os.fstat(seg.fd).st_size
         if size < self.size:

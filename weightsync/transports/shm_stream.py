@@ -1,0 +1,139 @@
+"""Bounded shm: when whole versions do not fit the node's shared-memory budget, the shm
+transport streams each version through a ring of K host bucket buffers instead.
+
+The mode is decided once, when the sender is built, from the plan and the budget:
+
+  budget     ``shm_budget_mb``, or when 0 (auto) AUTO_FRACTION of what the node can give: the
+             smaller of the free space of ``shm_dir`` and MemAvailable (/proc/meminfo); the
+             models beside it need the rest
+  whole      when ``shm_max_segments`` x segment size <= budget (a segment: header pages plus
+             every bucket page-aligned, one version; see transports/shm.py)
+  streaming  otherwise: K = (budget - control block) // bucket buffer (the largest bucket,
+             page-aligned), clamped to [2, ipc_wire.MAX_BUFFERS] and to the bucket count; a
+             budget without room for 2 buffers is a CapacityError that says what to set
+
+Streaming is the ipc transport's host-buffer protocol (transports/ipc.py, ipc_wire.py: control
+block, per-receiver release words, the sender overwrites a buffer only once every participating
+receiver released it, failed receivers are not waited for) with K buffers kept in host shared
+memory even on an accelerator node, so the digest is xxh3 as for whole versions. It gives up
+what ipc gives up: nothing is kept (no rollback to the previous version, a late joiner waits for
+the next version, the coordinator pins no slot), and the bytes move in ``sync()``, so the
+trainer's tensors are read then and must not change until it returns.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import os
+from collections.abc import Callable, Iterator
+from typing import Any, ClassVar
+
+from ..config import MiB, SyncConfig
+from ..errors import CapacityError, ProtocolError
+from ..plan import BucketPlan, align_up
+from .base import Received, TransportContext
+from .ipc import IpcReceiver, IpcSender
+from .ipc_wire import CONTROL_BYTES, MAX_BUFFERS
+from .segment import PAGE
+from .shm import layout
+
+AUTO_FRACTION = 0.5
+MIN_BUFFERS = 2  # one being written while receivers read the other
+GiB = 1 << 30
+
+
+@dataclasses.dataclass(frozen=True)
+class ShmMode:
+    streaming: bool
+    buffers: int  # ring slots (streaming); 0 in whole-version mode
+    need_bytes: int  # what the mode takes in shm_dir at most: slots x segment, or ring + control block
+    reason: str  # shown in status() as part of the transport reason
+
+
+def size_text(n: float) -> str:
+    return f"{n / GiB:.3g} GiB" if n >= GiB else f"{n / MiB:.3g} MiB" if n >= MiB else f"{n / 1024:.3g} KiB"
+
+
+def node_capacity(directory: str, meminfo: str = "/proc/meminfo") -> int:
+    """Bytes the node can give to shared memory now: free space of ``directory``, and no more
+    than MemAvailable (a tmpfs may be sized beyond the memory behind it)."""
+    st = os.statvfs(directory)
+    free = st.f_bavail * st.f_frsize
+    try:
+        with open(meminfo) as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return min(free, int(line.split()[1]) * 1024)
+    except OSError:
+        pass  # not Linux: the directory's free space is all we know
+    return free
+
+
+def budget(config: SyncConfig, capacity: Callable[[str], int] = node_capacity) -> tuple[int, str]:
+    """(budget in bytes, where it comes from)."""
+    if config.shm_budget_mb > 0:
+        return int(config.shm_budget_mb * MiB), f"shm_budget_mb={config.shm_budget_mb:g}"
+    can = capacity(config.shm_dir)
+    return int(can * AUTO_FRACTION), f"auto: {AUTO_FRACTION:g} x {size_text(can)} the node can give"
+
+
+def choose_mode(plan: BucketPlan, config: SyncConfig, capacity: Callable[[str], int] = node_capacity) -> ShmMode:
+    limit, source = budget(config, capacity)
+    segment = layout(plan)[0]
+    slots = config.shm_max_segments
+    whole = slots * segment
+    if whole <= limit:
+        return ShmMode(False, 0, whole, f"shm whole versions: {slots} x {size_text(segment)} = {size_text(whole)} "
+                                        f"within the budget of {size_text(limit)} ({source})")
+    buffer = align_up(max([b.nbytes for b in plan.buckets] + [1]), PAGE)
+    control = align_up(CONTROL_BYTES, PAGE)
+    fits = max(0, limit - control) // buffer
+    if fits < MIN_BUFFERS:
+        least = MIN_BUFFERS * buffer + control
+        raise CapacityError(
+            f"shm: the budget of {size_text(limit)} ({source}) holds neither {slots} whole versions "
+            f"({slots} x {size_text(segment)}) nor a ring of {MIN_BUFFERS} bucket buffers of {size_text(buffer)} "
+            f"plus a {size_text(control)} control block: set shm_budget_mb >= {math.ceil(least * 100 / MiB) / 100:g}, "
+            f"or a smaller "
+            f"bucket_mb{', or free memory / grow ' + config.shm_dir if config.shm_budget_mb == 0 else ''}")
+    k = max(1, min(fits, MAX_BUFFERS, plan.bucket_count))
+    return ShmMode(True, k, k * buffer + control,
+                   f"shm streaming: whole versions need {size_text(whole)} ({slots} x {size_text(segment)}), budget "
+                   f"{size_text(limit)} ({source}); ring of {k} x {size_text(buffer)}; keeps no version (no "
+                   f"rollback, late joiners wait for the next version, tensors are read during sync())")
+
+
+class ShmStreamSender(IpcSender):
+    """shm in streaming mode: ipc's sender over K host buffers."""
+
+    name = "shm"
+    host_buffers: ClassVar[bool] = True
+    resource: ClassVar[str] = "shm_ring"
+
+    def __init__(self, ctx: TransportContext, mode: ShmMode):
+        super().__init__(ctx, nbuf=mode.buffers)
+        self.mode, self.mode_reason = mode, mode.reason
+
+    def session_info(self) -> dict[str, Any]:
+        return {**super().session_info(), "mode": "stream"}
+
+
+class ShmStreamReceiver(IpcReceiver):
+    """shm in streaming mode: ipc's receiver, mapping the sender's K host buffers."""
+
+    name = "shm"
+    host_buffers: ClassVar[bool] = True
+    resource: ClassVar[str] = "shm_ring"
+    # bounded memory: a split tensor's rebuild buffer lives while it is loaded, not for the
+    # session (they add up to most of the model: 5.1 of the 3B layout's 5.75 GiB at 16 MiB buckets)
+    keep_assembly: ClassVar[bool] = False
+
+    def receive(self, version: int, info: dict[str, Any], deadline: float,
+                check: Callable[[], None]) -> Iterator[Received]:
+        if info.get("mode") != "stream":
+            # a restarted trainer that found room for whole versions: this session's receivers
+            # were built for the ring
+            raise ProtocolError(f"shm: version {version} is published in whole-version mode, but this receiver "
+                                f"attached to a streaming session; restart the receiver")
+        yield from super().receive(version, info, deadline, check)
