@@ -135,7 +135,7 @@ def resolve_backing(choice: str, directory: str) -> tuple[str, str]:
     ok, why = memfd_support()
     files = f"named files in {directory}, left there by a job that dies until `weightsync reap` or the next start"
     if choice == "files":
-        return "files", f"shm_backing=files: {files}"
+        return "files", f"as configured: {files}"
     if choice == "memfd" and not ok:
         raise ConfigError(f"shm_backing=memfd cannot work on this node: {why}; use shm_backing=files")
     if ok:
