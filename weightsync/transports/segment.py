@@ -191,7 +191,7 @@ def check_space(directory: str, need: int, what: str, backing: str = "files") ->
         if need > free:
             raise CapacityError(
                 f"{what} needs {need / 2**20:.1f} MiB of memory (memfd) but only {free / 2**20:.1f} MiB are "
-                f"available ({where}; free memory on the node, use fewer or smaller buckets, or pick another transport)"
+                f"available ({where}; free memory on the node, or pick another transport)"
             )
         return
     st = os.statvfs(directory)
