@@ -1,4 +1,5 @@
-"""A job killed outright leaves nothing in RAM (memfd backing, the default where it works).
+"""A job killed outright leaves nothing in RAM (memfd backing, the default where it works),
+and a dead sender's versions stay reachable while any receiver holds them.
 
 A real job (coordinator actor, trainer, two rollout workers) is held mid-version at a fault
 point, then every one of its processes gets SIGKILL: no chance to close anything. Nothing of
@@ -21,10 +22,11 @@ import time
 import psutil
 import pytest
 import ray
-from faultjob import Job, wait_until
+from faultjob import RECEIVERS, Job, wait_until
 
+from weightsync.layouts import layout
 from weightsync.manifest import Manifest, TensorSpec
-from weightsync.transports.segment import SEGMENT_NAME, holders, our_segments
+from weightsync.transports.segment import SEGMENT_NAME, SEGMENT_REF, holders, our_segments
 
 MANIFEST = Manifest(tuple(TensorSpec(f"layer{i}.weight", "bfloat16", (4096, 4096)) for i in range(8)))  # 256 MiB
 BUCKET_MB = {"shm": 64, "ipc": 100}
@@ -82,5 +84,31 @@ def test_killed_job_leaves_nothing_in_ram(ray_cluster, transport):
         after = shmem() - baseline
         assert after < TOLERANCE, (f"Shmem is {after / 2**20:.1f} MiB above its baseline after the kill "
                                    f"({during / 2**20:.1f} MiB while the job ran)")
+    finally:
+        job.close()
+
+
+@pytest.mark.scenario("fault", "sender dead, a receiver restarted: catches up from a segment another receiver holds",
+                      transport="shm", promise="the replacement finds the memfd through the surviving receiver "
+                      "(/proc scan) and serves the latest committed version bit for bit; a restarted trainer's "
+                      "next version commits on both")
+def test_restarted_receiver_catches_up_through_another_holder(ray_cluster):
+    job = Job("shm", layout("tiny"), 1 / 16, shm_backing="memfd")
+    try:
+        base = job.fresh()
+        ref = job.metrics(base)["info"]["segment"]
+        job.kill("trainer")
+        job.wait_seen("trainer-0", alive=False)
+        job.kill("rollout-1")
+        survivor = ray.get(job.rollouts["rollout-0"].pid.remote())
+        name = SEGMENT_REF.match(ref).group(1)
+        wait_until("only the surviving receiver holds the version", lambda: {
+            pid for pid, _, _ in holders([name])} == {survivor})
+        fresh = job.restart("rollout-1")
+        assert ray.get(fresh.apply.remote(None, None, False)) == base
+        assert job.serves("rollout-1") == base
+        v = job.next()
+        job.restart("trainer")
+        assert job.step(v) == {n: v for n in RECEIVERS} and [job.serves(n) for n in RECEIVERS] == [v, v]
     finally:
         job.close()
