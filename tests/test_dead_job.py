@@ -7,10 +7,13 @@ weightsync runs after that (no reaper, no new party) before the checks, which re
 no live process holds a segment of the job, no segment file of it is in /dev/shm, and the
 node's Shmem is back at its baseline.
 
-Tolerance: Shmem is node-wide, so other processes (Ray's object store, other jobs, any
-tmpfs) move it while the test runs, by a few MiB on the development VM. 32 MiB absorbs that
-and is well below one segment of the job (shm: a 256 MiB version slot; ipc: a 100 MiB bucket
-buffer), so a segment left behind cannot hide in it.
+Measure and tolerance: Shmem is node-wide, and other jobs on the node (another test run's
+files-backed segments) move it by gigabytes while the test runs, so the test reads Shmem less
+the files in /dev/shm: our memfds are in it, no file of the job is. What still moves that
+figure (Ray's object store, tmpfs files elsewhere, memfds of other jobs) moved it by well
+under 1 MiB on the development VM; 32 MiB absorbs it and is well below one segment of the job
+(shm: a 256 MiB version slot; ipc: a 100 MiB bucket buffer), so a segment left behind cannot
+hide in it.
 """
 
 from __future__ import annotations
@@ -36,8 +39,17 @@ TOLERANCE = 32 * 2**20
 
 
 def shmem() -> int:
+    """The node's Shmem less the bytes of files in /dev/shm (see the module doc)."""
     with open("/proc/meminfo", encoding="ascii") as fh:
-        return next(int(line.split()[1]) * 1024 for line in fh if line.startswith("Shmem:"))
+        total = next(int(line.split()[1]) * 1024 for line in fh if line.startswith("Shmem:"))
+    files = 0
+    for root, _, names in os.walk("/dev/shm"):
+        for name in names:
+            try:
+                files += os.lstat(os.path.join(root, name)).st_blocks * 512
+            except OSError:
+                pass  # removed meanwhile
+    return total - files
 
 
 def gone(pid: int) -> bool:
@@ -78,6 +90,7 @@ def test_killed_job_leaves_nothing_in_ram(ray_cluster, transport):
         mine = {f for f in set(our_segments()) - files_before if int(SEGMENT_NAME.match(f).group(1)) in pids.values()}
         assert mine == set(), f"segment files of the job in /dev/shm: {mine}"
         # the kernel frees a memfd with its last holder; poll briefly for the exit to finish
+        # (and for another job's file caught between the two reads of shmem())
         deadline = time.monotonic() + 10
         while shmem() - baseline >= TOLERANCE and time.monotonic() < deadline:
             time.sleep(0.2)
