@@ -127,8 +127,10 @@ def collect(shm_dir: str = "/dev/shm", shm_backing: str | None = None) -> dict[s
     })
     registered = transports.names()
     shm_ok = caps.host_ipc_support(shm_dir)
+    segments = _segments(shm_backing or os.environ.get("WEIGHTSYNC_SHM_BACKING", "auto"), shm_dir)
+    where = "memfds" if segments["backing"] == "memfd" else f"files in {shm_dir}"
     transport_caps = {
-        "shm": Capability(shm_ok.ok, (f"host shared memory in {shm_dir}; receivers must share the sender's node"
+        "shm": Capability(shm_ok.ok, (f"host shared memory ({where}); receivers must share the sender's node"
                                       if shm_ok.ok else shm_ok.reason)),
         "ipc": caps.ipc_support(kind, shm_dir),
         "broadcast": _broadcast(kind, "broadcast" in registered),
@@ -146,7 +148,7 @@ def collect(shm_dir: str = "/dev/shm", shm_backing: str | None = None) -> dict[s
         "version_sources": {"cann": cann_src or None, "ascend_driver": hdk_src or None},
         "env": {k: os.environ[k] for k in _ENV if k in os.environ},
         "shm": _shm(shm_dir),
-        "segments": _segments(shm_backing or os.environ.get("WEIGHTSYNC_SHM_BACKING", "auto"), shm_dir),
+        "segments": segments,
         "transports": {n: {"available": c.ok, "reason": c.reason, **({"notes": list(c.notes)} if c.notes else {})}
                        for n, c in transport_caps.items()},
         "broadcast_group": _groups(kind),
