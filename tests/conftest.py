@@ -8,7 +8,7 @@ import os
 
 import pytest
 
-from weightsync.transports.segment import our_segments, reap_stale
+from weightsync.transports.segment import holders, our_segments, reap_stale
 
 _ids = itertools.count()
 
@@ -93,19 +93,22 @@ def actors(ray_cluster):
 
 @pytest.fixture(scope="session", autouse=True)
 def shm_clean():
-    """Fail the run if a test leaves a segment of ours in /dev/shm."""
-    before = set(our_segments())
+    """Fail the run if a test leaves a segment of ours behind: a file in /dev/shm (files
+    backing), or a memfd segment some live process still holds (memfd backing)."""
+    before = set(our_segments()) | {name for _, _, name in holders()}
     yield
     import time
 
     deadline = time.monotonic() + 10
     while time.monotonic() < deadline:
-        reap_stale()  # segments of processes killed on purpose by fault tests
-        left = set(our_segments()) - before
-        if not left:
+        reap_stale()  # segment files of processes killed on purpose by fault tests
+        files = set(our_segments()) - before
+        held = {(pid, name) for pid, _, name in holders() if name not in before}
+        if not files and not held:
             return
         time.sleep(0.5)
-    pytest.fail(f"segments left in /dev/shm after the tests: {sorted(left)}")
+    pytest.fail(f"segments left after the tests: files in /dev/shm {sorted(files)}, "
+                f"memfds held by live processes {sorted(held)}")
 
 
 # -- the reliability table (docs/reliability.md) is produced from these tests ---------------

@@ -48,12 +48,14 @@ def wait_until(what: str, cond, timeout: float = DEADLINE_S) -> Any:
 
 
 class Job:
-    def __init__(self, transport: str, manifest: Manifest, bucket_mb: float, **extra: Any):
+    def __init__(self, transport: str, manifest: Manifest, bucket_mb: float, *,
+                 coordinator_options: dict | None = None, **extra: Any):
         self.transport, self.manifest = transport, manifest
         self.cfg = {"transport": transport, "bucket_mb": bucket_mb, "sync_timeout_s": DEADLINE_S, "device": "cpu",
                     "heartbeat_interval_s": 0.2, "heartbeat_timeout_s": 3.0, "connect_timeout_s": 60.0, **extra}
         self.buckets = plan_buckets(manifest, int(bucket_mb * 2**20), 256).bucket_count
-        self.coord = Coordinator.create(self.cfg, name=f"ws-faults-{os.getpid()}-{next(_ids)}")
+        self.coord = Coordinator.create(self.cfg, name=f"ws-faults-{os.getpid()}-{next(_ids)}",
+                                        actor_options=coordinator_options)
         self.actors: list[Any] = []
         self.rollouts: dict[str, Any] = {}
         self.dead: set[str] = set()

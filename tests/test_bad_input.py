@@ -14,6 +14,7 @@ from weightsync.manifest import Manifest, TensorSpec, build_manifest
 from weightsync.plan import plan_buckets
 from weightsync.testing import RolloutWorker, TrainerWorker, same_bits
 from weightsync.transports.base import TransportContext
+from weightsync.transports.segment import holders, locate, memory_available
 from weightsync.transports.shm import ShmSender
 
 Rollout = ray.remote(RolloutWorker).options(num_cpus=0)
@@ -88,22 +89,32 @@ def test_bad_tensors_on_the_sender(job, kind, form, request):
 
 
 @pytest.mark.scenario("bad input", "bucket truncated in transit")
-def test_truncated_segment_is_refused(coordinator_factory, actors):
-    import os
-
-    coord = coordinator_factory(CFG)
-    r = actors.add(Rollout.remote(coord, MANIFEST.to_wire(), "rollout-0", config=CFG))
-    trainer = actors.add(Trainer.remote(coord, MANIFEST.to_wire(), config=CFG, expected_receivers=1))
+@pytest.mark.parametrize("backing", ["files", "memfd"])
+def test_truncated_segment_is_refused(coordinator_factory, actors, backing):
+    """files: the receiver sees the cut file and refuses the version (no SIGBUS), serving v1;
+    memfd: the segment is sealed against shrinking, the cut is refused and v2 commits."""
+    cfg = {**CFG, "shm_backing": backing}
+    coord = coordinator_factory(cfg)
+    r = actors.add(Rollout.remote(coord, MANIFEST.to_wire(), "rollout-0", config=cfg))
+    trainer = actors.add(Trainer.remote(coord, MANIFEST.to_wire(), config=cfg, expected_receivers=1))
     applied = r.apply.remote(1)
     ray.get(trainer.step.remote(1))
     ray.get(applied)
     ray.get(trainer.stage.remote(2))
-    path = os.path.join("/dev/shm", coord.metrics(2)["info"]["segment"])
-    os.truncate(path, os.path.getsize(path) // 2)
+    path = locate(coord.metrics(2)["info"]["segment"], "/dev/shm")
+    if backing == "files":
+        os.truncate(path, os.path.getsize(path) // 2)
+        with pytest.raises(Exception, match="truncated"):
+            ray.get(r.apply.remote(2))
+        assert ray.get(r.version.remote()) == 1, "the receiver survived (no SIGBUS) and serves version 1"
+        return
+    with pytest.raises(PermissionError):  # F_SEAL_SHRINK
+        os.truncate(path, os.path.getsize(path) // 2)
     applied = r.apply.remote(2)
-    with pytest.raises(Exception, match="truncated"):
-        ray.get(applied)
-    assert ray.get(r.version.remote()) == 1, "the receiver survived (no SIGBUS) and serves version 1"
+    ray.get(trainer.sync.remote(2))
+    assert ray.get(applied) == 2
+    expected, got = materialize(MANIFEST, seed=2), ray.get(r.weights.remote())
+    assert all(same_bits(got[n], expected[n]) for n in expected)
 
 
 @pytest.mark.scenario("bad input", "config with unknown keys or impossible values")
@@ -119,21 +130,26 @@ def test_bad_config(bad, pattern):
 
 
 @pytest.mark.scenario("bad input", "manifest too large for the shm space left")
-def test_manifest_too_large_for_shm_is_refused_before_writing(tmp_path):
-    import os
-
-    free = os.statvfs("/dev/shm").f_bavail * os.statvfs("/dev/shm").f_frsize
+@pytest.mark.parametrize("backing", ["files", "memfd"])
+def test_manifest_too_large_for_shm_is_refused_before_writing(backing):
+    if backing == "files":
+        free = os.statvfs("/dev/shm").f_bavail * os.statvfs("/dev/shm").f_frsize
+        message = r"needs \d+\.\d MiB in /dev/shm but only \d+\.\d MiB are free"
+    else:  # /dev/shm's size does not bound a memfd: the memory the kernel can give does
+        free = memory_available()[0]
+        message = r"needs \d+\.\d MiB of memory \(memfd\) but only \d+\.\d MiB are available \((MemAvailable|the memory cgroup)"
     huge = Manifest((TensorSpec("w", "uint8", (free + (1 << 30),)),))
     # a budget that lets whole versions through (by default this manifest streams instead): the
     # segment itself is refused by the space check
-    cfg = SyncConfig(bucket_mb=64, shm_budget_mb=4 * (free + (1 << 30)) / 2**20)
+    cfg = SyncConfig(bucket_mb=64, shm_backing=backing, shm_budget_mb=4 * (free + (1 << 30)) / 2**20)
     ctx = TransportContext(config=cfg, plan=plan_buckets(huge, cfg.bucket_bytes, cfg.align_bytes), manifest=huge,
                            digest=huge.digest(), session="t", name="trainer-0", rank=0, device=torch.device("cpu"))
     sender = ShmSender(ctx)
     before = set(os.listdir("/dev/shm"))
-    with pytest.raises(CapacityError, match=r"needs \d+\.\d MiB in /dev/shm but only \d+\.\d MiB are free"):
+    with pytest.raises(CapacityError, match=message):
         sender.stage(1, 0, fill=lambda _b: iter(()), announce=lambda _i: None)
-    assert set(os.listdir("/dev/shm")) == before, "nothing was created"
+    assert set(os.listdir("/dev/shm")) == before, "no file was created"
+    assert [h for h in holders() if h[0] == os.getpid()] == [], "no memfd was created"
     sender.close()
 
 

@@ -1,6 +1,5 @@
 """The version protocol over the shm transport, with real Ray actors in separate processes."""
 
-import os
 
 import pytest
 import ray
@@ -9,6 +8,7 @@ from weightsync import ManifestError, SyncConfig, SyncFailed, VersionError, Weig
 from weightsync.layouts import layout, materialize
 from weightsync.manifest import Manifest, TensorSpec
 from weightsync.testing import RolloutWorker, ToyEngine, TrainerWorker, same_bits
+from weightsync.transports.segment import locate
 
 Rollout = ray.remote(RolloutWorker).options(num_cpus=0)
 Trainer = ray.remote(TrainerWorker).options(num_cpus=0)
@@ -82,7 +82,7 @@ def test_late_joiner_serves_latest_committed(coordinator_factory, actors):
 
 def _corrupt(coord, version, bucket_offset):
     info = coord.metrics(version)["info"]
-    path = os.path.join("/dev/shm", info["segment"])
+    path = locate(info["segment"], "/dev/shm")  # its file, or /proc/<pid>/fd/<fd> of a memfd
     with open(path, "r+b") as f:
         f.seek(bucket_offset)
         byte = f.read(1)

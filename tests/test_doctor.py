@@ -73,3 +73,16 @@ def test_doctor_reports_an_explicit_communicator_that_cannot_work(capsys, monkey
     used = json.loads(_doctor_here(capsys, "--json"))["broadcast_group"]["used_here"]
     assert used["communicator"] is None
     assert used["reason"] == "communicator 'pyhccl' does not build a 'gloo' group; backend 'gloo' takes torch"
+
+
+def test_doctor_reports_the_segment_backing_and_why(capsys, monkeypatch):
+    from weightsync.transports.segment import memfd_support
+
+    assert memfd_support()[0], "this test's machine has memfd_create and /proc"
+    report = json.loads(_doctor_here(capsys, "--json"))
+    assert report["segments"]["backing"] == "memfd" and "/proc/<pid>/fd" in report["segments"]["reason"]
+    monkeypatch.setenv("WEIGHTSYNC_SHM_BACKING", "files")
+    text = _doctor_here(capsys)
+    line = next(ln for ln in text.splitlines() if ln.startswith("segments:"))
+    assert line.startswith("segments:      files (shm_backing=files): as configured: named files in /dev/shm")
+    assert "weightsync reap" in line

@@ -124,7 +124,7 @@ def test_the_default_budget_keeps_whole_versions():
 
 def test_auto_budget_is_half_of_what_the_node_can_give():
     plan = _context(SyncConfig(bucket_mb=BUCKET_MB)).plan
-    mode = choose_mode(plan, SyncConfig(bucket_mb=BUCKET_MB), capacity=lambda _dir: 2 * BUDGET)
+    mode = choose_mode(plan, SyncConfig(bucket_mb=BUCKET_MB), capacity=lambda _config: 2 * BUDGET)
     assert (mode.streaming, mode.buffers) == (True, 3), mode
 
 

@@ -14,7 +14,7 @@ import ray
 from weightsync import Coordinator, ProtocolError, WeightReceiver, protocol, transports
 from weightsync.layouts import layout, materialize
 from weightsync.testing import RolloutWorker, TrainerWorker, same_bits
-from weightsync.transports.segment import our_segments
+from weightsync.transports.segment import SEGMENT_REF, holders, locate, our_segments
 
 Rollout = ray.remote(RolloutWorker).options(num_cpus=0)
 Trainer = ray.remote(TrainerWorker).options(num_cpus=0)
@@ -49,13 +49,13 @@ def test_soak(coordinator_factory, transport, request):
             assert ray.get(applied) == [v, v]
             if v in (20, SOAK_VERSIONS):
                 rss[v] = ray.get([p.rss.remote() for p in parties])
-                segments[v] = len(our_segments())
+                segments[v] = len(set(our_segments()) | {n for _, _, n in holders()})
                 resources[v] = coord.status()["resources"]
         expected, got = materialize(MANIFEST, seed=SOAK_VERSIONS), ray.get(rs[1].weights.remote())
         assert all(same_bits(got[n], expected[n]) for n in expected)
         for before, after in zip(rss[20], rss[SOAK_VERSIONS]):
             assert after < before * 1.05, f"resident memory grew {after / before - 1:.1%} after version 20"
-        assert segments[20] == segments[SOAK_VERSIONS], "the /dev/shm segment count is constant"
+        assert segments[20] == segments[SOAK_VERSIONS], "the segment count (files and memfds) is constant"
         assert resources[20] == resources[SOAK_VERSIONS], "open segments / handles are constant"
     finally:
         ray.get([p.close.remote() for p in parties])
@@ -106,19 +106,54 @@ def test_two_jobs_are_isolated(coordinator_factory, actors, transport):
 
 
 @pytest.mark.scenario("security", "segments are 0600 with >= 128 random bits in the name", transport="shm")
-def test_segment_mode_and_name(coordinator_factory, actors):
-    cfg = {"transport": "shm", "bucket_mb": 1 / 16}
+@pytest.mark.parametrize("backing", ["files", "memfd"])
+def test_segment_mode_and_name(coordinator_factory, actors, backing):
+    cfg = {"transport": "shm", "bucket_mb": 1 / 16, "shm_backing": backing}
     coord = coordinator_factory(cfg)
     r = actors.add(Rollout.remote(coord, MANIFEST.to_wire(), "rollout-0", config=cfg))
     t = actors.add(Trainer.remote(coord, MANIFEST.to_wire(), config=cfg, expected_receivers=1))
     applied = r.apply.remote(1)
     ray.get(t.step.remote(1))
     ray.get(applied)
-    name = coord.metrics(1)["info"]["segment"]
-    st = os.stat(os.path.join("/dev/shm", name))
+    ref = coord.metrics(1)["info"]["segment"]
+    name = SEGMENT_REF.fullmatch(ref).group(1)
+    st = os.stat(locate(ref, "/dev/shm"))  # a memfd: through /proc/<pid>/fd, its inode's mode
     assert stat.S_IMODE(st.st_mode) == 0o600
     m = re.fullmatch(r"wsync_\d+_([0-9a-f]+)", name)
     assert m and len(m.group(1)) * 4 >= 128
+    if backing == "memfd":
+        assert name not in os.listdir("/dev/shm"), "a memfd has no name in any file system"
+        holding = {pid for pid, _, n in holders([name])}
+        assert holding == set(ray.get([r.pid.remote(), t.pid.remote()])), "only the job's parties hold it"
+
+
+@pytest.mark.scenario("security", "a memfd segment cannot be opened by another user", transport="shm")
+@pytest.mark.skipif(os.geteuid() != 0, reason="switching to another uid needs root")
+def test_memfd_segment_needs_same_uid():
+    """Opening /proc/<pid>/fd/<fd> needs ptrace-read access to the holder (same uid) and the
+    memfd's 0600 mode: a process of another uid gets EACCES (root may: it is root)."""
+    from weightsync import SyncConfig
+    from weightsync.transports.segment import create
+
+    seg = create(SyncConfig(shm_backing="memfd"), 1 << 16, "a probe segment")
+    try:
+        path = locate(seg.ref, "/dev/shm")
+        child = os.fork()  # no exec: the venv's interpreter may not be readable by that uid
+        if child == 0:
+            code = 1
+            try:
+                os.setgid(65534)
+                os.setuid(65534)
+                os.close(os.open(path, os.O_RDONLY))
+                code = 0
+            except PermissionError:
+                code = 13
+            finally:
+                os._exit(code)
+        _, status = os.waitpid(child, 0)
+        assert os.waitstatus_to_exitcode(status) == 13, "uid 65534 was refused the segment"
+    finally:
+        seg.close()
 
 
 @pytest.mark.scenario("security", "a pickle payload on the control plane is refused, not executed", transport="none")

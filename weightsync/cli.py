@@ -11,7 +11,7 @@ SUBCOMMANDS = {
     "bench": ("weightsync.bench", "measure sync throughput of transports against baselines and the copy ceiling"),
     "doctor": ("weightsync.doctor", "print platform, versions and which transports can run here"),
     "status": ("weightsync.status_cli", "print the status of a running coordinator"),
-    "reap": ("weightsync.status_cli", "remove shared-memory segments left by dead processes"),
+    "reap": ("weightsync.status_cli", "remove segment files (shm_backing=files) left by dead processes"),
 }
 
 

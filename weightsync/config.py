@@ -18,6 +18,7 @@ BACKENDS = ("auto", "gloo", "nccl", "hccl")
 COMMUNICATORS = ("auto", "torch", "torch_npu", "pyhccl", "pynccl")
 DEVICES = ("auto", "cpu", "cuda", "npu")
 DIGESTS = ("auto", "xxh3", "torch", "off")
+SHM_BACKINGS = ("auto", "memfd", "files")
 ENV_PREFIX = "WEIGHTSYNC_"
 # WEIGHTSYNC_ variables that are not config fields: read by the scripts, the test tiers and
 # the capability probe; every other WEIGHTSYNC_ variable must name a field (typos fail loudly)
@@ -72,7 +73,10 @@ class SyncConfig:
     # Ray actor name (and namespace) of the coordinator; one per job
     coordinator_name: str = "weightsync"
     namespace: str = ""
-    # where shared-memory segments live and how many one session may hold at once
+    # what backs shared-memory segments: memfd (freed by the kernel when the last holder
+    # exits), files in shm_dir (outlive a dead job until reaped), auto = memfd where it works
+    shm_backing: str = "auto"
+    # where segment files live (files backing) and how many segments one session may hold at once
     shm_dir: str = "/dev/shm"
     shm_max_segments: int = 3
     # shared memory the shm transport may use on a node, in MiB; 0 = auto (half of what the
@@ -89,6 +93,7 @@ class SyncConfig:
         _check_choice("communicator", self.communicator, COMMUNICATORS)
         _check_choice("device", self.device, DEVICES)
         _check_choice("digest", self.digest, DIGESTS)
+        _check_choice("shm_backing", self.shm_backing, SHM_BACKINGS)
         if not self.bucket_mb > 0:
             raise ConfigError(f"bucket_mb must be > 0, got {self.bucket_mb!r}")
         a = self.align_bytes

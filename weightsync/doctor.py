@@ -33,7 +33,9 @@ _ENV = ("ASCEND_RT_VISIBLE_DEVICES", "CUDA_VISIBLE_DEVICES", "ASCEND_TOOLKIT_HOM
 
 def add_doctor_arguments(parser) -> None:
     parser.add_argument("--json", action="store_true", help="print one JSON object instead of text")
-    parser.add_argument("--shm-dir", default="/dev/shm", help="where shm segments would live (default /dev/shm)")
+    parser.add_argument("--shm-dir", default="/dev/shm", help="where segment files would live (default /dev/shm)")
+    parser.add_argument("--shm-backing", default=None, choices=("auto", "memfd", "files"),
+                        help="the shm_backing to report on (default: WEIGHTSYNC_SHM_BACKING, else auto)")
 
 
 def _nvidia_driver() -> str | None:
@@ -54,6 +56,17 @@ def _shm(shm_dir: str) -> dict[str, Any]:
         return {"dir": shm_dir, "error": str(exc)}
     return {"dir": shm_dir, "total_mib": round(st.f_blocks * st.f_frsize / 2**20),
             "free_mib": round(st.f_bavail * st.f_frsize / 2**20)}
+
+
+def _segments(choice: str, shm_dir: str) -> dict[str, Any]:
+    """Where shm / host-ipc segments would live with ``shm_backing=choice``, and why."""
+    from .transports.segment import resolve_backing
+
+    try:
+        backing, why = resolve_backing(choice, shm_dir)
+    except Exception as exc:  # an explicit memfd that cannot work here
+        return {"requested": choice, "backing": None, "reason": str(exc)}
+    return {"requested": choice, "backing": backing, "reason": why}
 
 
 def _broadcast(kind: str, registered: bool) -> Capability:
@@ -97,7 +110,7 @@ def _groups(kind: str) -> dict[str, Any]:
             "constructions": {b: groups.constructions(b) for b in ("hccl", "nccl", "gloo")}}
 
 
-def collect(shm_dir: str = "/dev/shm") -> dict[str, Any]:
+def collect(shm_dir: str = "/dev/shm", shm_backing: str | None = None) -> dict[str, Any]:
     """Everything the report shows, as plain data."""
     from . import device, transports
 
@@ -114,8 +127,10 @@ def collect(shm_dir: str = "/dev/shm") -> dict[str, Any]:
     })
     registered = transports.names()
     shm_ok = caps.host_ipc_support(shm_dir)
+    segments = _segments(shm_backing or os.environ.get("WEIGHTSYNC_SHM_BACKING", "auto"), shm_dir)
+    where = "memfds" if segments["backing"] == "memfd" else f"files in {shm_dir}"
     transport_caps = {
-        "shm": Capability(shm_ok.ok, (f"host shared memory in {shm_dir}; receivers must share the sender's node"
+        "shm": Capability(shm_ok.ok, (f"host shared memory ({where}); receivers must share the sender's node"
                                       if shm_ok.ok else shm_ok.reason)),
         "ipc": caps.ipc_support(kind, shm_dir),
         "broadcast": _broadcast(kind, "broadcast" in registered),
@@ -133,6 +148,7 @@ def collect(shm_dir: str = "/dev/shm") -> dict[str, Any]:
         "version_sources": {"cann": cann_src or None, "ascend_driver": hdk_src or None},
         "env": {k: os.environ[k] for k in _ENV if k in os.environ},
         "shm": _shm(shm_dir),
+        "segments": segments,
         "transports": {n: {"available": c.ok, "reason": c.reason, **({"notes": list(c.notes)} if c.notes else {})}
                        for n, c in transport_caps.items()},
         "broadcast_group": _groups(kind),
@@ -148,6 +164,8 @@ def format_report(r: dict[str, Any]) -> str:
     shm = r["shm"]
     lines.append(f"shm dir:       {shm['dir']} " + (f"({shm['free_mib']} MiB free of {shm['total_mib']} MiB)"
                                                    if "free_mib" in shm else f"(error: {shm.get('error')})"))
+    seg = r["segments"]
+    lines.append(f"segments:      {seg['backing'] or '-'} (shm_backing={seg['requested']}): {seg['reason']}")
     lines += ["", "versions:"]
     for k, v in r["versions"].items():
         src = r["version_sources"].get(k)
@@ -171,7 +189,7 @@ def format_report(r: dict[str, Any]) -> str:
 
 
 def run_doctor(args) -> int:
-    report = collect(getattr(args, "shm_dir", "/dev/shm"))
+    report = collect(getattr(args, "shm_dir", "/dev/shm"), getattr(args, "shm_backing", None))
     if getattr(args, "json", False):
         json.dump(report, sys.stdout, indent=2, sort_keys=True)
         sys.stdout.write("\n")

@@ -29,7 +29,8 @@ def run_status(args: argparse.Namespace) -> int:
 
 
 def add_reap_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--dir", default="/dev/shm", help="shared-memory directory")
+    # memfd segments need no reaping: the kernel frees them with their last holder
+    p.add_argument("--dir", default="/dev/shm", help="directory of segment files (shm_backing=files)")
 
 
 def run_reap(args: argparse.Namespace) -> int:

@@ -128,17 +128,26 @@ class BenchTrainer:
         return {"end": time.monotonic(), "stage_s": r.stage_s, "barrier_s": r.barrier_s, "metrics": r.metrics}
 
     def shm_bytes(self) -> int:
-        """Bytes of this process's segments in the shm directory (0 for other transports)."""
+        """Bytes of this process's segments: memfds it holds, files in the shm directory (0 for
+        transports without segments)."""
+        from ..transports.segment import holders
+
         directory = self.sender.config.shm_dir if self.sender else "/dev/shm"
         prefix = f"wsync_{os.getpid()}_"
-        total = 0
+        sizes = {}
+        for pid, fd, name in holders():
+            if pid == os.getpid():  # one segment may be open on several fds (mmap keeps a dup)
+                try:
+                    sizes[name] = os.stat(f"/proc/self/fd/{fd}").st_blocks * 512
+                except OSError:
+                    pass
         try:
             for name in os.listdir(directory):
                 if name.startswith(prefix):
-                    total += os.stat(os.path.join(directory, name)).st_blocks * 512
+                    sizes[name] = os.stat(os.path.join(directory, name)).st_blocks * 512
         except OSError:
             pass
-        return total
+        return sum(sizes.values())
 
     def close_session(self) -> dict[str, Any]:
         out = {"peak_extra": self.peak.extra(), "shm_bytes": self.shm_bytes(),

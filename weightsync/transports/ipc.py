@@ -56,7 +56,7 @@ from .ipc_wire import (
     slot_word,
     tag,
 )
-from .segment import PAGE, SEGMENT_NAME, Segment, check_space, reap_stale, segment_name
+from .segment import PAGE, Segment, attach, create, reap_stale
 from .shm import digest_word
 
 
@@ -93,8 +93,7 @@ class IpcSender(SenderTransport):
         return torch.device("cpu") if self.host_buffers else self.ctx.device
 
     def _segment(self, size: int, what: str, kind: str) -> Segment:
-        check_space(self.directory, size, what)
-        seg = Segment(os.path.join(self.directory, segment_name()), size, create=True, writable=True)
+        seg = create(self.ctx.config, size, what, writable=True)
         self.segments.append(seg)
         self.ctx.account(kind, +1)
         return seg
@@ -105,7 +104,7 @@ class IpcSender(SenderTransport):
             seg = self._segment(size, f"a {self.name} bucket of {self.capacity} bytes", f"{self.resource}_handles")
             seg.pin(self.ctx.device)  # reused for every bucket of every version: page-locked once
             self.buffers.append(seg.bytes[: self.capacity])
-            self.handles.append({"kind": "host", "segment": seg.name, "bytes": self.capacity})
+            self.handles.append({"kind": "host", "segment": seg.ref, "bytes": self.capacity})
             return
         devices.set_current(self.ctx.device)
         t = torch.empty(self.capacity, dtype=torch.uint8, device=self.ctx.device)
@@ -115,7 +114,7 @@ class IpcSender(SenderTransport):
         self.ctx.account(f"{self.resource}_handles", +1)
 
     def session_info(self) -> dict[str, Any]:
-        return {"control": self.control.name, "buffers": list(self.handles),
+        return {"control": self.control.ref, "buffers": list(self.handles),
                 "nbuf": self.nbuf, "capacity": self.capacity,
                 "digest_kind": self.digest_kind,
                 "device": devices.describe(self.buffer_device())}
@@ -258,7 +257,7 @@ class IpcReceiver(ReceiverTransport):
         """A version from another control block than ours: the trainer was restarted and
         publishes new buffers. Drop the dead sender's mappings and attach to the new ones."""
         name = info.get("control")
-        if name is None or (self.control is not None and name == self.control.name):
+        if name is None or (self.control is not None and name == self.control.ref):
             return
         if "buffers" not in info:
             raise ProtocolError(f"ipc: version info names control block {name} but carries no buffers")
@@ -266,12 +265,7 @@ class IpcReceiver(ReceiverTransport):
         self._attach(info)
 
     def _map(self, name: str, size: int, writable: bool, kind: str) -> Segment:
-        if not isinstance(name, str) or not SEGMENT_NAME.match(name):
-            raise ProtocolError(f"refusing segment name {name!r}: not one of ours")
-        try:
-            seg = Segment(os.path.join(self.directory, name), size, create=False, writable=writable)
-        except FileNotFoundError:
-            raise ProtocolError(f"ipc segment {name} is gone (its sender exited?)") from None
+        seg = attach(name, self.directory, size, writable=writable)
         self.mappings.append(seg)
         self.ctx.account(kind, +1)
         return seg

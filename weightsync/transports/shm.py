@@ -20,7 +20,6 @@ others see the mark and load. One that finds a bad digest marks nothing: all che
 
 from __future__ import annotations
 
-import errno
 import fcntl
 import os
 import threading
@@ -31,10 +30,10 @@ import numpy as np
 import torch
 
 from ..digest import as_int, verify
-from ..errors import CapacityError, DeadlineExceeded, ProtocolError
+from ..errors import DeadlineExceeded, ProtocolError
 from ..plan import BucketPlan, align_up
 from .base import Fill, Received, ReceiverTransport, SenderTransport, TransportContext, poll_until
-from .segment import PAGE, SEGMENT_NAME, Segment, check_space, reap_stale, segment_name
+from .segment import PAGE, Segment, attach, create, reap_stale
 
 MAGIC = 0x5753594E43534D31  # "WSYNCSM1"
 _HEAD_WORDS = 8
@@ -112,14 +111,8 @@ class ShmSender(SenderTransport):
     def _slot(self, slot: int) -> Segment:
         seg = self.slots.get(slot)
         if seg is None:
-            check_space(self.directory, self.size, f"a segment for {len(self.ctx.manifest)} tensors")
-            path = os.path.join(self.directory, segment_name())
-            try:
-                seg = Segment(path, self.size, create=True, header_bytes=header_bytes(self.ctx.plan))
-            except OSError as exc:
-                if exc.errno == errno.ENOSPC:
-                    raise CapacityError(f"{self.directory} ran out of space allocating {self.size} bytes") from None
-                raise
+            seg = create(self.ctx.config, self.size, f"a segment for {len(self.ctx.manifest)} tensors",
+                         header_bytes=header_bytes(self.ctx.plan))
             self.ctx.account("shm_segments", +1)
             seg.pin(self.ctx.device)  # the slot is reused for every later version: pinned once
             head = seg.header
@@ -135,7 +128,7 @@ class ShmSender(SenderTransport):
         words[:, 0] = 0  # invalidate every bucket first
         words[:, 2] = 0  # and its verification
         head[3] = version
-        info = {"segment": seg.name, "size": self.size}
+        info = {"segment": seg.ref, "size": self.size}
         announce(info)
         sums: list[int] = []
         kind = self.digest_kind
@@ -189,13 +182,8 @@ class ShmReceiver(ReceiverTransport):
     def _attach_locked(self, name: str) -> Segment:
         seg = self.attached.get(name)
         if seg is None:
-            if not SEGMENT_NAME.match(name):
-                raise ProtocolError(f"refusing segment name {name!r}: not one of ours")
-            try:
-                seg = Segment(os.path.join(self.directory, name), self.size, create=False,
-                              header_bytes=header_bytes(self.ctx.plan), header_writable=True)
-            except FileNotFoundError:
-                raise ProtocolError(f"segment {name} is gone (its sender exited?)") from None
+            seg = attach(name, self.directory, self.size, header_bytes=header_bytes(self.ctx.plan),
+                         header_writable=True)
             if seg.header[0] != MAGIC or seg.header[1] != digest_word(self.ctx.digest):
                 seg.close()
                 raise ProtocolError(f"segment {name} holds another layout than this session's manifest")

@@ -3,9 +3,9 @@ transport streams each version through a ring of K host bucket buffers instead.
 
 The mode is decided once, when the sender is built, from the plan and the budget:
 
-  budget     ``shm_budget_mb``, or when 0 (auto) AUTO_FRACTION of what the node can give: the
-             smaller of the free space of ``shm_dir`` and MemAvailable (/proc/meminfo); the
-             models beside it need the rest
+  budget     ``shm_budget_mb``, or when 0 (auto) AUTO_FRACTION of what the node can give:
+             MemAvailable (or a memory cgroup's room), and for segment files no more than the
+             free space of ``shm_dir``; the models beside it need the rest
   whole      when ``shm_max_segments`` x segment size <= budget (a segment: header pages plus
              every bucket page-aligned, one version; see transports/shm.py)
   streaming  otherwise: K = (budget - control block) // bucket buffer (the largest bucket,
@@ -35,7 +35,7 @@ from ..plan import BucketPlan, align_up
 from .base import Received, TransportContext
 from .ipc import IpcReceiver, IpcSender
 from .ipc_wire import CONTROL_BYTES, MAX_BUFFERS
-from .segment import PAGE
+from .segment import PAGE, memory_available, resolve_backing
 from .shm import layout
 
 AUTO_FRACTION = 0.5
@@ -55,30 +55,25 @@ def size_text(n: float) -> str:
     return f"{n / GiB:.3g} GiB" if n >= GiB else f"{n / MiB:.3g} MiB" if n >= MiB else f"{n / 1024:.3g} KiB"
 
 
-def node_capacity(directory: str, meminfo: str = "/proc/meminfo") -> int:
-    """Bytes the node can give to shared memory now: free space of ``directory``, and no more
-    than MemAvailable (a tmpfs may be sized beyond the memory behind it)."""
-    st = os.statvfs(directory)
-    free = st.f_bavail * st.f_frsize
-    try:
-        with open(meminfo) as f:
-            for line in f:
-                if line.startswith("MemAvailable:"):
-                    return min(free, int(line.split()[1]) * 1024)
-    except OSError:
-        pass  # not Linux: the directory's free space is all we know
-    return free
+def node_capacity(config: SyncConfig) -> int:
+    """Bytes the node can give to shared memory now: what the kernel can give (MemAvailable, or a
+    memory cgroup's room), and for segment files no more than the free space of ``shm_dir``."""
+    can = memory_available()[0]
+    if resolve_backing(config.shm_backing, config.shm_dir)[0] == "files":
+        st = os.statvfs(config.shm_dir)
+        can = min(can, st.f_bavail * st.f_frsize)
+    return can
 
 
-def budget(config: SyncConfig, capacity: Callable[[str], int] = node_capacity) -> tuple[int, str]:
+def budget(config: SyncConfig, capacity: Callable[[SyncConfig], int] = node_capacity) -> tuple[int, str]:
     """(budget in bytes, where it comes from)."""
     if config.shm_budget_mb > 0:
         return int(config.shm_budget_mb * MiB), f"shm_budget_mb={config.shm_budget_mb:g}"
-    can = capacity(config.shm_dir)
+    can = capacity(config)
     return int(can * AUTO_FRACTION), f"auto: {AUTO_FRACTION:g} x {size_text(can)} the node can give"
 
 
-def choose_mode(plan: BucketPlan, config: SyncConfig, capacity: Callable[[str], int] = node_capacity) -> ShmMode:
+def choose_mode(plan: BucketPlan, config: SyncConfig, capacity: Callable[[SyncConfig], int] = node_capacity) -> ShmMode:
     limit, source = budget(config, capacity)
     segment = layout(plan)[0]
     slots = config.shm_max_segments
