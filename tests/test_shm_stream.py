@@ -1,7 +1,8 @@
 """Bounded shm: a budget below two whole versions makes the shm transport stream through a
 ring of bucket buffers (transports/shm_stream.py). Real Ray actors, a real tmpfs.
 
-The job's segments live in a directory of their own under /dev/shm, so the peak shared memory
+The job's segments are files (shm_backing: files; the bound is the same for memfds, whose
+sizes cannot be sampled by directory) in a directory of their own under /dev/shm, so the peak shared memory
 measured is this job's alone (other runs on the machine use /dev/shm too): a thread samples the
 sum of the allocated sizes (st_blocks) of every file in it, every millisecond, for the job's
 whole life, segments being allocated once per session and kept until it closes.
@@ -60,7 +61,7 @@ def job(ray_cluster):
     directory = tempfile.mkdtemp(prefix="ws-stream-test-", dir="/dev/shm")
     sampler = Sampler(directory)
     sampler.start()
-    j = Job("shm", MANIFEST, bucket_mb=BUCKET_MB, shm_budget_mb=BUDGET_MB, shm_dir=directory)
+    j = Job("shm", MANIFEST, bucket_mb=BUCKET_MB, shm_budget_mb=BUDGET_MB, shm_dir=directory, shm_backing="files")
     j.sampler = sampler
     yield j
     j.close()
