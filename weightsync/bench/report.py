@@ -51,10 +51,12 @@ def _mib(x: Any) -> str:
 def format_table(result: dict[str, Any]) -> str:
     c = result["ceiling"]
     lay = result["layout"]
+    title = (f"weightsync bench: {lay['name']} ({lay['tensors']} tensors, {result['payload_bytes'] / 2**30:.2f} GiB "
+             f"{lay['dtype']}), device={result['args']['device']}")
+    if c is None:  # the whole size was skipped before it started: every row says why
+        return "\n".join([title, *dict.fromkeys(f"  {r['error']}" for r in result["rows"])])
     head = [
-        f"weightsync bench: {lay['name']} ({lay['tensors']} tensors, {result['payload_bytes'] / 2**30:.2f} GiB "
-        f"{lay['dtype']}), device={result['args']['device']}, {result['args']['versions']} versions after "
-        f"{result['args']['warmup']} warm-up",
+        f"{title}, {result['args']['versions']} versions after {result['args']['warmup']} warm-up",
         f"machine: {result['machine']['cpu_model']}, {result['machine']['cpu_count']} cores, "
         f"{result['machine']['mem_total_bytes'] / 2**30:.0f} GiB; copy ceiling {c['gbps']:.2f} GB/s "
         f"({c['method']}, one copy {result['payload_bytes'] / c['gbps'] / 1e9:.3f} s)",
