@@ -164,6 +164,7 @@ def run_bench(args: argparse.Namespace) -> int:
     largest = max(m.total_bytes for _, m, _ in sizes_in)
 
     started = time.time()
+    machine = machine_info()  # now: its load_avg_start is the load before the run
     own_ray = not ray.is_initialized()
     if own_ray:
         # the Ray baselines put a whole version in the store; without them it holds small control objects
@@ -186,7 +187,7 @@ def run_bench(args: argparse.Namespace) -> int:
         "created": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         "wall_s": time.time() - started,
         "note": args.note,
-        "machine": machine_info(),
+        "machine": machine,
         "args": {"model": list(dict.fromkeys(args.model)), "dtype": args.dtype, "transport": args.transport,
                  "backend": backend, "receivers": receivers, "bucket_mb": args.bucket_mb, "checksum": args.checksum,
                  "digest": args.digest, "versions": args.versions, "warmup": args.warmup, "device": device,
