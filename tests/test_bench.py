@@ -9,7 +9,7 @@ import math
 import pytest
 import torch
 
-from weightsync.bench import expect, report
+from weightsync.bench import expect, fit, report
 from weightsync.bench import layouts as bench_layouts
 from weightsync.bench.cli import exit_status
 from weightsync.bench.runner import transport_unavailable
@@ -22,13 +22,14 @@ def test_bench_tiny_shm_end_to_end(ray_cluster, tmp_path):
                "--versions", "2", "--warmup", "1", "--baselines", "ray-user", "ray-numpy", "--ceiling-repeats", "2",
                "--checksum", "on", "off", "--no-progress", "--note", "pytest smoke", "--expect", "x_ray-user>=0", "--json", str(out), "--plot", str(png)])
     assert rc == 0
-    res = json.loads(out.read_text())
-    assert res["schema"] == report.SCHEMA
-    assert res["note"] == "pytest smoke"
+    top = json.loads(out.read_text())
+    assert top["schema"] == report.SCHEMA
+    assert top["note"] == "pytest smoke"
+    assert top["machine"]["cpu_count"] >= 1 and top["machine"]["mem_total_bytes"] > 0
+    (res,) = top["sizes"]  # one --model: one size
     assert res["layout"]["name"] == "tiny" and res["layout"]["tensors"] > 10
     payload = res["payload_bytes"]
     assert payload == sum(math.prod(s) * 2 for s in _tiny_shapes())
-    assert res["machine"]["cpu_count"] >= 1 and res["machine"]["mem_total_bytes"] > 0
     ceil = res["ceiling"]
     assert ceil["gbps"] > 0 and ceil["bytes"] == payload and ceil["method"] in ceil["methods_gbps"]
 
@@ -68,7 +69,7 @@ def test_bench_tiny_broadcast_and_collective_baselines(ray_cluster, tmp_path):
                "--bucket-mb", "0.25", "--versions", "2", "--warmup", "1", "--baselines", "bcast-per-tensor",
                "bcast-flat", "--ceiling-repeats", "1", "--no-progress", "--json", str(out)])
     assert rc == 0
-    rows = {r["name"]: r for r in json.loads(out.read_text())["rows"]}
+    rows = {r["name"]: r for r in json.loads(out.read_text())["sizes"][0]["rows"]}
     assert set(rows) == {"broadcast", "bcast-per-tensor", "bcast-flat"}
     for name, r in rows.items():
         assert r["error"] is None, r
@@ -76,6 +77,63 @@ def test_bench_tiny_broadcast_and_collective_baselines(ray_cluster, tmp_path):
         assert r["verified"] is (None if name == "bcast-flat" else True), f"{name}: {r['verified']}"
         assert len(r["seconds"]) == 2 and all(s > 0 for s in r["seconds"])
     assert set(rows["broadcast"]["speedup_vs"]) == {"bcast-per-tensor", "bcast-flat"}
+
+
+def test_bench_growth_over_sizes_and_a_size_that_cannot_fit(ray_cluster, tmp_path, capsys):
+    """Two sizes that run (the tiny layout, a 2 MiB safetensors layout) and one declared too large
+    for any machine (a header-only file): a growth row per size and transport, the big size's
+    rows skipped with why, before anything is allocated for it."""
+    from safetensors.torch import save_file
+
+    small = tmp_path / "small.safetensors"
+    save_file({f"w.{i}": torch.zeros(256, 1024, dtype=torch.bfloat16) for i in range(4)}, str(small))
+    huge = tmp_path / "huge.safetensors"
+    header = json.dumps({"w": {"dtype": "BF16", "shape": [2**41], "data_offsets": [0, 2**42]}}).encode()
+    huge.write_bytes(len(header).to_bytes(8, "little") + header)  # 4 TiB declared, no data
+    out, png = tmp_path / "growth.json", tmp_path / "growth.png"
+    rc = main(["bench", "--device", "cpu", "--layout", str(huge), "tiny", str(small), "--transport", "shm", "ipc",
+               "--receivers", "1", "--versions", "1", "--warmup", "1", "--baselines", "--ceiling-repeats", "1",
+               "--no-progress", "--json", str(out), "--plot", str(png)])
+    assert rc == 0, "a skipped size is not a failure"
+    res = json.loads(out.read_text())
+    assert [s["layout"]["name"] for s in res["sizes"]] == ["tiny", "small.safetensors", "huge.safetensors"]
+    payload = {s["layout"]["name"]: s["payload_bytes"] for s in res["sizes"]}
+    assert payload["small.safetensors"] == 4 * 256 * 1024 * 2
+    growth = {(e["layout"], e["name"]): e for e in res["growth"]}
+    assert set(growth) == {(lay, t) for lay in ("tiny", "small.safetensors") for t in ("shm", "ipc")}
+    assert len(res["growth"]) == 4
+    for (lay, _), e in growth.items():
+        assert e["size_gb"] == payload[lay] / 1e9 and e["receivers"] == 1 and e["bucket_mb"] == 16
+        assert e["s_per_gb"] == pytest.approx(e["median_s"] / e["size_gb"])
+        assert e["gbps"] == pytest.approx(1 / e["s_per_gb"])
+        assert e["sender_peak_extra_bytes"] >= 0 and len(e["receivers_peak_extra_bytes"]) == 1
+        assert e["node_shmem_extra_bytes"] >= 0 and e["shm_bytes"] >= 0
+    for t in ("shm", "ipc"):
+        assert growth[("tiny", t)]["x_smallest"] == 1.0
+        assert growth[("small.safetensors", t)]["x_smallest"] == pytest.approx(
+            growth[("small.safetensors", t)]["s_per_gb"] / growth[("tiny", t)]["s_per_gb"])
+    assert growth[("small.safetensors", "shm")]["shm_bytes"] >= payload["small.safetensors"]
+    big = res["sizes"][2]
+    assert big["ceiling"] is None and {r["name"] for r in big["rows"]} == {"shm", "ipc"}
+    assert all(r["kind"] == "unavailable" and "GiB available" in r["error"] for r in big["rows"])
+    assert {(s["layout"], s["name"]) for s in res["skipped"]} == {("huge.safetensors", "shm"), ("huge.safetensors", "ipc")}
+    assert all(r["verified"] is True for s in res["sizes"][:2] for r in s["rows"])
+    text = capsys.readouterr().out
+    assert "growth with model size" in text and "skipped huge.safetensors shm 16MiB x1: huge.safetensors needs" in text
+
+    pytest.importorskip("matplotlib")
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_memory_estimates_refuse_what_does_not_fit():
+    gib = fit.GiB
+    need, shm = fit.row_bytes("shm", 6 * gib, 16 * 2**20, 1, 3)
+    assert shm == 18 * gib and need > shm  # three whole-version segments, and each party's slack
+    assert fit.row_bytes("broadcast", 6 * gib, 16 * 2**20, 1, 3)[1] == 0
+    assert fit.refusal("x", need, available=40 * gib, total=64 * gib) is None
+    why = fit.refusal("qwen2.5-3b shm", need, available=10 * gib, total=24 * gib, detail="3 segments")
+    assert why.startswith("skipped: qwen2.5-3b shm needs about 19.0 GiB (3 segments), 10.0 GiB available")
+    assert "shm directory" in fit.refusal("x", gib, available=40 * gib, total=64 * gib, shm_need=gib, shm_free=gib // 2)
 
 
 def _tiny_shapes():

@@ -14,6 +14,7 @@ from typing import Any
 from ..config import SyncConfig
 from ..device import backend_for
 from ..layouts import LAYOUTS
+from . import fit
 from .expect import KEYS, evaluate, fastest, parse_expectation
 
 TRANSPORTS = ("shm", "ipc", "broadcast", "auto")
@@ -22,8 +23,9 @@ BASELINE_CHOICES = ("ray-user", "ray-numpy", "bcast-per-tensor", "bcast-flat")
 
 def add_bench_arguments(p: argparse.ArgumentParser) -> None:
     p.formatter_class = argparse.ArgumentDefaultsHelpFormatter
-    p.add_argument("--model", default="qwen2.5-0.5b",
-                   help=f"built-in layout ({', '.join(LAYOUTS)}) or a safetensors file/folder")
+    p.add_argument("--model", "--layout", nargs="+", default=["qwen2.5-0.5b"], metavar="MODEL",
+                   help=f"built-in layout ({', '.join(LAYOUTS)}) or a safetensors file/folder; several "
+                        "(the two spellings are one option) run every row per size and print a growth table")
     p.add_argument("--real-weights", action="store_true",
                    help="with --model PATH: send the file's tensors instead of random bits")
     p.add_argument("--dtype", default=None, help="dtype of a built-in layout (default bfloat16), or the "
@@ -58,7 +60,8 @@ def add_bench_arguments(p: argparse.ArgumentParser) -> None:
                    "shm:x_ray-numpy>=1, growth_x@4<=2.5 ([TRANSPORT:]KEY[@RECEIVERS], >= or <=); repeatable; "
                    f"exit status 1 on a miss. Keys: {', '.join(KEYS)}")
     p.add_argument("--json", metavar="PATH", help="write every figure as JSON (schema: docs/benchmarks.md)")
-    p.add_argument("--plot", metavar="PATH.png", help="write a PNG of GB/s per transport and bucket size")
+    p.add_argument("--plot", metavar="PATH.png", help="write a PNG of GB/s per transport and bucket size; with "
+                   "several sizes, time per version and per GB against size")
 
 
 def _expectation(text: str):
@@ -92,61 +95,90 @@ def machine_info() -> dict[str, Any]:
     }
 
 
+def _plan(args: argparse.Namespace, receivers: list[int]) -> list[tuple[str, str, int, float | None, bool]]:
+    """Every row of one size, in run order: (kind, name, receivers, bucket MiB, checksum)."""
+    items: list[tuple[str, str, int, float | None, bool]] = []
+    for n in receivers:
+        items += [("baseline", b, n, None, True) for b in args.baselines]
+        items += [("transport", t, n, mb, ck == "on") for t in args.transport for mb in args.bucket_mb
+                  for ck in dict.fromkeys(args.checksum)]
+    return items
+
+
+def _skipped(item: tuple[str, str, int, float | None, bool], payload: int, why: str) -> dict[str, Any]:
+    kind, name, n, mb, ck = item
+    return {"kind": "unavailable", "name": name, "transport": name if kind == "transport" else None,
+            "bucket_mb": mb, "receivers": n, "checksum": ck if kind == "transport" else None,
+            "payload_bytes": payload, "seconds": [], "median_s": None, "gbps": None, "error": why}
+
+
+def _row_need(item: tuple[str, str, int, float | None, bool], payload: int) -> tuple[int, int, str]:
+    _, name, n, mb, _ = item
+    bucket = int((mb or SyncConfig().bucket_mb) * 2**20)
+    segs = SyncConfig().shm_max_segments
+    need, shm = fit.row_bytes(name, payload, bucket, n, segs)
+    return need, shm, fit.describe_row(name, payload, bucket, n, segs)
+
+
+def _row_refusal(item: tuple[str, str, int, float | None, bool], payload: int) -> str | None:
+    """Whether a row's buffers fit now, beside the models the actors already hold."""
+    import psutil
+
+    need, shm, detail = _row_need(item, payload)
+    if not need:
+        return None
+    vm = psutil.virtual_memory()
+    what = f"{item[1]}{f' {item[3]:g}MiB' if item[3] else ''} x{item[2]}"
+    return fit.refusal(what, need, vm.available, vm.total, shm, fit.shm_free(SyncConfig().shm_dir), detail)
+
+
+def _size_refusal(label: str, payload: int, plan: list, receivers: int) -> str | None:
+    """Whether a size can start at all: the copy ceiling's two buffers, then the trainer's and
+    every engine's copy of the model beside the cheapest of its rows."""
+    import psutil
+
+    cheapest = min((_row_need(item, payload)[0] for item in plan), default=0)
+    need = max(2 * payload, fit.models_bytes(payload, receivers) + cheapest)
+    vm = psutil.virtual_memory()
+    return fit.refusal(label, need, vm.available, vm.total,
+                       detail=f"the trainer's copy and {receivers} engine cop{'y' if receivers == 1 else 'ies'} of "
+                              f"{payload / 2**30:.1f} GiB and the cheapest row's buffers")
+
+
 def run_bench(args: argparse.Namespace) -> int:
     import ray
-    import torch
 
     from ..device import platform as detect_platform
-    from . import layouts, report
-    from .ceiling import device_ceilings, host_ceiling
-    from .runner import Bench
+    from . import growth, layouts, report
 
     device = detect_platform() if args.device == "auto" else args.device
-    label, manifest, weights_path = layouts.resolve(args.model, args.dtype)
-    payload = manifest.total_bytes
+    # smallest first: a size that fails or is skipped leaves the smaller ones measured
+    sizes_in = sorted((layouts.resolve(m, args.dtype) for m in dict.fromkeys(args.model)),
+                      key=lambda s: s[1].total_bytes)
     receivers = sorted(set(args.receivers))
     if min(receivers) < 1:
         raise SystemExit("weightsync bench: --receivers must be >= 1")
     if args.versions < 1 or args.warmup < 0:
         raise SystemExit("weightsync bench: --versions must be >= 1 and --warmup >= 0")
     backend = args.backend if args.backend != "auto" else backend_for(device)
-    specs = list(manifest)
-    dtypes = sorted({s.dtype for s in specs})
-    print(f"weightsync bench: {label}, {len(specs)} tensors, {payload / 2**30:.2f} GiB, device={device}; "
-          f"measuring the copy ceiling ...", file=sys.stderr)
+    largest = max(m.total_bytes for _, m, _ in sizes_in)
 
     started = time.time()
-    ceiling = host_ceiling(payload, repeats=args.ceiling_repeats)
-    dev_ceil = device_ceilings(payload, torch.device(device), args.ceiling_repeats) if device != "cpu" else {}
-
+    machine = machine_info()  # now: its load_avg_start is the load before the run
     own_ray = not ray.is_initialized()
     if own_ray:
-        store = int((args.object_store_gb or max(1.0, 3.5 * payload / 1e9 + 0.5)) * 1e9)
-        ray.init(address=args.address, num_cpus=None if args.address else max(8, 2 * max(receivers) + 4),
+        # the Ray baselines put a whole version in the store; without them it holds small control objects
+        want = 3.5 * largest / 1e9 + 0.5 if any(b.startswith("ray-") for b in args.baselines) else 1.0
+        store = int(min(args.object_store_gb or max(1.0, want), _total_gb() / 2) * 1e9)
+        # "local": start one as documented, even where another process left a cluster address in /tmp/ray
+        ray.init(address=args.address or "local", num_cpus=None if args.address else max(8, 2 * max(receivers) + 4),
                  include_dashboard=False, log_to_driver=True, logging_level="ERROR",
                  **({} if args.address else {"object_store_memory": store}))
-    rows: list[dict[str, Any]] = []
-    bench = None
+    sizes: list[dict[str, Any]] = []
     try:
-        bench = Bench(manifest, receivers=max(receivers), device=device, weights_path=weights_path if args.real_weights else None,
-                      versions=args.versions, warmup=args.warmup, progress=not args.no_progress,
-                      check=not args.no_verify)
-        for n in receivers:
-            for b in args.baselines:
-                if b.startswith("ray-"):
-                    rows.append(bench.ray_row(b, n))
-                else:
-                    rows.append(bench.collective_row(b, n, backend))
-                _echo(rows[-1], bench)
-            for t in args.transport:
-                for mb in args.bucket_mb:
-                    for ck in dict.fromkeys(args.checksum):
-                        rows.append(bench.sync_row(t, mb, n, backend=backend if t == "broadcast" else "auto",
-                                                   checksum=ck == "on", digest=args.digest))
-                        _echo(rows[-1], bench)
+        for label, manifest, weights_path in sizes_in:
+            sizes.append(_run_size(args, label, manifest, weights_path, device, backend, receivers))
     finally:
-        if bench is not None:
-            bench.close()
         if own_ray:
             ray.shutdown()
 
@@ -155,37 +187,102 @@ def run_bench(args: argparse.Namespace) -> int:
         "created": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         "wall_s": time.time() - started,
         "note": args.note,
-        "machine": machine_info(),
-        "args": {"model": args.model, "dtype": args.dtype, "transport": args.transport, "backend": backend,
-                 "receivers": receivers, "bucket_mb": args.bucket_mb, "checksum": args.checksum, "digest": args.digest, "versions": args.versions,
-                 "warmup": args.warmup, "device": device, "baselines": args.baselines,
-                 "real_weights": bool(args.real_weights and weights_path), "expect": [e.text for e in args.expect]},
-        "layout": {"name": label, "tensors": len(specs), "dtype": ",".join(dtypes),
-                   "largest_tensor_bytes": max((s.nbytes for s in specs), default=0)},
-        "payload_bytes": payload,
-        "ceiling": ceiling,
-        "device_ceilings": dev_ceil,
-        "rows": rows,
+        "machine": machine,
+        "args": {"model": list(dict.fromkeys(args.model)), "dtype": args.dtype, "transport": args.transport,
+                 "backend": backend, "receivers": receivers, "bucket_mb": args.bucket_mb, "checksum": args.checksum,
+                 "digest": args.digest, "versions": args.versions, "warmup": args.warmup, "device": device,
+                 "baselines": args.baselines, "real_weights": bool(args.real_weights and any(w for *_, w in sizes_in)),
+                 "expect": [e.text for e in args.expect]},
+        "sizes": sizes,
     }
     result["machine"]["load_avg_end"] = list(os.getloadavg())
-    report.add_ratios(result)
-    counts = sorted({r["receivers"] for r in rows})
-    result["comparisons"] = [f for f in (fastest(result, n) for n in counts) if f is not None]
-    result["expectations"] = evaluate(result, args.expect)
-    print(report.format_table(result))
+    for size in sizes:
+        if size["ceiling"] is not None:
+            report.add_ratios(size)
+        counts = sorted({r["receivers"] for r in size["rows"]})
+        size["comparisons"] = [f for f in (fastest(size, n) for n in counts) if f is not None]
+        size["expectations"] = evaluate(size, args.expect)
+    result["growth"] = growth.table(sizes)
+    result["skipped"] = growth.skipped(sizes)
+    for size in sizes:
+        print(report.format_table({**result, **size}) + "\n")
+    print(growth.format_table(result))
     if args.json:
         report.write_json(result, args.json)
         print(f"wrote {args.json}", file=sys.stderr)
     if args.plot:
-        why = report.write_plot(result, args.plot)
+        why = report.write_plot({**result, **sizes[0]}, args.plot) if len(sizes) == 1 else growth.write_plot(result, args.plot)
         print(f"--plot: {why}" if why else f"wrote {args.plot}", file=sys.stderr)
     return exit_status(result)
 
 
+def _total_gb() -> float:
+    import psutil
+
+    return psutil.virtual_memory().total / 1e9
+
+
+def _run_size(args: argparse.Namespace, label: str, manifest: Any, weights_path: str | None, device: str,
+              backend: str, receivers: list[int]) -> dict[str, Any]:
+    """Every row of one model size, between actors that hold that model (made, then closed)."""
+    import torch
+
+    from .ceiling import device_ceilings, host_ceiling
+    from .memory import NodeShmem
+    from .runner import Bench
+
+    payload = manifest.total_bytes
+    specs = list(manifest)
+    size: dict[str, Any] = {
+        "layout": {"name": label, "tensors": len(specs), "dtype": ",".join(sorted({s.dtype for s in specs})),
+                   "largest_tensor_bytes": max((s.nbytes for s in specs), default=0)},
+        "payload_bytes": payload, "ceiling": None, "device_ceilings": {}, "rows": [],
+    }
+    plan = _plan(args, receivers)
+    why = _size_refusal(label, payload, plan, max(receivers)) if device == "cpu" else None
+    if why:
+        print(f"weightsync bench: {label} ({payload / 2**30:.2f} GiB): {why}", file=sys.stderr)
+        size["rows"] = [_skipped(item, payload, why) for item in plan]
+        return size
+    print(f"weightsync bench: {label}, {len(specs)} tensors, {payload / 2**30:.2f} GiB, device={device}; "
+          f"measuring the copy ceiling ...", file=sys.stderr)
+    size["ceiling"] = host_ceiling(payload, repeats=args.ceiling_repeats)
+    if device != "cpu":
+        size["device_ceilings"] = device_ceilings(payload, torch.device(device), args.ceiling_repeats)
+    rows = size["rows"]
+    bench = Bench(manifest, receivers=max(receivers), device=device,
+                  weights_path=weights_path if args.real_weights else None, versions=args.versions,
+                  warmup=args.warmup, progress=not args.no_progress, check=not args.no_verify)
+    try:
+        for item in plan:
+            kind, name, n, mb, ck = item
+            why = _row_refusal(item, payload)  # shm segments and the object store are host memory anywhere
+            if why:
+                rows.append(_skipped(item, payload, why))
+                _echo(rows[-1])
+                continue
+            with NodeShmem() as shm:
+                if kind == "transport":
+                    row = bench.sync_row(name, mb, n, backend=backend if name == "broadcast" else "auto",
+                                         checksum=ck, digest=args.digest)
+                elif name.startswith("ray-"):
+                    row = bench.ray_row(name, n)
+                else:
+                    row = bench.collective_row(name, n, backend)
+            row["node_shmem_extra_bytes"] = shm.extra()
+            rows.append(row)
+            _echo(row, bench)
+    finally:
+        bench.close()
+    return size
+
+
 def exit_status(result: dict[str, Any]) -> int:
     """1 when a row failed (one that cannot run here is no failure) or an --expect missed."""
-    failed = any(r.get("error") and r["kind"] != "unavailable" for r in result["rows"])
-    return 1 if failed or not all(e["ok"] for e in result.get("expectations", [])) else 0
+    sizes = result.get("sizes", [result])
+    failed = any(r.get("error") and r["kind"] != "unavailable" for s in sizes for r in s["rows"])
+    missed = any(not e["ok"] for s in sizes for e in s.get("expectations", []))
+    return 1 if failed or missed else 0
 
 
 def _echo(row: dict[str, Any], bench: Any = None) -> None:

@@ -48,3 +48,53 @@ class PeakTracker:
         if peak is None:
             peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
         return max(0, max(peak, rss()) - self.base)
+
+
+def meminfo(key: str) -> int | None:
+    """A /proc/meminfo field in bytes (``Shmem``, ``MemAvailable``), or None off Linux."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith(key + ":"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return None
+
+
+class NodeShmem:
+    """Peak growth of the node's shared memory (``Shmem`` of /proc/meminfo: /dev/shm files,
+    Ray's object store) over its value at ``start()``, sampled by a thread every ``interval``
+    seconds until ``stop()``. Node-wide: other jobs' segments count too."""
+
+    def __init__(self, interval: float = 0.02):
+        import threading
+
+        self.interval = interval
+        self.base = meminfo("Shmem")
+        self.peak = self.base
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="bench-shmem", daemon=True)
+
+    def _sample(self) -> None:
+        now = meminfo("Shmem")
+        if now is not None and self.peak is not None:
+            self.peak = max(self.peak, now)
+
+    def _run(self) -> None:
+        while not self._stop.wait(self.interval):
+            self._sample()
+
+    def __enter__(self) -> NodeShmem:
+        if self.base is not None:
+            self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        if self._thread.is_alive():
+            self._thread.join()
+        self._sample()
+
+    def extra(self) -> int | None:
+        return None if self.base is None else max(0, self.peak - self.base)

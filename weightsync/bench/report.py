@@ -10,7 +10,9 @@ from typing import Any
 from .expect import BASELINES, comparison_lines, expectation_lines
 
 # /2: "checks" against built-in targets gave way to "comparisons" and the user's "expectations"
-SCHEMA = "weightsync.bench/2"
+# /3: several model sizes per run: each size's layout, ceiling, rows, comparisons and
+# expectations moved under "sizes"; "growth" compares time per GB across them
+SCHEMA = "weightsync.bench/3"
 
 
 def _ok(row: dict[str, Any]) -> bool:
@@ -23,6 +25,7 @@ def add_ratios(result: dict[str, Any]) -> None:
     copy_s = result["payload_bytes"] / (ceiling["gbps"] * 1e9)
     rows = result["rows"]
     for row in rows:
+        row["s_per_gb"] = row["median_s"] / (row["payload_bytes"] / 1e9) if _ok(row) and row.get("payload_bytes") else None
         row["ceiling_ratio"] = row["gbps"] / ceiling["gbps"] if _ok(row) and row.get("gbps") else None
         row["barrier_copy_ratio"] = row["barrier_s"] / copy_s if _ok(row) and row.get("barrier_s") else None
         row["speedup_vs"] = {}
@@ -48,10 +51,12 @@ def _mib(x: Any) -> str:
 def format_table(result: dict[str, Any]) -> str:
     c = result["ceiling"]
     lay = result["layout"]
+    title = (f"weightsync bench: {lay['name']} ({lay['tensors']} tensors, {result['payload_bytes'] / 2**30:.2f} GiB "
+             f"{lay['dtype']}), device={result['args']['device']}")
+    if c is None:  # the whole size was skipped before it started: every row says why
+        return "\n".join([title, *dict.fromkeys(f"  {r['error']}" for r in result["rows"])])
     head = [
-        f"weightsync bench: {lay['name']} ({lay['tensors']} tensors, {result['payload_bytes'] / 2**30:.2f} GiB "
-        f"{lay['dtype']}), device={result['args']['device']}, {result['args']['versions']} versions after "
-        f"{result['args']['warmup']} warm-up",
+        f"{title}, {result['args']['versions']} versions after {result['args']['warmup']} warm-up",
         f"machine: {result['machine']['cpu_model']}, {result['machine']['cpu_count']} cores, "
         f"{result['machine']['mem_total_bytes'] / 2**30:.0f} GiB; copy ceiling {c['gbps']:.2f} GB/s "
         f"({c['method']}, one copy {result['payload_bytes'] / c['gbps'] / 1e9:.3f} s)",
@@ -59,8 +64,8 @@ def format_table(result: dict[str, Any]) -> str:
     for k, v in (result.get("device_ceilings") or {}).items():
         head.append(f"  {k}: {v['gbps']:.1f} GB/s")
     bases = [b for b in BASELINES if any(r["name"] == b and _ok(r) for r in result["rows"])]
-    cols = ["row", "rcv", "bucket", "median s", "p90 s", "GB/s", "x ceil"] + [f"x {b}" for b in bases] + [
-        "stage s", "barrier s", "snd+MiB", "rcv+MiB", "bits"]
+    cols = ["row", "rcv", "bucket", "median s", "p90 s", "GB/s", "s/GB", "x ceil"] + [f"x {b}" for b in bases] + [
+        "stage s", "barrier s", "snd+MiB", "rcv+MiB", "shm+MiB", "bits"]
     lines = []
     said = set()
     for r in result["rows"]:
@@ -76,9 +81,10 @@ def format_table(result: dict[str, Any]) -> str:
         for b in bases:
             vs.append(_f(speed.get(b), "{:.1f}x"))
         lines.append([r["name"], str(r.get("receivers")), _f(r.get("bucket_mb"), "{:g}"), _f(r.get("median_s")),
-                      _f(r.get("p90_s")), _f(r.get("gbps"), "{:.2f}"), _f(r.get("ceiling_ratio"), "{:.2f}"), *vs,
+                      _f(r.get("p90_s")), _f(r.get("gbps"), "{:.2f}"), _f(r.get("s_per_gb")),
+                      _f(r.get("ceiling_ratio"), "{:.2f}"), *vs,
                       _f(r.get("stage_s")), _f(r.get("barrier_s")), _mib(r.get("sender_peak_extra_bytes")),
-                      _mib(r.get("receiver_peak_extra_bytes")),
+                      _mib(r.get("receiver_peak_extra_bytes")), _mib(r.get("node_shmem_extra_bytes")),
                       {True: "ok", False: "DIFF", None: "-"}[r.get("verified")]])
     widths = [max([len(c)] + [len(ln[i]) for ln in lines if i < len(ln) - (len(ln) != len(cols))])
               for i, c in enumerate(cols)]

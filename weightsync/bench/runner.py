@@ -189,7 +189,7 @@ class Bench:
                "median_s": None, "p90_s": None, "min_s": None, "gbps": None, "stage_s": None,
                "barrier_s": None, "prestaged_s": [], "prefetched_barrier_s": None, "prefetched_s": [],
                "sender_peak_extra_bytes": None,
-               "receiver_peak_extra_bytes": None, "shm_bytes": None, "phases_s": {}, "verified": None,
+               "receiver_peak_extra_bytes": None, "receivers_peak_extra_bytes": [], "shm_bytes": None, "phases_s": {}, "verified": None,
                "checksum": None, "error": None}
         row.update(fields)
         return row
@@ -300,7 +300,8 @@ class Bench:
             out["error_close"] = "trainer: " + describe_error(exc)
         try:
             rs = ray.get([r.close_session.remote() for r in rx], timeout=ROW_TIMEOUT_S)
-            out["receiver_peak_extra_bytes"] = max(r["peak_extra"] for r in rs)
+            out["receivers_peak_extra_bytes"] = [r["peak_extra"] for r in rs]
+            out["receiver_peak_extra_bytes"] = max(out["receivers_peak_extra_bytes"])
         except Exception as exc:
             out["error_close"] = "receivers: " + describe_error(exc)
         return out
@@ -326,7 +327,8 @@ class Bench:
                     _tick(bar)
             row["verified"] = self._verify(rx)
             row["sender_peak_extra_bytes"] = ray.get(self.trainer.peak_extra.remote())
-            row["receiver_peak_extra_bytes"] = max(ray.get([r.peak_extra.remote() for r in rx]))
+            row["receivers_peak_extra_bytes"] = ray.get([r.peak_extra.remote() for r in rx])
+            row["receiver_peak_extra_bytes"] = max(row["receivers_peak_extra_bytes"])
         except Exception as exc:
             row["error"] = describe_error(exc)
         row["stage_s"] = statistics.median(put_s) if put_s else None  # the trainer is blocked for the put

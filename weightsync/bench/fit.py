@@ -1,0 +1,83 @@
+"""Will a benchmark size, or one row of it, fit in this node's memory? Estimates of what each
+holds, so the bench skips what would not fit, with a message, instead of being OOM-killed
+halfway through a run (Ray's memory monitor or the kernel's OOM killer).
+
+A size holds, for all its rows, the trainer's copy of the model and one engine copy per
+receiver. A row adds its transport's buffers: shm one whole-version segment per slot it
+cycles through (``shm_max_segments``), ipc (on a host) two bucket files in /dev/shm, broadcast
+two bucket buffers and a scratch bucket per party; the Ray baselines the object in the store
+(and with torch tensors a deserialized copy per receiver and the trainer's pickle). Pure
+functions: the caller passes what /proc/meminfo and statvfs said.
+"""
+
+from __future__ import annotations
+
+import os
+
+GiB = 2**30
+# per process and row, beyond the buffers counted: transient copies and allocator slack. The
+# bench measured receivers of ipc and broadcast rows at up to ~0.55 GiB over their 1.17 GiB
+# model; half the payload, at most this, per party
+PARTY_SLACK = GiB // 2
+
+
+def reserve(total: int) -> int:
+    """Memory left free on top of an estimate: the driver, Ray's own processes, page cache
+    the kernel cannot drop at once, and the estimate's error."""
+    return max(GiB, total // 20)
+
+
+def models_bytes(payload: int, receivers: int) -> int:
+    """The trainer's copy and one engine copy per receiver, resident for every row of a size."""
+    return (1 + receivers) * payload
+
+
+def row_bytes(name: str, payload: int, bucket_bytes: int, receivers: int, shm_segments: int) -> tuple[int, int]:
+    """(node bytes, of which in the shm directory) that one row adds over the models."""
+    parties = receivers + 1
+    slack = parties * min(PARTY_SLACK, payload // 2)
+    if name in ("shm", "auto"):  # auto on one host picks shm
+        shm = shm_segments * payload
+        return shm + slack, shm
+    if name == "ipc":
+        return 2 * bucket_bytes + slack, 2 * bucket_bytes
+    if name == "broadcast":
+        return 3 * bucket_bytes * parties + slack, 0
+    if name == "ray-numpy":
+        return payload + slack, payload
+    if name == "ray-user":
+        return (2 + receivers) * payload + slack, payload
+    return 0, 0  # the collective baselines check their own memory (collective_glue)
+
+
+def refusal(what: str, need: int, available: int, total: int, shm_need: int = 0,
+            shm_free: int | None = None, detail: str = "") -> str | None:
+    """Why ``what`` must be skipped, or None when ``need`` bytes fit in ``available``."""
+    keep = reserve(total)
+    if need + keep > available:
+        return (f"skipped: {what} needs about {need / GiB:.1f} GiB{f' ({detail})' if detail else ''}, "
+                f"{available / GiB:.1f} GiB available and {keep / GiB:.1f} GiB kept free")
+    if shm_free is not None and shm_need > shm_free:
+        return (f"skipped: {what} needs {shm_need / GiB:.1f} GiB in the shm directory, "
+                f"{shm_free / GiB:.1f} GiB free there")
+    return None
+
+
+def shm_free(directory: str) -> int | None:
+    try:
+        st = os.statvfs(directory)
+    except OSError:
+        return None
+    return st.f_bavail * st.f_frsize
+
+
+def describe_row(name: str, payload: int, bucket_bytes: int, receivers: int, shm_segments: int) -> str:
+    """What the estimate of a row counts, for the refusal message."""
+    gib = payload / GiB
+    if name in ("shm", "auto"):
+        return f"{shm_segments} whole-version segments of {gib:.1f} GiB"
+    if name == "ray-user":
+        return f"the object of {gib:.1f} GiB, the pickle and one copy per receiver"
+    if name == "ray-numpy":
+        return f"the object of {gib:.1f} GiB in the store"
+    return f"{bucket_bytes / 2**20:g} MiB buckets"
