@@ -32,7 +32,8 @@ def ray_cluster():
     import ray
 
     # logical CPUs only: actors in the tests take num_cpus=0 and share the 2 real cores
-    ray.init(num_cpus=8, include_dashboard=False, log_to_driver=False, logging_level="ERROR",
+    # address "local": a new cluster even where /tmp/ray names one still running (another run)
+    ray.init(address="local", num_cpus=8, include_dashboard=False, log_to_driver=False, logging_level="ERROR",
              object_store_memory=600 * 2**20, runtime_env={"env_vars": {"RAY_DEDUP_LOGS": "0"}})
     yield ray
     ray.shutdown()

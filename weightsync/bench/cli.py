@@ -114,10 +114,13 @@ def _skipped(item: tuple[str, str, int, float | None, bool], payload: int, why: 
 
 def _row_need(item: tuple[str, str, int, float | None, bool], payload: int) -> tuple[int, int, str]:
     _, name, n, mb, _ = item
-    bucket = int((mb or SyncConfig().bucket_mb) * 2**20)
-    segs = SyncConfig().shm_max_segments
-    need, shm = fit.row_bytes(name, payload, bucket, n, segs)
-    return need, shm, fit.describe_row(name, payload, bucket, n, segs)
+    from ..transports.shm_stream import budget
+
+    config = SyncConfig.from_env()  # the parties read WEIGHTSYNC_SHM_BUDGET_MB and friends too
+    bucket = int((mb or config.bucket_mb) * 2**20)
+    segs, shm_budget = config.shm_max_segments, budget(config)[0]
+    need, shm = fit.row_bytes(name, payload, bucket, n, segs, shm_budget)
+    return need, shm, fit.describe_row(name, payload, bucket, n, segs, shm_budget)
 
 
 def _row_refusal(item: tuple[str, str, int, float | None, bool], payload: int) -> str | None:

@@ -4,7 +4,8 @@ halfway through a run (Ray's memory monitor or the kernel's OOM killer).
 
 A size holds, for all its rows, the trainer's copy of the model and one engine copy per
 receiver. A row adds its transport's buffers: shm one whole-version segment per slot it
-cycles through (``shm_max_segments``), ipc (on a host) two bucket files in /dev/shm, broadcast
+cycles through (``shm_max_segments``), or its ring of bucket buffers where whole versions
+exceed the shm budget (transports/shm_stream.py: the transport decides the same way), ipc (on a host) two bucket files in /dev/shm, broadcast
 two bucket buffers and a scratch bucket per party; the Ray baselines the object in the store
 (and with torch tensors a deserialized copy per receiver and the trainer's pickle). Pure
 functions: the caller passes what /proc/meminfo and statvfs said.
@@ -32,12 +33,21 @@ def models_bytes(payload: int, receivers: int) -> int:
     return (1 + receivers) * payload
 
 
-def row_bytes(name: str, payload: int, bucket_bytes: int, receivers: int, shm_segments: int) -> tuple[int, int]:
+def shm_bytes(payload: int, bucket_bytes: int, shm_segments: int, shm_budget: int | None) -> int:
+    """What shm holds: whole versions, or (over ``shm_budget``) a ring of at most 8 buckets."""
+    whole = shm_segments * payload
+    if shm_budget is None or whole <= shm_budget:
+        return whole
+    return min(8 * bucket_bytes, shm_budget)
+
+
+def row_bytes(name: str, payload: int, bucket_bytes: int, receivers: int, shm_segments: int,
+              shm_budget: int | None = None) -> tuple[int, int]:
     """(node bytes, of which in the shm directory) that one row adds over the models."""
     parties = receivers + 1
     slack = parties * min(PARTY_SLACK, payload // 2)
     if name in ("shm", "auto"):  # auto on one host picks shm
-        shm = shm_segments * payload
+        shm = shm_bytes(payload, bucket_bytes, shm_segments, shm_budget)
         return shm + slack, shm
     if name == "ipc":
         return 2 * bucket_bytes + slack, 2 * bucket_bytes
@@ -71,10 +81,13 @@ def shm_free(directory: str) -> int | None:
     return st.f_bavail * st.f_frsize
 
 
-def describe_row(name: str, payload: int, bucket_bytes: int, receivers: int, shm_segments: int) -> str:
+def describe_row(name: str, payload: int, bucket_bytes: int, receivers: int, shm_segments: int,
+                 shm_budget: int | None = None) -> str:
     """What the estimate of a row counts, for the refusal message."""
     gib = payload / GiB
     if name in ("shm", "auto"):
+        if shm_bytes(payload, bucket_bytes, shm_segments, shm_budget) < shm_segments * payload:
+            return f"a ring of {bucket_bytes / 2**20:g} MiB bucket buffers (streaming: whole versions exceed the budget)"
         return f"{shm_segments} whole-version segments of {gib:.1f} GiB"
     if name == "ray-user":
         return f"the object of {gib:.1f} GiB, the pickle and one copy per receiver"
