@@ -52,6 +52,11 @@ def test_auto_broadcasts_to_other_nodes_from_the_senders_node_address(job):
         assert job[f"v{v}"]["serves"] == {n: {"version": v, "bit_exact": True} for n in ("rollout-0", "rollout-1")}
 
 
+@pytest.mark.scenario("fault", "node lost mid-version (its raylet removed; three-node Ray cluster on one machine)",
+                      transport="broadcast", promise=(
+    "both rollouts held after bucket 0 of v3, node C removed: the party on it is named silent on its node's "
+    "address, the survivor fails with 'lost receiver', v3 ABORTED within the deadline; the survivor serves v2 "
+    "bit-exact; v4 commits on the survivor alone"))
 def test_node_lost_mid_version_is_named_and_the_next_version_commits_without_it(job):
     v3, host_c = job["v3"], job["parties"]["rollout-1"]["host"]
     # node C removed while both rollouts stood after bucket 0 of v3: the party on it is named

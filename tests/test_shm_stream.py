@@ -100,6 +100,10 @@ def test_a_late_joiner_gets_the_next_version_not_a_replay(job):
     assert job.step(v) == {n: v for n in RECEIVERS} and [job.serves(n) for n in RECEIVERS] == [v, v]
 
 
+@pytest.mark.scenario("fault", "receiver killed after bucket k of v, shm streaming (a budget below two versions)",
+                      transport="shm", promise=(
+    "rollout-1 killed while held mid-version: it is named failed, rollout-0 commits v and serves it; the restarted "
+    "rollout-1 and rollout-0 both commit the next version"))
 def test_a_receiver_killed_mid_version_is_named_and_the_next_version_commits(job):
     job.fresh()
     v = job.next()
