@@ -292,16 +292,30 @@ class Unpacker:
     reuses it, which is after ``load_weights`` returned. Split tensors are rebuilt in a
     buffer of their own, allocated once and reused across versions, unless ``span`` gives a
     view of them where they already lie contiguously (a transport that holds the whole
-    version, such as shm): then they come back as views too, with no extra copy. With
-    ``keep_assembly=False`` a rebuilt tensor's buffer is dropped once it was handed out, so a
-    receiver holds one split tensor at a time instead of up to a second copy of the model.
+    version, such as shm): then they come back as views too, with no extra copy.
+
+    Split tensors are rebuilt in two arenas, allocated once and used in turn (split tensors in
+    plan order alternate), not in a buffer per tensor: with 16 MiB buckets most matrices of a
+    1.5B+ model are split, and buffers per tensor added up to a second copy of the model in
+    the receiver (on a device: beside the engine's weights and KV cache). Two suffice because
+    the pairs of one bucket are loaded before the next bucket is unpacked (the same lifetime
+    as a view of the bucket) and a split tensor spans two buckets at least, so the next one of
+    the same parity starts only after the previous one was loaded.
     """
 
-    def __init__(self, plan: BucketPlan, manifest: Manifest, keep_assembly: bool = True):
+    def __init__(self, plan: BucketPlan, manifest: Manifest):
         self.plan = plan
         self.manifest = manifest
-        self.keep_assembly = keep_assembly
-        self._assembly: dict[int, torch.Tensor] = {}
+        split = sorted((pieces[0].bucket, pieces[0].offset, t) for t, pieces in enumerate(plan.tensor_slices)
+                       if len(pieces) > 1)
+        self._arena_of = {t: i % 2 for i, (_, _, t) in enumerate(split)}
+        self._arena_bytes = [max([manifest[t].nbytes for t, a in self._arena_of.items() if a == k] + [0])
+                             for k in (0, 1)]
+        self._arenas: dict[tuple[int, torch.device], torch.Tensor] = {}
+
+    def assembly_bytes(self) -> int:
+        """Bytes held for rebuilding split tensors (two arenas per device at most)."""
+        return sum(a.numel() for a in self._arenas.values())
 
     def unpack(self, bucket_index: int, buf: torch.Tensor,
                span: Callable[[int, int, int], torch.Tensor | None] | None = None) -> list[tuple[str, torch.Tensor]]:
@@ -329,14 +343,15 @@ class Unpacker:
                     # not contiguous after all: rebuild from the buckets that are still at hand
                     out.append((spec.name, self._rebuild(piece.tensor, span)))
                 continue
-            whole = self._assembly.get(piece.tensor)
-            if whole is None or whole.device != buf.device:
-                whole = self._assembly[piece.tensor] = torch.empty(spec.nbytes, dtype=torch.uint8, device=buf.device)
+            k = self._arena_of[piece.tensor]
+            arena = self._arenas.get((k, buf.device))
+            if arena is None:
+                arena = self._arenas[k, buf.device] = torch.empty(self._arena_bytes[k], dtype=torch.uint8,
+                                                                   device=buf.device)
+            whole = arena[: spec.nbytes]
             whole[piece.start : piece.start + piece.nbytes].copy_(buf[piece.offset : piece.offset + piece.nbytes])
             if piece.start + piece.nbytes == spec.nbytes:
                 out.append((spec.name, whole.view(dtype).view(spec.shape)))
-                if not self.keep_assembly:
-                    del self._assembly[piece.tensor]  # freed once the caller dropped the pair
         return out
 
     def _rebuild(self, tensor: int, span: Callable[[int, int, int], torch.Tensor | None]) -> torch.Tensor:

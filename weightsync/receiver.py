@@ -84,7 +84,7 @@ class WeightReceiver(Party):
         self.control.verdict(True)
         ctx = self._context(manifest, session.digest)
         self.transport = transports.receiver_class(session.transport)(ctx, session.info)
-        self.unpacker = Unpacker(ctx.plan, manifest, keep_assembly=self.transport.keep_assembly)
+        self.unpacker = Unpacker(ctx.plan, manifest)
 
     def apply(self, version: int | None = None, timeout: float | None = None, wait: bool = True) -> int | None:
         """Receive and load ``version`` (None: the newest one on its way, else the latest

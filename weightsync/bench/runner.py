@@ -209,12 +209,20 @@ class Bench:
         return all(g == want for g in got)
 
     def close(self) -> None:
+        import psutil
+
         spread = [self._spread[0], *self._spread[1]] if self._spread else []
+        procs = []
         for actor in [self.trainer, *self.rollouts, *spread]:
+            with contextlib.suppress(Exception):
+                procs.append(psutil.Process(ray.get(actor.pid.remote(), timeout=30)))
             with contextlib.suppress(Exception):
                 ray.get(actor.close.remote(), timeout=30)
             with contextlib.suppress(Exception):
                 ray.kill(actor)
+        # ray.kill returns before the worker exits: the next size's memory check (and its
+        # models) must not count this size's copies still being torn down
+        psutil.wait_procs(procs, timeout=60)
 
     # -- weightsync transports -----------------------------------------------------------
 

@@ -132,9 +132,6 @@ class SenderTransport(abc.ABC):
 
 class ReceiverTransport(abc.ABC):
     name: ClassVar[str]
-    # tensors split over buckets are rebuilt in buffers kept across versions (no allocation per
-    # version, up to a model's worth of receiver memory); a memory-bounded transport drops them
-    keep_assembly: ClassVar[bool] = True
 
     def __init__(self, ctx: TransportContext, session_info: dict[str, Any]):
         self.ctx = ctx

@@ -120,9 +120,6 @@ class ShmStreamReceiver(IpcReceiver):
     name = "shm"
     host_buffers: ClassVar[bool] = True
     resource: ClassVar[str] = "shm_ring"
-    # bounded memory: a split tensor's rebuild buffer lives while it is loaded, not for the
-    # session (they add up to most of the model: 5.1 of the 3B layout's 5.75 GiB at 16 MiB buckets)
-    keep_assembly: ClassVar[bool] = False
 
     def receive(self, version: int, info: dict[str, Any], deadline: float,
                 check: Callable[[], None]) -> Iterator[Received]:
