@@ -4,10 +4,11 @@ The sender allocates two bucket-sized buffers on its device once per session (pi
 shm's streaming mode, transports/shm_stream.py, uses up to MAX_BUFFERS in host memory)
 and shares them by handle; receivers open the handles once and load every bucket straight
 out of the shared buffer, so a version never crosses host memory on an accelerator. On
-CPU the buffers are files in /dev/shm shared by name: the same protocol, testable here.
+CPU the buffers are host shared-memory segments (transports/segment.py): the same protocol,
+testable here, and the ring that shm streams through when whole versions exceed its budget.
 
 Handles cross the process boundary as plain msgpack data and handshakes run through a small
-control segment in /dev/shm, no coordinator round trip per bucket: both wire formats are laid
+host control segment, no coordinator round trip per bucket: both wire formats are laid
 out in :mod:`weightsync.transports.ipc_wire`.
 Bucket b of a version goes to buffer b % nbuf. Before overwriting a buffer the sender waits
 until every receiver taking part in the version released the bucket it held; a receiver

@@ -8,7 +8,7 @@ from a fixed allowlist, so nothing is ever unpickled. The device index in a hand
 sender's logical index; it is sent as a physical id and mapped back to the receiver's own
 numbering (Ray actors see renumbered devices through *_VISIBLE_DEVICES).
 
-Handshakes run through a small control segment in /dev/shm (uint64 words), no
+Handshakes run through a small host control segment (uint64 words), no
 coordinator round trip per bucket:
   [0] magic [1] layout digest [2] buffer count [3] receiver slots [4] sender pid [5] digest kind
   [16 + 4k] ready word of buffer k: tag(version, bucket) once written, 0 while being written

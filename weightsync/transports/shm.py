@@ -1,5 +1,6 @@
-"""Shared-memory transport: the sender writes each version once into a host segment in
-/dev/shm and every receiver on the node reads it from there.
+"""Shared-memory transport: the sender writes each version once into a host segment
+(a memfd, or a file in /dev/shm: transports/segment.py) and every receiver on the node reads it
+from there.
 
 Segments are slots reused across versions (allocated once, not per version). The
 coordinator picks the slot so that the version any receiver serves stays intact: a receiver
