@@ -29,7 +29,7 @@ from faultjob import RECEIVERS, Job, wait_until
 
 from weightsync.layouts import layout
 from weightsync.manifest import Manifest, TensorSpec
-from weightsync.transports.segment import SEGMENT_NAME, SEGMENT_REF, holders, our_segments
+from weightsync.transports.segment import SEGMENT_NAME, SEGMENT_REF, holders, meminfo, our_segments
 
 MANIFEST = Manifest(tuple(TensorSpec(f"layer{i}.weight", "bfloat16", (4096, 4096)) for i in range(8)))  # 256 MiB
 BUCKET_MB = {"shm": 64, "ipc": 100}
@@ -40,8 +40,7 @@ TOLERANCE = 32 * 2**20
 
 def shmem() -> int:
     """The node's Shmem less the bytes of files in /dev/shm (see the module doc)."""
-    with open("/proc/meminfo", encoding="ascii") as fh:
-        total = next(int(line.split()[1]) * 1024 for line in fh if line.startswith("Shmem:"))
+    total = meminfo("Shmem")
     files = 0
     for root, _, names in os.walk("/dev/shm"):
         for name in names:

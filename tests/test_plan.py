@@ -254,7 +254,7 @@ def test_split_tensors_are_rebuilt_in_two_arenas_not_one_buffer_each():
     for version in (1, 2):
         named = {n: random_tensor(torch.bfloat16, (k,), version * 10 + i) for i, (n, k) in enumerate(sizes.items())}
         storage = torch.zeros(plan.bucket_count * 1024, dtype=torch.uint8)
-        for _ in pack_stream(plan, manifest, named, lambda b: storage[b * 1024:(b + 1) * 1024]):
+        for _ in pack_stream(plan, manifest, named, lambda b, s=storage: s[b * 1024:(b + 1) * 1024]):
             pass
         out = {}
         for b in range(plan.bucket_count):

@@ -80,7 +80,8 @@ class SyncConfig:
     shm_dir: str = "/dev/shm"
     shm_max_segments: int = 3
     # shared memory the shm transport may use on a node, in MiB; 0 = auto (half of what the
-    # node can give: the smaller of shm_dir's free space and MemAvailable). Whole versions when
+    # node can give: MemAvailable or the memory cgroup's room, and for files no more than
+    # shm_dir's free space). Whole versions when
     # shm_max_segments of them fit, else streaming through a ring of bucket buffers (docs/design.md)
     shm_budget_mb: float = 0.0
     # address the broadcast rendezvous store binds to ("auto": this node's Ray address)

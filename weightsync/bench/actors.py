@@ -135,12 +135,11 @@ class BenchTrainer:
         directory = self.sender.config.shm_dir if self.sender else "/dev/shm"
         prefix = f"wsync_{os.getpid()}_"
         sizes = {}
-        for pid, fd, name in holders():
-            if pid == os.getpid():  # one segment may be open on several fds (mmap keeps a dup)
-                try:
-                    sizes[name] = os.stat(f"/proc/self/fd/{fd}").st_blocks * 512
-                except OSError:
-                    pass
+        for _, fd, name in holders(pids=[os.getpid()]):  # one segment may be on several fds (mmap keeps a dup)
+            try:
+                sizes[name] = os.stat(f"/proc/self/fd/{fd}").st_blocks * 512
+            except OSError:
+                pass
         try:
             for name in os.listdir(directory):
                 if name.startswith(prefix):

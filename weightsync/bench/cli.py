@@ -112,22 +112,32 @@ def _skipped(item: tuple[str, str, int, float | None, bool], payload: int, why: 
             "payload_bytes": payload, "seconds": [], "median_s": None, "gbps": None, "error": why}
 
 
-def _row_need(item: tuple[str, str, int, float | None, bool], payload: int) -> tuple[int, int, str]:
+def _row_need(item: tuple[str, str, int, float | None, bool], manifest: Any) -> tuple[int, int, str]:
+    import dataclasses
+
+    from ..errors import CapacityError
+    from ..plan import plan_buckets
+    from ..transports.shm_stream import choose_mode
+
     _, name, n, mb, _ = item
-    from ..transports.shm_stream import budget
-
     config = SyncConfig.from_env()  # the parties read WEIGHTSYNC_SHM_BUDGET_MB and friends too
-    bucket = int((mb or config.bucket_mb) * 2**20)
-    segs, shm_budget = config.shm_max_segments, budget(config)[0]
-    need, shm = fit.row_bytes(name, payload, bucket, n, segs, shm_budget)
-    return need, shm, fit.describe_row(name, payload, bucket, n, segs, shm_budget)
+    config = dataclasses.replace(config, bucket_mb=mb or config.bucket_mb)
+    payload, bucket, segs = manifest.total_bytes, config.bucket_bytes, config.shm_max_segments
+    mode = None
+    if name in ("shm", "auto"):
+        try:  # the mode the shm sender will pick, from the same plan and budget
+            mode = choose_mode(plan_buckets(manifest, bucket, config.align_bytes), config)
+        except CapacityError:
+            pass  # no mode fits: the row fails with the transport's own message
+    need, shm = fit.row_bytes(name, payload, bucket, n, segs, mode.need_bytes if mode else None)
+    return need, shm, fit.describe_row(name, payload, bucket, n, segs, mode.buffers if mode else 0)
 
 
-def _row_refusal(item: tuple[str, str, int, float | None, bool], payload: int) -> str | None:
+def _row_refusal(item: tuple[str, str, int, float | None, bool], manifest: Any) -> str | None:
     """Whether a row's buffers fit now, beside the models the actors already hold."""
     import psutil
 
-    need, shm, detail = _row_need(item, payload)
+    need, shm, detail = _row_need(item, manifest)
     if not need:
         return None
     vm = psutil.virtual_memory()
@@ -135,12 +145,13 @@ def _row_refusal(item: tuple[str, str, int, float | None, bool], payload: int) -
     return fit.refusal(what, need, vm.available, vm.total, shm, fit.shm_free(SyncConfig().shm_dir), detail)
 
 
-def _size_refusal(label: str, payload: int, plan: list, receivers: int) -> str | None:
+def _size_refusal(label: str, manifest: Any, plan: list, receivers: int) -> str | None:
     """Whether a size can start at all: the copy ceiling's two buffers, then the trainer's and
     every engine's copy of the model beside the cheapest of its rows."""
     import psutil
 
-    cheapest = min((_row_need(item, payload)[0] for item in plan), default=0)
+    payload = manifest.total_bytes
+    cheapest = min((_row_need(item, manifest)[0] for item in plan), default=0)
     need = max(2 * payload, fit.models_bytes(payload, receivers) + cheapest)
     vm = psutil.virtual_memory()
     return fit.refusal(label, need, vm.available, vm.total,
@@ -242,7 +253,7 @@ def _run_size(args: argparse.Namespace, label: str, manifest: Any, weights_path:
         "payload_bytes": payload, "ceiling": None, "device_ceilings": {}, "rows": [],
     }
     plan = _plan(args, receivers)
-    why = _size_refusal(label, payload, plan, max(receivers)) if device == "cpu" else None
+    why = _size_refusal(label, manifest, plan, max(receivers)) if device == "cpu" else None
     if why:
         print(f"weightsync bench: {label} ({payload / 2**30:.2f} GiB): {why}", file=sys.stderr)
         size["rows"] = [_skipped(item, payload, why) for item in plan]
@@ -259,7 +270,7 @@ def _run_size(args: argparse.Namespace, label: str, manifest: Any, weights_path:
     try:
         for item in plan:
             kind, name, n, mb, ck = item
-            why = _row_refusal(item, payload)  # shm segments and the object store are host memory anywhere
+            why = _row_refusal(item, manifest)  # shm segments and the object store are host memory anywhere
             if why:
                 rows.append(_skipped(item, payload, why))
                 _echo(rows[-1])

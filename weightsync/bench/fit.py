@@ -33,21 +33,15 @@ def models_bytes(payload: int, receivers: int) -> int:
     return (1 + receivers) * payload
 
 
-def shm_bytes(payload: int, bucket_bytes: int, shm_segments: int, shm_budget: int | None) -> int:
-    """What shm holds: whole versions, or (over ``shm_budget``) a ring of at most 8 buckets."""
-    whole = shm_segments * payload
-    if shm_budget is None or whole <= shm_budget:
-        return whole
-    return min(8 * bucket_bytes, shm_budget)
-
-
 def row_bytes(name: str, payload: int, bucket_bytes: int, receivers: int, shm_segments: int,
-              shm_budget: int | None = None) -> tuple[int, int]:
-    """(node bytes, of which in the shm directory) that one row adds over the models."""
+              shm_need: int | None = None) -> tuple[int, int]:
+    """(node bytes, of which in the shm directory) that one row adds over the models.
+    ``shm_need``: what shm holds in the mode its transport picks (shm_stream.choose_mode);
+    None: ``shm_segments`` whole versions."""
     parties = receivers + 1
     slack = parties * min(PARTY_SLACK, payload // 2)
     if name in ("shm", "auto"):  # auto on one host picks shm
-        shm = shm_bytes(payload, bucket_bytes, shm_segments, shm_budget)
+        shm = shm_segments * payload if shm_need is None else shm_need
         return shm + slack, shm
     if name == "ipc":
         return 2 * bucket_bytes + slack, 2 * bucket_bytes
@@ -82,12 +76,14 @@ def shm_free(directory: str) -> int | None:
 
 
 def describe_row(name: str, payload: int, bucket_bytes: int, receivers: int, shm_segments: int,
-                 shm_budget: int | None = None) -> str:
-    """What the estimate of a row counts, for the refusal message."""
+                 shm_ring: int = 0) -> str:
+    """What the estimate of a row counts, for the refusal message (``shm_ring``: buffers of
+    shm's streaming mode, 0 for whole versions)."""
     gib = payload / GiB
     if name in ("shm", "auto"):
-        if shm_bytes(payload, bucket_bytes, shm_segments, shm_budget) < shm_segments * payload:
-            return f"a ring of {bucket_bytes / 2**20:g} MiB bucket buffers (streaming: whole versions exceed the budget)"
+        if shm_ring:
+            return (f"a ring of {shm_ring} x {bucket_bytes / 2**20:g} MiB bucket buffers (streaming: whole versions "
+                    f"exceed the budget)")
         return f"{shm_segments} whole-version segments of {gib:.1f} GiB"
     if name == "ray-user":
         return f"the object of {gib:.1f} GiB, the pickle and one copy per receiver"

@@ -11,6 +11,8 @@ import resource
 
 import psutil
 
+from ..transports.segment import meminfo
+
 
 def rss() -> int:
     return psutil.Process().memory_info().rss
@@ -48,18 +50,6 @@ class PeakTracker:
         if peak is None:
             peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
         return max(0, max(peak, rss()) - self.base)
-
-
-def meminfo(key: str) -> int | None:
-    """A /proc/meminfo field in bytes (``Shmem``, ``MemAvailable``), or None off Linux."""
-    try:
-        with open("/proc/meminfo") as f:
-            for line in f:
-                if line.startswith(key + ":"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return None
 
 
 class NodeShmem:

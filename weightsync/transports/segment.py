@@ -88,12 +88,12 @@ def _memfd_link(name: str) -> str:
     return f"/memfd:{name} (deleted)"
 
 
-def holders(names: Iterable[str] | None = None) -> list[tuple[int, int, str]]:
+def holders(names: Iterable[str] | None = None, pids: Iterable[int] | None = None) -> list[tuple[int, int, str]]:
     """(pid, fd, segment name) for each fd of a memfd segment of ours open in a live process
-    this user may inspect (of ``names`` only, if given)."""
+    this user may inspect (of ``names`` only, and in ``pids`` only, if given)."""
     want = set(names) if names is not None else None
     found = []
-    for pid in (int(p) for p in os.listdir("/proc") if p.isdigit()):
+    for pid in (int(p) for p in os.listdir("/proc") if p.isdigit()) if pids is None else pids:
         try:
             fds = os.listdir(f"/proc/{pid}/fd")
         except OSError:
@@ -143,12 +143,23 @@ def resolve_backing(choice: str, directory: str) -> tuple[str, str]:
     return "files", f"memfd unavailable ({why}): {files}"
 
 
+def meminfo(key: str) -> int | None:
+    """A /proc/meminfo field in bytes (``MemAvailable``, ``Shmem``), or None (no such field, not Linux)."""
+    try:
+        with open("/proc/meminfo", encoding="ascii") as fh:
+            for line in fh:
+                if line.startswith(key + ":"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return None
+
+
 def memory_available() -> tuple[int, str]:
     """Bytes the kernel can still give a memfd segment, and where that figure comes from:
     MemAvailable, or less where this process's memory cgroup is limited (shmem is charged to it)."""
-    with open("/proc/meminfo", encoding="ascii") as fh:
-        info = {k: int(v.split()[0]) * 1024 for k, v in (line.split(":", 1) for line in fh)}
-    best, where = info.get("MemAvailable", info.get("MemFree", 0)), "MemAvailable"
+    best = meminfo("MemAvailable")
+    best, where = (meminfo("MemFree") or 0) if best is None else best, "MemAvailable"
     headroom = _cgroup_headroom()
     if headroom is not None and headroom < best:
         best, where = headroom, "the memory cgroup's limit"

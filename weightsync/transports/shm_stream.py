@@ -47,7 +47,7 @@ GiB = 1 << 30
 class ShmMode:
     streaming: bool
     buffers: int  # ring slots (streaming); 0 in whole-version mode
-    need_bytes: int  # what the mode takes in shm_dir at most: slots x segment, or ring + control block
+    need_bytes: int  # shared memory the mode takes at most: slots x segment, or ring + control block
     reason: str  # shown in status() as part of the transport reason
 
 
@@ -108,7 +108,7 @@ class ShmStreamSender(IpcSender):
 
     def __init__(self, ctx: TransportContext, mode: ShmMode):
         super().__init__(ctx, nbuf=mode.buffers)
-        self.mode, self.mode_reason = mode, mode.reason
+        self.mode_reason = mode.reason
 
     def session_info(self) -> dict[str, Any]:
         return {**super().session_info(), "mode": "stream"}
