@@ -1,0 +1,7 @@
+#!/usr/bin/env bash
+# Tier "vllm": real vLLM 0.11.0 model code (VLLM_TARGET_DEVICE=empty), in .venv-vllm.
+# Arguments go to pytest.
+set -euo pipefail
+cd "$(dirname "$0")/../.."
+vpython=$(bash scripts/vllm_env.sh | tail -n 1)
+"$vpython" -m pytest tests/vllm_tier "$@"
