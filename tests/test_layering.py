@@ -1,6 +1,6 @@
-"""The package's shape, as the architecture promises it: no import cycles among module-level
-imports, no module over 400 lines outside the benchmark, and no string-named coordinator call
-outside the typed control plane."""
+"""The package's shape, as the architecture promises it: no import cycles (every import counts:
+at module level, inside functions, under ``if TYPE_CHECKING``), no module over 400 lines outside
+the benchmark, and no string-named coordinator call outside the typed control plane."""
 
 from __future__ import annotations
 
@@ -20,12 +20,14 @@ def modules() -> dict[str, Path]:
     return out
 
 
-def imports(name: str, path: Path, known: set[str]) -> set[str]:
-    """Modules of the package that ``name`` imports at module level (not inside functions or
-    ``if TYPE_CHECKING``)."""
+def imports(name: str, path: Path, known: set[str]) -> dict[str, int]:
+    """Modules of the package that ``name`` imports anywhere in its text, with the line of the
+    first such import. A late import inside a function is a cycle all the same: it only moves
+    the failure from import time to the first call, and hides the dependency from a reader.
+    ``from pkg import sub`` depends on ``pkg.sub``; ``from pkg import Name`` on ``pkg``."""
     package = name if path.name == "__init__.py" else name.rsplit(".", 1)[0]
-    found = set()
-    for node in ast.parse(path.read_text()).body:
+    found: dict[str, int] = {}
+    for node in ast.walk(ast.parse(path.read_text())):
         if isinstance(node, ast.Import):
             targets = [a.name for a in node.names]
         elif isinstance(node, ast.ImportFrom):
@@ -33,16 +35,17 @@ def imports(name: str, path: Path, known: set[str]) -> set[str]:
             if node.level:
                 up = package.split(".")[: len(package.split(".")) - node.level + 1]
                 base = ".".join(up + ([base] if base else []))
-            targets = [f"{base}.{a.name}" for a in node.names] + [base]
+            targets = [f"{base}.{a.name}" if f"{base}.{a.name}" in known else base for a in node.names]
         else:
             continue
-        found |= {t for t in targets if t in known and t != name}
+        for t in targets:
+            if t in known and t != name:
+                found.setdefault(t, node.lineno)
     return found
 
 
-def test_no_import_cycles():
-    mods = modules()
-    graph = {m: imports(m, p, set(mods)) for m, p in mods.items()}
+def cycles_of(graph: dict[str, dict[str, int]]) -> list[list[str]]:
+    """Every cycle found by a depth-first walk, as the modules along it."""
     state: dict[str, int] = {}
     cycles = []
 
@@ -59,8 +62,26 @@ def test_no_import_cycles():
         if m not in state:
             visit(m, [m])
     # a package's __init__ importing its own submodules is how packages work, not a cycle
-    cycles = [c for c in cycles if not any(b.startswith(a + ".") for a, b in zip(c, c[1:]))]
-    assert cycles == []
+    return [c for c in cycles if not any(b.startswith(a + ".") for a, b in zip(c, c[1:]))]
+
+
+def test_no_import_cycles():
+    mods = modules()
+    graph = {m: imports(m, p, set(mods)) for m, p in mods.items()}
+    where = [" -> ".join(f"{a} (line {graph[a][b]})" for a, b in zip(c, c[1:])) + f" -> {c[-1]}"
+             for c in cycles_of(graph)]
+    assert where == []
+
+
+def test_a_function_level_import_closes_a_cycle(tmp_path):
+    pkg = tmp_path / "pkg"
+    pkg.mkdir()
+    (pkg / "__init__.py").write_text("")
+    (pkg / "a.py").write_text("from .b import g\n")
+    (pkg / "b.py").write_text("def g():\n    from .a import f  # late, as a cycle hides\n    return f\n")
+    mods = {"pkg.a": pkg / "a.py", "pkg.b": pkg / "b.py"}
+    graph = {m: imports(m, p, set(mods)) for m, p in mods.items()}
+    assert cycles_of(graph) == [["pkg.a", "pkg.b", "pkg.a"]]
 
 
 def test_no_module_over_400_lines_outside_the_benchmark():

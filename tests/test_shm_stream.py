@@ -26,6 +26,7 @@ from weightsync.layouts import layout
 from weightsync.plan import plan_buckets
 from weightsync.transports.base import TransportContext
 from weightsync.transports.shm import ShmSender
+from weightsync.transports.shm_stream import open_shm_sender
 from weightsync.transports.shm import layout as segment_layout
 from weightsync.transports.shm_stream import choose_mode
 
@@ -120,7 +121,7 @@ def test_a_receiver_killed_mid_version_is_named_and_the_next_version_commits(job
 
 
 def test_the_default_budget_keeps_whole_versions():
-    sender = ShmSender(_context(SyncConfig(bucket_mb=BUCKET_MB, device="cpu")))
+    sender = open_shm_sender(_context(SyncConfig(bucket_mb=BUCKET_MB, device="cpu")))
     try:
         assert type(sender) is ShmSender and sender.mode_reason.startswith("shm whole versions: 3 x 412 KiB")
     finally:
@@ -135,7 +136,7 @@ def test_auto_budget_is_half_of_what_the_node_can_give():
 
 def test_a_budget_without_room_for_two_buckets_says_what_to_set():
     with pytest.raises(CapacityError) as err:
-        ShmSender(_context(SyncConfig(bucket_mb=BUCKET_MB, device="cpu", shm_budget_mb=0.1)))
+        open_shm_sender(_context(SyncConfig(bucket_mb=BUCKET_MB, device="cpu", shm_budget_mb=0.1)))
     assert str(err.value) == (
         "shm: the budget of 102 KiB (shm_budget_mb=0.1) holds neither 3 whole versions (3 x 412 KiB) nor a ring "
         "of 2 bucket buffers of 64 KiB plus a 36 KiB control block: set shm_budget_mb >= 0.17, or a smaller "

@@ -16,16 +16,17 @@ import time
 from typing import Any
 
 from . import protocol
-from .actor_broadcast import BroadcastOps
+from .actor_broadcast import BroadcastMembership
 from .config import SyncConfig
 from .errors import DeadlineExceeded, ManifestError, ProtocolError, SyncFailed, VersionError, WeightSyncError
 from .membership import BroadcastGroups
 from .parties import Parties, PartyRecord
+from .signals import Signals
 from .slots import choose_slot, pinned_slots
 from .versions import Candidate, State, Version, VersionTable
 
 
-class CoordinatorActor(BroadcastOps):
+class CoordinatorActor:
     """The actor body. Use :class:`weightsync.Coordinator` to create or reach it."""
 
     def __init__(self, config: dict[str, Any], token: str):
@@ -46,8 +47,8 @@ class CoordinatorActor(BroadcastOps):
         self.transport_info: dict[str, Any] = {}  # the transport's own, for receivers only
         self.pipelined = self.keeps_versions = False  # the transport's traits (SenderTransport)
         self.resources: dict[str, int] = {}
-        self.changed = asyncio.Event()  # any party / session change; waiters re-check
-        self._version_changed: dict[int, asyncio.Event] = {}
+        self.signals = Signals()
+        self.broadcast = BroadcastMembership(self.table, self.parties, self.bcast, self.signals, self.session)
         self._monitor: asyncio.Task | None = None
 
     # -- the one entry point -------------------------------------------------------------
@@ -99,27 +100,24 @@ class CoordinatorActor(BroadcastOps):
         self._poke(*hit)
 
     def _poke(self, *versions: Version) -> None:
-        self.changed.set()
-        self.changed = asyncio.Event()
-        for v in versions:
-            event = self._version_changed.pop(v.version, None)
-            if event is not None:
-                event.set()
-
-    def _changed(self, version: int) -> asyncio.Event:
-        return self._version_changed.setdefault(version, asyncio.Event())
-
-    async def _wait(self, event: asyncio.Event, deadline: float) -> None:
-        left = deadline - time.monotonic()
-        if left <= 0:
-            return
-        try:
-            await asyncio.wait_for(event.wait(), timeout=min(left, 0.5))
-        except asyncio.TimeoutError:
-            pass
+        self.signals.poke(v.version for v in versions)
 
     def _party(self, pid: int, seen: bool = True) -> PartyRecord:
         return self.parties.touch(pid, time.monotonic(), seen)
+
+    # -- broadcast membership (actor_broadcast.py) -----------------------------------------
+
+    async def op_bcast_form(self, party: int, version: int) -> dict[str, Any]:
+        return await self.broadcast.form(self._party(party), version)
+
+    async def op_bcast_group(self, party: int, version: int, timeout: float) -> dict[str, Any]:
+        return await self.broadcast.group(self._party(party), version, timeout)
+
+    async def op_bcast_check(self, party: int, version: int) -> dict[str, Any]:
+        return await self.broadcast.check(self._party(party), version)
+
+    async def op_bcast_failed(self, party: int, version: int, error: str, timeout: float) -> dict[str, Any]:
+        return await self.broadcast.failed(self._party(party), version, error, timeout)
 
     # -- registration and session --------------------------------------------------------
 
@@ -176,7 +174,7 @@ class CoordinatorActor(BroadcastOps):
             if time.monotonic() >= deadline:
                 raise DeadlineExceeded(f"no sender published a manifest within {timeout:.1f}s")
             self._party(party, seen=False)
-            await self._wait(self.changed, deadline)
+            await self.signals.wait(self.signals.any, deadline)
         return {"manifest": self.manifest, "digest": self.digest, "transport": self.transport,
                 "info": self.transport_info, "session": self.session}
 
@@ -195,7 +193,7 @@ class CoordinatorActor(BroadcastOps):
                     f"only {len(live)} of {count} receivers registered within {timeout:.1f}s: "
                     f"{sorted(p.name for p in live)}"
                 )
-            await self._wait(self.changed, deadline)
+            await self.signals.wait(self.signals.any, deadline)
 
     async def op_verdict(self, party: int, accepted: bool, why: str = "") -> dict[str, Any]:
         p = self._party(party)
@@ -288,7 +286,7 @@ class CoordinatorActor(BroadcastOps):
                 s0 = self.parties.sender0()
                 who = f"; sender: {s0.label}{' ' + s0.why if s0.why else ''}" if s0 else "; no sender registered"
                 raise DeadlineExceeded(f"receiver '{p.name}' waited {timeout:.1f}s for {want}{who}")
-            await self._wait(self._changed(version) if asked is not None else self.changed, deadline)
+            await self.signals.wait(self.signals.version(version) if asked is not None else self.signals.any, deadline)
 
     async def op_state(self, party: int, version: int) -> dict[str, Any]:
         self._party(party)
@@ -313,14 +311,14 @@ class CoordinatorActor(BroadcastOps):
             if time.monotonic() >= deadline or version <= self.table.floor:
                 raise VersionError(f"version {version} was never staged (waited {timeout:.1f}s)")
             self._party(party, seen=False)
-            await self._wait(self.changed, deadline)
+            await self.signals.wait(self.signals.any, deadline)
         v = self.table[version]
         while v.in_flight:
             self._party(party, seen=False)
             if time.monotonic() >= deadline:
                 self._poke(self.table.expire(version, timeout, time.monotonic()))
                 break
-            await self._wait(self._changed(version), deadline)
+            await self.signals.wait(self.signals.version(version), deadline)
         out = v.public(self.payload_bytes)
         if v.state == State.ABORTED:
             raise SyncFailed(version, v.failed or {"sender": v.reason}, v.committed)

@@ -1,31 +1,30 @@
-"""The coordinator actor's broadcast-membership operations (a mixin of ``CoordinatorActor``).
+"""The coordinator's broadcast-membership operations, owned by ``CoordinatorActor``.
 
 The broadcast transport needs exactly the parties that take part in a version in its
 collective group, each knowing its rank; :mod:`weightsync.membership` decides the group and its
 epoch, these operations wait for it and tell members when the group broke, naming who broke it.
+They share the actor's version table, party registry and wake-ups, handed over at construction.
 """
 
 from __future__ import annotations
 
 import time
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from .errors import DeadlineExceeded, VersionError
-from .membership import Member, group_rank
-from .versions import State
-
-if TYPE_CHECKING:
-    from .actor import CoordinatorActor
-
-    _Base = CoordinatorActor
-else:
-    _Base = object
+from .membership import BroadcastGroups, Member, group_rank
+from .parties import Parties, PartyRecord
+from .signals import Signals
+from .versions import State, VersionTable
 
 
-class BroadcastOps(_Base):
-    async def op_bcast_form(self, party: int, version: int) -> dict[str, Any]:
+class BroadcastMembership:
+    def __init__(self, table: VersionTable, parties: Parties, bcast: BroadcastGroups, signals: Signals,
+                 session: str):
+        self.table, self.parties, self.bcast, self.signals, self.session = table, parties, bcast, signals, session
+
+    async def form(self, sender: PartyRecord, version: int) -> dict[str, Any]:
         """Sender rank 0, right after begin_sync: fix the group of ``version``."""
-        sender = self._party(party)
         v = self.table[version]
         if v.state == State.ABORTED:
             raise VersionError(f"version {version} was aborted: {v.reason}")
@@ -35,12 +34,12 @@ class BroadcastOps(_Base):
         group = self.bcast.form(version, Member(sender.name, sender.pid), members,
                                 last_failed=last is not None and last.state == State.ABORTED, nonce=self.session)
         v.info["group"] = {"epoch": group["epoch"], "members": group["members"]}  # shown in metrics
-        self._poke(v)
+        self.signals.poke([v.version])
         return group
 
-    async def op_bcast_group(self, party: int, version: int, timeout: float) -> dict[str, Any]:
+    async def group(self, party: PartyRecord, version: int, timeout: float) -> dict[str, Any]:
         """Receivers: wait for the group of ``version``; returns it with this receiver's rank."""
-        name = self._party(party).name
+        name = party.name
         deadline = time.monotonic() + timeout
         while self.bcast.get(version) is None:
             v = self.table[version]
@@ -51,8 +50,8 @@ class BroadcastOps(_Base):
             if time.monotonic() >= deadline:
                 raise DeadlineExceeded(f"receiver '{name}' waited {timeout:.1f}s for the sender to reach the "
                                        f"barrier of version {version}")
-            self._party(party, seen=False)
-            await self._wait(self._changed(version), deadline)
+            self.parties.touch(party.pid, time.monotonic(), False)
+            await self.signals.wait(self.signals.version(version), deadline)
         group = self.bcast.get(version)
         rank = group_rank(group, name)
         if rank is None:
@@ -62,20 +61,20 @@ class BroadcastOps(_Base):
                                f"live participant when the sender reached the barrier{why}; it joins the next version")
         return {**group, "rank": rank}
 
-    async def op_bcast_check(self, party: int, version: int) -> dict[str, Any]:
+    async def check(self, party: PartyRecord, version: int) -> dict[str, Any]:
         """Polled by a party whose collective is slow: is the version still on, and who is lost?"""
-        name = self._party(party).name
+        name = party.name
         v = self.table[version]
         group = self.bcast.get(version)
         lost = self.parties.lost_members(v, group, name) if group is not None else []
         return {"aborted": v.reason if v.state == State.ABORTED else None, "lost": lost}
 
-    async def op_bcast_failed(self, party: int, version: int, error: str, timeout: float) -> dict[str, Any]:
+    async def failed(self, party: PartyRecord, version: int, error: str, timeout: float) -> dict[str, Any]:
         """A member's collective failed: name the party at fault and abort ``version`` for
         everyone, so no member keeps waiting on a broken group. A killed peer shows up as a
         closed connection at once but as a silent party only after heartbeat_timeout_s, so
         this waits up to ``timeout`` for the monitor to name it."""
-        name = self._party(party).name
+        name = party.name
         v = self.table[version]
         group = self.bcast.get(version)
         deadline = time.monotonic() + timeout
@@ -84,12 +83,12 @@ class BroadcastOps(_Base):
             lost = self.parties.lost_members(v, group, name)
             if lost or time.monotonic() >= deadline:
                 break
-            await self._wait(self.changed, deadline)
+            await self.signals.wait(self.signals.any, deadline)
         if v.state != State.ABORTED:
             epoch = f" (epoch {group['epoch']})" if group else ""
             why = "lost " + "; ".join(lost) if lost else f"failed on '{name}': {error}"
             if not self.table.abort(version, f"broadcast group{epoch} {why}", time.monotonic()):
                 return {"reason": f"broadcast group{epoch} {why}"}
-            self._poke(v)
+            self.signals.poke([v.version])
         return {"reason": v.reason}
 

@@ -12,6 +12,7 @@ import os
 from collections.abc import Mapping
 from typing import Any
 
+from . import registry
 from .errors import ConfigError
 
 BACKENDS = ("auto", "gloo", "nccl", "hccl")
@@ -25,12 +26,6 @@ ENV_PREFIX = "WEIGHTSYNC_"
 NON_CONFIG_ENV = frozenset({"WEIGHTSYNC_DISABLE_IPC", "WEIGHTSYNC_TORCH", "WEIGHTSYNC_VERL_SRC",
                             "WEIGHTSYNC_SOAK_VERSIONS", "WEIGHTSYNC_VLLM_TIER", "WEIGHTSYNC_VLLM_VENV"})
 MiB = 1 << 20
-
-
-def _registered_transports() -> list[str]:
-    from .transports import names  # late: the transports import this module
-
-    return names()
 
 
 @dataclasses.dataclass(frozen=True)
@@ -89,7 +84,7 @@ class SyncConfig:
     rendezvous_port: int = 0
 
     def __post_init__(self) -> None:
-        _check_choice("transport", self.transport, ("auto", *_registered_transports()))
+        _check_choice("transport", self.transport, ("auto", *registry.names()))
         _check_choice("backend", self.backend, BACKENDS)
         _check_choice("communicator", self.communicator, COMMUNICATORS)
         _check_choice("device", self.device, DEVICES)

@@ -57,8 +57,7 @@ from .ipc_wire import (
     slot_word,
     tag,
 )
-from .segment import PAGE, Segment, attach, create, reap_stale
-from .shm import digest_word
+from .segment import PAGE, Segment, attach, create, digest_word, reap_stale
 
 
 class IpcSender(SenderTransport):

@@ -350,3 +350,9 @@ class Segment:
                 os.unlink(self.path)
             except FileNotFoundError:
                 pass
+
+
+def digest_word(digest: str) -> int:
+    """The manifest digest as the 64-bit word a segment's header carries: a receiver attached
+    to a segment of another session or layout sees it at once."""
+    return int(digest[:16], 16)

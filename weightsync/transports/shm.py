@@ -34,7 +34,7 @@ from ..digest import as_int, verify
 from ..errors import DeadlineExceeded, ProtocolError
 from ..plan import BucketPlan, align_up
 from .base import Fill, Received, ReceiverTransport, SenderTransport, TransportContext, poll_until
-from .segment import PAGE, Segment, attach, create, reap_stale
+from .segment import PAGE, Segment, attach, create, digest_word, reap_stale
 
 MAGIC = 0x5753594E43534D31  # "WSYNCSM1"
 _HEAD_WORDS = 8
@@ -77,30 +77,16 @@ def spans(buf: torch.Tensor, bases: list[int], plan: BucketPlan) -> Callable[[in
     return view
 
 
-def digest_word(digest: str) -> int:
-    return int(digest[:16], 16)
-
-
 class ShmSender(SenderTransport):
     name = "shm"
     pipelined = True
     # versions stay in their segments: late or restarted receivers catch up without the trainer
     keeps_versions = True
 
-    def __new__(cls, ctx: TransportContext) -> SenderTransport:
-        # the mode is fixed here, from the plan and the node's budget (shm_stream.py): whole
-        # versions, or a ring of bucket buffers that speaks ipc's protocol (another class)
-        from .shm_stream import ShmStreamSender, choose_mode
-
-        mode = choose_mode(ctx.plan, ctx.config)
-        if mode.streaming:
-            return ShmStreamSender(ctx, mode)
-        self = super().__new__(cls)
-        self.mode_reason = mode.reason
-        return self
-
-    def __init__(self, ctx: TransportContext):
+    def __init__(self, ctx: TransportContext, mode_reason: str = "shm whole versions"):
         super().__init__(ctx)
+        # why whole versions (shm_stream.open_shm_sender decides the mode; shown in status())
+        self.mode_reason = mode_reason
         self.directory = ctx.config.shm_dir
         reap_stale(self.directory)
         self.size, self.bases = layout(ctx.plan)
@@ -158,13 +144,6 @@ class ShmSender(SenderTransport):
 
 class ShmReceiver(ReceiverTransport):
     name = "shm"
-
-    def __new__(cls, ctx: TransportContext, session_info: dict[str, Any]) -> ReceiverTransport:
-        if session_info.get("mode") == "stream":  # the sender's choice (ShmSender.__new__)
-            from .shm_stream import ShmStreamReceiver
-
-            return ShmStreamReceiver(ctx, session_info)
-        return super().__new__(cls)
 
     def __init__(self, ctx: TransportContext, session_info: dict[str, Any]):
         super().__init__(ctx, session_info)

@@ -1,7 +1,9 @@
 """Bounded shm: when whole versions do not fit the node's shared-memory budget, the shm
 transport streams each version through a ring of K host bucket buffers instead.
 
-The mode is decided once, when the sender is built, from the plan and the budget:
+The registry's "shm" entry is :func:`open_shm_sender` / :func:`open_shm_receiver` here: the
+mode is decided once, when the sender is built, from the plan and the budget, and receivers
+follow the sender's choice as it published it:
 
   budget     ``shm_budget_mb``, or when 0 (auto) AUTO_FRACTION of what the node can give:
              MemAvailable (or a memory cgroup's room), and for segment files no more than the
@@ -32,11 +34,11 @@ from typing import Any, ClassVar
 from ..config import MiB, SyncConfig
 from ..errors import CapacityError, ProtocolError
 from ..plan import BucketPlan, align_up
-from .base import Received, TransportContext
+from .base import Received, ReceiverTransport, SenderTransport, TransportContext
 from .ipc import IpcReceiver, IpcSender
 from .ipc_wire import CONTROL_BYTES, MAX_BUFFERS
 from .segment import PAGE, memory_available, resolve_backing
-from .shm import layout
+from .shm import ShmReceiver, ShmSender, layout
 
 AUTO_FRACTION = 0.5
 MIN_BUFFERS = 2  # one being written while receivers read the other
@@ -129,3 +131,16 @@ class ShmStreamReceiver(IpcReceiver):
             raise ProtocolError(f"shm: version {version} is published in whole-version mode, but this receiver "
                                 f"attached to a streaming session; restart the receiver")
         yield from super().receive(version, info, deadline, check)
+
+
+def open_shm_sender(ctx: TransportContext) -> SenderTransport:
+    """The "shm" sender: whole versions where they fit the budget, else the streaming ring."""
+    mode = choose_mode(ctx.plan, ctx.config)
+    return ShmStreamSender(ctx, mode) if mode.streaming else ShmSender(ctx, mode.reason)
+
+
+def open_shm_receiver(ctx: TransportContext, session_info: dict[str, Any]) -> ReceiverTransport:
+    """The "shm" receiver of the mode the sender published."""
+    if session_info.get("mode") == "stream":
+        return ShmStreamReceiver(ctx, session_info)
+    return ShmReceiver(ctx, session_info)
