@@ -26,9 +26,8 @@ from weightsync.layouts import layout
 from weightsync.plan import plan_buckets
 from weightsync.transports.base import TransportContext
 from weightsync.transports.shm import ShmSender
-from weightsync.transports.shm_stream import open_shm_sender
 from weightsync.transports.shm import layout as segment_layout
-from weightsync.transports.shm_stream import choose_mode
+from weightsync.transports.shm_stream import choose_mode, open_shm_sender
 
 MANIFEST = layout("tiny")  # 7 buckets of 64 KiB at bucket_mb=1/16: one version is 412 KiB in a segment
 BUCKET_MB = 1 / 16
