@@ -28,9 +28,8 @@ import ray
 from ray.cluster_utils import Cluster
 
 from weightsync import Coordinator, SyncFailed
-from weightsync.layouts import materialize
 from weightsync.manifest import Manifest, TensorSpec
-from weightsync.testing import RolloutWorker, TrainerWorker, same_bits
+from weightsync.testing import RolloutWorker, TrainerWorker, check_serves
 
 DEADLINE_S = 30.0
 # test_broadcast.py's WIDE layout: the first tensor spans 6 buckets and the version is far larger
@@ -79,11 +78,8 @@ class Trainer(TrainerWorker):
 
 def serves(worker: Any) -> dict[str, Any]:
     """The version a rollout serves, and whether its weights are exactly that version's."""
-    served = ray.get(worker.version.remote(), timeout=60)
-    if served is None:
-        return {"version": None, "bit_exact": None}
-    expected, got = materialize(LAYOUT, seed=served), ray.get(worker.weights.remote(), timeout=60)
-    return {"version": served, "bit_exact": all(same_bits(got[n], expected[n]) for n in expected)}
+    served, bad = check_serves(worker, LAYOUT)
+    return {"version": served, "bit_exact": None if served is None else not bad}
 
 
 def run(cluster: Cluster, nodes: dict[str, Any], out: dict[str, Any]) -> None:

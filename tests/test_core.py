@@ -7,7 +7,7 @@ import ray
 from weightsync import ManifestError, SyncConfig, SyncFailed, VersionError, WeightReceiver, WeightSender
 from weightsync.layouts import layout, materialize
 from weightsync.manifest import Manifest, TensorSpec
-from weightsync.testing import RolloutWorker, ToyEngine, TrainerWorker, same_bits
+from weightsync.testing import RolloutWorker, ToyEngine, TrainerWorker, assert_serves, same_bits
 from weightsync.transports.segment import locate
 
 Rollout = ray.remote(RolloutWorker).options(num_cpus=0)
@@ -16,13 +16,6 @@ Trainer = ray.remote(TrainerWorker).options(num_cpus=0)
 # tiny layout with a 64 KiB bucket: the embedding (1000 x 64 bf16 = 125 KiB) is split in chunks
 CFG = {"transport": "shm", "bucket_mb": 1 / 16, "device": "cpu"}
 MANIFEST = layout("tiny")
-
-
-def assert_weights(worker, version):
-    expected = materialize(MANIFEST, seed=version)
-    got = ray.get(worker.weights.remote())
-    bad = [n for n in expected if not same_bits(got[n], expected[n])]
-    assert not bad, f"{len(bad)} tensors differ from version {version}, e.g. {bad[:3]}"
 
 
 def start(coordinator_factory, actors, receivers=2, config=CFG, **kw):
@@ -43,7 +36,7 @@ def test_twenty_versions_bit_exact(coordinator_factory, actors):
         assert result["metrics"]["state"] == "COMMITTED"
         assert sorted(result["metrics"]["committed"]) == ["rollout-0", "rollout-1"]
         for r in rs:
-            assert_weights(r, v)
+            assert_serves(r, MANIFEST, v)
     counters = ray.get(rs[0].counters.remote())
     assert counters["post_loads"] == 20, "post-load hook runs once per version"
     status = coord.status()
@@ -60,7 +53,7 @@ def test_prestaged_version_then_barrier(coordinator_factory, actors):
     applied = rs[0].apply.remote(5)
     result = ray.get(trainer.sync.remote(5))
     assert ray.get(applied) == 5 and result["metrics"]["state"] == "COMMITTED"
-    assert_weights(rs[0], 5)
+    assert_serves(rs[0], MANIFEST, 5)
 
 
 def test_late_joiner_serves_latest_committed(coordinator_factory, actors):
@@ -72,12 +65,12 @@ def test_late_joiner_serves_latest_committed(coordinator_factory, actors):
     late = actors.add(Rollout.remote(coord, MANIFEST.to_wire(), "late", rank=9, config=CFG))
     assert ray.get(late.version.remote()) is None
     assert ray.get(late.apply.remote(None, None, False)) == 3, "catches up without the trainer"
-    assert_weights(late, 3)
+    assert_serves(late, MANIFEST, 3)
     # and takes part in the next version like everyone else
     applied = [r.apply.remote(4) for r in (rs[0], late)]
     ray.get(trainer.step.remote(4))
     assert ray.get(applied) == [4, 4]
-    assert_weights(late, 4)
+    assert_serves(late, MANIFEST, 4)
 
 
 def _corrupt(coord, version, bucket_offset):
@@ -115,14 +108,14 @@ def test_corrupted_bucket_is_not_applied(coordinator_factory, actors, where):
             ray.get(ref)
     for r in rs:
         assert ray.get(r.version.remote()) == 1, "still serves the previous version"
-        assert_weights(r, 1)
+        assert_serves(r, MANIFEST, 1)
     if where == "later-bucket":
         assert "rolled back to version 1" in err.value.failed["rollout-0"]
     # the next clean version goes through
     applied = [r.apply.remote(3) for r in rs]
     ray.get(trainer.step.remote(3))
     assert ray.get(applied) == [3, 3]
-    assert_weights(rs[1], 3)
+    assert_serves(rs[1], MANIFEST, 3)
 
 
 @pytest.mark.parametrize(
@@ -165,7 +158,7 @@ def test_version_going_backwards_or_reused_is_refused(coordinator_factory, actor
     with pytest.raises(VersionError, match="never staged"):
         ray.get(trainer.sync.remote(8))
     assert ray.get(rs[0].version.remote()) == 7
-    assert_weights(rs[0], 7)
+    assert_serves(rs[0], MANIFEST, 7)
 
 
 def test_in_process_api_and_resources_return_to_zero(coordinator_factory):
@@ -236,7 +229,7 @@ def test_each_bucket_is_verified_once_per_node(coordinator_factory, actors):
         # 3 receivers x every bucket, of which exactly one hash per bucket happened
         assert sum(skipped) == 2 * buckets, f"version {v}: buckets left to a peer {skipped} of {buckets}"
         for r in rs:
-            assert_weights(r, v)
+            assert_serves(r, MANIFEST, v)
 
 
 def test_two_threads_of_one_receiver_hash_each_bucket_once():
@@ -296,7 +289,7 @@ def test_prefetch_verifies_ahead_and_apply_only_loads(coordinator_factory, actor
     assert ray.get(applied) == [1, 1]
     for r in rs:
         assert ray.get(r.counters.remote())["metrics"]["peer_verified_buckets"] == plan.bucket_count
-        assert_weights(r, 1)
+        assert_serves(r, MANIFEST, 1)
     assert ray.get(rs[0].prefetch.remote(1)) is None, "nothing newer than what it serves"
 
     ray.get(trainer.stage.remote(2))
@@ -313,4 +306,4 @@ def test_prefetch_verifies_ahead_and_apply_only_loads(coordinator_factory, actor
             ray.get(ref)
     for r in rs:
         assert ray.get(r.version.remote()) == 1
-        assert_weights(r, 1)
+        assert_serves(r, MANIFEST, 1)

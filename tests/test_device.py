@@ -7,8 +7,8 @@ from __future__ import annotations
 import pytest
 
 from weightsync.device import ray_options
-from weightsync.layouts import layout, materialize
-from weightsync.testing import RolloutWorker, TrainerWorker, same_bits
+from weightsync.layouts import layout
+from weightsync.testing import RolloutWorker, TrainerWorker, assert_serves
 
 # 30 KiB buckets: the 125 KiB embedding of "tiny" is split over five of them
 CFG = {"bucket_mb": 0.03}
@@ -38,11 +38,8 @@ def test_colocated_on_one_device_bit_exact(ray_cluster, coordinator_factory, act
         applied = [r.apply.remote(v) for r in rs]
         ray.get(t.step.remote(v), timeout=120)
         assert ray.get(applied, timeout=120) == [v, v]
-        want = materialize(m, seed=v)
         for r in rs:
-            got = ray.get(r.weights.remote())
-            bad = [n for n in want if not same_bits(got[n], want[n])]
-            assert not bad, f"version {v}: {len(bad)} tensors differ, first {bad[0]}"
+            assert_serves(r, m, v)
     status = coord.status()
     assert status["transport"] == chosen and status["latest_committed"] == 5
     assert ("shm streaming" in status["transport_reason"]) == (transport == "shm-stream")

@@ -82,8 +82,7 @@ def test_each_device_construction_bit_exact(coordinator_factory, actors, kind, c
     """Every construction through the broadcast transport's one code path, 3 versions,
     bit-exact, the group built once. Needs two devices of the kind."""
     from weightsync.device import ray_options
-    from weightsync.layouts import materialize
-    from weightsync.testing import same_bits
+    from weightsync.testing import assert_serves
 
     if _device_count(kind) < 2:
         pytest.skip(f"needs two {kind} devices (a communicator cannot hold one device twice)")
@@ -101,8 +100,7 @@ def test_each_device_construction_bit_exact(coordinator_factory, actors, kind, c
         applied = rollout.apply.remote(v)
         ray.get(sender.step.remote(v), timeout=120)
         assert ray.get(applied, timeout=120) == v
-        want, got = materialize(m, seed=v), ray.get(rollout.weights.remote())
-        assert all(same_bits(got[n].cpu(), want[n]) for n in want)
+        assert_serves(rollout, m, v)
     status = coord.status()
     assert status["group"]["communicator"] == communicator
     assert status["resources"]["bcast_groups"] == 2

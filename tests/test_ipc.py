@@ -11,7 +11,7 @@ import torch
 from weightsync.capabilities import DISABLE_IPC_VAR
 from weightsync.errors import ConfigError, ProtocolError, SyncFailed
 from weightsync.layouts import layout, materialize
-from weightsync.testing import RolloutWorker, TrainerWorker, same_bits
+from weightsync.testing import RolloutWorker, TrainerWorker, assert_serves
 from weightsync.transports.ipc_wire import import_handle, tag
 
 # 30 KiB buckets: the 125 KiB embedding of "tiny" spans five buckets, more than the two
@@ -25,14 +25,6 @@ def _workers(ray, actors, coord, manifest, cfg, receivers=2):
     rs = [actors.add(R.remote(coord, manifest.to_wire(), f"rollout-{i}", rank=i, config=cfg)) for i in range(receivers)]
     t = actors.add(T.remote(coord, manifest.to_wire(), config=cfg, expected_receivers=receivers))
     return rs, t
-
-
-def _check_bits(ray, rs, manifest, version):
-    expected = materialize(manifest, seed=version)
-    for r in rs:
-        got = ray.get(r.weights.remote())
-        bad = [n for n in expected if not same_bits(got[n], expected[n])]
-        assert not bad, f"version {version}: {len(bad)} tensors differ, first {bad[0]}"
 
 
 def _ipc_resources(status):
@@ -49,7 +41,7 @@ def test_ipc_two_receivers_ten_versions_bit_exact(ray_cluster, coordinator_facto
         out = ray.get(t.step.remote(v))
         assert ray.get(refs) == [v, v]
         assert sorted(out["metrics"]["committed"]) == ["rollout-0", "rollout-1"]
-        _check_bits(ray, rs, m, v)
+        [assert_serves(x, m, v) for x in rs]
     status = coord.status()
     assert status["transport"] == "ipc"
     assert status["latest_committed"] == 10
@@ -82,7 +74,7 @@ def test_auto_on_cpu_picks_shm_and_says_why(ray_cluster, coordinator_factory, ac
         sender.stage(1, materialize(m, seed=1))
         sender.sync(1)
         assert ray.get(ref) == 1
-        _check_bits(ray, [r], m, 1)
+        [assert_serves(x, m, 1) for x in [r]]
         status = coord.status()
     assert status["transport"] == "shm"
     assert "host memory" in status["transport_reason"]
@@ -121,7 +113,7 @@ def test_sender_stops_waiting_for_a_receiver_declared_dead(ray_cluster, coordina
     assert "silent" in info.value.failed["rollout-1"]
     assert took < 20, f"the sender waited {took:.1f}s for a dead receiver (sync_timeout_s is 60)"
     assert ray.get(live) == 2  # the live receiver got every bucket of version 2
-    _check_bits(ray, rs[:1], m, 2)
+    [assert_serves(x, m, 2) for x in rs[:1]]
 
 
 def test_receiver_refuses_handles_outside_the_allowlist():

@@ -204,3 +204,29 @@ def _rss() -> int:
     import psutil
 
     return psutil.Process().memory_info().rss
+
+
+def check_serves(rollout: Any, manifest: Manifest, timeout: float = 60.0) -> tuple[int | None, list[str]]:
+    """(the version ``rollout`` serves, the tensors of its engine that differ from that version's
+    weights, bit for bit). ``rollout``: a :class:`RolloutWorker` Ray actor; version v's weights
+    are ``materialize(manifest, seed=v)``, as :class:`TrainerWorker` stages them."""
+    import ray
+
+    served = ray.get(rollout.version.remote(), timeout=timeout)
+    if served is None:
+        return None, []
+    expected, got = materialize(manifest, seed=served), ray.get(rollout.weights.remote(), timeout=timeout)
+    return served, [n for n in expected if not same_bits(got[n], expected[n])]
+
+
+def serves(rollout: Any, manifest: Manifest, timeout: float = 60.0) -> int | None:
+    """The version ``rollout`` serves, once its weights are shown to be exactly that version's."""
+    served, bad = check_serves(rollout, manifest, timeout)
+    assert not bad, f"rollout claims version {served} but {len(bad)} tensors differ, e.g. {bad[:3]}"
+    return served
+
+
+def assert_serves(rollout: Any, manifest: Manifest, version: int | None, timeout: float = 60.0) -> None:
+    """``rollout`` serves ``version`` and holds exactly its weights (None: serves nothing)."""
+    served = serves(rollout, manifest, timeout)
+    assert served == version, f"rollout serves version {served}, expected {version}"
