@@ -1,6 +1,8 @@
 """The version protocol over the shm transport, with real Ray actors in separate processes."""
 
 
+import threading
+
 import pytest
 import ray
 
@@ -184,6 +186,49 @@ def test_in_process_api_and_resources_return_to_zero(coordinator_factory):
         receiver.close()
         sender.close()
     assert all(n == 0 for n in coord.status()["resources"].values())
+
+
+def test_a_loader_that_fails_again_during_rollback_is_reported_not_silent(coordinator_factory):
+    """The engine's loader raises on version 2 and again when version 1 is loaded back: the
+    receiver serves nothing and its report names both failures at once (it used to report
+    nothing, so the sender waited out sync_timeout_s and blamed a silent receiver)."""
+    coord = coordinator_factory(CFG)
+    engine = ToyEngine(MANIFEST)
+    broken = threading.Event()
+
+    def load(pairs):
+        if broken.is_set():
+            raise RuntimeError("engine refused the weights")
+        return engine.load_weights(pairs)
+
+    receiver = WeightReceiver(coord, load, name="local", expected=engine.params)
+    sender = WeightSender(coord, expected_receivers=1)
+    errors: list[BaseException] = []
+
+    def apply(v):
+        try:
+            receiver.apply(v)
+        except BaseException as exc:  # the failure under test
+            errors.append(exc)
+
+    try:
+        for v in (1, 2):
+            sender.stage(v, materialize(MANIFEST, seed=v))
+            if v == 2:
+                broken.set()
+            t = threading.Thread(target=apply, args=(v,))
+            t.start()
+            if v == 1:
+                sender.sync(v)
+            else:
+                with pytest.raises(SyncFailed) as err:
+                    sender.sync(v, timeout=30)
+            t.join(30)
+        assert "engine refused the weights; rollback to version 1 failed too (RuntimeError" in err.value.failed["local"]
+        assert receiver.version is None and [type(e).__name__ for e in errors] == ["RuntimeError"]
+    finally:
+        receiver.close()
+        sender.close()
 
 
 def test_more_buckets_than_one_header_page_holds(coordinator_factory):

@@ -18,7 +18,7 @@ from typing import Any
 
 import torch
 
-from . import transports
+from . import events, transports
 from .config import SyncConfig
 from .coordinator import Coordinator
 from .digest import version_digest
@@ -53,6 +53,7 @@ class WeightReceiver(Party):
         self.unpacker: Unpacker | None = None
         self._version: int | None = None
         self._touched = False  # a bucket of the version being applied reached the model
+        self._buckets_loaded = 0  # of the version being applied, for its log line
         self._info: dict[str, Any] = {}  # where the served version's bytes are (for rollback)
         self._session_lock = threading.Lock()  # prefetch() may run in a thread beside apply()
         self.last_metrics: dict[str, Any] = {}
@@ -102,16 +103,20 @@ class WeightReceiver(Party):
             return self._version
         deadline = time.monotonic() + timeout
         prev, prev_info = self._version, self._info.get("info", {})
+        t0 = time.perf_counter()
         try:
             self.last_metrics = self._load(v, target.info, deadline)
         except BaseException as exc:
-            reason = f"{type(exc).__name__}: {exc}"
+            reason, loaded = f"{type(exc).__name__}: {exc}", self._buckets_loaded
             if self._touched:
                 reason += self._rollback(prev, prev_info, deadline)
+            events.apply_failed(self.name, v, self.transport.name, loaded,
+                                self.unpacker.plan.bucket_count, time.perf_counter() - t0, reason)
             self._report(v, ok=False, reason=reason)
             raise
         self._version, self._info = v, {"slot": target.slot, "info": target.info}
         self._report(v, ok=True, metrics=self.last_metrics)
+        events.applied(self.name, v, self.transport.name, self.last_metrics["bytes"], self.last_metrics["total_s"])
         return v
 
     def _rejoin_state(self) -> dict[str, Any]:
@@ -161,6 +166,7 @@ class WeightReceiver(Party):
                 self._raise_if_aborted(version)
 
         self._touched = False
+        self._buckets_loaded = 0
         span = self.transport.span(version, info)
         t0 = time.perf_counter()
         wait_s = verify_s = load_s = 0.0
@@ -182,6 +188,8 @@ class WeightReceiver(Party):
                     self._touched, self._version = True, None
                 self.load_weights(pairs)
             nbytes += buf.numel()
+            self._buckets_loaded += 1
+            events.bucket(self.name, version, b, buf.numel())
             t = time.perf_counter()
             verify_s += t2 - t1
             load_s += t - t2
@@ -205,8 +213,8 @@ class WeightReceiver(Party):
             return f"; serves no version until the next sync (previous version {prev} is not at hand)"
         try:
             self._load(prev, info, max(deadline, time.monotonic() + self.config.sync_timeout_s), replay=True)
-        except WeightSyncError as exc:
-            return f"; rollback to version {prev} failed too ({exc}); serves no version"
+        except Exception as exc:  # the engine's own loader may fail again: still report, never go silent
+            return f"; rollback to version {prev} failed too ({type(exc).__name__}: {exc}); serves no version"
         self._version = prev
         return f"; rolled back to version {prev}"
 

@@ -19,7 +19,7 @@ from typing import Any
 
 import torch
 
-from . import transports
+from . import events, transports
 from .capabilities import ipc_support
 from .config import SyncConfig
 from .control import Publication
@@ -188,6 +188,7 @@ class WeightSender(Party):
         stage_s = handle.wait()
         timeout = self.config.sync_timeout_s if timeout is None else timeout
         t0 = time.perf_counter()
+        transport = self.transport.name if self.transport is not None else None
         try:
             if self.sends:
                 self.control.begin_sync(version)
@@ -197,11 +198,18 @@ class WeightSender(Party):
                 if digest is not None and digest != self._staged_digest.pop(version, None):
                     self.control.stage_info(version, {"digest": digest})
             outcome = self.control.wait_outcome(version, timeout)
+        except Exception as exc:
+            if self.sends:
+                events.send_failed(self.name, version, transport, time.perf_counter() - t0, f"{type(exc).__name__}: {exc}")
+            raise
         finally:
             for old in [v for v in self._staged if v <= version]:
                 del self._staged[old]
         barrier_s = time.perf_counter() - t0
-        return SyncResult(version, stage_s, barrier_s, outcome.get("bytes", 0), outcome)
+        result = SyncResult(version, stage_s, barrier_s, outcome.get("bytes", 0), outcome)
+        if self.sends:
+            events.sent(self.name, version, transport, result.bytes, stage_s, barrier_s, outcome.get("committed", []))
+        return result
 
     def _close_transport(self) -> None:
         self._pool.shutdown(wait=True)
