@@ -1,6 +1,5 @@
 """The version protocol over the shm transport, with real Ray actors in separate processes."""
 
-
 import threading
 
 import pytest
