@@ -240,8 +240,8 @@ class WeightReceiver(Party):
             return f"; serves no version until the next sync (previous version {prev} is not at hand)"
         try:
             self._load(prev, info, max(deadline, time.monotonic() + self.config.sync_timeout_s), replay=True)
-        except WeightSyncError as exc:
-            return f"; rollback to version {prev} failed too ({exc}); serves no version"
+        except Exception as exc:  # the engine's own hooks raise what they raise; the version still fails
+            return f"; rollback to version {prev} failed too ({type(exc).__name__}: {exc}); serves no version"
         self._version = prev
         return f"; rolled back to version {prev}"
 

@@ -2,8 +2,9 @@
 Qwen2, and the trainer-side reference: Hugging Face transformers' Qwen2ForCausalLM.
 
 fp32 throughout: bf16 differs from the HF forward by ~0.25 nats on this model, fp32 by ~1e-5,
-so parity can be asserted tightly. ``block_size=16``: the CPU default (128) never fills a
-block on these prompts, so nothing would be cached and the prefix-cache check could not fail.
+so parity can be asserted tightly. ``block_size=32``: the CPU default (128) never fills a
+block on these prompts, so nothing would be cached and the prefix-cache check could not fail;
+vLLM 0.32's CPU attention takes multiples of 32 only.
 """
 
 from __future__ import annotations
@@ -25,9 +26,9 @@ QWEN2 = {
     "max_position_embeddings": 256, "rms_norm_eps": 1e-6, "rope_theta": 10000.0, "hidden_act": "silu",
     "torch_dtype": "float32", "use_sliding_window": False, "attention_dropout": 0.0,
 }
-BLOCK = 16
-# four prompts sharing a 64-token prefix (4 full blocks), each with a distinct tail
-PREFIX = [(37 * i + 11) % 4000 + 50 for i in range(4 * BLOCK)]
+BLOCK = 32
+# four prompts sharing a 64-token prefix (2 full blocks), each with a distinct tail
+PREFIX = [(37 * i + 11) % 4000 + 50 for i in range(2 * BLOCK)]
 PROMPTS = [PREFIX + [100 + 7 * j + k for k in range(5)] for j in range(4)]
 MAX_TOKENS = 8
 

@@ -9,7 +9,6 @@ import copy
 from typing import Any
 
 import engine as E
-import torch
 
 from weightsync.config import SyncConfig
 from weightsync.receiver import WeightReceiver

