@@ -4,7 +4,7 @@ One version, end to end:  apply(v)
   -> coordinator.session(): manifest, checked against the model before any byte moves
   -> coordinator.wait_version(v): where the bytes are
   -> transport.receive(): bucket by bucket -> verify checksum -> Unpacker -> load_weights
-  -> post_load() once -> coordinator.report(ok) ... now serving v
+  -> post_load() once -> reset_cache() -> coordinator.report(ok) ... now serving v
 On a failure after the first bucket was loaded, the previous version is loaded again when
 the transport still has it (rollback), else the receiver serves nothing until it catches up.
 """
@@ -37,17 +37,36 @@ class WeightReceiver(Party):
     ``load_weights`` follows vLLM's contract: it receives (name, tensor) pairs and copies
     them into the model; the tensors are views of transport buffers, valid during the call
     only. ``post_load`` (e.g. vLLM's ``process_weights_after_loading``) runs once per
-    version after the last bucket. ``expected`` describes the model for the manifest check
+    version after the last bucket. ``reset_cache`` then drops what the engine computed with
+    the old weights (vLLM: ``reset_prefix_cache``; without it a prefix-cached engine keeps
+    serving KV blocks of the previous version); an exception or a ``False`` from it fails
+    the version like a failed load. ``abort_load`` runs when a version fails after its
+    first bucket reached ``load_weights``, before the rollback (a loader that stages
+    buckets drops them there). ``expected`` describes the model for the manifest check
     (see :func:`weightsync.manifest.check_manifest`); None skips the check.
+
+    In place of the function, ``load_weights`` may be an engine target: an object with a
+    ``load_weights`` method whose ``post_load``, ``reset_cache``, ``abort_load`` and
+    ``expected`` attributes, where it has them, fill the arguments not given (e.g.
+    ``weightsync_verl.vllm_engine.VllmTarget``).
     """
 
     role = "receiver"
 
-    def __init__(self, coordinator: Coordinator, load_weights: LoadWeights, *, name: str | None = None,
+    def __init__(self, coordinator: Coordinator, load_weights: LoadWeights | Any, *, name: str | None = None,
                  rank: int = 0, post_load: Callable[[], Any] | None = None, expected: Expected | None = None,
+                 reset_cache: Callable[[], Any] | None = None, abort_load: Callable[[], Any] | None = None,
                  strict: bool = True, config: SyncConfig | None = None, device: str | None = None):
+        if not callable(load_weights) and callable(getattr(load_weights, "load_weights", None)):
+            target = load_weights
+            load_weights = target.load_weights
+            post_load = post_load if post_load is not None else getattr(target, "post_load", None)
+            reset_cache = reset_cache if reset_cache is not None else getattr(target, "reset_cache", None)
+            abort_load = abort_load if abort_load is not None else getattr(target, "abort_load", None)
+            expected = expected if expected is not None else getattr(target, "expected", None)
         super().__init__(coordinator, name=name or f"rollout-{rank}", rank=rank, config=config, device=device)
         self.load_weights, self.post_load = load_weights, post_load
+        self.reset_cache, self.abort_load = reset_cache, abort_load
         self.expected, self.strict = expected, strict
         self.transport: transports.ReceiverTransport | None = None
         self.unpacker: Unpacker | None = None
@@ -109,7 +128,7 @@ class WeightReceiver(Party):
         except BaseException as exc:
             reason, loaded = f"{type(exc).__name__}: {exc}", self._buckets_loaded
             if self._touched:
-                reason += self._rollback(prev, prev_info, deadline)
+                reason += self._abort_load() + self._rollback(prev, prev_info, deadline)
             events.apply_failed(self.name, v, self.transport.name, loaded,
                                 self.unpacker.plan.bucket_count, time.perf_counter() - t0, reason)
             self._report(v, ok=False, reason=reason)
@@ -198,22 +217,38 @@ class WeightReceiver(Party):
         t3 = time.perf_counter()
         if self.post_load is not None:
             self.post_load()
-        post_s = time.perf_counter() - t3
+        t4 = time.perf_counter()
+        # part of the load, so a failed reset fails (and rolls back) the version: the engine
+        # must not answer from KV blocks computed with other weights than the ones committed
+        if self.reset_cache is not None and self.reset_cache() is False:
+            raise VersionError(f"receiver '{self.name}': the engine did not reset its cache after loading "
+                               f"version {version} (reset_cache returned False: requests still running?)")
+        reset_s = time.perf_counter() - t4
+        post_s = t4 - t3
         total = time.perf_counter() - t0
         kind = self.transport.kind if len(verified) == self.unpacker.plan.bucket_count else None
         return {"wait_s": wait_s, "verify_s": verify_s, "load_s": load_s, "post_load_s": post_s,
-                "total_s": total, "bytes": nbytes, "peer_verified_buckets": peer_verified,
+                "reset_cache_s": reset_s, "total_s": total, "bytes": nbytes, "peer_verified_buckets": peer_verified,
                 "gbps": nbytes / total / 1e9 if total > 0 else 0.0,
                 # the whole version's digest, from the bucket digests it verified: equal to the
                 # sender's when both hold the same bytes (status() shows both)
                 "digest": version_digest(kind, verified)}
+
+    def _abort_load(self) -> str:
+        if self.abort_load is None:
+            return ""
+        try:
+            self.abort_load()
+        except Exception as exc:  # the rollback below reloads every tensor anyway
+            return f"; abort_load failed ({type(exc).__name__}: {exc})"
+        return ""
 
     def _rollback(self, prev: int | None, info: dict[str, Any], deadline: float) -> str:
         if prev is None or not self.config.keep_previous or not self.transport.can_replay(prev, info):
             return f"; serves no version until the next sync (previous version {prev} is not at hand)"
         try:
             self._load(prev, info, max(deadline, time.monotonic() + self.config.sync_timeout_s), replay=True)
-        except Exception as exc:  # the engine's own loader may fail again: still report, never go silent
+        except Exception as exc:  # the engine's own hooks raise what they raise; the version still fails
             return f"; rollback to version {prev} failed too ({type(exc).__name__}: {exc}); serves no version"
         self._version = prev
         return f"; rolled back to version {prev}"

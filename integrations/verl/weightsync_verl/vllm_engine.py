@@ -136,6 +136,44 @@ def shape_problem(target: str, specs: list[Any], param: Any, tp: int) -> str | N
     return f"tensor {names} does not fit parameter {target!r} of shape {list(shape)} in the rollout model"
 
 
+def checkpoint_params(model: Any) -> dict[str, Any]:
+    """The model's parameters as its loader fills them. After loading, a platform may
+    replace a weight by a packed copy and leave an empty parameter behind (vLLM >= 0.32 on
+    x86 CPUs: oneDNN); vLLM's layerwise reload keeps the loading layout as meta tensors,
+    which are used where they exist."""
+    params = dict(model.named_parameters())
+    try:
+        from vllm.model_executor.model_loader.reload.layerwise import LAYERWISE_INFO
+    except ImportError:
+        return params
+    for prefix, module in model.named_modules():
+        info = LAYERWISE_INFO.get(module)
+        for name, meta in (info.restore_metadata[0] if info is not None else {}).items():
+            params[f"{prefix}.{name}" if prefix else name] = meta
+    return params
+
+
+def layerwise_reload(runner: Any) -> Callable[[list], None] | None:
+    """The engine's own in-place reload (``model_runner.reload_weights``, vLLM's layerwise
+    reload), or None where vLLM has none. Where it exists vLLM may repack weights after
+    loading (oneDNN on CPU, quantized kernels), so a second direct ``load_weights`` would
+    write into parameters the kernels no longer read, or fail halfway."""
+    try:
+        from vllm.config import set_current_vllm_config
+        from vllm.model_executor.model_loader.reload import layerwise  # noqa: F401
+    except ImportError:
+        return None
+    reload = getattr(runner, "reload_weights", None)
+    if reload is None:
+        return None
+
+    def run(pairs: list) -> None:
+        with set_current_vllm_config(runner.vllm_config):
+            reload(weights_iterator=iter(pairs), is_checkpoint_format=True)
+
+    return run
+
+
 def fused_check(model: Any, strict: bool = False) -> Callable[[Manifest], list[str]] | None:
     """The manifest check for a vLLM-style model: every offered tensor must land in one of
     the model's parameters through ``packed_modules_mapping``, with a shape that fits it;
@@ -144,7 +182,7 @@ def fused_check(model: Any, strict: bool = False) -> Callable[[Manifest], list[s
     if getattr(model, "hf_to_vllm_mapper", None) is not None or not hasattr(model, "named_parameters"):
         return None
     packed = dict(getattr(model, "packed_modules_mapping", None) or {})
-    params = dict(model.named_parameters())
+    params = checkpoint_params(model)
 
     def check(manifest: Manifest) -> list[str]:
         problems: list[str] = []
@@ -170,11 +208,22 @@ def fused_check(model: Any, strict: bool = False) -> Callable[[Manifest], list[s
 
 
 class VllmTarget:
-    """What a WeightReceiver needs from a vLLM model: load, post-load, manifest check."""
+    """What a WeightReceiver needs from a vLLM engine (pass the target itself as the
+    receiver's ``load_weights``): load, post-load, the prefix-cache reset, manifest check.
 
-    def __init__(self, model: Any, post_load: Callable[[], None] | None = None, strict: bool = False):
+    Two ways to load, chosen by the installed vLLM: where it has its layerwise reload
+    (``reload``), the buckets of a version are copied aside and handed to the engine's own
+    ``reload_weights`` at post-load, so a version that fails while arriving never touched
+    the model; else each bucket goes straight to ``model.load_weights`` and vLLM's
+    ``process_weights_after_loading`` runs at post-load (vLLM 0.11)."""
+
+    def __init__(self, model: Any, post_load: Callable[[], None] | None = None, strict: bool = False,
+                 reset_cache: Callable[[], Any] | None = None, reload: Callable[[list], None] | None = None):
         self.model = model
         self._post_load = post_load
+        self._reset_cache = reset_cache
+        self._reload = reload
+        self._staged: list[tuple[str, torch.Tensor]] = []
         self.expected = fused_check(model, strict=strict)
 
     @classmethod
@@ -182,7 +231,9 @@ class VllmTarget:
         """Bind to the vLLM model of a verl rollout; call it at the first sync (in the recipe
         from ccd7d934 on, the sync group exists before vLLM starts). A MoE model needs verl's
         expert-loader patch before a direct ``load_weights`` (as the recipe applies it);
-        without one the experts would not load, so that is an error here."""
+        without one the experts would not load, so that is an error here. Where the rollout
+        holds an offline ``LLM`` (``inference_engine``), its prefix cache is reset with each
+        version; an async server's is reset by whoever drives the server."""
         model, runner = find_model(rollout)
         patch, tried = find_moe_patch()
         if patch is not None:
@@ -191,12 +242,47 @@ class VllmTarget:
             raise ConfigError(f"{type(model).__name__} is a MoE model and needs verl's "
                               f"patch_vllm_moe_model_weight_loader before weights are loaded into it, "
                               f"but none was found: {'; '.join(tried)}")
-        return cls(model, vllm_post_load(model, runner))
+        reset = getattr(getattr(rollout, "inference_engine", None), "reset_prefix_cache", None)
+        reload = layerwise_reload(runner)
+        return cls(model, None if reload is not None else vllm_post_load(model, runner),
+                   reset_cache=reset if callable(reset) else None, reload=reload)
+
+    @classmethod
+    def from_llm(cls, llm: Any) -> VllmTarget:
+        """Bind to vLLM's offline ``LLM`` whose engine runs in this process
+        (``VLLM_ENABLE_V1_MULTIPROCESSING=0``, one worker): the model is at
+        ``llm.llm_engine.model_executor.driver_worker.worker.model_runner.model``."""
+        executor = getattr(llm.llm_engine, "model_executor", None)
+        if executor is None or not hasattr(executor, "driver_worker"):
+            raise ConfigError("the LLM's engine core runs in another process; start it with "
+                              "VLLM_ENABLE_V1_MULTIPROCESSING=0 (and one worker) to load weights into it here")
+        return cls.from_rollout(_Holder(llm))
 
     @torch.no_grad()
     def load_weights(self, pairs: Iterable[tuple[str, torch.Tensor]]) -> Any:
-        return self.model.load_weights(pairs)
+        if self._reload is None:
+            return self.model.load_weights(pairs)
+        # the pairs are views of transport buffers, reused by the next bucket
+        self._staged.extend((n, t.clone()) for n, t in pairs)
+        return None
 
     def post_load(self) -> None:
-        if self._post_load is not None:
+        if self._reload is not None:
+            staged, self._staged = self._staged, []
+            self._reload(staged)
+        elif self._post_load is not None:
             self._post_load()
+
+    def abort_load(self) -> None:
+        self._staged = []
+
+    @property
+    def reset_cache(self) -> Callable[[], Any] | None:
+        return self._reset_cache
+
+
+class _Holder:
+    """Where verl's sync-mode rollout keeps an ``LLM``: ``inference_engine``."""
+
+    def __init__(self, llm: Any):
+        self.inference_engine = llm
