@@ -108,10 +108,20 @@ def _v05_cpu_rollout() -> None:
 
 def _torch_cpu_device_api() -> None:
     """verl calls the device namespace (``get_torch_device()`` = ``torch.cpu`` here) for RNG
-    state and cache release; torch.cpu lacks them: the host RNG is torch's global one and
-    the host has no cache to release."""
+    state, cache release and (v0.5.0's log_gpu_memory_usage, on every model build) memory
+    figures; torch.cpu lacks them: the host RNG is torch's global one, the host has no cache
+    to release and no allocator statistics (0), its memory is the machine's."""
+    import psutil
+
+    def host_memory() -> tuple[int, int]:
+        vm = psutil.virtual_memory()
+        return vm.available, vm.total
+
     for name, fn in (("get_rng_state", torch.get_rng_state), ("set_rng_state", torch.set_rng_state),
-                     ("manual_seed", torch.manual_seed), ("empty_cache", lambda: None)):
+                     ("manual_seed", torch.manual_seed), ("empty_cache", lambda: None),
+                     ("memory_allocated", lambda device=None: 0), ("memory_reserved", lambda device=None: 0),
+                     ("max_memory_allocated", lambda device=None: 0), ("max_memory_reserved", lambda device=None: 0),
+                     ("mem_get_info", lambda device=None: host_memory())):
         if not hasattr(torch.cpu, name):
             setattr(torch.cpu, name, fn)
 

@@ -55,11 +55,16 @@ def tiny_qwen2(path: str) -> str:
     return path
 
 
-def compose(mode: str, model: str, name: str) -> object:
+# v0.5.0 / v0.5.0-80 build the actor's HF config with attn_implementation="flash_attention_2"
+# and apply override_config by setattr: eager attention is set through transformers' setter
+CPU_V05 = ["+actor_rollout_ref.model.override_config._attn_implementation=eager"]
+
+
+def compose(mode: str, model: str, name: str, extra: list[str]) -> object:
     from hydra import compose as hydra_compose
     from hydra import initialize_config_dir
 
-    overrides = USER + CPU + WEIGHTSYNC + [f"actor_rollout_ref.rollout.mode={mode}",
+    overrides = USER + CPU + extra + WEIGHTSYNC + [f"actor_rollout_ref.rollout.mode={mode}",
                                            f"actor_rollout_ref.model.path={model}", f"+weightsync.coordinator_name={name}"]
     with initialize_config_dir(config_dir=os.path.join(SRC, "recipe/one_step_off_policy/config"), version_base=None):
         return hydra_compose(config_name="one_step_off_ppo_trainer", overrides=overrides)
@@ -126,7 +131,10 @@ def test_recipe_init_workers_and_fit_syncs_bit_exactly(tmp_path, ray_cluster, re
     import ray
     from verl.single_controller.ray import RayWorkerGroup
     from verl.trainer.ppo.ray_trainer import ResourcePoolManager
-    from verl.trainer.ppo.utils import Role
+    try:
+        from verl.trainer.ppo.utils import Role
+    except ImportError:  # v0.5.0 / v0.5.0-80 define it in ray_trainer
+        from verl.trainer.ppo.ray_trainer import Role
     from verl.utils import hf_tokenizer
     from verl.utils.dataset.rl_dataset import collate_fn
     from weightsync_verl.recipe import FSDPActorWeightSyncMixin, RolloutWeightSyncMixin, WeightSyncTrainerMixin
@@ -139,7 +147,8 @@ def test_recipe_init_workers_and_fit_syncs_bit_exactly(tmp_path, ray_cluster, re
     ray.cloudpickle.register_pickle_by_value(cpu_workers)
     gen = _generation(trainer_module.OneStepOffRayTrainer)
     mode = "async" if gen == "split" else "sync"
-    config = compose(mode, tiny_qwen2(str(tmp_path / "qwen2-tiny")), f"ws-verl-src-{os.getpid()}")
+    config = compose(mode, tiny_qwen2(str(tmp_path / "qwen2-tiny")), f"ws-verl-src-{os.getpid()}",
+                     CPU_V05 if gen == "inline" else [])
 
     # the classes the recipe's main_ppo maps Role.Actor / Role.Rollout to, patched on import
     if gen == "split":
