@@ -19,7 +19,9 @@ import pytest
 
 from .conftest import SRC
 
-pytestmark = pytest.mark.verl_source
+# a whole recipe start-up (FSDP2 ranks, vLLM imports, 7 syncs) on 2 shared cores took 105-300 s
+# here; the suite-wide 300 s would stop it under other jobs' load
+pytestmark = [pytest.mark.verl_source, pytest.mark.timeout(1200)]
 
 VERSIONS = 5
 # the user's command (issue 14), with what CPU and a tiny model force: device, ranks, model
