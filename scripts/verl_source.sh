@@ -13,8 +13,9 @@
 # Nothing is compiled: verl itself is put on the path, not installed; packages that only
 # ship sources with native parts (liger-kernel, flash-attn) are left out, megatron-core is
 # installed without its dependencies (imported, never run, on CPU), and where a generation
-# needs vLLM importable (v0.6.x: its rollout worker imports verl.third_party.vllm) vLLM 0.11.0
-# is built for VLLM_TARGET_DEVICE=empty, Python only, as the vllm tier does (vllm_env.sh).
+# needs vLLM importable, vLLM is built for VLLM_TARGET_DEVICE=empty, Python only, as the vllm
+# tier does (vllm_env.sh): 0.11.0 for v0.6.x (its rollout worker imports
+# verl.third_party.vllm), 0.10.1 (the official Ascend image's) for v0.5.0 and v0.5.0-80.
 # Then:  WEIGHTSYNC_VERL_SRC=<dir>/src <dir>/venv/bin/python -m pytest -m verl_source tests/verl_source
 set -euo pipefail
 rev="${1:?usage: scripts/verl_source.sh <tag-or-commit> [<dir>]}"
@@ -45,9 +46,16 @@ fi
 common=(accelerate codetiming dill "hydra-core>=1.3,<1.4" "omegaconf>=2.3,<2.4" pandas peft pybind11 torchdata
         "tensordict>=0.8.0,<=0.10.0,!=0.9.0" uvicorn fastapi "ray[default]>=2.47" "numpy<2.0.0" pylatexenc
         math_verify latex2sympy2_extended)
-case "$rev" in
-    v0.5.*) gen=("transformers>=4.53,<4.54" "pyarrow>=19,<21" "datasets>=3.6,<4.1") ;;
-    v0.6.*) gen=("transformers>=4.56,<4.57" "pyarrow>=20,<21" "datasets>=4.0,<4.1") ;;
+# the generation is read from the tree's own version file, so a bare commit gets its
+# generation's pins: 796871d7 (v0.5.0-80, the official Ascend image's verl) says 0.5.0.dev,
+# ccd7d934 (v0.5.0-716) 0.7.0.dev
+version="$(cat "$dir/src/verl/version/version" 2>/dev/null || echo unknown)"
+vllm=""
+case "$version" in
+    # v0.5.0 and v0.5.0-80: the rollout worker imports vLLM (vllm_rollout_spmd); the image's
+    # vLLM is 0.10.1, which needs transformers >= 4.55
+    0.5.*) gen=("transformers>=4.55,<4.56" "pyarrow>=19,<21" "datasets>=3.6,<4.1"); vllm=0.10.1 ;;
+    0.6.*) gen=("transformers>=4.56,<4.57" "pyarrow>=20,<21" "datasets>=4.0,<4.1"); vllm=0.11.0 ;;
     *) gen=("transformers>=4.57,<4.58" "pyarrow>=20,<21" "datasets>=4.0,<4.1") ;;  # ccd7d934, v0.7.x
 esac
 if [ ! -x "$dir/venv/bin/python" ]; then
@@ -57,16 +65,18 @@ pip=("$dir/venv/bin/pip" install --quiet --disable-pip-version-check)
 "${pip[@]}" "$torch_spec"
 "${pip[@]}" -e "$repo[dev]" "${common[@]}" "${gen[@]}"
 "${pip[@]}" --no-deps "megatron-core>=0.14,<0.15"
-case "$rev" in
-    v0.6.*)
-        vllm_sha="f435a64c24e9c4178d657a76f8edd8548ddc444012f7d06a9f79ac3a6392bfae"
-        vllm_url="$("$dir/venv/bin/python" "$repo/scripts/sdist_url.py" vllm-0.11.0.tar.gz "$vllm_sha")"
-        printf '%s\ntransformers<5\n' "$torch_spec" > "$dir/venv/constraints.txt"
-        "${pip[@]}" -c "$dir/venv/constraints.txt" "setuptools>=77.0.3,<80" "setuptools-scm>=8" wheel packaging jinja2
-        VLLM_TARGET_DEVICE=empty "${pip[@]}" -c "$dir/venv/constraints.txt" --no-build-isolation \
-            "vllm @ ${vllm_url}#sha256=${vllm_sha}"
-        ;;
-esac
+if [ -n "$vllm" ]; then
+    case "$vllm" in
+        0.11.0) vllm_sha="f435a64c24e9c4178d657a76f8edd8548ddc444012f7d06a9f79ac3a6392bfae" ;;
+        0.10.1) vllm_sha="99d00498f25b94767bb2696e88feb67730677dae605c9b8af99492dc3c34492d" ;;
+    esac
+    vllm_url="$("$dir/venv/bin/python" "$repo/scripts/sdist_url.py" "vllm-$vllm.tar.gz" "$vllm_sha")"
+    # the generation's transformers and verl's numpy<2 stay: vLLM's requirements would move them
+    printf '%s\ntransformers<5\n%s\nnumpy<2.0.0\n' "$torch_spec" "${gen[0]}" > "$dir/venv/constraints.txt"
+    "${pip[@]}" -c "$dir/venv/constraints.txt" "setuptools>=77.0.3,<80" "setuptools-scm>=8" wheel packaging jinja2
+    VLLM_TARGET_DEVICE=empty "${pip[@]}" -c "$dir/venv/constraints.txt" --no-build-isolation \
+        "vllm @ ${vllm_url}#sha256=${vllm_sha}"
+fi
 # verl and the recipe come from the tree, in this venv only
 site="$("$dir/venv/bin/python" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')"
 echo "$dir/src" > "$site/verl-source.pth"

@@ -207,30 +207,38 @@ def test_install_patches_recipe_on_import(tmp_path, monkeypatch):
             sys.modules.pop(name, None)
 
 
-def test_recipe_without_a_sync_group_method_is_refused_at_import(tmp_path, monkeypatch):
-    """verl v0.5.0's trainer builds its NCCL group inline in init_workers (no method to replace)."""
+@pytest.mark.parametrize("init_workers, supported", [
+    # verl v0.5.0 / v0.5.0-80: no group method, the group built inline in init_workers
+    ('from ray.util.collective import collective\n'
+     'collective.create_collective_group([], 0, [], backend="nccl", group_name="actor_rollout")', True),
+    ("pass", False),  # no group method and no inline group: nothing weightsync can take over
+])
+def test_recipe_without_a_sync_group_method(tmp_path, monkeypatch, init_workers, supported):
+    """A trainer without a group method imports patched when its init_workers builds the
+    group through ray.util.collective (v0.5.0); otherwise it is refused at import, naming
+    what is missing and the generations that are supported."""
     from weightsync_verl import recipe
 
     pkg = tmp_path / "recipe" / "one_step_off_policy"
     pkg.mkdir(parents=True)
     (tmp_path / "recipe" / "__init__.py").write_text("")
     (pkg / "__init__.py").write_text("")
-    (pkg / "ray_trainer.py").write_text(textwrap.dedent("""
-        class OneStepOffRayTrainer:
-            def init_workers(self):
-                from ray.util.collective import collective
-                collective.create_collective_group([], 0, [], backend="nccl", group_name="actor_rollout")
-
-            def sync_rollout_weights(self):
-                return "nccl"
-    """))
+    body = textwrap.indent(init_workers, " " * 8)
+    (pkg / "ray_trainer.py").write_text(f"class OneStepOffRayTrainer:\n    def init_workers(self):\n{body}\n\n"
+                                        "    def sync_rollout_weights(self):\n        return 'nccl'\n")
     monkeypatch.syspath_prepend(str(tmp_path))
     for name in [m for m in sys.modules if m == "recipe" or m.startswith("recipe.")]:
         monkeypatch.delitem(sys.modules, name)
     recipe.install()
     try:
-        with pytest.raises(RuntimeError, match=r"verl v0\.5\.0's recipe.*from v0\.6\.1 on"):
-            import recipe.one_step_off_policy.ray_trainer  # noqa: F401
+        if supported:
+            from recipe.one_step_off_policy.ray_trainer import OneStepOffRayTrainer
+
+            assert issubclass(OneStepOffRayTrainer, recipe.WeightSyncTrainerMixin)
+        else:
+            with pytest.raises(RuntimeError, match=r"builds no sync group.*does not call ray\.util\.collective.*"
+                                                   r"v0\.5\.0, v0\.5\.0-80-g796871d7, v0\.6\.1"):
+                import recipe.one_step_off_policy.ray_trainer  # noqa: F401
     finally:
         sys.meta_path[:] = [f for f in sys.meta_path if not isinstance(f, recipe._PatchOnImport)]
         for name in [m for m in sys.modules if m == "recipe" or m.startswith("recipe.")]:

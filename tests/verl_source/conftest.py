@@ -32,7 +32,8 @@ def ray_cluster():
     from weightsync_verl.recipe import add_setup_hook
 
     # every Ray worker installs the patch at start-up, as python -m weightsync_verl.one_step_off arranges
-    ray.init(num_cpus=16, num_gpus=4, resources={"cpu": 4}, include_dashboard=False, log_to_driver=False,
+    # address "local": a cluster of its own even where another run's is up on this machine
+    ray.init(address="local", num_cpus=16, num_gpus=4, resources={"cpu": 4}, include_dashboard=False, log_to_driver=False,
              logging_level="ERROR", object_store_memory=600 * 2**20, runtime_env=add_setup_hook(None))
     yield ray
     ray.shutdown()

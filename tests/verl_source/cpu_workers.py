@@ -7,7 +7,10 @@ differing from them only where CPU forces it:
   ``__init__`` then skips its own, as it does whenever one exists);
 - the rollout engine: vLLM cannot run here, so verl's rollout registry maps ``vllm`` to
   :class:`CpuVllmAsyncRollout` (async, ccd7d934 / v0.7.0) or :class:`CpuVllmRollout`
-  (sync, v0.6.1), which mirror ``vLLMAsyncRollout`` / ``vLLMRollout`` of those trees as far
+  (sync, v0.6.1); v0.5.0 / v0.5.0-80 have no registry, their ``RolloutWorker.init_model``
+  imports ``vLLMRollout`` from ``verl.workers.rollout.vllm_rollout`` when it runs, so that
+  name is :class:`CpuVllmRolloutV05` there (v0.5's constructor, ``(model_path, config,
+  tokenizer, model_hf_config, **kwargs)``). They mirror ``vLLMAsyncRollout`` / ``vLLMRollout`` of those trees as far
   as the sync touches them: the async one has ``inference_engine = None`` until the vLLM
   server's ``init_worker`` / ``load_model`` (``start_engine`` here, called where the
   trainer's ``_init_async_rollout_manager`` would start the servers); the sync one builds
@@ -87,12 +90,38 @@ class CpuVllmRollout(CpuVllmAsyncRollout):
         return self.inference_engine.llm_engine.model_executor.driver_worker.worker.model_runner.model
 
 
+class CpuVllmRolloutV05(CpuVllmRollout):
+    """v0.5.0's vLLMRollout: the same engine, v0.5's constructor."""
+
+    def __init__(self, model_path: str, config: Any, tokenizer: Any, model_hf_config: Any, **kwargs: Any):
+        super().__init__(config, SimpleNamespace(local_path=model_path), kwargs.get("device_mesh"))
+
+
+def _v05_cpu_rollout() -> None:
+    from verl.workers.rollout import base
+
+    if not hasattr(base, "_ROLLOUT_REGISTRY"):  # v0.5.0, v0.5.0-80
+        from verl.workers.rollout import vllm_rollout
+
+        vllm_rollout.vLLMRollout = CpuVllmRolloutV05
+
+
 def _torch_cpu_device_api() -> None:
     """verl calls the device namespace (``get_torch_device()`` = ``torch.cpu`` here) for RNG
-    state and cache release; torch.cpu lacks them: the host RNG is torch's global one and
-    the host has no cache to release."""
+    state, cache release and (v0.5.0's log_gpu_memory_usage, on every model build) memory
+    figures; torch.cpu lacks them: the host RNG is torch's global one, the host has no cache
+    to release and no allocator statistics (0), its memory is the machine's."""
+    import psutil
+
+    def host_memory() -> tuple[int, int]:
+        vm = psutil.virtual_memory()
+        return vm.available, vm.total
+
     for name, fn in (("get_rng_state", torch.get_rng_state), ("set_rng_state", torch.set_rng_state),
-                     ("manual_seed", torch.manual_seed), ("empty_cache", lambda: None)):
+                     ("manual_seed", torch.manual_seed), ("empty_cache", lambda: None),
+                     ("memory_allocated", lambda device=None: 0), ("memory_reserved", lambda device=None: 0),
+                     ("max_memory_allocated", lambda device=None: 0), ("max_memory_reserved", lambda device=None: 0),
+                     ("mem_get_info", lambda device=None: host_memory())):
         if not hasattr(torch.cpu, name):
             setattr(torch.cpu, name, fn)
 
@@ -108,8 +137,9 @@ def _gloo_and_cpu_rollouts() -> None:
     module = sys.modules.get(REGISTRY_MODULE) or types.ModuleType(REGISTRY_MODULE)
     module.CpuVllmAsyncRollout, module.CpuVllmRollout = CpuVllmAsyncRollout, CpuVllmRollout
     sys.modules[REGISTRY_MODULE] = module
-    base._ROLLOUT_REGISTRY[("vllm", "async")] = f"{REGISTRY_MODULE}.CpuVllmAsyncRollout"
-    base._ROLLOUT_REGISTRY[("vllm", "sync")] = f"{REGISTRY_MODULE}.CpuVllmRollout"
+    if hasattr(base, "_ROLLOUT_REGISTRY"):
+        base._ROLLOUT_REGISTRY[("vllm", "async")] = f"{REGISTRY_MODULE}.CpuVllmAsyncRollout"
+        base._ROLLOUT_REGISTRY[("vllm", "sync")] = f"{REGISTRY_MODULE}.CpuVllmRollout"
 
 
 class _Cpu:
@@ -156,6 +186,10 @@ class _CpuActor(_Cpu):
 
 
 class _CpuRollout(_Cpu):
+    def __init__(self, config: Any, role: str):
+        _v05_cpu_rollout()  # here only: it imports vLLM, which the actor ranks need not
+        super().__init__(config, role)
+
     @register(dispatch_mode=Dispatch.ONE_TO_ALL)
     def start_engine(self) -> None:
         self.rollout.start_engine()

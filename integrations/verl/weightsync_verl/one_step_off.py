@@ -17,7 +17,7 @@ def main() -> None:
         recipe_main = importlib.import_module(f"{RECIPE}.main_ppo")
     except ImportError as exc:
         raise SystemExit(f"cannot import {RECIPE}.main_ppo ({exc}): run from a verl source tree that has "
-                         "recipe/one_step_off_policy (verl 0.6.1-0.7); for verl >= 0.8 use "
+                         "recipe/one_step_off_policy (verl v0.5.0-0.7); for verl >= 0.8 use "
                          "checkpoint_engine.custom_backend_module=weightsync_verl.checkpoint_engine") from None
     recipe_main.main()
 

@@ -1,11 +1,14 @@
-"""Adapter for verl's one-step-off-policy recipe (``recipe/one_step_off_policy``, verl 0.6.1-0.7;
-v0.5.0 is refused, see UNSUPPORTED).
+"""Adapter for verl's one-step-off-policy recipe (``recipe/one_step_off_policy``, verl v0.5.0
+to 0.7).
 
 The recipe builds its sync group with ``ray.util.collective`` (NCCL only; "NCCL is not
 available" on Ascend) and broadcasts one tensor at a time. These mixins (the workers' in workers.py) replace
-exactly the four methods involved, keeping the recipe's call pattern:
+exactly the methods involved, keeping the recipe's call pattern:
 
     trainer._create_weight_sync_group()   driver: start the coordinator, hand it to workers
+                                          (v0.5.0 / v0.5.0-80 have no such method: their
+                                          init_workers() calls ray.util.collective inline, and
+                                          that one call is taken over, see inline_group.py)
     trainer.sync_rollout_weights()        actor_wg.sync_rollout_weights(v)        (not awaited)
                                           ray.get(rollout_wg.sync_rollout_weights(v))
     actor worker: every rank iterates the parameters in lockstep (``full_tensor()`` and
@@ -34,6 +37,7 @@ from weightsync.config import ENV_PREFIX
 from weightsync.digest import metrics as digest_metrics
 
 from .config import refuse_old_key, sync_config
+from .inline_group import GroupRequest, take_over_group
 from .tagging import VersionLedger, agreed_version, next_version, stamp_all
 from .workers import FSDPActorWeightSyncMixin, MegatronActorWeightSyncMixin, RolloutWeightSyncMixin
 
@@ -41,6 +45,7 @@ __all__ = ["FSDPActorWeightSyncMixin", "MegatronActorWeightSyncMixin", "RolloutW
            "WeightSyncTrainerMixin", "install", "enable_in_ray_workers", "add_setup_hook", "PATCHES"]
 
 RECIPE = "recipe.one_step_off_policy"
+GROUP = "actor_rollout"  # the recipe's name for its sync group, at every generation
 
 
 # -- trainer (driver) --------------------------------------------------------------------------
@@ -74,7 +79,27 @@ class WeightSyncTrainerMixin:
     def create_weight_sync_group(self) -> None:
         self._create_weight_sync_group()
 
+    def init_workers(self, *args: Any, **kwargs: Any) -> Any:
+        # v0.5.0 / v0.5.0-80 create the group inline here (ray.util.collective, NCCL) and sync
+        # at once; later generations call the method above and never reach the taken-over entry
+        with take_over_group(GROUP, self._ws_inline_group):
+            return super().init_workers(*args, **kwargs)
+
+    def _ws_inline_group(self, request: GroupRequest) -> None:
+        expected = self.actor_wg.world_size + self.rollout_wg.world_size
+        if request.world_size != expected or len(request.actors) != expected:
+            raise RuntimeError(
+                f"the recipe asked for group {GROUP!r} over {len(request.actors)} actors (world_size "
+                f"{request.world_size}), not the {self.actor_wg.world_size} actor + {self.rollout_wg.world_size} "
+                "rollout workers weightsync connects: this recipe generation builds another group than v0.5.0's")
+        self._create_weight_sync_group()
+
     def sync_rollout_weights(self) -> dict[str, float]:
+        if getattr(self, "_ws_coordinator", None) is None:
+            raise RuntimeError(
+                f"{type(self).__name__}.sync_rollout_weights() ran before any weight sync group was created: this "
+                f"recipe's init_workers() neither called create_weight_sync_group / _create_weight_sync_group nor "
+                f"ray.util.collective.create_collective_group(group_name={GROUP!r}). {SUPPORTED}")
         version = next_version(getattr(self, "global_steps", None), self._ws_version)
         self._ws_ledger.before_sync(version)  # raises StalenessError on a batch older than the bound
         t0 = time.perf_counter()
@@ -132,8 +157,8 @@ class WeightSyncTrainerMixin:
 _WORKERS = {
     "DetachActorWorker": "actor",  # v0.5.0-716 (ccd7d934), v0.7.0
     "DetachAsyncRolloutWorker": "rollout",  # v0.5.0-716 (ccd7d934), v0.7.0
-    "ActorRolloutRefWorker": "actor",  # v0.6.1 (rollout.mode=sync)
-    "RolloutWorker": "rollout",  # v0.6.1
+    "ActorRolloutRefWorker": "actor",  # v0.5.0, v0.5.0-80 (796871d7), v0.6.1 (rollout.mode=sync)
+    "RolloutWorker": "rollout",  # v0.5.0, v0.5.0-80, v0.6.1
 }
 PATCHES = {
     f"{RECIPE}.ray_trainer": {"OneStepOffRayTrainer": WeightSyncTrainerMixin},
@@ -142,12 +167,13 @@ PATCHES = {
     f"{RECIPE}.megatron_workers": {n: MegatronActorWeightSyncMixin if r == "actor" else RolloutWeightSyncMixin
                                    for n, r in _WORKERS.items()},
 }
+SUPPORTED = ("weightsync supports the recipe of verl v0.5.0, v0.5.0-80-g796871d7, v0.6.1, v0.5.0-716-gccd7d934 and "
+             "v0.7.0; on verl >= 0.8 use the checkpoint-engine backend "
+             "(checkpoint_engine.custom_backend_module=weightsync_verl.checkpoint_engine)")
 UNSUPPORTED = (
-    "{module}.OneStepOffRayTrainer has no create_weight_sync_group / _create_weight_sync_group: this is verl "
-    "v0.5.0's recipe, which builds its NCCL group inline in init_workers() and syncs right after, so no method "
-    "can be replaced without copying the recipe. weightsync supports the recipe from v0.6.1 on (v0.6.1, "
-    "v0.5.0-716-gccd7d934, v0.7.0); on verl >= 0.8 use the checkpoint-engine backend "
-    "(checkpoint_engine.custom_backend_module=weightsync_verl.checkpoint_engine)")
+    "{module}.OneStepOffRayTrainer builds no sync group weightsync can take over: it has no "
+    "create_weight_sync_group / _create_weight_sync_group method, and its init_workers() does not call "
+    "ray.util.collective's create_collective_group (as v0.5.0 does inline). " + SUPPORTED)
 
 
 def with_weightsync(cls: type, mixin: type) -> type:
@@ -179,9 +205,21 @@ def patch_module(module: Any) -> list[str]:
         if not any(hasattr(b, "sync_rollout_weights") for b in bases):
             raise RuntimeError(f"{module.__name__}.OneStepOffRayTrainer has no sync_rollout_weights: this verl "
                                "generation syncs through its checkpoint engine; use weightsync_verl.checkpoint_engine")
-        if not any(hasattr(b, m) for b in bases for m in ("create_weight_sync_group", "_create_weight_sync_group")):
+        if not any(hasattr(b, m) for b in bases for m in ("create_weight_sync_group", "_create_weight_sync_group")) \
+                and not _creates_group_inline(bases[0]):
             raise RuntimeError(UNSUPPORTED.format(module=module.__name__))
     return done
+
+
+def _creates_group_inline(trainer: type) -> bool:
+    """Whether the recipe's own init_workers() calls ray.util.collective's create_collective_group
+    (v0.5.0, v0.5.0-80); True where its source cannot be read (the sync then fails with a
+    message if no group was made)."""
+    try:
+        source = inspect.getsource(trainer.init_workers)
+    except (OSError, TypeError, AttributeError):
+        return True
+    return "create_collective_group" in source
 
 
 class _PatchingLoader(importlib.abc.Loader):
