@@ -95,16 +95,31 @@ def actors(ray_cluster):
 @pytest.fixture(scope="session", autouse=True)
 def shm_clean():
     """Fail the run if a test leaves a segment of ours behind: a file in /dev/shm (files
-    backing), or a memfd segment some live process still holds (memfd backing)."""
+    backing), or a memfd segment still held by a process of this run (memfd backing)."""
+    import time
+
+    import psutil
+
+    started = time.time()
     before = set(our_segments()) | {name for _, _, name in holders()}
     yield
-    import time
+
+    def this_run() -> list[int]:
+        # this process and what it started (Ray's raylet and workers with address "local"), and
+        # orphans born since the run began (a worker whose raylet was killed): another test
+        # session on the same machine holds memfds of its own, which are not this run's leaks
+        me = psutil.Process()
+        pids = {me.pid} | {c.pid for c in me.children(recursive=True)}
+        for p in psutil.process_iter(["ppid", "create_time"]):
+            if p.info["ppid"] == 1 and (p.info["create_time"] or 0) >= started:
+                pids.add(p.pid)
+        return sorted(pids)
 
     deadline = time.monotonic() + 10
     while time.monotonic() < deadline:
         reap_stale()  # segment files of processes killed on purpose by fault tests
         files = set(our_segments()) - before
-        held = {(pid, name) for pid, _, name in holders() if name not in before}
+        held = {(pid, name) for pid, _, name in holders(pids=this_run()) if name not in before}
         if not files and not held:
             return
         time.sleep(0.5)
