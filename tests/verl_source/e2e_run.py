@@ -83,7 +83,7 @@ def overrides(work: Path, steps: int, name: str) -> list[str]:
         "+actor_rollout_ref.model.override_config.attn_implementation=eager",
         "actor_rollout_ref.rollout.dtype=float32", "actor_rollout_ref.actor.fsdp_config.dtype=float32",
         # vLLM's CPU platform has no sleep mode (its ModelConfig refuses enable_sleep_mode)
-        "actor_rollout_ref.rollout.enable_sleep_mode=False", "actor_rollout_ref.rollout.free_cache_engine=False",
+        "+actor_rollout_ref.rollout.enable_sleep_mode=False", "actor_rollout_ref.rollout.free_cache_engine=False",
         "actor_rollout_ref.rollout.enforce_eager=True", "+actor_rollout_ref.rollout.engine_kwargs.vllm.block_size=16",
         "actor_rollout_ref.rollout.agent.num_workers=1", "actor_rollout_ref.rollout.n=4",
         f"data.train_files={train}", f"data.val_files={val}", "data.prompt_key=prompt", "data.return_raw_chat=True",
@@ -96,6 +96,7 @@ def overrides(work: Path, steps: int, name: str) -> list[str]:
         f"trainer.total_training_steps={steps}", "trainer.total_epochs=1", "trainer.val_before_train=False",
         "trainer.test_freq=-1", "trainer.save_freq=-1", "trainer.logger=[console,file]",
         "trainer.project_name=weightsync-e2e", f"trainer.experiment_name={name}",
+        f"trainer.default_local_dir={work / 'checkpoints'}",
         # Ray: logical resources: the task runner asks 10 CPUs, each rank a bundle of {CPU: 3, cpu: 1}
         # (RayResourcePool, max_colocate_count=3), plus the vLLM server and agent-loop actors
         "ray_kwargs.ray_init.num_cpus=32", "+ray_kwargs.ray_init.num_gpus=4", "+ray_kwargs.ray_init.resources={cpu:4}",

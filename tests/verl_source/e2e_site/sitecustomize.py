@@ -6,7 +6,8 @@ cpu_workers.py, without subclassing any of verl's workers:
   NCCL does not exist, so ``get_nccl_backend`` answers ``gloo`` where neither CUDA nor an NPU
   is present, and the resulting ``cpu:gloo,cpu:gloo`` (which torch refuses: one backend per
   device) becomes ``gloo``;
-- ``torch.cpu`` lacks the RNG-state / empty_cache functions verl calls on its device namespace;
+- ``torch.cpu`` lacks the RNG-state, empty_cache and allocator-statistics functions verl calls
+  on its device namespace (statistics answer 0: the host allocator keeps none);
 - NCCL is refused: ``torch.distributed.init_process_group`` / ``new_group`` with an NCCL
   backend and ``ray.util.collective.create_collective_group`` raise, and write a line to the
   file named by ``E2E_NCCL_REFUSALS`` (so a refusal that something catches still shows);
@@ -26,7 +27,10 @@ def _device(module):
     import torch
 
     for name, fn in (("get_rng_state", torch.get_rng_state), ("set_rng_state", torch.set_rng_state),
-                     ("manual_seed", torch.manual_seed), ("empty_cache", lambda: None)):
+                     ("manual_seed", torch.manual_seed), ("empty_cache", lambda: None),
+                     # the host keeps no allocator statistics: verl logs them as perf/* metrics
+                     ("max_memory_allocated", lambda *a: 0), ("max_memory_reserved", lambda *a: 0),
+                     ("memory_allocated", lambda *a: 0), ("memory_reserved", lambda *a: 0)):
         if not hasattr(torch.cpu, name):
             setattr(torch.cpu, name, fn)
     original = module.get_nccl_backend
