@@ -8,13 +8,14 @@ e2e_site/sitecustomize.py (see there).
 
 Also a script, to make the figures of docs/end-to-end.md:
     WEIGHTSYNC_VERL_SRC=<tree> <venv>/bin/python tests/verl_source/e2e_run.py <out dir> [steps]
-writes <out dir>/metrics.jsonl (verl's file logger: one line per step) and run.log.
+writes <out dir>/run.log and metrics.jsonl (verl's per-step metrics, parsed from its console log).
 """
 
 from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 import time
@@ -76,6 +77,9 @@ def overrides(work: Path, steps: int, name: str) -> list[str]:
         "actor_rollout_ref.rollout.load_format=safetensors", "actor_rollout_ref.rollout.tensor_model_parallel_size=1",
         "rollout.n_gpus_per_node=1", "rollout.nnodes=1", "trainer.nnodes=1",
         "actor_rollout_ref.rollout.calculate_log_probs=True",  # rollout log-probs on: verl's mismatch metrics
+        # the recipe's yaml sets bypass mode (old_log_prob := the rollout's log-probs); decoupled
+        # mode has the actor recompute old_log_prob, which verl then compares with the rollout's
+        "algorithm.rollout_correction.bypass_mode=False",
         "actor_rollout_ref.rollout.enable_prefix_caching=True",
         # ... sized down for 2 CPU cores: device, ranks, model, data, lengths
         "trainer.device=cpu", "trainer.n_gpus_per_node=2",
@@ -94,7 +98,7 @@ def overrides(work: Path, steps: int, name: str) -> list[str]:
         "actor_rollout_ref.actor.use_kl_loss=False", "algorithm.use_kl_in_reward=False",
         f"custom_reward_function.path={HERE / 'e2e_reward.py'}", "custom_reward_function.name=compute_score",
         f"trainer.total_training_steps={steps}", "trainer.total_epochs=1", "trainer.val_before_train=False",
-        "trainer.test_freq=-1", "trainer.save_freq=-1", "trainer.logger=[console,file]",
+        "trainer.test_freq=-1", "trainer.save_freq=-1", "trainer.logger=[console]",
         "trainer.project_name=weightsync-e2e", f"trainer.experiment_name={name}",
         f"trainer.default_local_dir={work / 'checkpoints'}",
         # Ray: logical resources: the task runner asks 10 CPUs, each rank a bundle of {CPU: 3, cpu: 1}
@@ -113,10 +117,9 @@ def run(src: str, work: Path, steps: int = 5, timeout: float = 1800,
     work.mkdir(parents=True, exist_ok=True)
     name = f"e2e-{os.getpid()}-{int(time.time())}"
     args = overrides(work, steps, name)
-    metrics = work / "metrics.jsonl"
     env = {k: v for k, v in os.environ.items() if not k.startswith("WEIGHTSYNC_")}
     env.update(PYTHONPATH=os.pathsep.join([str(HERE / "e2e_site"), env.get("PYTHONPATH", "")]).rstrip(os.pathsep),
-               VERL_FILE_LOGGER_PATH=str(metrics), VLLM_CPU_KVCACHE_SPACE="1", TOKENIZERS_PARALLELISM="false",
+               VLLM_CPU_KVCACHE_SPACE="1", TOKENIZERS_PARALLELISM="false",
                RAY_DEDUP_LOGS="0", **(extra_env or {}))
     t0 = time.perf_counter()
     with open(work / "run.log", "w") as log:
@@ -126,9 +129,25 @@ def run(src: str, work: Path, steps: int = 5, timeout: float = 1800,
     if proc.returncode != 0:
         tail = (work / "run.log").read_text()[-6000:]
         raise RuntimeError(f"the run exited {proc.returncode} after {wall:.0f} s; log {work / 'run.log'}:\n{tail}")
-    # verl's FileLogger writes {"step": s, "data": {metric: value}} per step
-    rows = [json.loads(line) for line in metrics.read_text().splitlines() if line.strip()]
-    return [{"step": r["step"], **r["data"]} for r in rows], wall
+    rows = parse_console((work / "run.log").read_text())
+    (work / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return rows, wall
+
+
+def parse_console(log: str) -> list[dict]:
+    """verl's per-step metrics from its console logger: ``step:<s> - <key>:<value> - ...``
+    (its file logger cannot write this run's metrics: one of them is a tensor, not JSON)."""
+    rows = []
+    for match in re.finditer(r"step:(\d+) - (.*)", log):
+        row: dict = {"step": int(match.group(1))}
+        for item in match.group(2).split(" - "):
+            key, _, value = item.strip().rpartition(":")
+            try:
+                row[key] = float(value)
+            except ValueError:
+                row[key] = value
+        rows.append(row)
+    return rows
 
 
 def main() -> None:
