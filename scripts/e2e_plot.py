@@ -37,7 +37,7 @@ def table(rows: list[dict]) -> str:
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for r in rows:
         t = {k: r.get(f"timing_s/{k}", float("nan")) for k, _ in TIMINGS}
-        cells = [str(r["step"]), str(r.get("weightsync/batch_version")), f"{reward(r):.3f}",
+        cells = [str(r["step"]), f"{r.get('weightsync/batch_version', float('nan')):.0f}", f"{reward(r):.3f}",
                  f"{r.get('e2e/rollout_logprob_diff_max', float('nan')):.2e}",
                  *(f"{t[k]:.2f}" for k, _ in TIMINGS), f"{t['sync_rollout_weights'] / t['step']:.1%}"]
         lines.append("| " + " | ".join(cells) + " |")
@@ -57,8 +57,8 @@ def plot(rows: list[dict], out: Path) -> None:
     ax2.semilogy(steps, [r["e2e/rollout_logprob_diff_max"] for r in rows], marker="o", label="log-prob, max abs")
     ax2.semilogy(steps, [r["training/rollout_probs_diff_max"] for r in rows], marker="s",
                  label="verl rollout_probs_diff_max")
-    ax2.axhline(1e-3, color="red", linestyle="--", label="bound 1e-3")
-    ax2.set(title="rollout vs actor (old_log_prob)", xlabel="step", ylabel="abs diff")
+    ax2.axhline(1e-3, color="red", linestyle="--", label="1e-3")
+    ax2.set(title="rollout vs actor old_log_prob", xlabel="step", ylabel="abs diff")
     ax2.legend(fontsize=8)
     for ax in (ax1, ax2):
         ax.set_xticks(steps)
