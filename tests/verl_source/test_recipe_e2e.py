@@ -27,7 +27,7 @@ def _real_vllm() -> bool:
     return importlib.util.find_spec("vllm") is not None and importlib.util.find_spec("vllm._C") is not None
 
 
-@pytest.mark.timeout(2400)  # ~6 min on a quiet 2-core VM: Ray, 6 processes importing torch, verl and vLLM
+@pytest.mark.timeout(2400)  # 347 s on the loaded 2-core VM: Ray, 6 processes importing torch, verl, vLLM
 @pytest.mark.skipif(not _real_vllm(), reason="needs vLLM's CPU engine in this venv: "
                     "WEIGHTSYNC_VERL_VLLM=cpu scripts/verl_source.sh ccd7d934 <dir>")
 def test_user_run_end_to_end_with_verls_vllm_server(tmp_path: Path):
