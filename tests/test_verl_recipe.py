@@ -101,6 +101,7 @@ def test_recipe_syncs_versions_bit_exactly_and_bounds_staleness(groups):
         for step in range(1, 5):
             metrics, _, _, batch, _ = asyncio.run(pending)
             assert batch.meta_info["weight_version"] == step - 1  # generated with the previous version
+            assert metrics["weightsync/batch_version"] == step - 1  # and logged with the step's metrics
             actor_wg.set_version(step)
             out = trainer.sync_rollout_weights()
             assert out["weightsync/version"] == step and out["weightsync/gbps"] > 0

@@ -144,6 +144,8 @@ class WeightSyncTrainerMixin:
         result = await pending
         if isinstance(result, tuple) and result and isinstance(result[0], dict):
             result[0].update(self.weightsync_metrics)  # verl 0.7: (metrics, timing, epoch, batch, ...)
+            if version is not None:  # the batch's tag in verl's per-step log (one-step-off: step - 1)
+                result[0]["weightsync/batch_version"] = version
         return stamp_all(result, version) if result is not None else None
 
     def weightsync_status(self) -> str:
