@@ -12,6 +12,7 @@ cache=.conformance-cache
 # file  sha256  unpacked as <package>-<version>
 dists=(
     "torch_npu-2.7.1-cp311-cp311-manylinux_2_28_x86_64.whl f785e2e2c75d4e4dc80c33e6f389d333deed021c7a015b91aa839df4fcec75de torch_npu-2.7.1"
+    "vllm_ascend-0.10.0rc1.tar.gz b3cef184a3d3c67b151d2679b9906310122ff8510d2821117de48a76d939a9b7 vllm_ascend-0.10.0rc1"
     "vllm_ascend-0.11.0rc1.tar.gz c34b592c82bf244c05cf96cbca527dc178da4332c6c912af7b7e681a0456da70 vllm_ascend-0.11.0rc1"
     "vllm-0.10.1.tar.gz 99d00498f25b94767bb2696e88feb67730677dae605c9b8af99492dc3c34492d vllm-0.10.1"
     "vllm-0.11.0.tar.gz f435a64c24e9c4178d657a76f8edd8548ddc444012f7d06a9f79ac3a6392bfae vllm-0.11.0"

@@ -17,8 +17,11 @@ from source_index import Sym, Tree, dotted_name
 
 REPO = Path(__file__).resolve().parents[2]
 OURS = [REPO / "weightsync", REPO / "integrations" / "verl" / "weightsync_verl"]
-# package -> the versions checked, each a directory <package>-<version> with the package inside
-VERSIONS = {"torch_npu": ["2.7.1"], "vllm_ascend": ["0.11.0rc1"], "vllm": ["0.10.1", "0.11.0"]}
+# package -> the versions checked, each a directory <package>-<version> with the package inside:
+# the stack docs/index.md installs (torch_npu 2.7.1, vLLM 0.11.0, vllm-ascend 0.11.0rc1) and the
+# official Ascend verl image's (vLLM 0.10.1 = commit 38217877aa, vllm-ascend 0.10.0 = 1de16ead8e,
+# on the package index as 0.10.0rc1)
+VERSIONS = {"torch_npu": ["2.7.1"], "vllm_ascend": ["0.10.0rc1", "0.11.0rc1"], "vllm": ["0.10.1", "0.11.0"]}
 SOURCES = Path(os.environ.get("WEIGHTSYNC_CONFORMANCE_DIR", REPO / ".conformance-cache" / "src"))
 
 pytestmark = pytest.mark.skipif(
