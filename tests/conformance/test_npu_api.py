@@ -24,8 +24,11 @@ OURS = [REPO / "weightsync", REPO / "integrations" / "verl" / "weightsync_verl"]
 VERSIONS = {"torch_npu": ["2.7.1"], "vllm_ascend": ["0.10.0rc1", "0.11.0rc1"], "vllm": ["0.10.1", "0.11.0"]}
 SOURCES = Path(os.environ.get("WEIGHTSYNC_CONFORMANCE_DIR", REPO / ".conformance-cache" / "src"))
 
-pytestmark = pytest.mark.skipif(
-    not all((SOURCES / f"{p}-{v}" / p).is_dir() for p, vs in VERSIONS.items() for v in vs),
+# skipped in the main run where nothing was downloaded; where the tier names the directory
+# (WEIGHTSYNC_CONFORMANCE_DIR), missing sources fail instead of passing unchecked
+needs_sources = pytest.mark.skipif(
+    "WEIGHTSYNC_CONFORMANCE_DIR" not in os.environ
+    and not all((SOURCES / f"{p}-{v}" / p).is_dir() for p, vs in VERSIONS.items() for v in vs),
     reason="package sources absent (bash scripts/tiers/conformance.sh downloads them)")
 
 
@@ -171,6 +174,7 @@ def test_our_uses_are_found():
     assert packages == set(VERSIONS), packages
 
 
+@needs_sources
 @pytest.mark.parametrize("package,version", [(p, v) for p, vs in VERSIONS.items() for v in vs])
 def test_every_use_exists_and_fits_the_signature(package, version, capsys):
     tree = trees()[(package, version)]
@@ -198,6 +202,7 @@ def test_every_use_exists_and_fits_the_signature(package, version, capsys):
     assert not problems, "\n".join(problems)
 
 
+@needs_sources
 def test_ipc_handle_layout_matches_torch_npu():
     """What torch_npu's reduce_tensor returns for an NPU tensor is what ipc_wire unpacks:
     (rebuild_npu_tensor, args) with args named and ordered as HANDLE_ARGS."""
@@ -232,6 +237,7 @@ def f(device, t, store):
 '''
 
 
+@needs_sources
 def test_a_misspelt_name_or_a_wrong_signature_fails_naming_symbol_and_version(tmp_path):
     pkg = tmp_path / "broken"
     pkg.mkdir()
