@@ -17,6 +17,11 @@ def _missing(module: str) -> bool:
         return True
 
 
+def pytest_addoption(parser):
+    parser.addoption("--vllm-release", default=None,
+                     help="the vLLM release this venv must hold (scripts/tiers/vllm*.sh pass it)")
+
+
 def pytest_report_header(config):
     if _missing("vllm.model_executor"):
         return None
