@@ -271,3 +271,19 @@ def test_no_device_api_is_reached_through_a_computed_name():
                         and node.args[1].attr == "type":
                     hidden.append(f"{path.name}:{node.lineno}")
     assert not hidden, hidden
+
+
+def test_ipc_handle_layout_matches_the_installed_torch_for_cuda():
+    """The CUDA side of the same contract, against the torch installed here: ipc_wire passes
+    HANDLE_ARGS by keyword to rebuild_cuda_tensor, and unpacks what reduce_tensor returns."""
+    import inspect
+
+    from torch.multiprocessing import reductions
+
+    from weightsync.transports.ipc_wire import HANDLE_ARGS
+
+    assert tuple(inspect.signature(reductions.rebuild_cuda_tensor).parameters) == HANDLE_ARGS
+    source = ast.parse(inspect.getsource(reductions.reduce_tensor))
+    shapes = [len(r.value.elts[1].elts) for r in ast.walk(source) if isinstance(r, ast.Return)
+              and isinstance(r.value, ast.Tuple) and dotted_name(r.value.elts[0]) == "rebuild_cuda_tensor"]
+    assert shapes == [len(HANDLE_ARGS)], shapes
