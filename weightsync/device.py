@@ -116,17 +116,17 @@ def synchronize_device(device: torch.device) -> None:
         torch.npu.synchronize(device)
 
 
-def record_event(device: torch.device) -> Any:
+def record_event(device: torch.device) -> torch.cuda.Event | torch.npu.Event:
     """An event recorded on ``device``'s current stream: done once the work queued before it is."""
     if device.type == "cuda":
-        event = torch.cuda.Event()
-        event.record(torch.cuda.current_stream(device))
-    elif device.type == "npu":
-        event = torch.npu.Event()
-        event.record(torch.npu.current_stream(device))
-    else:
-        raise ValueError(f"no events on {device}")
-    return event
+        cuda_event = torch.cuda.Event()
+        cuda_event.record(torch.cuda.current_stream(device))
+        return cuda_event
+    if device.type == "npu":
+        npu_event = torch.npu.Event()
+        npu_event.record(torch.npu.current_stream(device))
+        return npu_event
+    raise ValueError(f"no events on {device}")
 
 
 class EventWork:
