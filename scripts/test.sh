@@ -6,7 +6,7 @@
 # Tiers: each scripts/tiers/<name>.sh builds a venv of its own (real third-party code whose pins
 # differ from the main venv's: vLLM's model code, vLLM's CPU engine, ...) and runs its tests.
 # Without arguments every tier runs; with arguments none, unless named. WEIGHTSYNC_TIERS picks
-# them ("vllm gen", or "none"); WEIGHTSYNC_VLLM_TIER=0 still leaves out the vllm tier.
+# them ("vllm gen", or "none"); WEIGHTSYNC_VLLM_TIER=0 still leaves out the vllm tiers (0.11.0, 0.10.1).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh dev,verl
@@ -25,7 +25,7 @@ deactivate
 
 all_tiers=$(cd scripts/tiers && ls ./*.sh | sed 's|^\./||; s|\.sh$||' | sort | tr '\n' ' ')
 tiers="${WEIGHTSYNC_TIERS:-$([ $# -eq 0 ] && echo "$all_tiers" || echo none)}"
-[ "${WEIGHTSYNC_VLLM_TIER:-}" = "0" ] && tiers=$(echo " $tiers " | sed 's/ vllm / /')
+[ "${WEIGHTSYNC_VLLM_TIER:-}" = "0" ] && tiers=$(echo " $tiers " | sed 's/ vllm / /; s/ vllm-0.10 / /')
 [ "${WEIGHTSYNC_VLLM_TIER:-}" = "1" ] && [ "$tiers" = "none" ] && tiers=vllm
 failed=""
 for tier in $tiers; do

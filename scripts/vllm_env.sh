@@ -4,6 +4,9 @@
 # the real Python model code), transformers<5, and weightsync (editable) with its dev extra.
 # A venv of its own because vLLM's pins differ from the verl extra's.
 #
+# WEIGHTSYNC_VLLM_VERSION picks the vLLM release (default 0.11.0): 0.10.1 is the one inside the
+# official Ascend verl image (vLLM commit 38217877aa); its venv is .venv-vllm-0.10.1.
+#
 # Idempotent: a stamp records what was installed; when it matches, this returns in about a
 # second. Prints the venv's python on its last line.
 #
@@ -17,11 +20,16 @@
 # wrong RoPE base.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-venv="${WEIGHTSYNC_VLLM_VENV:-.venv-vllm}"
+version="${WEIGHTSYNC_VLLM_VERSION:-0.11.0}"
+case "$version" in  # the sdists' sha256 on PyPI, pinned
+    0.11.0) vllm_sha="f435a64c24e9c4178d657a76f8edd8548ddc444012f7d06a9f79ac3a6392bfae"; default_venv=.venv-vllm ;;
+    0.10.1) vllm_sha="99d00498f25b94767bb2696e88feb67730677dae605c9b8af99492dc3c34492d"; default_venv=.venv-vllm-0.10.1 ;;
+    *) echo "vllm_env.sh: no pinned sdist for vLLM $version (0.11.0, 0.10.1)" >&2; exit 2 ;;
+esac
+venv="${WEIGHTSYNC_VLLM_VENV:-$default_venv}"
 python="${PYTHON:-python3}"
 torch_spec="${WEIGHTSYNC_TORCH:-torch==2.13.0}"
-vllm_sha="f435a64c24e9c4178d657a76f8edd8548ddc444012f7d06a9f79ac3a6392bfae"
-stamp_key="vllm=0.11.0 sha=${vllm_sha} torch=${torch_spec} pyproject=$(sha256sum pyproject.toml | cut -c1-16)"
+stamp_key="vllm=${version} sha=${vllm_sha} torch=${torch_spec} pyproject=$(sha256sum pyproject.toml | cut -c1-16)"
 stamp="$venv/.weightsync-vllm-stamp"
 
 if [ -f "$stamp" ] && [ "$(cat "$stamp")" = "$stamp_key" ] && [ -x "$venv/bin/python" ]; then
@@ -36,7 +44,7 @@ constraints="$venv/constraints.txt"
 printf '%s\ntransformers<5\n' "$torch_spec" > "$constraints"
 $pip_q -c "$constraints" "$torch_spec"
 $pip_q -c "$constraints" "setuptools>=77.0.3,<80" "setuptools-scm>=8" wheel packaging jinja2
-vllm_url=$(python scripts/sdist_url.py vllm-0.11.0.tar.gz "$vllm_sha")
+vllm_url=$(python scripts/sdist_url.py "vllm-${version}.tar.gz" "$vllm_sha")
 VLLM_TARGET_DEVICE=empty $pip_q -c "$constraints" --no-build-isolation "vllm @ ${vllm_url}#sha256=${vllm_sha}"
 $pip_q -c "$constraints" -e ".[dev]"
 python -c "import vllm, torch, transformers, weightsync; print('vllm', vllm.__version__, 'torch', torch.__version__, 'transformers', transformers.__version__)" >&2

@@ -90,6 +90,15 @@ def backend_for(kind: str) -> str:
     return BACKENDS.get(kind, "gloo")
 
 
+def current_stream(device: torch.device) -> Any:
+    """The calling thread's current stream on an accelerator ``device``."""
+    if device.type == "cuda":
+        return torch.cuda.current_stream(device)
+    if device.type == "npu":
+        return torch.npu.current_stream(device)
+    raise ValueError(f"no streams on {device}")
+
+
 def synchronize(device: torch.device) -> None:
     """Wait for the work queued on ``device``'s current stream (no-op on CPU): what a
     bucket's copies wrote is visible to another process only after this."""
@@ -97,6 +106,51 @@ def synchronize(device: torch.device) -> None:
         torch.cuda.current_stream(device).synchronize()
     elif device.type == "npu":
         torch.npu.current_stream(device).synchronize()
+
+
+def synchronize_device(device: torch.device) -> None:
+    """Wait for every stream of ``device`` (no-op on CPU)."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    elif device.type == "npu":
+        torch.npu.synchronize(device)
+
+
+def record_event(device: torch.device) -> torch.cuda.Event | torch.npu.Event:
+    """An event recorded on ``device``'s current stream: done once the work queued before it is."""
+    if device.type == "cuda":
+        cuda_event = torch.cuda.Event()
+        cuda_event.record(torch.cuda.current_stream(device))
+        return cuda_event
+    if device.type == "npu":
+        npu_event = torch.npu.Event()
+        npu_event.record(torch.npu.current_stream(device))
+        return npu_event
+    raise ValueError(f"no events on {device}")
+
+
+class EventWork:
+    """Work enqueued on ``device``'s current stream, seen through an event recorded after it
+    (the ``is_completed`` / ``wait`` of a torch.distributed Work)."""
+
+    def __init__(self, device: torch.device):
+        self.event = record_event(device)
+
+    def is_completed(self) -> bool:
+        return bool(self.event.query())
+
+    def wait(self) -> None:
+        self.event.synchronize()
+
+
+ACL_FORMAT_ND = 2  # torch_npu's Format.ND: the plain layout; FRACTAL_NZ & co. are private
+
+
+def npu_format(t: torch.Tensor) -> int:
+    """The storage format torch_npu keeps ``t`` in (an int; torch_npu >= 2.7 wraps it in an IntEnum)."""
+    import torch_npu
+
+    return int(torch_npu.get_npu_format(t))
 
 
 _HOST_REGISTER_READ_ONLY = 0x08  # cudaHostRegisterReadOnly: receivers map segments read-only

@@ -3,5 +3,6 @@
 # Arguments go to pytest.
 set -euo pipefail
 cd "$(dirname "$0")/../.."
-vpython=$(bash scripts/vllm_env.sh | tail -n 1)
-"$vpython" -m pytest tests/vllm_tier "$@"
+# not exported: every WEIGHTSYNC_* variable in the tests' environment is read as a config key
+vpython=$(WEIGHTSYNC_VLLM_VERSION=0.11.0 bash scripts/vllm_env.sh | tail -n 1)
+"$vpython" -m pytest tests/vllm_tier --vllm-release=0.11.0 "$@"

@@ -1,5 +1,6 @@
-"""The vllm tier: real vLLM 0.11.0 model code (scripts/vllm_env.sh builds its venv; the
-README's test command runs it). Skipped where vLLM is not installed (the main venv)."""
+"""The vllm tiers: real vLLM model code, 0.11.0 (tier "vllm") and 0.10.1, the Ascend verl
+image's (tier "vllm-0.10"); scripts/vllm_env.sh builds their venvs and the README's test
+command runs both. Skipped where vLLM is not installed (the main venv)."""
 
 from __future__ import annotations
 
@@ -14,6 +15,19 @@ def _missing(module: str) -> bool:
         return importlib.util.find_spec(module) is None
     except ModuleNotFoundError:
         return True
+
+
+def pytest_addoption(parser):
+    parser.addoption("--vllm-release", default=None,
+                     help="the vLLM release this venv must hold (scripts/tiers/vllm*.sh pass it)")
+
+
+def pytest_report_header(config):
+    if _missing("vllm.model_executor"):
+        return None
+    from importlib.metadata import version
+
+    return f"vllm tier: vLLM {version('vllm')}"
 
 
 def pytest_collection_modifyitems(config, items):

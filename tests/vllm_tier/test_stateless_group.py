@@ -1,6 +1,6 @@
-"""The pyhccl / pynccl constructions' rendezvous on CPU: vLLM 0.11.0's real
-StatelessProcessGroup, built by weightsync.transports.groups on the session's store (the
-sender hosts it, receivers dial the address the coordinator hands out), across real
+"""The pyhccl / pynccl constructions' rendezvous on CPU: vLLM's real StatelessProcessGroup
+(0.11.0; 0.10.1 in tier vllm-0.10), built by weightsync.transports.groups on the session's
+store (the sender hosts it, receivers dial the address the coordinator hands out), across real
 processes. The communicators themselves need an NPU / a GPU (tests/test_groups.py)."""
 
 from __future__ import annotations

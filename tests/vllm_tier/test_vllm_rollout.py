@@ -1,10 +1,11 @@
-"""Trainer-side Hugging Face Qwen2ForCausalLM -> rollout-side real vLLM 0.11.0
-Qwen2ForCausalLM, in separate Ray actors, through VllmTarget.from_rollout + WeightReceiver,
-over every transport; bf16, tied and untied embeddings, 3 versions each.
+"""Trainer-side Hugging Face Qwen2ForCausalLM -> rollout-side real vLLM Qwen2ForCausalLM
+(0.11.0; 0.10.1 in tier vllm-0.10), in separate Ray actors, through VllmTarget.from_rollout +
+WeightReceiver, over every transport; bf16, tied and untied embeddings, 3 versions each.
 
 What vLLM must hold after version v is derived from the trainer's tensors by the fusion
-vLLM's Qwen2 loader documents (stacked_params_mapping at 0.11.0): qkv_proj = cat(q, k, v),
-gate_up_proj = cat(gate, up), everything else by name, lm_head only when untied."""
+vLLM's Qwen2 loader documents (stacked_params_mapping, the same at 0.10.1 and 0.11.0):
+qkv_proj = cat(q, k, v), gate_up_proj = cat(gate, up), everything else by name, lm_head only
+when untied."""
 
 from __future__ import annotations
 

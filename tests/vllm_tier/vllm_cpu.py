@@ -1,4 +1,4 @@
-"""Real vLLM 0.11.0 model code on a CPU: the rollout side of the vllm tier.
+"""Real vLLM model code (0.11.0, or 0.10.1 in tier vllm-0.10) on a CPU: the rollout side of the vllm tiers.
 
 vLLM installed with ``VLLM_TARGET_DEVICE=empty`` (scripts/vllm_env.sh) has its Python model
 code but no kernels and no platform of its own here; on Ascend, vllm-ascend's platform plugin
@@ -44,7 +44,8 @@ def _free_port() -> int:
 def build(hf_config: dict[str, Any], dtype: str = "bfloat16") -> SimpleNamespace:
     """A real vLLM model of ``hf_config`` with dummy weights, inside a stand-in of the objects
     verl's rollout holds it in (``inference_engine.worker.model_runner.model``: vLLM's
-    WorkerWrapperBase -> V1 Worker -> GPUModelRunner at 0.11.0, which need a device to exist).
+    WorkerWrapperBase -> V1 Worker -> GPUModelRunner at 0.10.1 and 0.11.0 alike, which need a
+    device to exist; on Ascend vllm-ascend's NPUWorker -> NPUModelRunner sit there).
     Returns ``SimpleNamespace(rollout=..., model=..., runner=...)``."""
     use_cpu_platform()
     import torch

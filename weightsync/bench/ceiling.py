@@ -17,6 +17,8 @@ from typing import Any
 import numpy as np
 import torch
 
+from .. import device as devices
+
 
 def _best(fn: Callable[[], None], repeats: int, sync: Callable[[], None] = lambda: None) -> float:
     fn()  # first touch: page faults and lazy allocation are not copy bandwidth
@@ -78,8 +80,7 @@ def device_ceilings(nbytes: int, device: torch.device, repeats: int = 5) -> dict
     """Device-to-device and (pinned) host-to-device copies on an accelerator."""
     if device.type == "cpu":
         return {}
-    mod = getattr(torch, device.type)
-    sync = lambda: mod.synchronize(device)  # noqa: E731
+    sync = lambda: devices.synchronize_device(device)  # noqa: E731
     out: dict[str, Any] = {}
     a = torch.empty(nbytes, dtype=torch.uint8, device=device)
     b = torch.empty(nbytes, dtype=torch.uint8, device=device)

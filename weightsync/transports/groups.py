@@ -30,13 +30,18 @@ import threading
 import time
 import zlib
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
 
 from .. import device as devices
 from ..errors import ConfigError, DeadlineExceeded, ProtocolError
+
+if TYPE_CHECKING:  # the types below let tests/conformance check each use against these classes' source
+    from vllm.distributed.device_communicators.pynccl import PyNcclCommunicator
+    from vllm.distributed.utils import StatelessProcessGroup
+    from vllm_ascend.distributed.device_communicators.pyhccl import PyHcclCommunicator
 
 DEVICE_OF_BACKEND = {b: kind for kind, b in devices.BACKENDS.items() if b != "gloo"}
 # the constructions each backend has, preferred first
@@ -202,13 +207,13 @@ def new_process_group(backend: str, store: Any, rank: int, size: int, timeout: d
             from torch_npu._C._distributed_c10d import ProcessGroupHCCL
         except ImportError as exc:
             raise ConfigError(f"backend 'hccl' needs torch_npu: {exc}") from None
-        opts = ProcessGroupHCCL.Options()
-        opts._timeout = timeout
-        return ProcessGroupHCCL(store, rank, size, opts)
+        hccl_opts = ProcessGroupHCCL.Options()
+        hccl_opts._timeout = timeout
+        return ProcessGroupHCCL(store, rank, size, hccl_opts)
     raise ConfigError(f"unknown collective backend {backend!r}")
 
 
-def stateless_group(store: Any, rank: int, size: int) -> Any:
+def stateless_group(store: Any, rank: int, size: int) -> StatelessProcessGroup:
     """vLLM's StatelessProcessGroup on our (prefixed) store, not on a store of its own."""
     from vllm.distributed.utils import StatelessProcessGroup
 
@@ -229,49 +234,37 @@ class _TorchComm:
         self.pg.abort()
 
 
-class EventWork:
-    """A broadcast enqueued on a device stream, seen through an event recorded after it: the
-    transport polls ``is_completed`` against its deadline (these communicators have none)."""
-
-    def __init__(self, device: torch.device):
-        api = getattr(torch, device.type)
-        self.event = api.Event()
-        self.event.record(api.current_stream(device))
-
-    def is_completed(self) -> bool:
-        return bool(self.event.query())
-
-    def wait(self) -> None:
-        self.event.synchronize()
-
-
 class _StatelessComm:
     def __init__(self, name: str, store: Any, rank: int, size: int, device: torch.device):
         module, cls = _STATELESS[name]
-        communicator = getattr(importlib.import_module(module), cls)
+        communicator: type[PyHcclCommunicator | PyNcclCommunicator] = getattr(importlib.import_module(module), cls)
         self.name, self.device, self.group = name, device, stateless_group(store, rank, size)
         # rank 0 makes the unique id and broadcast_obj()s it through our store; then the
         # communicator's init and warm-up all_reduce block until every rank is in them
-        self.comm = communicator(self.group, device=device)
+        self.comm: PyHcclCommunicator | PyNcclCommunicator = communicator(self.group, device=device)
         if getattr(self.comm, "disabled", False) or not getattr(self.comm, "available", True):
             # both classes disable themselves silently when the library does not load, and a
             # disabled one's broadcast() returns without moving a byte
             raise ConfigError(f"communicator '{name}': {cls} disabled itself on {device} (its library did not "
                               f"load); choose communicator: {'torch_npu' if name == 'pyhccl' else 'torch'}")
 
-    def broadcast(self, tensor: torch.Tensor, timeout: float) -> EventWork:
-        stream = getattr(torch, self.device.type).current_stream(self.device)
-        self.comm.broadcast(tensor, src=0, stream=stream)
-        return EventWork(self.device)
+    def broadcast(self, tensor: torch.Tensor, timeout: float) -> devices.EventWork:
+        self.comm.broadcast(tensor, src=0, stream=devices.current_stream(self.device))
+        # the transport polls the event against its deadline (these communicators have none)
+        return devices.EventWork(self.device)
 
     def abort(self) -> None:
         # called only once the group's ops ended: destroying a communicator with ops in
         # flight is undefined, so a stuck one is left to the process's exit
-        lib = getattr(self.comm, "hccl", None) or getattr(self.comm, "nccl", None)
-        destroy = getattr(lib, "hcclCommDestroy", None) or getattr(lib, "ncclCommDestroy", None)
-        if destroy is not None and getattr(self.comm, "comm", None) is not None:
-            destroy(self.comm.comm)
-            self.comm.comm = None
+        if getattr(self.comm, "comm", None) is None:  # a disabled communicator has none
+            return
+        if self.name == "pyhccl":
+            hccl: PyHcclCommunicator = self.comm
+            hccl.hccl.hcclCommDestroy(hccl.comm)
+        else:
+            nccl: PyNcclCommunicator = self.comm
+            nccl.nccl.ncclCommDestroy(nccl.comm)
+        self.comm.comm = None
 
 
 class Group:

@@ -40,6 +40,12 @@ _REBUILD = {
     "npu": ("torch_npu.multiprocessing.reductions", "rebuild_npu_tensor"),
 }
 
+# what reduce_tensor returns for a device tensor: the arguments of torch's rebuild_cuda_tensor
+# and torch_npu's rebuild_npu_tensor, by their parameter names (tests/conformance checks both)
+HANDLE_ARGS = ("tensor_cls", "tensor_size", "tensor_stride", "tensor_offset", "storage_cls", "dtype",
+               "storage_device", "storage_handle", "storage_size_bytes", "storage_offset_bytes", "requires_grad",
+               "ref_counter_handle", "ref_counter_offset", "event_handle", "event_sync_required")
+
 
 def export_handle(t: torch.Tensor) -> dict[str, Any]:
     """A device tensor's IPC handle as msgpack-safe data."""
@@ -50,15 +56,19 @@ def export_handle(t: torch.Tensor) -> dict[str, Any]:
     if (getattr(rebuild, "__module__", ""), getattr(rebuild, "__name__", "")) != _REBUILD.get(kind):
         raise ProtocolError(f"ipc: {kind} tensors reduce through {rebuild!r}, not an IPC handle this version "
                             f"of weightsync knows; use transport 'shm'")
-    (_cls, size, stride, offset, storage_cls, dtype, dev, handle, nbytes, storage_offset,
-     _grad, ref_handle, ref_offset, event, event_sync) = args
+    if len(args) != len(HANDLE_ARGS):
+        raise ProtocolError(f"ipc: {rebuild.__name__} takes {len(args)} arguments here, not the {len(HANDLE_ARGS)} "
+                            f"this version of weightsync knows; use transport 'shm'")
+    a = dict(zip(HANDLE_ARGS, args))
+    ref, event = a["ref_counter_handle"], a["event_handle"]
     return {
-        "kind": kind, "physical": devices.physical_index(torch.device(kind, int(dev))),
-        "size": [int(x) for x in size], "stride": [int(x) for x in stride], "offset": int(offset),
-        "typed": storage_cls is torch.storage.TypedStorage, "dtype": dtype_name(dtype),
-        "handle": bytes(handle), "storage_bytes": int(nbytes), "storage_offset": int(storage_offset),
-        "ref_handle": None if ref_handle is None else bytes(ref_handle), "ref_offset": int(ref_offset or 0),
-        "event": None if event is None else bytes(event), "event_sync": bool(event_sync),
+        "kind": kind, "physical": devices.physical_index(torch.device(kind, int(a["storage_device"]))),
+        "size": [int(x) for x in a["tensor_size"]], "stride": [int(x) for x in a["tensor_stride"]],
+        "offset": int(a["tensor_offset"]), "typed": a["storage_cls"] is torch.storage.TypedStorage,
+        "dtype": dtype_name(a["dtype"]), "handle": bytes(a["storage_handle"]),
+        "storage_bytes": int(a["storage_size_bytes"]), "storage_offset": int(a["storage_offset_bytes"]),
+        "ref_handle": None if ref is None else bytes(ref), "ref_offset": int(a["ref_counter_offset"] or 0),
+        "event": None if event is None else bytes(event), "event_sync": bool(a["event_sync_required"]),
     }
 
 
@@ -86,21 +96,20 @@ def import_handle(h: dict[str, Any]) -> torch.Tensor:
     size = [int(x) for x in _field(h, "size", list)]
     stride = [int(x) for x in _field(h, "stride", list)]
     return rebuild(
-        torch.Tensor, torch.Size(size), tuple(stride), ints[0],
-        torch.storage.TypedStorage if _field(h, "typed", bool) else torch.UntypedStorage,
-        dtype_of(_field(h, "dtype", str)), local, _field(h, "handle", bytes), ints[1], ints[2], False,
-        _field(h, "ref_handle", (bytes, type(None))), ints[3], _field(h, "event", (bytes, type(None))),
-        _field(h, "event_sync", bool),
+        tensor_cls=torch.Tensor, tensor_size=torch.Size(size), tensor_stride=tuple(stride), tensor_offset=ints[0],
+        storage_cls=torch.storage.TypedStorage if _field(h, "typed", bool) else torch.UntypedStorage,
+        dtype=dtype_of(_field(h, "dtype", str)), storage_device=local, storage_handle=_field(h, "handle", bytes),
+        storage_size_bytes=ints[1], storage_offset_bytes=ints[2], requires_grad=False,
+        ref_counter_handle=_field(h, "ref_handle", (bytes, type(None))), ref_counter_offset=ints[3],
+        event_handle=_field(h, "event", (bytes, type(None))), event_sync_required=_field(h, "event_sync", bool),
     )
 
 
 def check_nd(t: torch.Tensor) -> None:
     if t.device.type != "npu":
         return
-    import torch_npu
-
-    fmt = torch_npu.get_npu_format(t)
-    if fmt != 2:  # ACL_FORMAT_ND
+    fmt = devices.npu_format(t)
+    if fmt != devices.ACL_FORMAT_ND:
         raise CapacityError(f"ipc: the bucket buffer has NPU format {fmt}, not ND; FRACTAL_NZ and other private "
                             f"formats cannot be shared by handle (set VLLM_ASCEND_ENABLE_NZ=0)")
 
