@@ -60,6 +60,8 @@ def overrides(work: str, model: str, steps: int, transport: str) -> list[str]:
         "actor_rollout_ref.rollout.agent.num_workers=1",
         # vLLM's CPU default of 128-token blocks never fills one on these prompts (nothing cached)
         "+actor_rollout_ref.rollout.engine_kwargs.vllm.block_size=16",
+        # verl's update path cannot load into oneDNN-packed linears (see vllm_cpu_extension.py)
+        "+actor_rollout_ref.rollout.engine_kwargs.vllm.worker_extension_cls=vllm_cpu_extension.Extension",
         "trainer.device=cpu", "trainer.nnodes=1", "trainer.n_gpus_per_node=2",
         "rollout.nnodes=1", "rollout.n_gpus_per_node=1",
         f"trainer.total_training_steps={steps}", "trainer.val_before_train=False", "trainer.test_freq=-1",
