@@ -1,34 +1,38 @@
 """What a user brings to a verl run, made locally (no hub access in CI): a tiny Qwen2 in fp32
-with a word-level tokenizer and a chat template, a small prompt dataset in verl's parquet
-format, and a rule reward (``compute_score``, the name verl's ``custom_reward_function``
-looks up)."""
+with a byte-level Qwen2 tokenizer (one token per byte, no merges) and a chat template, a small
+prompt dataset in verl's parquet format, and a rule reward (``compute_score``, the name verl's
+``custom_reward_function`` looks up).
+
+Why byte-level Qwen2: transformers 5 loads the tokenizer of a ``qwen2`` model as
+``Qwen2Tokenizer`` whatever tokenizer_config says, and verl's Qwen token builder requires
+"\\n" to be one token."""
 
 from __future__ import annotations
 
 import os
 
-WORDS = [f"w{i}" for i in range(240)]
-SPECIAL = ["<pad>", "<eos>", "<|user|>", "<|assistant|>", "<unk>"]
-CHAT_TEMPLATE = ("{% for m in messages %}<|{{ m['role'] }}|> {{ m['content'] }} {% endfor %}"
+SPECIAL = ["<pad>", "<eos>", "<|user|>", "<|assistant|>"]
+CHAT_TEMPLATE = ("{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}\n{% endfor %}"
                  "{% if add_generation_prompt %}<|assistant|>{% endif %}")
-TARGET = "w7"  # the word the reward asks for
+TARGET = "7"  # the character the reward asks for
 
 
 def make_model(path: str, seed: int = 0) -> str:
-    """A 2-layer Qwen2 (hidden 64, vocab 256, untied embeddings) in fp32 and its tokenizer."""
+    """A 2-layer Qwen2 (hidden 64, vocab 264, untied embeddings) in fp32 and its tokenizer."""
     import torch
-    from tokenizers import Tokenizer, models, pre_tokenizers
-    from transformers import PreTrainedTokenizerFast, Qwen2Config, Qwen2ForCausalLM
+    from transformers import Qwen2Config, Qwen2ForCausalLM, Qwen2Tokenizer
+    from transformers.convert_slow_tokenizer import bytes_to_unicode
 
     os.makedirs(path, exist_ok=True)
-    vocab = {w: i for i, w in enumerate(SPECIAL + WORDS)}
-    raw = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<unk>"))
-    raw.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
-    tok = PreTrainedTokenizerFast(tokenizer_object=raw, pad_token="<pad>", eos_token="<eos>", unk_token="<unk>",
-                                  additional_special_tokens=["<|user|>", "<|assistant|>"])
+    vocab = {c: i for i, c in enumerate(bytes_to_unicode().values())}
+    for s in SPECIAL:
+        vocab[s] = len(vocab)
+    tok = Qwen2Tokenizer(vocab=vocab, merges=[], pad_token="<pad>", eos_token="<eos>", unk_token=None,
+                         bos_token=None)
+    tok.add_special_tokens({"additional_special_tokens": ["<|user|>", "<|assistant|>"]})
     tok.chat_template = CHAT_TEMPLATE
     tok.save_pretrained(path)
-    config = Qwen2Config(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+    config = Qwen2Config(vocab_size=264, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                          num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
                          tie_word_embeddings=False, torch_dtype="float32", bos_token_id=None,
                          eos_token_id=vocab["<eos>"], pad_token_id=vocab["<pad>"])
@@ -49,15 +53,14 @@ def make_dataset(path: str, rows: int, seed: int = 0) -> str:
     rng = random.Random(seed)
     records = []
     for i in range(rows):
-        words = " ".join(rng.choice(WORDS) for _ in range(6))
-        records.append({"data_source": "weightsync/echo", "prompt": [{"role": "user", "content": words}],
-                        "ability": "echo", "reward_model": {"style": "rule", "ground_truth": TARGET},
+        text = "".join(rng.choice("abcdefgh0123456789") for _ in range(8))
+        records.append({"data_source": "weightsync/sevens", "prompt": [{"role": "user", "content": text}],
+                        "ability": "sevens", "reward_model": {"style": "rule", "ground_truth": TARGET},
                         "extra_info": {"index": i, "split": os.path.basename(path)}})
     pd.DataFrame(records).to_parquet(path)
     return path
 
 
 def compute_score(data_source, solution_str, ground_truth, extra_info=None, **kwargs) -> float:
-    """Rule reward: the share of the response's words that are the target word."""
-    words = solution_str.split()
-    return sum(w == ground_truth for w in words) / len(words) if words else 0.0
+    """Rule reward: the share of the response's characters that are the target character."""
+    return sum(c == ground_truth for c in solution_str) / len(solution_str) if solution_str else 0.0
