@@ -11,9 +11,9 @@ from __future__ import annotations
 
 import os
 
-SPECIAL = ["<pad>", "<eos>", "<|user|>", "<|assistant|>"]
-CHAT_TEMPLATE = ("{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}\n{% endfor %}"
-                 "{% if add_generation_prompt %}<|assistant|>{% endif %}")
+SPECIAL = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]  # ChatML, as verl's Qwen token builder requires
+CHAT_TEMPLATE = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+                 "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
 TARGET = "7"  # the character the reward asks for
 
 
@@ -27,18 +27,18 @@ def make_model(path: str, seed: int = 0) -> str:
     vocab = {c: i for i, c in enumerate(bytes_to_unicode().values())}
     for s in SPECIAL:
         vocab[s] = len(vocab)
-    tok = Qwen2Tokenizer(vocab=vocab, merges=[], pad_token="<pad>", eos_token="<eos>", unk_token=None,
-                         bos_token=None)
-    tok.add_special_tokens({"additional_special_tokens": ["<|user|>", "<|assistant|>"]})
+    tok = Qwen2Tokenizer(vocab=vocab, merges=[], pad_token="<|endoftext|>", eos_token="<|im_end|>",
+                         unk_token=None, bos_token=None)
+    tok.add_special_tokens({"additional_special_tokens": ["<|im_start|>"]})
     tok.chat_template = CHAT_TEMPLATE
     tok.save_pretrained(path)
     config = Qwen2Config(vocab_size=264, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                          num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
                          tie_word_embeddings=False, torch_dtype="float32", bos_token_id=None,
-                         eos_token_id=vocab["<eos>"], pad_token_id=vocab["<pad>"])
+                         eos_token_id=vocab["<|im_end|>"], pad_token_id=vocab["<|endoftext|>"])
     torch.manual_seed(seed)
     model = Qwen2ForCausalLM(config).to(torch.float32)
-    model.generation_config.eos_token_id = vocab["<eos>"]
+    model.generation_config.eos_token_id = vocab["<|im_end|>"]
     model.save_pretrained(path, safe_serialization=True)
     return path
 

@@ -41,7 +41,7 @@ def overrides(work: str, model: str, steps: int, transport: str) -> list[str]:
         # recomputes old_log_prob and verl computes its rollout-vs-actor mismatch metrics
         "algorithm.rollout_correction.bypass_mode=False",
         f"data.train_files={work}/train.parquet", f"data.val_files={work}/val.parquet",
-        f"data.train_batch_size={batch}", "data.max_prompt_length=24", "data.max_response_length=12",
+        f"data.train_batch_size={batch}", "data.max_prompt_length=40", "data.max_response_length=12",
         "data.dataloader_num_workers=0", "data.shuffle=False",
         f"actor_rollout_ref.model.path={model}", "actor_rollout_ref.model.use_remove_padding=False",
         "actor_rollout_ref.model.enable_gradient_checkpointing=False",
