@@ -18,7 +18,8 @@ TARGET = "7"  # the character the reward asks for
 
 
 def make_model(path: str, seed: int = 0) -> str:
-    """A 2-layer Qwen2 (hidden 64, vocab 264, untied embeddings) in fp32 and its tokenizer."""
+    """A 2-layer Qwen2 (hidden 128, head_dim 64: vLLM's CPU attention rejects 16; vocab 264, untied
+    embeddings) in fp32 and its tokenizer."""
     import torch
     from transformers import Qwen2Config, Qwen2ForCausalLM, Qwen2Tokenizer
     from transformers.convert_slow_tokenizer import bytes_to_unicode
@@ -32,8 +33,8 @@ def make_model(path: str, seed: int = 0) -> str:
     tok.add_special_tokens({"additional_special_tokens": ["<|im_start|>"]})
     tok.chat_template = CHAT_TEMPLATE
     tok.save_pretrained(path)
-    config = Qwen2Config(vocab_size=264, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
+    config = Qwen2Config(vocab_size=264, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
+                         num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=256,
                          tie_word_embeddings=False, torch_dtype="float32", bos_token_id=None,
                          eos_token_id=vocab["<|im_end|>"], pad_token_id=vocab["<|endoftext|>"])
     torch.manual_seed(seed)

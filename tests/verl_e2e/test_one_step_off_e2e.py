@@ -27,9 +27,12 @@ MISMATCH = 1e-3
 
 @pytest.fixture(scope="module")
 def run(tmp_path_factory):
+    import os
+
     from run_verl import run as run_trainer
 
-    return run_trainer(str(tmp_path_factory.mktemp("verl-e2e")), steps=STEPS)
+    # VERL_E2E_OUT keeps the run (metrics.jsonl, run.log) for scripts/plot_verl_e2e.py
+    return run_trainer(os.environ.get("VERL_E2E_OUT") or str(tmp_path_factory.mktemp("verl-e2e")), steps=STEPS)
 
 
 def test_runs_every_step(run):
