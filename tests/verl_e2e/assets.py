@@ -14,7 +14,7 @@ import os
 SPECIAL = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]  # ChatML, as verl's Qwen token builder requires
 CHAT_TEMPLATE = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
                  "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
-TARGET = "7"  # the character the reward asks for
+TARGET = "abcdefghijklmnopqrstuvwxyz"  # the characters the reward asks for (~10% of a random byte stream)
 
 
 def make_model(path: str, seed: int = 0) -> str:
@@ -63,5 +63,7 @@ def make_dataset(path: str, rows: int, seed: int = 0) -> str:
 
 
 def compute_score(data_source, solution_str, ground_truth, extra_info=None, **kwargs) -> float:
-    """Rule reward: the share of the response's characters that are the target character."""
-    return sum(c == ground_truth for c in solution_str) / len(solution_str) if solution_str else 0.0
+    """Rule reward: the share of the response's characters that are lowercase letters (the
+    ground truth lists them); frequent enough for a random policy that GRPO groups differ and
+    every step changes the weights."""
+    return sum(c in ground_truth for c in solution_str) / len(solution_str) if solution_str else 0.0
