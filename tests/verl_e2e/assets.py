@@ -18,7 +18,7 @@ TARGET = "abcdefghijklmnopqrstuvwxyz"  # the characters the reward asks for (~10
 
 
 def make_model(path: str, seed: int = 0) -> str:
-    """A 2-layer Qwen2 (hidden 128, head_dim 64: vLLM's CPU attention rejects 16; vocab 264, untied
+    """A 2-layer Qwen2 (hidden 128, head_dim 64: vLLM's CPU attention rejects 16; vocab = the tokenizer's 259: verl's vLLM server bans ids past len(tokenizer), which shifts the rollout's log-probs, untied
     embeddings) in fp32 and its tokenizer."""
     import torch
     from transformers import Qwen2Config, Qwen2ForCausalLM, Qwen2Tokenizer
@@ -33,7 +33,7 @@ def make_model(path: str, seed: int = 0) -> str:
     tok.add_special_tokens({"additional_special_tokens": ["<|im_start|>"]})
     tok.chat_template = CHAT_TEMPLATE
     tok.save_pretrained(path)
-    config = Qwen2Config(vocab_size=264, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
+    config = Qwen2Config(vocab_size=len(vocab), hidden_size=128, intermediate_size=256, num_hidden_layers=2,
                          num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=256,
                          tie_word_embeddings=False, torch_dtype="float32", bos_token_id=None,
                          eos_token_id=vocab["<|im_end|>"], pad_token_id=vocab["<|endoftext|>"])
