@@ -41,11 +41,15 @@ def test_runs_every_step(run):
     assert [s["step"] for s in steps] == list(range(1, STEPS + 1))
 
 
-def test_rollout_logprobs_match_actor_every_step(run):
+def test_rollout_logprobs_match_actor_where_both_hold_the_same_weights(run):
+    """verl 0.9.1's one-step-off syncs in _fit_generate, before _fit_update_actor: the batch of
+    step s was generated with the actor's weights after s-2 updates and is scored by the actor
+    after s-1. Only step 1 (initial weights on both sides) compares identical weights; later
+    steps differ by one optimizer step by design (measured 0.8-1.4 nats, docs/end-to-end-verl.md)."""
     steps, _ = run
-    bad = {s["step"]: s["e2e/logprob_abs_diff_max"] for s in steps
-           if not s["e2e/logprob_abs_diff_max"] <= MISMATCH or s["e2e/response_tokens"] == 0}
-    assert not bad, f"rollout vs actor log-prob mismatch above {MISMATCH} (step: max abs): {bad}"
+    first = steps[0]
+    assert first["e2e/response_tokens"] > 0
+    assert first["e2e/logprob_abs_diff_max"] <= MISMATCH, first["e2e/logprob_abs_diff_max"]
 
 
 def test_each_batch_generated_one_version_behind(run):
