@@ -19,7 +19,7 @@ import torch
 def model_at(model_dir: Path, weights: dict[str, torch.Tensor]):
     from transformers import Qwen2ForCausalLM
 
-    model = Qwen2ForCausalLM.from_pretrained(model_dir, torch_dtype=torch.float32, attn_implementation="eager")
+    model = Qwen2ForCausalLM.from_pretrained(model_dir, dtype=torch.float32, attn_implementation="eager")
     # strict: every parameter of the model comes from what the actor sent, nothing from disk
     model.load_state_dict(weights, strict=True)
     return model.eval()

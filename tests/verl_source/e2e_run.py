@@ -121,7 +121,8 @@ def run(src: str, work: Path, steps: int = 5, timeout: float = 1800,
     args = overrides(work, steps, name)
     env = {k: v for k, v in os.environ.items() if not k.startswith("WEIGHTSYNC_")}
     (work / "capture").mkdir(exist_ok=True)
-    env.update(E2E_CAPTURE_DIR=str(work / "capture"), PYTHONPATH=os.pathsep.join([str(HERE / "e2e_site"), env.get("PYTHONPATH", "")]).rstrip(os.pathsep),
+    env.update(E2E_CAPTURE_DIR=str(work / "capture"),
+               PYTHONPATH=os.pathsep.join([str(HERE / "e2e_site"), env.get("PYTHONPATH", "")]).rstrip(os.pathsep),
                VLLM_CPU_KVCACHE_SPACE="1", TOKENIZERS_PARALLELISM="false",
                RAY_DEDUP_LOGS="0", **(extra_env or {}))
     t0 = time.perf_counter()
