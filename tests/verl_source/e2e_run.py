@@ -8,7 +8,9 @@ e2e_site/sitecustomize.py (see there).
 
 Also a script, to make the figures of docs/end-to-end.md:
     WEIGHTSYNC_VERL_SRC=<tree> <venv>/bin/python tests/verl_source/e2e_run.py <out dir> [steps]
-writes <out dir>/run.log and metrics.jsonl (verl's per-step metrics, parsed from its console log).
+writes <out dir>/run.log, metrics.jsonl (verl's per-step metrics, parsed from its console log),
+capture/ (every synced version's weights and every step's batch, see e2e_site/sitecustomize.py)
+and parity.jsonl (the per-step, per-version logprob parity of e2e_parity.py).
 """
 
 from __future__ import annotations
@@ -118,7 +120,9 @@ def run(src: str, work: Path, steps: int = 5, timeout: float = 1800,
     name = f"e2e-{os.getpid()}-{int(time.time())}"
     args = overrides(work, steps, name)
     env = {k: v for k, v in os.environ.items() if not k.startswith("WEIGHTSYNC_")}
-    env.update(PYTHONPATH=os.pathsep.join([str(HERE / "e2e_site"), env.get("PYTHONPATH", "")]).rstrip(os.pathsep),
+    (work / "capture").mkdir(exist_ok=True)
+    env.update(E2E_CAPTURE_DIR=str(work / "capture"),
+               PYTHONPATH=os.pathsep.join([str(HERE / "e2e_site"), env.get("PYTHONPATH", "")]).rstrip(os.pathsep),
                VLLM_CPU_KVCACHE_SPACE="1", TOKENIZERS_PARALLELISM="false",
                RAY_DEDUP_LOGS="0", **(extra_env or {}))
     t0 = time.perf_counter()
@@ -156,6 +160,12 @@ def main() -> None:
     steps = int(sys.argv[2]) if len(sys.argv) > 2 else 5
     rows, wall = run(src, out, steps)
     print(f"{len(rows)} steps in {wall:.0f} s; metrics in {out / 'metrics.jsonl'}")
+    from e2e_parity import per_step  # run as a script: this directory is on sys.path
+
+    parity = per_step(out / "capture", out / "qwen2-tiny")
+    (out / "parity.jsonl").write_text("".join(json.dumps(r) + "\n" for r in parity))
+    for r in parity:
+        print(r)
 
 
 if __name__ == "__main__":

@@ -2,10 +2,11 @@
 started with ``python -m weightsync_verl.one_step_off``, generating through verl's own async
 vLLM server with vLLM's real CPU engine (scripts/verl_source.sh with WEIGHTSYNC_VERL_VLLM=cpu),
 an FSDP2 actor on 2 CPU ranks; see e2e_run.py for the overrides. Every step's batch was
-generated with the previous version (tag = step - 1), no NCCL group is asked for, and where the
-rollout and the actor hold the same weights (step 1) the actor's old_log_prob matches the
-rollout's own log-probs within 1e-3 (fp32). See docs/end-to-end.md for why later steps cannot
-be held to that bound with old_log_prob (one-step-off's policy lag)."""
+generated with the previous version (tag = step - 1), no NCCL group is asked for, and at every
+step the rollout's log-probs of its sampled tokens match, within 1e-3 (fp32), those that the
+weights the actor sent for the batch's version give the same tokens (e2e_parity.py), while the
+next version's weights do not: verl's old_log_prob is one update ahead of the rollout from
+step 2 on (one-step-off's policy lag), so it bounds the mismatch at step 1 only."""
 
 from __future__ import annotations
 
@@ -15,6 +16,7 @@ from pathlib import Path
 import pytest
 
 from .conftest import SRC
+from .e2e_parity import per_step
 from .e2e_run import run
 
 pytestmark = pytest.mark.verl_source
@@ -52,3 +54,15 @@ def test_user_run_end_to_end_with_verls_vllm_server(tmp_path: Path):
     assert first["e2e/rollout_logprob_diff_max"] <= BOUND, (
         f"step 1: rollout vs actor log-prob max abs diff {first['e2e/rollout_logprob_diff_max']:.3g}")
     assert first["training/rollout_probs_diff_max"] <= BOUND
+
+    parity = per_step(tmp_path / "capture", tmp_path / "qwen2-tiny")
+    print("\n".join(map(str, parity)))  # the per-step figures, with -s
+    assert [p["step"] for p in parity] == steps, f"batches recorded for steps {[p['step'] for p in parity]}"
+    for p, r in zip(parity, rows):
+        assert p["tag"] == r["weightsync/batch_version"] == p["step"] - 1, f"batch tags {p} / {r}"
+        # the tokens were generated with the weights the actor sent for the tagged version
+        assert p["version_matched_max"] <= BOUND, f"step {p['step']}: {p}"
+    # the control: one version later the same comparison fails (the check can fail), and that
+    # version is the one the actor held for old_log_prob
+    assert max(p["next_version_max"] for p in parity) > BOUND, parity
+    assert all(p["next_version_vs_old_log_prob_max"] <= BOUND for p in parity), parity

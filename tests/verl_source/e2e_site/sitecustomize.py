@@ -13,7 +13,13 @@ cpu_workers.py, without subclassing any of verl's workers:
   file named by ``E2E_NCCL_REFUSALS`` (so a refusal that something catches still shows);
 - a probe beside verl's own mismatch metrics (``calculate_debug_metrics`` compares the
   rollout's and the actor's *probabilities*): the max abs difference of the log-probs
-  themselves, over the same response mask, logged as ``e2e/rollout_logprob_diff_max``.
+  themselves, over the same response mask, logged as ``e2e/rollout_logprob_diff_max``;
+- with ``E2E_CAPTURE_DIR`` set, a record of what the parity check of test_recipe_e2e.py
+  needs (e2e_parity.py reads it): on the sending actor rank, every version's full state dict
+  exactly as weightsync stages it (``weights-v<version>.pt``: the trainer's side is the
+  truth); in the trainer, each step's batch where verl compares it (token ids, masks, the
+  rollout's and the actor's log-probs, the batch's weightsync tag: ``batch-<n>.pt``, n the
+  n-th call, one per step).
 
 Each is applied right after the verl module that needs it is imported (an import hook), so
 processes that never import verl pay nothing.
@@ -98,12 +104,64 @@ def _metrics(module):
         out["e2e/rollout_logprob_diff_max"] = diff.max().item()
         out["e2e/rollout_logprob_diff_mean"] = diff.mean().item()
         out["e2e/response_tokens"] = int(mask.sum().item())
+        _capture_batch(data)
         return out
 
     module.calculate_debug_metrics = calculate_debug_metrics
 
 
-_AFTER = {"verl.utils.device": _device, "verl.utils.debug.metrics": _metrics}
+def _capture_dir():
+    import os
+
+    return os.environ.get("E2E_CAPTURE_DIR")
+
+
+_batches = [0]
+
+
+def _capture_batch(data):
+    import os
+
+    import torch
+
+    where = _capture_dir()
+    if not where:
+        return
+    _batches[0] += 1
+    keys = ("prompts", "responses", "attention_mask", "response_mask", "rollout_log_probs", "old_log_probs")
+    record = {k: data.batch[k].detach().cpu().clone() for k in keys}
+    record["weight_version"] = data.meta_info.get("weight_version")
+    torch.save(record, os.path.join(where, f"batch-{_batches[0]}.pt"))
+
+
+def _sender(module):
+    import os
+    from collections.abc import Mapping
+
+    import torch
+
+    original = module.WeightSender.stage
+
+    def stage(self, version, named_tensors, background=False):
+        where = _capture_dir()
+        if not where or not self.sends or background:
+            return original(self, version, named_tensors, background)
+        captured = {}
+        items = named_tensors.items() if isinstance(named_tensors, Mapping) else named_tensors
+
+        def recorded():
+            for name, tensor in items:
+                captured[name] = tensor.detach().to("cpu", copy=True)
+                yield name, tensor
+
+        handle = original(self, version, recorded(), background)
+        torch.save(captured, os.path.join(where, f"weights-v{version}.pt"))
+        return handle
+
+    module.WeightSender.stage = stage
+
+
+_AFTER = {"verl.utils.device": _device, "verl.utils.debug.metrics": _metrics, "weightsync.sender": _sender}
 
 
 class _Loader(importlib.abc.Loader):
