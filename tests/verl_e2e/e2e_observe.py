@@ -11,11 +11,29 @@ verl's own metrics are returned unchanged, with these beside them:
   generated with, as verl's vLLM server tags each output (``extra_fields["global_steps"]``,
   set by the checkpoint-engine update that installed the weights);
 - ``e2e/response_tokens``: how many tokens were compared.
+
+With ``VERL_E2E_RECORD`` set to a directory (run_verl.py sets it), it also records what the
+tier's version-matched parity check needs (tests/verl_e2e/version_parity.py):
+
+- ``batch-<n>.pt`` per call (n = 1, 2, ...: one per training step): each sample's
+  ``input_ids`` / ``attention_mask`` (prompt + response), ``response_mask``,
+  ``rollout_log_probs`` and the ``min/max_global_steps`` tags verl's vLLM server put on it;
+- ``weights-<global_steps>.pt``: the full state dict actor rank 0 hands to weightsync's
+  checkpoint engine at each sync (``send_weights``, tapped on the actor side: the trainer's
+  weights are the truth), keyed by the ``global_steps`` verl passes with it, which is the tag
+  the server puts on every batch generated after that sync.
 """
 
 from __future__ import annotations
 
+import itertools
+import os
+
+import torch
 import verl.utils.debug.metrics as _metrics
+from weightsync_verl.checkpoint_engine import WeightSyncCheckpointEngine
+
+RECORD = os.environ.get("VERL_E2E_RECORD")
 
 _verl_calculate = _metrics.calculate_debug_metrics
 
@@ -32,7 +50,41 @@ def calculate_debug_metrics(data):
     steps = [int(s) for s in steps if s is not None]
     out["e2e/min_global_steps"] = min(steps) if steps else -1
     out["e2e/max_global_steps"] = max(steps) if steps else -1
+    if RECORD:
+        _record_batch(data)
+    return out
+
+
+_calls = itertools.count(1)
+
+
+def _record_batch(data) -> None:
+    keep = ("input_ids", "attention_mask", "response_mask", "rollout_log_probs")
+    record = {key: data.batch[key].detach().cpu().clone() for key in keep}
+    for key in ("min_global_steps", "max_global_steps"):
+        tags = data.non_tensor_batch.get(key)
+        record[key] = None if tags is None else [None if t is None else int(t) for t in tags]
+    torch.save(record, os.path.join(RECORD, f"batch-{next(_calls)}.pt"))
+
+
+_send_weights = WeightSyncCheckpointEngine.send_weights
+
+
+async def send_weights(self, weights, global_steps=None):
+    """weightsync's send_weights with rank 0's pairs copied as they are staged."""
+    if not (RECORD and self.is_master):
+        return await _send_weights(self, weights, global_steps=global_steps)
+    sent: dict[str, torch.Tensor] = {}
+
+    def tap():
+        for name, tensor in weights:
+            sent[name] = tensor.detach().to("cpu", copy=True)
+            yield name, tensor
+
+    out = await _send_weights(self, tap(), global_steps=global_steps)
+    torch.save(sent, os.path.join(RECORD, f"weights-{global_steps}.pt"))
     return out
 
 
 _metrics.calculate_debug_metrics = calculate_debug_metrics
+WeightSyncCheckpointEngine.send_weights = send_weights

@@ -15,6 +15,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import shutil
 import subprocess
 import sys
 import time
@@ -112,13 +113,16 @@ def run(work: str, steps: int = 5, transport: str = "broadcast", timeout: float 
     metrics_path = os.path.join(work, "metrics.jsonl")
     if os.path.exists(metrics_path):
         os.remove(metrics_path)
+    record = os.path.join(work, "record")  # e2e_observe's batches and synced weights
+    shutil.rmtree(record, ignore_errors=True)
+    os.makedirs(record)
     env = dict(os.environ)
     env.update({
         "PYTHONPATH": os.pathsep.join(p for p in (HERE, env.get("PYTHONPATH")) if p),
         "VERL_USE_EXTERNAL_MODULES": "cpu_platform,e2e_observe", "VERL_PLATFORM": "cpu",
         # verl registers its FSDP engine for cuda / npu only; the engine itself runs on the platform
         "VERL_ENGINE_DEVICE": "cuda", "VERL_ENGINE_VENDOR": "nvidia",
-        "VERL_FILE_LOGGER_PATH": metrics_path, "VLLM_CPU_KVCACHE_SPACE": "1",
+        "VERL_FILE_LOGGER_PATH": metrics_path, "VERL_E2E_RECORD": record, "VLLM_CPU_KVCACHE_SPACE": "1",
         "VLLM_CPU_OMP_THREADS_BIND": "nobind", "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false",
         "WANDB_MODE": "disabled", "RAY_DEDUP_LOGS": "0",
     })

