@@ -24,6 +24,9 @@ class Use:
     optional: bool = False  # getattr with a default, hasattr: our code has a path for its absence
     group: int = 0  # optional lookups combined in one expression (a `getattr(..) or getattr(..)`)
     site: str = ""
+    # imported under ``try: ... except ImportError``: where this symbol does not exist our code
+    # takes its ImportError path (a version switch); where it exists, the use must fit
+    guard: str = ""
 
     def what(self) -> str:
         return self.symbol + "".join(f"().{m}" if i == 0 else f".{m}" for i, m in enumerate(self.member))
@@ -85,6 +88,7 @@ class Collector:
         for node in ast.walk(module.tree):
             for child in ast.iter_child_nodes(node):
                 self.parents[child] = node
+        self.guards = guarded_imports(module)
 
     # -- types --------------------------------------------------------------------------------
 
@@ -244,7 +248,37 @@ class Collector:
 
     def add(self, use: Use | None) -> None:
         if use is not None and is_ours(use.symbol) and "()" not in use.member:
-            self.uses.append(use)
+            guard = next((g for g in self.guards if use.symbol == g or use.symbol.startswith(g + ".")), "")
+            self.uses.append(dataclasses.replace(use, guard=guard) if guard else use)
+
+
+CATCHES_IMPORT = {"ImportError", "ModuleNotFoundError", "Exception", "BaseException"}
+
+
+def guarded_imports(module: Module) -> set[str]:
+    """What ``module`` imports only inside ``try`` blocks that catch ImportError: the symbols
+    our code has a path without. A symbol also imported unguarded in the module is not one."""
+    def targets(node: ast.AST) -> set[str]:
+        if isinstance(node, ast.Import):
+            return {a.name for a in node.names}
+        if isinstance(node, ast.ImportFrom):
+            return {module.aliases.get(a.asname or a.name, "") for a in node.names} - {""}
+        return set()
+
+    guarded: set[str] = set()
+    inside: set[int] = set()
+    for node in ast.walk(module.tree):
+        if isinstance(node, ast.Try) and any(
+                h.type is None or {dotted_name(t) for t in (h.type.elts if isinstance(h.type, ast.Tuple) else [h.type])}
+                & CATCHES_IMPORT for h in node.handlers):
+            for stmt in node.body:
+                for sub in shallow(stmt):
+                    if isinstance(sub, (ast.Import, ast.ImportFrom)):
+                        guarded |= targets(sub)
+                        inside.add(id(sub))
+    unguarded = {t for n in ast.walk(module.tree) if isinstance(n, (ast.Import, ast.ImportFrom)) and id(n) not in inside
+                 for t in targets(n)}
+    return {g for g in guarded - unguarded if is_ours(g)}
 
 
 def shallow(node: ast.AST):

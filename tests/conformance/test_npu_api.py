@@ -183,8 +183,11 @@ def test_every_use_exists_and_fits_the_signature(package, version, capsys):
     for use in USES:
         if package_of(use.symbol) != package:
             continue
-        problem, how = check(tree, use)
         label = f"{use.what()}{call_text(use.call) if use.call else ''}"
+        if use.guard and tree.find(use.guard) is None:
+            lines.append(f"  absent (guarded: our ImportError path) {label}  [{use.site}]")
+            continue
+        problem, how = check(tree, use)
         if use.optional:
             optional.setdefault(use.group, []).append((use, problem is None))
             lines.append(f"  {'present' if problem is None else 'absent '} (optional) {label}  [{use.site}]")
@@ -257,6 +260,31 @@ def test_a_misspelt_name_or_a_wrong_signature_fails_naming_symbol_and_version(tm
     assert [p.split(":")[0] for p in found["vllm.distributed.utils.StatelessProcessGroup"]] == \
         ["vllm 0.10.1", "vllm 0.11.0"]
     assert all("unknown keywords ['sock']" in p for p in found["vllm.distributed.utils.StatelessProcessGroup"])
+
+
+GUARDED = '''
+def newest_only():
+    try:
+        from vllm.model_executor.model_loader.reload.layerwise import LAYERWISE_INFO
+    except ImportError:
+        return None
+    return LAYERWISE_INFO.get(None)
+
+
+def everywhere():
+    from vllm.distributed.utils import StatelessProcessGroup
+    return StatelessProcessGroup
+'''
+
+
+def test_an_import_under_try_except_importerror_is_a_version_switch(tmp_path):
+    pkg = tmp_path / "switch"
+    pkg.mkdir()
+    (pkg / "calls.py").write_text(GUARDED)
+    guards = {u.what(): u.guard for u in collect([pkg], tmp_path)}
+    layerwise = "vllm.model_executor.model_loader.reload.layerwise.LAYERWISE_INFO"
+    assert guards == {layerwise: layerwise, f"{layerwise}.get": layerwise,
+                      "vllm.distributed.utils.StatelessProcessGroup": ""}, guards
 
 
 def test_no_device_api_is_reached_through_a_computed_name():
