@@ -5,4 +5,16 @@
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 vpython=$(bash scripts/verl_e2e_env.sh | tail -n 1)
+# vLLM's engine keeps its message queues in multiprocessing shared memory (/dev/shm/psm_*, 400 MB
+# a server); when Ray kills the server at the end of the run nothing unlinks them. Those the run
+# created and no live process maps any more are removed; segments of other jobs are left alone.
+before=$(ls /dev/shm 2>/dev/null | grep '^psm_' || true)
+cleanup() {
+    for f in $(ls /dev/shm 2>/dev/null | grep '^psm_' || true); do
+        echo "$before" | grep -qx "$f" && continue
+        grep -qs "/dev/shm/$f" /proc/[0-9]*/maps && continue
+        rm -f "/dev/shm/$f" && echo "verl-e2e: removed /dev/shm/$f left by vLLM's killed engine" >&2
+    done
+}
+trap cleanup EXIT
 "$vpython" -m pytest tests/verl_e2e -p no:cacheprovider "$@"
