@@ -42,11 +42,11 @@ import torch.distributed as dist
 from weightsync.bench.actors import BenchEngine, digest
 from weightsync.bench.ceiling import host_ceiling
 from weightsync.bench.cli import machine_info
-from weightsync.bench.layouts import resolve
+from weightsync.bench.layout_source import resolve
 from weightsync.digest import verify
 from weightsync.digest import xxh3 as checksum
-from weightsync.layouts import materialize
 from weightsync.manifest import Manifest
+from weightsync.model_layouts import materialize
 from weightsync.plan import BucketPlan, Unpacker, pack_stream, plan_buckets
 from weightsync.transports.shm import layout, spans
 

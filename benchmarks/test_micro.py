@@ -11,8 +11,8 @@ import pytest
 import torch
 
 from weightsync.digest import xxh3 as checksum
-from weightsync.layouts import layout, materialize
 from weightsync.manifest import Manifest, TensorSpec
+from weightsync.model_layouts import layout, materialize
 from weightsync.plan import Unpacker, pack_stream, plan_buckets
 
 pytest.importorskip("pytest_benchmark")

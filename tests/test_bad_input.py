@@ -9,8 +9,8 @@ import ray
 import torch
 
 from weightsync import CapacityError, ConfigError, ManifestError, SyncConfig, VersionError
-from weightsync.layouts import layout, materialize
 from weightsync.manifest import Manifest, TensorSpec, build_manifest
+from weightsync.model_layouts import layout, materialize
 from weightsync.plan import plan_buckets
 from weightsync.testing import RolloutWorker, TrainerWorker, same_bits
 from weightsync.transports.base import TransportContext

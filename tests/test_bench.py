@@ -9,8 +9,7 @@ import math
 import pytest
 import torch
 
-from weightsync.bench import expect, fit, report
-from weightsync.bench import layouts as bench_layouts
+from weightsync.bench import expect, layout_source, memory_fit, results
 from weightsync.bench.cli import exit_status
 from weightsync.bench.runner import transport_unavailable
 from weightsync.cli import main
@@ -23,7 +22,7 @@ def test_bench_tiny_shm_end_to_end(ray_cluster, tmp_path):
                "--checksum", "on", "off", "--no-progress", "--note", "pytest smoke", "--expect", "x_ray-user>=0", "--json", str(out), "--plot", str(png)])
     assert rc == 0
     top = json.loads(out.read_text())
-    assert top["schema"] == report.SCHEMA
+    assert top["schema"] == results.SCHEMA
     assert top["note"] == "pytest smoke"
     assert top["machine"]["cpu_count"] >= 1 and top["machine"]["mem_total_bytes"] > 0
     (res,) = top["sizes"]  # one --model: one size
@@ -126,18 +125,18 @@ def test_bench_growth_over_sizes_and_a_size_that_cannot_fit(ray_cluster, tmp_pat
 
 
 def test_memory_estimates_refuse_what_does_not_fit():
-    gib = fit.GiB
-    need, shm = fit.row_bytes("shm", 6 * gib, 16 * 2**20, 1, 3)
+    gib = memory_fit.GiB
+    need, shm = memory_fit.row_bytes("shm", 6 * gib, 16 * 2**20, 1, 3)
     assert shm == 18 * gib and need > shm  # three whole-version segments, and each party's slack
-    assert fit.row_bytes("broadcast", 6 * gib, 16 * 2**20, 1, 3)[1] == 0
-    assert fit.refusal("x", need, available=40 * gib, total=64 * gib) is None
-    why = fit.refusal("qwen2.5-3b shm", need, available=10 * gib, total=24 * gib, detail="3 segments")
+    assert memory_fit.row_bytes("broadcast", 6 * gib, 16 * 2**20, 1, 3)[1] == 0
+    assert memory_fit.refusal("x", need, available=40 * gib, total=64 * gib) is None
+    why = memory_fit.refusal("qwen2.5-3b shm", need, available=10 * gib, total=24 * gib, detail="3 segments")
     assert why.startswith("skipped: qwen2.5-3b shm needs about 19.0 GiB (3 segments), 10.0 GiB available")
-    assert "shm directory" in fit.refusal("x", gib, available=40 * gib, total=64 * gib, shm_need=gib, shm_free=gib // 2)
+    assert "shm directory" in memory_fit.refusal("x", gib, available=40 * gib, total=64 * gib, shm_need=gib, shm_free=gib // 2)
 
 
 def _tiny_shapes():
-    from weightsync.layouts import layout
+    from weightsync.model_layouts import layout
 
     return [s.shape for s in layout("tiny")]
 
@@ -149,17 +148,17 @@ def test_safetensors_layout_and_weights(tmp_path):
     b = torch.arange(5, dtype=torch.int64)
     save_file({"w.a": a, "w.b": b}, str(tmp_path / "model-00001.safetensors"))
     save_file({"w.c": torch.ones(2, dtype=torch.float32)}, str(tmp_path / "model-00002.safetensors"))
-    label, m, path = bench_layouts.resolve(str(tmp_path), None)
+    label, m, path = layout_source.resolve(str(tmp_path), None)
     assert path == str(tmp_path)
     assert {s.name: (s.dtype, s.shape) for s in m} == {
         "w.a": ("bfloat16", (3, 4)), "w.b": ("int64", (5,)), "w.c": ("float32", (2,))}
     assert m[2].name == "w.c"  # files in name order
-    _, cast, _ = bench_layouts.resolve(str(tmp_path / "model-00001.safetensors"), "float32")
+    _, cast, _ = layout_source.resolve(str(tmp_path / "model-00001.safetensors"), "float32")
     assert {s.name: s.dtype for s in cast} == {"w.a": "float32", "w.b": "int64"}  # ints are kept
-    w = bench_layouts.load_weights(str(tmp_path), m)
+    w = layout_source.load_weights(str(tmp_path), m)
     assert list(w) == [s.name for s in m] and torch.equal(w["w.a"], a) and torch.equal(w["w.b"], b)
     with pytest.raises(FileNotFoundError, match="neither a built-in layout"):
-        bench_layouts.resolve(str(tmp_path / "nope"), None)
+        layout_source.resolve(str(tmp_path / "nope"), None)
 
 
 def test_missing_transport_or_backend_is_reported_not_run():
@@ -174,7 +173,7 @@ def _row(name, kind, n, median, bucket=None, barrier=None):
 
 def _result(rows):
     res = {"payload_bytes": 10**9, "ceiling": {"gbps": 10.0}, "rows": rows}
-    report.add_ratios(res)
+    results.add_ratios(res)
     return res
 
 
@@ -196,7 +195,7 @@ def test_comparisons_describe_the_fastest_default_row_without_targets():
     assert one["x_ceiling"] == pytest.approx(0.5) and one["barrier_x_copy"] == pytest.approx(1.2)
     assert expect.fastest(res, 4)["growth_x"] == pytest.approx(2.5)
     res["expectations"] = []
-    text = report.format_table({**res, "layout": {"name": "x", "tensors": 1, "dtype": "bf16"},
+    text = results.format_table({**res, "layout": {"name": "x", "tensors": 1, "dtype": "bf16"},
                                 "machine": {"cpu_model": "c", "cpu_count": 2, "mem_total_bytes": 2**30},
                                 "args": {"device": "cpu", "versions": 1, "warmup": 0},
                                 "ceiling": {"gbps": 10.0, "method": "m"}})

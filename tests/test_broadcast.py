@@ -16,8 +16,8 @@ from faultjob import RECEIVERS, Job, apply_fails, sync_failed, wait_until
 
 from weightsync.device import ray_options
 from weightsync.errors import ConfigError
-from weightsync.layouts import layout
 from weightsync.manifest import Manifest, TensorSpec
+from weightsync.model_layouts import layout
 from weightsync.testing import RolloutWorker, TrainerWorker, assert_serves
 from weightsync.transports.broadcast import (
     TRAILER,

@@ -6,8 +6,8 @@ import pytest
 import ray
 
 from weightsync import ManifestError, SyncConfig, SyncFailed, VersionError, WeightReceiver, WeightSender
-from weightsync.layouts import layout, materialize
 from weightsync.manifest import Manifest, TensorSpec
+from weightsync.model_layouts import layout, materialize
 from weightsync.testing import RolloutWorker, ToyEngine, TrainerWorker, assert_serves, same_bits
 from weightsync.transports.segment import locate
 

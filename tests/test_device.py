@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 
 from weightsync.device import ray_options
-from weightsync.layouts import layout
+from weightsync.model_layouts import layout
 from weightsync.testing import RolloutWorker, TrainerWorker, assert_serves
 
 # 30 KiB buckets: the 125 KiB embedding of "tiny" is split over five of them

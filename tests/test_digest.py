@@ -13,7 +13,7 @@ import torch
 
 from weightsync import ConfigError, SyncConfig, SyncFailed
 from weightsync import digest as D
-from weightsync.layouts import layout, materialize
+from weightsync.model_layouts import layout, materialize
 from weightsync.plan import pack_stream, plan_buckets
 from weightsync.testing import RolloutWorker, TrainerWorker, same_bits
 

@@ -9,7 +9,7 @@ import threading
 import pytest
 
 from weightsync import WeightReceiver, WeightSender
-from weightsync.layouts import layout, materialize
+from weightsync.model_layouts import layout, materialize
 from weightsync.testing import ToyEngine
 
 MANIFEST = layout("tiny")

@@ -19,7 +19,7 @@ import ray
 from faultjob import DEADLINE_S, RECEIVERS, Job, apply_fails, sync_failed, wait_until
 
 from weightsync import transports
-from weightsync.layouts import layout
+from weightsync.model_layouts import layout
 
 ALL = [t for t in ("shm", "ipc", "broadcast") if t in transports.names()]
 STORAGE_OR_POINT_TO_POINT = [t for t in ("shm", "ipc") if t in transports.names()]

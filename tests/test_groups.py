@@ -10,7 +10,7 @@ import pytest
 import ray
 
 from weightsync.errors import ConfigError
-from weightsync.layouts import layout
+from weightsync.model_layouts import layout
 from weightsync.testing import RolloutWorker, TrainerWorker
 from weightsync.transports.groups import choose_communicator, probe
 

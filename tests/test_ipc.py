@@ -10,7 +10,7 @@ import torch
 
 from weightsync.capabilities import DISABLE_IPC_VAR
 from weightsync.errors import ConfigError, ProtocolError, SyncFailed
-from weightsync.layouts import layout, materialize
+from weightsync.model_layouts import layout, materialize
 from weightsync.testing import RolloutWorker, TrainerWorker, assert_serves
 from weightsync.transports.ipc_wire import import_handle, tag
 

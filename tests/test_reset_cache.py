@@ -10,7 +10,7 @@ import threading
 import pytest
 
 from weightsync import SyncConfig, SyncFailed, WeightReceiver, WeightSender
-from weightsync.layouts import layout, materialize
+from weightsync.model_layouts import layout, materialize
 from weightsync.testing import ToyEngine, same_bits
 
 CFG = {"transport": "shm", "bucket_mb": 1 / 16, "device": "cpu"}

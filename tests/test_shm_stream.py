@@ -22,7 +22,7 @@ from faultjob import RECEIVERS, Job, sync_failed, wait_until
 
 from weightsync import SyncConfig
 from weightsync.errors import CapacityError
-from weightsync.layouts import layout
+from weightsync.model_layouts import layout
 from weightsync.plan import plan_buckets
 from weightsync.transports.base import TransportContext
 from weightsync.transports.shm import ShmSender

@@ -12,7 +12,7 @@ import pytest
 import ray
 
 from weightsync import Coordinator, ProtocolError, WeightReceiver, protocol, transports
-from weightsync.layouts import layout, materialize
+from weightsync.model_layouts import layout, materialize
 from weightsync.testing import RolloutWorker, TrainerWorker, same_bits
 from weightsync.transports.segment import SEGMENT_REF, holders, locate, our_segments
 

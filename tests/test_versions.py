@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
+from weightsync.broadcast_groups import BroadcastGroups, Member, group_rank
 from weightsync.errors import VersionError
-from weightsync.membership import BroadcastGroups, Member, group_rank
 from weightsync.slots import choose_slot, pinned_slots
 from weightsync.versions import IN_FLIGHT, Candidate, State, VersionTable
 

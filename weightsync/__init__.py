@@ -1,7 +1,7 @@
 """weightsync: versioned trainer-to-rollout weight transfers over pluggable transports."""
 
+from .client import Coordinator
 from .config import SyncConfig
-from .coordinator import Coordinator
 from .errors import (
     CapacityError,
     ChecksumError,

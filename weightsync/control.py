@@ -4,7 +4,7 @@ A misspelled operation or argument therefore fails where it is written (an Attri
 TypeError in the caller, caught by any test that runs the line), not as a ``ProtocolError``
 from the actor at run time. On the wire a call is the msgpack map
 ``{"op": <name>, "token": <session token>, "args": {"party": <id>, ...}}`` handled by the
-actor's ``op_<name>`` (:mod:`weightsync.actor`); replies that callers pick apart are
+actor's ``op_<name>`` (:mod:`weightsync.coordinator`); replies that callers pick apart are
 dataclasses built strictly from the reply map, so a reply that changed shape fails loudly.
 
 Calls go through the party: a coordinator that restarted answers ``SessionLost``; the party
@@ -19,7 +19,7 @@ import dataclasses
 from collections.abc import Callable
 from typing import Any
 
-from .coordinator import Coordinator
+from .client import Coordinator
 from .errors import SessionLost
 
 
@@ -153,7 +153,7 @@ class ControlPlane:
         """The version as status() shows it (participants, committed, failed, state)."""
         return self.coordinator.metrics(version)
 
-    # -- broadcast transport: group membership (membership.py) ---------------------------
+    # -- broadcast transport: group membership (broadcast_groups.py) ---------------------------
 
     def bcast_form(self, version: int) -> dict[str, Any]:
         return self._send("bcast_form", version=version)

@@ -1,121 +1,355 @@
-"""The client handle of the coordinator: create or reach the actor, call it.
+"""The coordinator actor: one named Ray actor per job. It never touches tensor bytes.
 
-The actor itself (:mod:`weightsync.actor`) owns the session and the version state machine
-(:mod:`weightsync.versions`); this handle is what parties and drivers hold. It is picklable,
-so a driver creates it and hands it to its workers.
+Parties (senders, receivers) talk to it through one ``rpc(bytes) -> bytes`` method carrying
+msgpack ``{"op", "token", "args"}`` (see :mod:`weightsync.client` for the client), present
+the session token, and send heartbeats; a monitor task turns a silent party into an error that
+names it. What a version may do next is decided by :class:`~weightsync.versions.VersionTable`;
+this module adds the session registry, liveness, waits with deadlines and wake-ups.
 """
 
 from __future__ import annotations
 
+import asyncio
+import hmac
 import secrets
+import time
 from typing import Any
 
-import ray
-
-from . import errors, protocol
-from .actor import CoordinatorActor
+from . import protocol
+from .broadcast_groups import BroadcastGroups
 from .config import SyncConfig
-from .errors import DeadlineExceeded, SyncFailed, WeightSyncError
-
-_ERRORS = {n: c for n, c in vars(errors).items() if isinstance(c, type) and issubclass(c, WeightSyncError)}
-
-
-def _raise_remote(reply: dict[str, Any]) -> None:
-    kind, error = reply.get("kind", "WeightSyncError"), reply.get("error", "")
-    if kind == "SyncFailed":
-        raise SyncFailed(reply["version"], reply["failed"], reply.get("committed"))
-    raise _ERRORS.get(kind, WeightSyncError)(error)
+from .coordinator_broadcast import BroadcastMembership
+from .errors import DeadlineExceeded, ManifestError, ProtocolError, SyncFailed, VersionError, WeightSyncError
+from .roster import Parties, PartyRecord
+from .signals import Signals
+from .slots import choose_slot, pinned_slots
+from .versions import Candidate, State, Version, VersionTable
 
 
-class Coordinator:
-    """Client handle of the coordinator actor; picklable, so it can be handed to workers.
+class CoordinatorActor:
+    """The actor body. Use :class:`weightsync.Coordinator` to create or reach it."""
 
-    ``Coordinator.create()`` starts the actor in the driver; workers receive the handle (or
-    call ``Coordinator.connect(name, token)``). Every call presents the session token.
-    """
+    def __init__(self, config: dict[str, Any], token: str):
+        self.config = SyncConfig.from_mapping(config)
+        self.token = token
+        self.session = secrets.token_hex(8)
+        # party ids carry the incarnation: after a restart, a party still holding an id from
+        # before gets SessionLost and registers again, instead of passing for whoever took
+        # that small number first in the new session
+        self.parties = Parties(first_pid=(int(self.session, 16) >> 32 << 20) + 1)
+        self.table = VersionTable()
+        self.bcast = BroadcastGroups()
+        self.manifest: list[Any] | None = None
+        self.digest: str | None = None
+        self.payload_bytes = 0
+        self.transport: str | None = None
+        self.transport_reason = ""
+        self.transport_info: dict[str, Any] = {}  # the transport's own, for receivers only
+        self.pipelined = self.keeps_versions = False  # the transport's traits (SenderTransport)
+        self.resources: dict[str, int] = {}
+        self.signals = Signals()
+        self.broadcast = BroadcastMembership(self.table, self.parties, self.bcast, self.signals, self.session)
+        self._monitor: asyncio.Task | None = None
 
-    def __init__(self, actor: Any, name: str, namespace: str, token: str, config: SyncConfig):
-        self.actor, self.name, self.namespace, self.token, self.config = actor, name, namespace, token, config
+    # -- the one entry point -------------------------------------------------------------
 
-    @classmethod
-    def create(cls, config: SyncConfig | dict | None = None, *, name: str | None = None,
-               detached: bool = False,
-               token: str | None = None, actor_options: dict | None = None) -> Coordinator:
-        cfg = config if isinstance(config, SyncConfig) else SyncConfig.load(config)
-        name = name or cfg.coordinator_name
-        token = token or secrets.token_hex(16)
-        # Ray restarts a crashed coordinator; parties then re-register (control.py) and the
-        # next version goes through. Calls in flight during the restart are retried.
-        options = {"name": name, "max_concurrency": 1000, "num_cpus": 0, "max_restarts": -1, "max_task_retries": -1}
-        if cfg.namespace:
-            options["namespace"] = cfg.namespace
-        if detached:
-            options["lifetime"] = "detached"
-        options.update(actor_options or {})
-        actor_cls = ray.remote(CoordinatorActor)
+    async def rpc(self, payload: bytes) -> bytes:
+        if self._monitor is None:
+            self._monitor = asyncio.get_running_loop().create_task(self._watch())
         try:
-            actor = actor_cls.options(**options).remote(cfg.to_dict(), token)
-        except ValueError as exc:  # Ray: name already taken
-            raise WeightSyncError(f"a coordinator named {name!r} already exists in this Ray namespace: {exc}") from None
-        client = cls(actor, name, cfg.namespace, token, cfg)
-        client.rpc("status", rpc_timeout=cfg.connect_timeout_s)
-        return client
+            msg = protocol.decode(payload)
+            if not isinstance(msg, dict) or not isinstance(msg.get("op"), str):
+                raise ProtocolError("control message must be a map with an 'op'")
+            if not hmac.compare_digest(str(msg.get("token", "")), self.token):
+                raise ProtocolError(f"op {msg['op']!r} refused: wrong session token for coordinator")
+            handler = getattr(self, "op_" + msg["op"], None)
+            if handler is None:
+                raise ProtocolError(f"unknown op {msg['op']!r}")
+            args = msg.get("args") or {}
+            if not isinstance(args, dict):
+                raise ProtocolError("'args' must be a map")
+            result = await handler(**args)
+            return protocol.encode({"ok": True, "result": result})
+        except WeightSyncError as exc:
+            kind = type(exc).__name__
+            extra = {"failed": exc.failed, "committed": exc.committed, "version": exc.version} if isinstance(exc, SyncFailed) else {}
+            return protocol.encode({"ok": False, "kind": kind, "error": str(exc), **extra})
+        except TypeError as exc:
+            return protocol.encode({"ok": False, "kind": "ProtocolError", "error": f"bad arguments: {exc}"})
 
-    @classmethod
-    def connect(cls, name: str, token: str, config: SyncConfig | dict | None = None) -> Coordinator:
-        cfg = config if isinstance(config, SyncConfig) else SyncConfig.load(config)
-        try:
-            actor = ray.get_actor(name, namespace=cfg.namespace or None)
-        except ValueError:
-            raise WeightSyncError(f"no coordinator named {name!r} is running") from None
-        return cls(actor, name, cfg.namespace, token, cfg)
+    # -- liveness ------------------------------------------------------------------------
 
-    def rpc(self, op: str, *, rpc_timeout: float | None = None, **args: Any) -> Any:
-        """One control-plane call. Parties use the typed :class:`weightsync.control.ControlPlane`;
-        this is its transport (and the way to send a malformed call on purpose in tests)."""
-        payload = protocol.encode({"op": op, "token": self.token, "args": args})
-        ref = self.actor.rpc.remote(payload)
-        # the rpc itself may wait up to args["timeout"]; allow it that plus slack
-        limit = (rpc_timeout if rpc_timeout is not None else self.config.connect_timeout_s) + float(args.get("timeout", 0) or 0) + 5.0
-        try:
-            raw = ray.get(ref, timeout=limit)
-        except ray.exceptions.GetTimeoutError:
-            raise DeadlineExceeded(f"coordinator '{self.name}' did not answer {op!r} within {limit:.1f}s") from None
-        except ray.exceptions.RayActorError as exc:
-            raise WeightSyncError(f"coordinator '{self.name}' is unreachable (actor died?): {exc}") from None
-        reply = protocol.decode(raw)
-        if not reply.get("ok"):
-            _raise_remote(reply)
-        return reply.get("result")
+    async def _watch(self) -> None:
+        while True:
+            await asyncio.sleep(min(0.25, self.config.heartbeat_interval_s))
+            self._check_liveness()
 
-    def register(self, *, role: str, name: str, rank: int, host: str, os_pid: int, node_id: str = "",
-                 device: dict | None = None, last_version: int | None = None, serving: int | None = None,
-                 served: dict | None = None, rpc_timeout: float | None = None) -> dict[str, Any]:
-        """Join the session; returns ``{"party": id, "session": ..., "config": ...}``. The last
-        three arguments are what a party that outlived a coordinator restart brings back."""
-        return self.rpc("register", rpc_timeout=rpc_timeout, role=role, name=name, rank=rank, host=host,
-                        os_pid=os_pid, node_id=node_id, device=device, last_version=last_version,
-                        serving=serving, served=served)
+    def _check_liveness(self) -> None:
+        for p in self.parties.silent(time.monotonic(), self.config.heartbeat_timeout_s):
+            self._party_lost(p)
 
-    def status(self) -> dict[str, Any]:
-        return self.rpc("status")
+    def _party_lost(self, p: PartyRecord) -> None:
+        now = time.monotonic()
+        if p.role == "sender" and p.rank == 0:
+            hit = self.table.sender_lost(f"{p.label} {p.why}", self.keeps_versions, now)
+        elif p.role == "receiver":
+            hit = self.table.receiver_lost(p.name, f"{p.label} {p.why}", now)
+            p.reported_dead = p.reported_dead or bool(hit)
+        else:
+            hit = []
+        self._poke(*hit)
 
-    def metrics(self, version: int) -> dict[str, Any]:
-        """One version as status() shows it: state, reason, participants, phases, info."""
-        return self.rpc("metrics", version=version)
+    def _poke(self, *versions: Version) -> None:
+        self.signals.poke(v.version for v in versions)
 
-    def format_status(self) -> str:
-        from .report import format_status
+    def _party(self, pid: int, seen: bool = True) -> PartyRecord:
+        return self.parties.touch(pid, time.monotonic(), seen)
 
-        return format_status(self.status())
+    # -- broadcast membership (coordinator_broadcast.py) -----------------------------------------
 
-    def check_batch(self, batch_version: int, step: int, max_staleness: int | None = None) -> int:
-        """Raise StalenessError when a batch made with ``batch_version`` is too old for ``step``."""
-        return self.rpc("check_batch", party=0, batch_version=batch_version, step=step,
-                         max_staleness=max_staleness)["lag"]
+    async def op_bcast_form(self, party: int, version: int) -> dict[str, Any]:
+        return await self.broadcast.form(self._party(party), version)
 
-    def shutdown(self) -> None:
-        try:
-            ray.kill(self.actor)
-        except Exception:  # already gone
-            pass
+    async def op_bcast_group(self, party: int, version: int, timeout: float) -> dict[str, Any]:
+        return await self.broadcast.group(self._party(party), version, timeout)
+
+    async def op_bcast_check(self, party: int, version: int) -> dict[str, Any]:
+        return await self.broadcast.check(self._party(party), version)
+
+    async def op_bcast_failed(self, party: int, version: int, error: str, timeout: float) -> dict[str, Any]:
+        return await self.broadcast.failed(self._party(party), version, error, timeout)
+
+    # -- registration and session --------------------------------------------------------
+
+    async def op_register(self, role: str, name: str, rank: int, host: str, os_pid: int,
+                          node_id: str = "", device: dict | None = None, last_version: int | None = None,
+                          serving: int | None = None, served: dict | None = None) -> dict[str, Any]:
+        """Join the session. A party re-registering after a coordinator restart brings what
+        the coordinator lost: the newest version it staged (senders) or the version it
+        serves and where its bytes are (receivers), so versions keep going up and rollback
+        data stays pinned."""
+        record, replaced = self.parties.add(role, name, rank, host, os_pid, node_id, device or {}, time.monotonic())
+        for other in replaced:
+            self._party_lost(other)
+        if last_version is not None:
+            self.table.raise_floor(int(last_version))
+        if serving is not None:
+            record.serving = int(serving)
+            self.table.raise_floor(record.serving)
+            if served is not None:
+                self.table.restore_committed(record.serving, int(served.get("slot", 0)),
+                                             dict(served.get("info") or {}), time.monotonic())
+        self._poke()
+        return {"party": record.pid, "session": self.session, "config": self.config.to_dict()}
+
+    async def op_heartbeat(self, party: int) -> dict[str, Any]:
+        self._party(party)
+        return {}
+
+    async def op_leave(self, party: int) -> dict[str, Any]:
+        p = self.parties.leave(party)
+        if p is not None:
+            self._party_lost(p)
+        return {}
+
+    async def op_publish(self, party: int, manifest: list, digest: str, payload_bytes: int,
+                         transport: str, reason: str, info: dict, pipelined: bool = False,
+                         keeps_versions: bool = False) -> dict[str, Any]:
+        self._party(party)
+        if self.digest is not None and self.digest != digest:
+            raise ManifestError(
+                "the sender offers a different manifest than the one this session agreed; "
+                "a new layout needs a new coordinator (a new session)"
+            )
+        self.manifest, self.digest, self.payload_bytes = manifest, digest, payload_bytes
+        self.transport, self.transport_reason, self.transport_info = transport, reason, dict(info)
+        self.pipelined, self.keeps_versions = bool(pipelined), bool(keeps_versions)
+        self._poke()
+        return {}
+
+    async def op_session(self, party: int, timeout: float) -> dict[str, Any]:
+        """Wait for the sender's manifest and transport choice."""
+        deadline = time.monotonic() + timeout
+        while self.manifest is None:
+            if time.monotonic() >= deadline:
+                raise DeadlineExceeded(f"no sender published a manifest within {timeout:.1f}s")
+            self._party(party, seen=False)
+            await self.signals.wait(self.signals.any, deadline)
+        return {"manifest": self.manifest, "digest": self.digest, "transport": self.transport,
+                "info": self.transport_info, "session": self.session}
+
+    async def op_receivers(self, party: int, count: int, timeout: float) -> list[dict[str, Any]]:
+        """Wait until ``count`` receivers are registered and alive; returns them by rank."""
+        deadline = time.monotonic() + timeout
+        self._party(party)
+        while True:
+            self._party(party, seen=False)
+            live = self.parties.receivers()
+            if len(live) >= count:
+                return [{"name": p.name, "rank": p.rank, "host": p.host, "node_id": p.node_id, "device": p.device}
+                        for p in live]
+            if time.monotonic() >= deadline:
+                raise DeadlineExceeded(
+                    f"only {len(live)} of {count} receivers registered within {timeout:.1f}s: "
+                    f"{sorted(p.name for p in live)}"
+                )
+            await self.signals.wait(self.signals.any, deadline)
+
+    async def op_verdict(self, party: int, accepted: bool, why: str = "") -> dict[str, Any]:
+        p = self._party(party)
+        p.verdict = "" if accepted else (why or "rejected")
+        if not accepted:
+            p.why = f"rejected the manifest: {why}"
+        self._poke()
+        return {}
+
+    async def op_resource(self, party: int, kind: str, delta: int) -> dict[str, Any]:
+        """Open/close accounting of segments and handles, so leaks show in status()."""
+        self._party(party)
+        self.resources[kind] = self.resources.get(kind, 0) + int(delta)
+        return {}
+
+    # -- versions: thin wrappers over the table, adding waits and wake-ups -----------------
+
+    def _slot_for_new_version(self) -> int:
+        served = {p.serving for p in self.parties.receivers()}
+        pinned = pinned_slots(self.table, served, self.config.keep_previous)
+        latest = self.table.latest_committed
+        return choose_slot(pinned, self.config.shm_max_segments,
+                           self.table.versions[latest].slot if latest is not None else None)
+
+    async def op_begin_stage(self, party: int, version: int) -> dict[str, Any]:
+        p = self._party(party)
+        if p.role != "sender" or p.rank != 0:
+            raise ProtocolError(f"{p.label} may not stage versions; only sender rank 0 does")
+        v, superseded = self.table.begin_stage(version, self._slot_for_new_version, time.monotonic())
+        self._poke(v, *superseded)
+        return {"slot": v.slot}
+
+    async def op_stage_info(self, party: int, version: int, info: dict, readable: bool = False) -> dict[str, Any]:
+        """More per-version info (where the bytes are, the digest once known); ``readable``:
+        a pipelined sender announced the version, receivers may start reading it."""
+        self._party(party)
+        v = self.table[version]
+        v.info.update(info)
+        v.readable = v.readable or bool(readable)
+        self._poke(v)
+        return {}
+
+    async def op_staged(self, party: int, version: int, info: dict, stage_s: float) -> dict[str, Any]:
+        self._party(party)
+        self._poke(self.table.staged(version, info, stage_s))
+        return {}
+
+    async def op_abort(self, party: int, version: int, reason: str) -> dict[str, Any]:
+        p = self._party(party)
+        if self.table.abort(version, f"{p.label}: {reason}", time.monotonic()):
+            self._poke(self.table[version])
+        return {}
+
+    async def op_begin_sync(self, party: int, version: int) -> dict[str, Any]:
+        self._party(party)
+        eligible = self.parties.at_barrier()
+        offered = [Candidate(p.name, f"{p.label} {p.why}" if not p.alive or p.rejected else None) for p in eligible]
+        before = self.table.get(version)
+        opening = before is not None and before.state in (State.STAGING, State.STAGED)
+        v = self.table.begin_sync(version, offered, time.monotonic())
+        if opening:
+            for p in eligible:
+                p.reported_dead = p.reported_dead or not p.alive  # named in this version, not again
+        self._poke(v)
+        return {"participants": v.participants}
+
+    async def op_wait_version(self, party: int, version: int | None, timeout: float, wait: bool = True,
+                              prefetch: bool = False) -> dict[str, Any]:
+        """Receivers: wait until ``version`` (or, for None, anything newer than what they
+        serve) can be read; returns where its bytes are. ``prefetch``: only to read ahead,
+        the receiver is not applying it yet."""
+        self._party(party)
+        deadline = time.monotonic() + timeout
+        while True:
+            p = self._party(party, seen=False)
+            target = self.table.target_for(p.serving, version, pipelined=self.pipelined,
+                                           keeps_versions=self.keeps_versions)
+            if target is not None:
+                v = self.table[target]
+                if not prefetch:
+                    p.applying = target
+                return {"version": target, "state": v.state.value, "slot": v.slot, "info": v.info}
+            asked = self.table.get(version) if version is not None else None
+            if asked is not None and asked.state == State.ABORTED:
+                raise VersionError(f"version {version} was aborted: {asked.reason}")
+            if not wait and (version is None or asked is not None):
+                return {"version": None}
+            if time.monotonic() >= deadline:
+                want = f"version {version}" if version is not None else "a version newer than the one served"
+                s0 = self.parties.sender0()
+                who = f"; sender: {s0.label}{' ' + s0.why if s0.why else ''}" if s0 else "; no sender registered"
+                raise DeadlineExceeded(f"receiver '{p.name}' waited {timeout:.1f}s for {want}{who}")
+            await self.signals.wait(self.signals.version(version) if asked is not None else self.signals.any, deadline)
+
+    async def op_state(self, party: int, version: int) -> dict[str, Any]:
+        self._party(party)
+        v = self.table[version]
+        return {"state": v.state.value, "reason": v.reason, "info": v.info}
+
+    async def op_report(self, party: int, version: int, ok: bool, serving: int | None,
+                        reason: str = "", metrics: dict | None = None) -> dict[str, Any]:
+        p = self._party(party)
+        p.serving, p.applying = serving, None
+        v = self.table.report(version, p.name, ok, f"{p.label}: {reason}", metrics or {}, time.monotonic())
+        if v is not None:
+            self._poke(v)
+        self._poke()
+        return {}
+
+    async def op_wait_outcome(self, party: int, version: int, timeout: float) -> dict[str, Any]:
+        self._party(party)
+        deadline = time.monotonic() + timeout
+        # trainer ranks other than 0 may get here before rank 0 began the version
+        while version not in self.table:
+            if time.monotonic() >= deadline or version <= self.table.floor:
+                raise VersionError(f"version {version} was never staged (waited {timeout:.1f}s)")
+            self._party(party, seen=False)
+            await self.signals.wait(self.signals.any, deadline)
+        v = self.table[version]
+        while v.in_flight:
+            self._party(party, seen=False)
+            if time.monotonic() >= deadline:
+                self._poke(self.table.expire(version, timeout, time.monotonic()))
+                break
+            await self.signals.wait(self.signals.version(version), deadline)
+        out = v.public(self.payload_bytes)
+        if v.state == State.ABORTED:
+            raise SyncFailed(version, v.failed or {"sender": v.reason}, v.committed)
+        return out
+
+    # -- staleness (one-step-off) --------------------------------------------------------
+
+    async def op_check_batch(self, party: int, batch_version: int, step: int,
+                             max_staleness: int | None = None) -> dict[str, Any]:
+        from .staleness import check_staleness
+
+        limit = self.config.max_staleness if max_staleness is None else max_staleness
+        check_staleness(batch_version, step, limit)
+        return {"lag": step - batch_version}
+
+    # -- reading -------------------------------------------------------------------------
+
+    async def op_status(self) -> dict[str, Any]:
+        now = time.monotonic()
+        return {
+            "session": self.session,
+            "transport": self.transport, "transport_reason": self.transport_reason,
+            "group": {k: self.transport_info[k] for k in ("backend", "communicator", "communicator_reason")
+                      if k in self.transport_info},
+            "manifest_tensors": len(self.manifest or ()), "payload_bytes": self.payload_bytes,
+            "latest_committed": self.table.latest_committed,
+            "parties": self.parties.public(now),
+            "versions": [v.public(self.payload_bytes) for v in self.table.recent(20)],
+            "resources": dict(self.resources),
+            "config": self.config.to_dict(),
+        }
+
+    async def op_metrics(self, version: int) -> dict[str, Any]:
+        return self.table[version].public(self.payload_bytes)

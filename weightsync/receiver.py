@@ -19,8 +19,8 @@ from typing import Any
 import torch
 
 from . import events, transports
+from .client import Coordinator
 from .config import SyncConfig
-from .coordinator import Coordinator
 from .digest import version_digest
 from .errors import ManifestError, VersionError, WeightSyncError
 from .manifest import Expected, Manifest, check_manifest

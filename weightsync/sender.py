@@ -21,9 +21,9 @@ import torch
 
 from . import events, transports
 from .capabilities import ipc_support
+from .client import Coordinator
 from .config import SyncConfig
 from .control import Publication
-from .coordinator import Coordinator
 from .device import describe
 from .errors import VersionError
 from .manifest import Manifest, build_manifest

@@ -17,7 +17,7 @@ def add_status_arguments(p: argparse.ArgumentParser) -> None:
 def run_status(args: argparse.Namespace) -> int:
     import ray
 
-    from .coordinator import Coordinator
+    from .client import Coordinator
 
     ray.init(address=args.address, namespace=args.namespace or None, logging_level="ERROR")
     try:

@@ -19,10 +19,10 @@ from typing import Any
 
 import torch
 
+from .client import Coordinator
 from .config import SyncConfig
-from .coordinator import Coordinator
-from .layouts import materialize
 from .manifest import Manifest
+from .model_layouts import materialize
 from .receiver import WeightReceiver
 from .sender import WeightSender
 

@@ -15,13 +15,13 @@ from typing import Any
 import torch
 import xxhash
 
+from ..client import Coordinator
 from ..config import SyncConfig
-from ..coordinator import Coordinator
-from ..layouts import materialize
 from ..manifest import Manifest
+from ..model_layouts import materialize
 from ..receiver import WeightReceiver
 from ..sender import WeightSender
-from .memory import PeakTracker
+from .peak_memory import PeakTracker
 
 
 def _flat(t: torch.Tensor) -> torch.Tensor:
@@ -39,12 +39,12 @@ def digest(tensors: dict[str, torch.Tensor]) -> str:
 
 
 def _collective():
-    """weightsync.bench.collective if it is installed (written separately), else None."""
+    """weightsync.bench.collective_baselines if it is installed (written separately), else None."""
     try:
-        from . import collective
+        from . import collective_baselines
     except ImportError:
         return None
-    return collective
+    return collective_baselines
 
 
 class BenchEngine:
@@ -76,7 +76,7 @@ class BenchTrainer:
         self.manifest = Manifest.from_wire(manifest_wire)
         self.device = device
         if weights_path:
-            from .layouts import load_weights
+            from .layout_source import load_weights
 
             self.tensors = {n: t.to(device) for n, t in load_weights(weights_path, self.manifest).items()}
         else:
@@ -173,7 +173,7 @@ class BenchTrainer:
         # nested in a list so Ray hands the receivers the reference, not the value
         return {"t0": t0, "put_s": time.monotonic() - t0, "ref": [ref]}
 
-    # -- collective baselines (weightsync.bench.collective) --------------------------------
+    # -- collective baselines (weightsync.bench.collective_baselines) --------------------------------
 
     def collective_call(self, fn: str, *args: Any, **kwargs: Any) -> Any:
         mod = _collective()

@@ -13,8 +13,8 @@ from typing import Any
 
 from ..config import SyncConfig
 from ..device import backend_for
-from ..layouts import LAYOUTS
-from . import fit
+from ..model_layouts import LAYOUTS
+from . import memory_fit
 from .expect import KEYS, evaluate, fastest, parse_expectation
 
 TRANSPORTS = ("shm", "ipc", "broadcast", "auto")
@@ -129,8 +129,8 @@ def _row_need(item: tuple[str, str, int, float | None, bool], manifest: Any) -> 
             mode = choose_mode(plan_buckets(manifest, bucket, config.align_bytes), config)
         except CapacityError:
             pass  # no mode fits: the row fails with the transport's own message
-    need, shm = fit.row_bytes(name, payload, bucket, n, segs, mode.need_bytes if mode else None)
-    return need, shm, fit.describe_row(name, payload, bucket, n, segs, mode.buffers if mode else 0)
+    need, shm = memory_fit.row_bytes(name, payload, bucket, n, segs, mode.need_bytes if mode else None)
+    return need, shm, memory_fit.describe_row(name, payload, bucket, n, segs, mode.buffers if mode else 0)
 
 
 def _row_refusal(item: tuple[str, str, int, float | None, bool], manifest: Any) -> str | None:
@@ -142,7 +142,7 @@ def _row_refusal(item: tuple[str, str, int, float | None, bool], manifest: Any) 
         return None
     vm = psutil.virtual_memory()
     what = f"{item[1]}{f' {item[3]:g}MiB' if item[3] else ''} x{item[2]}"
-    return fit.refusal(what, need, vm.available, vm.total, shm, fit.shm_free(SyncConfig().shm_dir), detail)
+    return memory_fit.refusal(what, need, vm.available, vm.total, shm, memory_fit.shm_free(SyncConfig().shm_dir), detail)
 
 
 def _size_refusal(label: str, manifest: Any, plan: list, receivers: int) -> str | None:
@@ -152,9 +152,9 @@ def _size_refusal(label: str, manifest: Any, plan: list, receivers: int) -> str 
 
     payload = manifest.total_bytes
     cheapest = min((_row_need(item, manifest)[0] for item in plan), default=0)
-    need = max(2 * payload, fit.models_bytes(payload, receivers) + cheapest)
+    need = max(2 * payload, memory_fit.models_bytes(payload, receivers) + cheapest)
     vm = psutil.virtual_memory()
-    return fit.refusal(label, need, vm.available, vm.total,
+    return memory_fit.refusal(label, need, vm.available, vm.total,
                        detail=f"the trainer's copy and {receivers} engine cop{'y' if receivers == 1 else 'ies'} of "
                               f"{payload / 2**30:.1f} GiB and the cheapest row's buffers")
 
@@ -163,11 +163,11 @@ def run_bench(args: argparse.Namespace) -> int:
     import ray
 
     from ..device import platform as detect_platform
-    from . import growth, layouts, report
+    from . import growth, layout_source, results
 
     device = detect_platform() if args.device == "auto" else args.device
     # smallest first: a size that fails or is skipped leaves the smaller ones measured
-    sizes_in = sorted((layouts.resolve(m, args.dtype) for m in dict.fromkeys(args.model)),
+    sizes_in = sorted((layout_source.resolve(m, args.dtype) for m in dict.fromkeys(args.model)),
                       key=lambda s: s[1].total_bytes)
     receivers = sorted(set(args.receivers))
     if min(receivers) < 1:
@@ -197,7 +197,7 @@ def run_bench(args: argparse.Namespace) -> int:
             ray.shutdown()
 
     result: dict[str, Any] = {
-        "schema": report.SCHEMA,
+        "schema": results.SCHEMA,
         "created": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         "wall_s": time.time() - started,
         "note": args.note,
@@ -212,20 +212,20 @@ def run_bench(args: argparse.Namespace) -> int:
     result["machine"]["load_avg_end"] = list(os.getloadavg())
     for size in sizes:
         if size["ceiling"] is not None:
-            report.add_ratios(size)
+            results.add_ratios(size)
         counts = sorted({r["receivers"] for r in size["rows"]})
         size["comparisons"] = [f for f in (fastest(size, n) for n in counts) if f is not None]
         size["expectations"] = evaluate(size, args.expect)
     result["growth"] = growth.table(sizes)
     result["skipped"] = growth.skipped(sizes)
     for size in sizes:
-        print(report.format_table({**result, **size}) + "\n")
+        print(results.format_table({**result, **size}) + "\n")
     print(growth.format_table(result))
     if args.json:
-        report.write_json(result, args.json)
+        results.write_json(result, args.json)
         print(f"wrote {args.json}", file=sys.stderr)
     if args.plot:
-        why = report.write_plot({**result, **sizes[0]}, args.plot) if len(sizes) == 1 else growth.write_plot(result, args.plot)
+        why = results.write_plot({**result, **sizes[0]}, args.plot) if len(sizes) == 1 else growth.write_plot(result, args.plot)
         print(f"--plot: {why}" if why else f"wrote {args.plot}", file=sys.stderr)
     return exit_status(result)
 
@@ -242,7 +242,7 @@ def _run_size(args: argparse.Namespace, label: str, manifest: Any, weights_path:
     import torch
 
     from .ceiling import device_ceilings, host_ceiling
-    from .memory import NodeShmem
+    from .peak_memory import NodeShmem
     from .runner import Bench
 
     payload = manifest.total_bytes

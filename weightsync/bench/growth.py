@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from .report import _f, _mib, _ok
+from .results import _f, _mib, _ok
 
 _CONFIG = ("name", "bucket_mb", "receivers", "backend", "checksum", "digest")
 

@@ -26,7 +26,7 @@ import numpy as np
 import ray
 
 from .. import transports as transport_registry
-from ..coordinator import Coordinator
+from ..client import Coordinator
 from ..device import RAY_RESOURCE, ray_options
 from ..manifest import Manifest
 from .actors import BenchRollout, BenchTrainer
@@ -342,15 +342,14 @@ class Bench:
         row["stage_s"] = statistics.median(put_s) if put_s else None  # the trainer is blocked for the put
         return self._finish(row, seconds)
 
-    # -- collective broadcast baselines (weightsync.bench.collective) -----------------------
+    # -- collective broadcast baselines (weightsync.bench.collective_baselines) -----------------------
 
     def collective_row(self, kind: str, receivers: int, backend: str) -> dict[str, Any]:
-        """``bcast-per-tensor`` / ``bcast-flat`` from weightsync.bench.collective: its own
+        """``bcast-per-tensor`` / ``bcast-flat`` from weightsync.bench.collective_baselines: its own
         group of actors (same layout, device and receiver count); peak memory is not tracked."""
-        from . import collective_glue
-
+        from . import baseline_rows
         row = self._row(kind="baseline", name=kind, receivers=receivers, backend=backend)
-        why = collective_glue.unavailable(kind, backend, self.device, self.payload, receivers) or (
+        why = baseline_rows.unavailable(kind, backend, self.device, self.payload, receivers) or (
             devices_short(self.device, backend, receivers + 1) if one_device_per_rank(backend, self.device)
             else None)
         if why:
@@ -359,7 +358,7 @@ class Bench:
         seconds: list[float] = []
         try:
             with self.progress.bar(1, f"{kind} x{receivers} ({self.warmup + self.versions} versions)") as bar:
-                timed, verified = collective_glue.run(self.manifest, kind, receivers, backend, self.device,
+                timed, verified = baseline_rows.run(self.manifest, kind, receivers, backend, self.device,
                                                       self.warmup + self.versions)
                 _tick(bar)
             seconds = timed[self.warmup:]  # the first ones fault in the engine's pages

@@ -45,7 +45,7 @@ from .. import device as devices
 from ..digest import compute, kind_of
 from ..errors import ConfigError, DeadlineExceeded, ProtocolError, VersionError, WeightSyncError
 from .base import Aborted, Fill, Received, ReceiverTransport, SenderTransport, TransportContext
-from .groups import (  # noqa: F401  (re-exported: bench/collective.py and the tests use them from here)
+from .groups import (  # noqa: F401  (re-exported: bench/collective_baselines.py and the tests use them from here)
     DEVICE_OF_BACKEND,
     Group,
     choose_backend,

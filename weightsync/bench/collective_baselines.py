@@ -11,7 +11,7 @@ same group construction the transport uses (:class:`weightsync.transports.broadc
 Each returns seconds per repetition. Ray must be initialised by the caller; the actors take
 no CPU resource (they measure the machine, not Ray's scheduler) and are killed afterwards.
 
-    python -m weightsync.bench.collective --layout moe-small --receivers 1 3
+    python -m weightsync.bench.collective_baselines --layout moe-small --receivers 1 3
 """
 
 from __future__ import annotations
@@ -26,8 +26,8 @@ from typing import Any
 import ray
 import torch
 
-from ..layouts import layout, materialize
 from ..manifest import Manifest
+from ..model_layouts import layout, materialize
 from ..testing import ToyEngine
 from ..transports.broadcast import Group, choose_backend, comm_device, connect_store, host_store, store_host
 
@@ -204,7 +204,7 @@ def bucketed_broadcast(manifest: Manifest, receivers: int, *, config: dict | Non
                        resources: dict | None = None) -> list[float]:
     """Seconds per version over the broadcast transport: pack, send, verify, load, commit.
     The first version (group construction, first-touch of the buffers) is not counted."""
-    from ..coordinator import Coordinator
+    from ..client import Coordinator
     from ..testing import RolloutWorker
 
     cfg = {"transport": "broadcast", "bucket_mb": 64.0, **(config or {})}
@@ -250,9 +250,9 @@ def _cell(r: dict[str, Any], key: str) -> str:
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(prog="python -m weightsync.bench.collective",
+    parser = argparse.ArgumentParser(prog="python -m weightsync.bench.collective_baselines",
                                      description="bucketed broadcast vs a raw flat broadcast and per-tensor broadcast")
-    parser.add_argument("--layout", default="moe-small", help="built-in layout (see weightsync.layouts)")
+    parser.add_argument("--layout", default="moe-small", help="built-in layout (see weightsync.model_layouts)")
     parser.add_argument("--dtype", default="bfloat16")
     parser.add_argument("--receivers", type=int, nargs="+", default=[1, 3])
     parser.add_argument("--bucket-mb", type=float, default=64.0)

@@ -1,4 +1,4 @@
-"""Drives the collective broadcast baselines of :mod:`weightsync.bench.collective` for the
+"""Drives the collective broadcast baselines of :mod:`weightsync.bench.collective_baselines` for the
 benchmark. Those functions start their own group of Ray actors (sender rank 0 + N receivers,
 the broadcast transport's group construction) over the same layout and device; each
 baseline row says why when it cannot run here."""
@@ -12,15 +12,15 @@ import psutil
 
 from ..device import backend_for, ray_options
 
-# per baseline: the function of weightsync.bench.collective and whether it checks the bytes
+# per baseline: the function of weightsync.bench.collective_baselines and whether it checks the bytes
 FUNCTIONS = {"bcast-per-tensor": ("per_tensor_broadcast", True), "bcast-flat": ("raw_broadcast", False)}
 
 
 def _module():
     try:
-        return importlib.import_module("weightsync.bench.collective"), None
+        return importlib.import_module("weightsync.bench.collective_baselines"), None
     except ImportError as exc:
-        return None, f"weightsync.bench.collective is not part of this build ({exc})"
+        return None, f"weightsync.bench.collective_baselines is not part of this build ({exc})"
 
 
 def unavailable(kind: str, backend: str, device: str, payload: int, receivers: int) -> str | None:
@@ -29,7 +29,7 @@ def unavailable(kind: str, backend: str, device: str, payload: int, receivers: i
         return why
     fn = FUNCTIONS[kind][0]
     if not hasattr(mod, fn):
-        return f"weightsync.bench.collective has no {fn}()"
+        return f"weightsync.bench.collective_baselines has no {fn}()"
     want = backend_for(device)
     if backend != want and not (backend == "gloo" and device == "cpu"):
         return f"backend {backend} does not match device {device} (expected {want})"

@@ -9,8 +9,8 @@ import struct
 
 import torch
 
-from ..layouts import LAYOUTS, layout
 from ..manifest import Manifest, TensorSpec
+from ..model_layouts import LAYOUTS, layout
 
 # safetensors dtype codes -> our dtype names
 _ST_DTYPES = {

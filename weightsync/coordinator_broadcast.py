@@ -1,7 +1,7 @@
 """The coordinator's broadcast-membership operations, owned by ``CoordinatorActor``.
 
 The broadcast transport needs exactly the parties that take part in a version in its
-collective group, each knowing its rank; :mod:`weightsync.membership` decides the group and its
+collective group, each knowing its rank; :mod:`weightsync.broadcast_groups` decides the group and its
 epoch, these operations wait for it and tell members when the group broke, naming who broke it.
 They share the actor's version table, party registry and wake-ups, handed over at construction.
 """
@@ -11,9 +11,9 @@ from __future__ import annotations
 import time
 from typing import Any
 
+from .broadcast_groups import BroadcastGroups, Member, group_rank
 from .errors import DeadlineExceeded, VersionError
-from .membership import BroadcastGroups, Member, group_rank
-from .parties import Parties, PartyRecord
+from .roster import Parties, PartyRecord
 from .signals import Signals
 from .versions import State, VersionTable
 

@@ -1,0 +1,121 @@
+"""The client handle of the coordinator: create or reach the actor, call it.
+
+The actor itself (:mod:`weightsync.coordinator`) owns the session and the version state machine
+(:mod:`weightsync.versions`); this handle is what parties and drivers hold. It is picklable,
+so a driver creates it and hands it to its workers.
+"""
+
+from __future__ import annotations
+
+import secrets
+from typing import Any
+
+import ray
+
+from . import errors, protocol
+from .config import SyncConfig
+from .coordinator import CoordinatorActor
+from .errors import DeadlineExceeded, SyncFailed, WeightSyncError
+
+_ERRORS = {n: c for n, c in vars(errors).items() if isinstance(c, type) and issubclass(c, WeightSyncError)}
+
+
+def _raise_remote(reply: dict[str, Any]) -> None:
+    kind, error = reply.get("kind", "WeightSyncError"), reply.get("error", "")
+    if kind == "SyncFailed":
+        raise SyncFailed(reply["version"], reply["failed"], reply.get("committed"))
+    raise _ERRORS.get(kind, WeightSyncError)(error)
+
+
+class Coordinator:
+    """Client handle of the coordinator actor; picklable, so it can be handed to workers.
+
+    ``Coordinator.create()`` starts the actor in the driver; workers receive the handle (or
+    call ``Coordinator.connect(name, token)``). Every call presents the session token.
+    """
+
+    def __init__(self, actor: Any, name: str, namespace: str, token: str, config: SyncConfig):
+        self.actor, self.name, self.namespace, self.token, self.config = actor, name, namespace, token, config
+
+    @classmethod
+    def create(cls, config: SyncConfig | dict | None = None, *, name: str | None = None,
+               detached: bool = False,
+               token: str | None = None, actor_options: dict | None = None) -> Coordinator:
+        cfg = config if isinstance(config, SyncConfig) else SyncConfig.load(config)
+        name = name or cfg.coordinator_name
+        token = token or secrets.token_hex(16)
+        # Ray restarts a crashed coordinator; parties then re-register (control.py) and the
+        # next version goes through. Calls in flight during the restart are retried.
+        options = {"name": name, "max_concurrency": 1000, "num_cpus": 0, "max_restarts": -1, "max_task_retries": -1}
+        if cfg.namespace:
+            options["namespace"] = cfg.namespace
+        if detached:
+            options["lifetime"] = "detached"
+        options.update(actor_options or {})
+        actor_cls = ray.remote(CoordinatorActor)
+        try:
+            actor = actor_cls.options(**options).remote(cfg.to_dict(), token)
+        except ValueError as exc:  # Ray: name already taken
+            raise WeightSyncError(f"a coordinator named {name!r} already exists in this Ray namespace: {exc}") from None
+        client = cls(actor, name, cfg.namespace, token, cfg)
+        client.rpc("status", rpc_timeout=cfg.connect_timeout_s)
+        return client
+
+    @classmethod
+    def connect(cls, name: str, token: str, config: SyncConfig | dict | None = None) -> Coordinator:
+        cfg = config if isinstance(config, SyncConfig) else SyncConfig.load(config)
+        try:
+            actor = ray.get_actor(name, namespace=cfg.namespace or None)
+        except ValueError:
+            raise WeightSyncError(f"no coordinator named {name!r} is running") from None
+        return cls(actor, name, cfg.namespace, token, cfg)
+
+    def rpc(self, op: str, *, rpc_timeout: float | None = None, **args: Any) -> Any:
+        """One control-plane call. Parties use the typed :class:`weightsync.control.ControlPlane`;
+        this is its transport (and the way to send a malformed call on purpose in tests)."""
+        payload = protocol.encode({"op": op, "token": self.token, "args": args})
+        ref = self.actor.rpc.remote(payload)
+        # the rpc itself may wait up to args["timeout"]; allow it that plus slack
+        limit = (rpc_timeout if rpc_timeout is not None else self.config.connect_timeout_s) + float(args.get("timeout", 0) or 0) + 5.0
+        try:
+            raw = ray.get(ref, timeout=limit)
+        except ray.exceptions.GetTimeoutError:
+            raise DeadlineExceeded(f"coordinator '{self.name}' did not answer {op!r} within {limit:.1f}s") from None
+        except ray.exceptions.RayActorError as exc:
+            raise WeightSyncError(f"coordinator '{self.name}' is unreachable (actor died?): {exc}") from None
+        reply = protocol.decode(raw)
+        if not reply.get("ok"):
+            _raise_remote(reply)
+        return reply.get("result")
+
+    def register(self, *, role: str, name: str, rank: int, host: str, os_pid: int, node_id: str = "",
+                 device: dict | None = None, last_version: int | None = None, serving: int | None = None,
+                 served: dict | None = None, rpc_timeout: float | None = None) -> dict[str, Any]:
+        """Join the session; returns ``{"party": id, "session": ..., "config": ...}``. The last
+        three arguments are what a party that outlived a coordinator restart brings back."""
+        return self.rpc("register", rpc_timeout=rpc_timeout, role=role, name=name, rank=rank, host=host,
+                        os_pid=os_pid, node_id=node_id, device=device, last_version=last_version,
+                        serving=serving, served=served)
+
+    def status(self) -> dict[str, Any]:
+        return self.rpc("status")
+
+    def metrics(self, version: int) -> dict[str, Any]:
+        """One version as status() shows it: state, reason, participants, phases, info."""
+        return self.rpc("metrics", version=version)
+
+    def format_status(self) -> str:
+        from .status_text import format_status
+
+        return format_status(self.status())
+
+    def check_batch(self, batch_version: int, step: int, max_staleness: int | None = None) -> int:
+        """Raise StalenessError when a batch made with ``batch_version`` is too old for ``step``."""
+        return self.rpc("check_batch", party=0, batch_version=batch_version, step=step,
+                         max_staleness=max_staleness)["lag"]
+
+    def shutdown(self) -> None:
+        try:
+            ray.kill(self.actor)
+        except Exception:  # already gone
+            pass
