@@ -30,7 +30,17 @@ MiB = 1 << 20
 
 @dataclasses.dataclass(frozen=True)
 class SyncConfig:
-    """How weights move. Field docs are the user-facing reference (see README)."""
+    """How weights move: one frozen, validated object for the whole job.
+
+    Every field, its default and what it does: the Configuration page (``docs/configuration.md``).
+    Build it with keywords, ``from_mapping()`` (a dict, a verl / Hydra block) or ``load()``
+    (a mapping, then ``WEIGHTSYNC_<KEY>`` environment variables on top).
+
+    Raises:
+        ConfigError: A value is impossible (the message names the key): an unknown choice,
+            a non-positive size or timeout, ``heartbeat_timeout_s`` not above
+            ``heartbeat_interval_s``, ``align_bytes`` not a power of two >= 16, ...
+    """
 
     # which transport moves bucket bytes; "auto" picks by placement (see README)
     transport: str = "auto"
@@ -122,7 +132,7 @@ class SyncConfig:
 
     @property
     def bucket_bytes(self) -> int:
-        """Bucket size in bytes, rounded down to the alignment."""
+        """Bucket size in bytes (``bucket_mb``), rounded down to the alignment."""
         raw = int(self.bucket_mb * MiB)
         return raw - raw % self.align_bytes
 
@@ -130,7 +140,20 @@ class SyncConfig:
 
     @classmethod
     def from_mapping(cls, mapping: Any, base: SyncConfig | None = None) -> SyncConfig:
-        """Build from a dict or an OmegaConf-like mapping; unknown keys are errors."""
+        """Build from a dict or an OmegaConf-like mapping; unknown keys are errors.
+
+        Args:
+            mapping: Keys of this class with values (strings are converted, "true" / "1" for
+                booleans); None gives ``base`` unchanged.
+            base: The config the values go on top of; the defaults when None.
+
+        Returns:
+            The new config.
+
+        Raises:
+            ConfigError: ``mapping`` is not a mapping, a key is unknown (the closest known key
+                is suggested), or a value has the wrong type or is impossible.
+        """
         if mapping is None:
             return base or cls()
         if not isinstance(mapping, Mapping) and not hasattr(mapping, "keys"):
@@ -146,7 +169,20 @@ class SyncConfig:
 
     @classmethod
     def from_env(cls, environ: Mapping[str, str] | None = None, base: SyncConfig | None = None) -> SyncConfig:
-        """Apply ``WEIGHTSYNC_<FIELD>`` variables on top of ``base``; unknown ones are errors."""
+        """Apply ``WEIGHTSYNC_<FIELD>`` variables on top of ``base``; unknown ones are errors.
+
+        Args:
+            environ: The variables; ``os.environ`` when None. ``WEIGHTSYNC_`` variables read
+                by the scripts and the capability probe (``WEIGHTSYNC_DISABLE_IPC``,
+                ``WEIGHTSYNC_TORCH``, ...) are not config keys and are skipped.
+            base: The config the values go on top of; the defaults when None.
+
+        Returns:
+            The new config.
+
+        Raises:
+            ConfigError: A ``WEIGHTSYNC_`` variable names no key, or its value is wrong.
+        """
         environ = os.environ if environ is None else environ
         fields = _fields()
         values: dict[str, Any] = {}
@@ -161,10 +197,26 @@ class SyncConfig:
 
     @classmethod
     def load(cls, mapping: Any = None, environ: Mapping[str, str] | None = None) -> SyncConfig:
-        """Mapping first, then the environment on top (env wins, as for a one-off override)."""
+        """Mapping first, then the environment on top (env wins, as for a one-off override).
+
+        Args:
+            mapping: As for ``from_mapping()``.
+            environ: As for ``from_env()``.
+
+        Returns:
+            The new config.
+
+        Raises:
+            ConfigError: As ``from_mapping()`` and ``from_env()`` raise it.
+        """
         return cls.from_env(environ, base=cls.from_mapping(mapping))
 
     def to_dict(self) -> dict[str, Any]:
+        """Every key with its value.
+
+        Returns:
+            A plain dict that ``from_mapping()`` turns back into this config.
+        """
         return dataclasses.asdict(self)
 
 

@@ -48,6 +48,11 @@ class SyncFailed(WeightSyncError):
 
     ``failed`` maps party name to the reason it failed; ``committed`` lists the
     receivers that do serve the version.
+
+    Args:
+        version: The version that failed.
+        failed: Party name -> the reason it failed.
+        committed: The receivers that committed the version anyway.
     """
 
     def __init__(self, version: int, failed: dict[str, str], committed: list[str] | None = None):

@@ -43,32 +43,59 @@ def dtype_of(name: str) -> torch.dtype:
 
 @dataclasses.dataclass(frozen=True)
 class TensorSpec:
+    """One tensor of a manifest.
+
+    Attributes:
+        name: The tensor's name as the trainer offers it.
+        dtype: Its dtype's name (``"bfloat16"``, ...; torch's name without ``torch.``).
+        shape: Its shape.
+    """
+
     name: str
     dtype: str
     shape: tuple[int, ...]
 
     @property
     def torch_dtype(self) -> torch.dtype:
+        """The dtype as a ``torch.dtype``."""
         return dtype_of(self.dtype)
 
     @property
     def itemsize(self) -> int:
+        """Bytes per element."""
         return self.torch_dtype.itemsize
 
     @property
     def numel(self) -> int:
+        """Number of elements."""
         return math.prod(self.shape)
 
     @property
     def nbytes(self) -> int:
+        """Bytes of the tensor's data."""
         return self.numel * self.itemsize
 
     def describe(self) -> str:
+        """Dtype and shape for messages.
+
+        Returns:
+            E.g. ``bfloat16[896, 4864]``.
+        """
         return f"{self.dtype}{list(self.shape)}"
 
 
 @dataclasses.dataclass(frozen=True)
 class Manifest:
+    """The ordered (name, dtype, shape) list every version of a session carries; receivers
+    check it against their model before any byte moves.
+
+    Attributes:
+        specs: The tensors, in the order the trainer offers them.
+
+    Raises:
+        ManifestError: Two tensors have the same name.
+    """
+
     specs: tuple[TensorSpec, ...]
 
     def __post_init__(self) -> None:
@@ -89,16 +116,39 @@ class Manifest:
 
     @property
     def total_bytes(self) -> int:
+        """Bytes of every tensor's data together (the payload, without alignment)."""
         return sum(s.nbytes for s in self.specs)
 
     def index(self) -> dict[str, int]:
+        """Where each tensor is in the manifest.
+
+        Returns:
+            Tensor name -> its position.
+        """
         return {s.name: i for i, s in enumerate(self.specs)}
 
     def to_wire(self) -> list[list[Any]]:
+        """The manifest as plain data for the control plane (msgpack).
+
+        Returns:
+            ``[[name, dtype, [dims...]], ...]`` in manifest order.
+        """
         return [[s.name, s.dtype, list(s.shape)] for s in self.specs]
 
     @classmethod
     def from_wire(cls, wire: Iterable[Any]) -> Manifest:
+        """Check and rebuild a manifest received as ``to_wire()`` gave it.
+
+        Args:
+            wire: ``[[name, dtype, [dims...]], ...]``.
+
+        Returns:
+            The manifest.
+
+        Raises:
+            ManifestError: An entry is malformed, names an unknown dtype or has an invalid
+                shape, or a name repeats.
+        """
         specs = []
         for item in wire:
             if not (isinstance(item, (list, tuple)) and len(item) == 3):
@@ -113,7 +163,11 @@ class Manifest:
         return cls(tuple(specs))
 
     def digest(self) -> str:
-        """Identifies the layout: equal digests mean the same names, dtypes, shapes, order."""
+        """Identifies the layout: equal digests mean the same names, dtypes, shapes, order.
+
+        Returns:
+            The xxh3-128 hex digest of the layout.
+        """
         h = xxhash.xxh3_128()
         for s in self.specs:
             h.update(f"{s.name}\0{s.dtype}\0{','.join(map(str, s.shape))}\n".encode())
@@ -137,7 +191,18 @@ def spec_of(name: str, tensor: Any) -> TensorSpec:
 
 
 def build_manifest(named: Mapping[str, Any] | Iterable[tuple[str, Any]]) -> Manifest:
-    """Manifest of named tensors (or specs), in the order given."""
+    """Manifest of named tensors (or specs), in the order given.
+
+    Args:
+        named: A mapping name -> tensor (or TensorSpec), or an iterable of such pairs.
+
+    Returns:
+        The manifest.
+
+    Raises:
+        ManifestError: A tensor is a DTensor (call ``full_tensor()`` first), sparse, not a
+            tensor, of a dtype weightsync does not move, or a name repeats.
+    """
     items = named.items() if isinstance(named, Mapping) else named
     return Manifest(tuple(spec_of(name, t) for name, t in items))
 

@@ -97,7 +97,8 @@ class Party:
         pass
 
     def close(self) -> None:
-        """Release transport resources and leave the session. Idempotent."""
+        """Release transport resources and leave the session. Idempotent; a ``with`` block
+        calls it on exit."""
         if self._closed:
             return
         self._closed = True

@@ -32,23 +32,41 @@ LoadWeights = Callable[[Iterable[tuple[str, torch.Tensor]]], Any]
 
 
 class WeightReceiver(Party):
-    """Rollout-side end of a session.
+    """Rollout-side end of a session: one per rollout worker process (one per vLLM TP rank).
 
-    ``load_weights`` follows vLLM's contract: it receives (name, tensor) pairs and copies
-    them into the model; the tensors are views of transport buffers, valid during the call
-    only. ``post_load`` (e.g. vLLM's ``process_weights_after_loading``) runs once per
-    version after the last bucket. ``reset_cache`` then drops what the engine computed with
-    the old weights (vLLM: ``reset_prefix_cache``; without it a prefix-cached engine keeps
-    serving KV blocks of the previous version); an exception or a ``False`` from it fails
-    the version like a failed load. ``abort_load`` runs when a version fails after its
-    first bucket reached ``load_weights``, before the rollback (a loader that stages
-    buckets drops them there). ``expected`` describes the model for the manifest check
-    (see :func:`weightsync.manifest.check_manifest`); None skips the check.
+    The constructor registers with the coordinator and starts a heartbeat thread; the
+    session (manifest check, transport) opens at the first ``apply`` or ``prefetch``;
+    ``close()`` (or a ``with`` block) leaves.
 
-    In place of the function, ``load_weights`` may be an engine target: an object with a
-    ``load_weights`` method whose ``post_load``, ``reset_cache``, ``abort_load`` and
-    ``expected`` attributes, where it has them, fill the arguments not given (e.g.
-    ``weightsync_verl.vllm_engine.VllmTarget``).
+    Args:
+        coordinator: The job's coordinator handle.
+        load_weights: vLLM's contract: receives (name, tensor) pairs and copies them into
+            the model; the tensors are views of transport buffers, valid during the call
+            only. In place of the function, an engine target: an object with a
+            ``load_weights`` method whose ``post_load``, ``reset_cache``, ``abort_load`` and
+            ``expected`` attributes, where it has them, fill the arguments not given (e.g.
+            ``weightsync_verl.vllm_engine.VllmTarget``).
+        name: The party's name in errors and status; ``rollout-<rank>`` when None.
+        rank: The rollout worker's rank.
+        post_load: Runs once per version after the last bucket (e.g. vLLM's
+            ``process_weights_after_loading``).
+        expected: The model's tensors for the manifest check before any byte moves: a
+            mapping name -> tensor or TensorSpec, or a callable returning a list of problems
+            (see ``weightsync.manifest.check_manifest()``); None skips the check.
+        reset_cache: Runs after ``post_load`` and drops what the engine computed with the old
+            weights (vLLM: ``reset_prefix_cache``; without it a prefix-cached engine keeps
+            serving KV blocks of the previous version); an exception or a ``False`` from it
+            fails the version like a failed load.
+        abort_load: Runs when a version fails after its first bucket reached
+            ``load_weights``, before the rollback (a loader that stages buckets drops them).
+        strict: A tensor ``expected`` holds but the manifest lacks fails the check too.
+        config: This party's configuration; the coordinator's when None.
+        device: Where the model lives (``cpu``, ``cuda``, ``npu``, ...); the config's
+            ``device`` when None.
+
+    Raises:
+        WeightSyncError: The coordinator is unreachable or refused the registration.
+        DeadlineExceeded: It did not answer within ``connect_timeout_s``.
     """
 
     role = "receiver"
@@ -107,9 +125,28 @@ class WeightReceiver(Party):
         self.unpacker = Unpacker(ctx.plan, manifest)
 
     def apply(self, version: int | None = None, timeout: float | None = None, wait: bool = True) -> int | None:
-        """Receive and load ``version`` (None: the newest one on its way, else the latest
-        committed one newer than what is served). With ``wait=False`` return at once when
-        there is nothing newer. Returns the version served afterwards."""
+        """Receive, verify and load a version, run the post-load hook, reset the cache, commit.
+
+        On a failure after the first bucket reached the model, the previous version is loaded
+        again when the transport still holds it (shm), else the receiver serves no version
+        until the next one; either way the error is raised after it was reported.
+
+        Args:
+            version: The version to load; None: the newest one on its way, else the latest
+                committed one newer than what is served.
+            timeout: Seconds to wait for the version and load it; ``sync_timeout_s`` when None.
+            wait: With False, return at once when there is nothing newer.
+
+        Returns:
+            The version served afterwards (None when none).
+
+        Raises:
+            VersionError: ``version`` is older than the served one, or the version was
+                aborted (e.g. the sender died), or the engine did not reset its cache.
+            ManifestError: The session's manifest does not fit ``expected`` (names every tensor).
+            ChecksumError: A bucket's bytes differ from what the sender wrote.
+            DeadlineExceeded: The version did not arrive or load within ``timeout``.
+        """
         timeout = self.config.sync_timeout_s if timeout is None else timeout
         self._ensure_session(self.config.connect_timeout_s)
         if version is not None and self._version is not None and version <= self._version:
@@ -152,7 +189,19 @@ class WeightReceiver(Party):
         for every receiver of the node as the sender writes the buckets, so the barrier only
         loads. Loads nothing and raises nothing about the version: whatever is wrong with it,
         ``apply()`` finds and reports. Returns the version read ahead, or None (nothing
-        newer, checksums off, or a transport that keeps nothing to read ahead)."""
+        newer, checksums off, or a transport that keeps nothing to read ahead).
+
+        Args:
+            version: The version to read ahead; None: the newest one on its way.
+            timeout: Seconds to wait for it; ``sync_timeout_s`` when None.
+
+        Returns:
+            The version read ahead, or None.
+
+        Raises:
+            ManifestError: The session's manifest does not fit ``expected`` (the session opens
+                here when it is not open yet).
+        """
         timeout = self.config.sync_timeout_s if timeout is None else timeout
         self._ensure_session(self.config.connect_timeout_s)
         if self.transport.kind is None or (version is not None and self._version is not None
@@ -176,7 +225,16 @@ class WeightReceiver(Party):
             raise VersionError(f"version {version} was aborted: {state.reason}")
 
     def catch_up(self) -> int | None:
-        """Load the latest committed version if it is newer than the served one."""
+        """Load the latest committed version if it is newer than the served one; never waits
+        for a version on its way (a restarted receiver calls it to catch up: on shm from the
+        kept segment, without the trainer).
+
+        Returns:
+            The version served afterwards (None when none).
+
+        Raises:
+            WeightSyncError: As ``apply()`` raises when loading that version fails.
+        """
         return self.apply(None, wait=False)
 
     def _load(self, version: int, info: dict[str, Any], deadline: float, replay: bool = False) -> dict[str, float]:

@@ -38,7 +38,15 @@ NamedTensors = Mapping[str, torch.Tensor] | Iterable[tuple[str, torch.Tensor]]
 
 @dataclasses.dataclass
 class SyncResult:
-    """What one version cost. ``metrics`` is the coordinator's per-version record."""
+    """What one version cost, as ``WeightSender.sync()`` returns it.
+
+    Attributes:
+        version: The version that committed.
+        stage_s: Seconds its staging took.
+        barrier_s: Seconds from the barrier until every receiver committed.
+        bytes: Payload bytes of the version.
+        metrics: The coordinator's per-version record (as ``Coordinator.metrics`` gives it).
+    """
 
     version: int
     stage_s: float
@@ -48,21 +56,44 @@ class SyncResult:
 
     @property
     def gbps(self) -> float:
+        """Payload GB/s over staging plus barrier (infinite for a zero duration)."""
         total = self.stage_s + self.barrier_s
         return self.bytes / total / 1e9 if total > 0 else float("inf")
 
 
 class StagedVersion:
-    """Handle of a staged (or staging) version; ``wait()`` re-raises a staging error."""
+    """Handle of a staged (or staging) version; ``wait()`` re-raises a staging error.
+
+    Args:
+        version: The version being staged.
+        future: The staging's future (done at once unless staged in the background).
+    """
 
     def __init__(self, version: int, future: concurrent.futures.Future):
         self.version, self._future = version, future
 
     def done(self) -> bool:
+        """Whether the staging finished (or failed).
+
+        Returns:
+            True once it finished or failed.
+        """
         return self._future.done()
 
     def wait(self, timeout: float | None = None) -> float:
-        """Seconds the staging took, once it finished."""
+        """Wait for the staging to finish.
+
+        Args:
+            timeout: Seconds to wait at most; None waits as long as it takes.
+
+        Returns:
+            Seconds the staging took.
+
+        Raises:
+            TimeoutError: It did not finish within ``timeout``.
+            WeightSyncError: The staging failed; its own error is re-raised (e.g. a
+                ManifestError naming the tensor).
+        """
         return self._future.result(timeout)
 
 
@@ -71,7 +102,22 @@ class WeightSender(Party):
 
     ``rank`` is the trainer rank: rank 0 sends, every other rank must still call ``stage``
     and ``sync`` with the same versions (their tensor iteration may run collectives such as
-    FSDP's ``full_tensor()``), and sends nothing.
+    FSDP's ``full_tensor()``), and sends nothing. The constructor registers with the
+    coordinator and starts a heartbeat thread; ``close()`` (or a ``with`` block) leaves.
+
+    Args:
+        coordinator: The job's coordinator handle.
+        rank: The trainer rank; rank 0 sends.
+        name: The party's name in errors and status; ``trainer-<rank>`` when None.
+        config: This party's configuration; the coordinator's when None.
+        expected_receivers: How many receivers the first ``stage`` waits for before it
+            chooses the transport (None or 0: those registered by then).
+        device: Where the tensors live (``cpu``, ``cuda``, ``npu``, ``cuda:1``, ...); the
+            config's ``device`` when None.
+
+    Raises:
+        WeightSyncError: The coordinator is unreachable or refused the registration.
+        DeadlineExceeded: It did not answer within ``connect_timeout_s``.
     """
 
     role = "sender"
@@ -90,12 +136,26 @@ class WeightSender(Party):
 
     @property
     def sends(self) -> bool:
+        """Whether this rank moves bytes (rank 0) or only iterates in lockstep."""
         return self.rank == 0
 
     # -- session set-up ------------------------------------------------------------------
 
     def publish(self, manifest: Manifest) -> None:
-        """Fix the session's layout and transport; done by the first ``stage`` if not before."""
+        """Fix the session's layout and transport; done by the first ``stage`` if not before.
+
+        Waits for ``expected_receivers``, chooses the transport (``transport: auto`` picks by
+        placement) and publishes manifest, plan and transport to the coordinator. A second
+        call does nothing.
+
+        Args:
+            manifest: The layout every version of the session carries.
+
+        Raises:
+            DeadlineExceeded: The expected receivers did not register within ``connect_timeout_s``.
+            WeightSyncError: The requested transport cannot work for this placement (the
+                message says why), or the coordinator refused the publication.
+        """
         if self.transport is not None:
             return
         digest = manifest.digest()
@@ -126,6 +186,22 @@ class WeightSender(Party):
 
         With ``background=True`` the packing runs in a thread and this returns at once; the
         tensors must then stay unchanged until the handle is done (``sync`` waits for it).
+        On ipc and streaming shm the bytes move in ``sync``, so the tensors must stay unchanged
+        until it returns. The first version fixes the manifest and the transport (``publish()``).
+
+        Args:
+            version: The version number; greater than every version staged before.
+            named_tensors: A mapping name -> tensor, or an iterable of (name, tensor) pairs,
+                in the same order and with the same names, dtypes and shapes every version.
+            background: Pack in a thread and return at once.
+
+        Returns:
+            The version's handle; ``wait()`` gives the staging's seconds or re-raises its error.
+
+        Raises:
+            VersionError: ``version`` was already staged, or is not newer than the last one.
+            ManifestError: The tensors differ from the session's manifest (names the tensor).
+            CapacityError: The shm budget cannot hold even a streaming ring.
         """
         if version in self._staged:
             raise VersionError(f"version {version} was already staged by {self.name}")
@@ -181,7 +257,20 @@ class WeightSender(Party):
 
     def sync(self, version: int, timeout: float | None = None) -> SyncResult:
         """The barrier: returns once every receiver committed ``version``; raises SyncFailed
-        naming who failed, within ``timeout`` (default ``sync_timeout_s``)."""
+        naming who failed, within ``timeout`` (default ``sync_timeout_s``).
+
+        Args:
+            version: A version this sender staged.
+            timeout: Seconds for the whole version; ``sync_timeout_s`` when None.
+
+        Returns:
+            What the version cost, with the coordinator's record of it.
+
+        Raises:
+            VersionError: ``version`` was never staged by this sender.
+            SyncFailed: A receiver failed or went silent; ``failed`` maps each to why.
+            DeadlineExceeded: The version did not finish within ``timeout``.
+        """
         handle = self._staged.get(version)
         if handle is None:
             raise VersionError(f"sync({version}) was called but {self.name} never staged version {version}")

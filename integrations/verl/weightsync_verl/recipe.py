@@ -16,8 +16,8 @@ exactly the methods involved, keeping the recipe's call pattern:
     rollout worker: WeightReceiver -> vLLM ``load_weights`` per bucket -> post-load once
 
 Use:  ``python -m weightsync_verl.one_step_off <the recipe's Hydra overrides> +weightsync.<key>=...``,
-or call :func:`install` before the recipe modules are used (it patches them as they are
-imported). Generations: see :data:`PATCHES` and docs/verl.md.
+or call ``install()`` before the recipe modules are used (it patches them as they are
+imported). Generations: see ``PATCHES`` and docs/verl.md.
 """
 
 from __future__ import annotations
@@ -266,7 +266,7 @@ HOOK = f"{__name__}.install"
 
 
 def add_setup_hook(runtime_env: dict | None, environ: dict[str, str] | None = None) -> dict:
-    """For ``RAY_RUNTIME_ENV_HOOK``: every Ray worker runs :func:`install` at start-up, so the
+    """For ``RAY_RUNTIME_ENV_HOOK``: every Ray worker runs ``install()`` at start-up, so the
     recipe's task runner (a Ray actor) builds the patched trainer and worker classes. The
     launching shell's ``WEIGHTSYNC_*`` variables go into the job's ``env_vars``: on a
     ``ray start`` cluster the workers inherit the raylet's environment, not this one's."""
