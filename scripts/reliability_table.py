@@ -2,9 +2,9 @@
 written by tests/conftest.py) and put it into docs/reliability.md (and, with --readme,
 README.md) between the <!-- reliability:start --> / <!-- reliability:end --> markers.
 
-A row names the transports its tests actually ran on; a case that ran on one transport shows
-on that transport only. A cell sums every variant run there (first / middle / last bucket,
-...): "pass" only if all of them passed.
+One row per scenario: the transports its tests actually ran on, each with the sum of every
+variant run there (first / middle / last bucket, ...; "pass" only if all of them passed), and
+the outcome the tests assert, written once when every transport promises the same.
 """
 
 from __future__ import annotations
@@ -37,23 +37,27 @@ def render(records: list[dict]) -> str:
     rows: dict[tuple[str, str], dict[str, list[dict]]] = {}
     for r in records:
         rows.setdefault((r["kind"], r["name"]), {}).setdefault(r["transport"], []).append(r)
-    columns = [c for c in COLUMNS if any(c in by for by in rows.values())]
-    columns += sorted({t for by in rows.values() for t in by} - set(columns))
-    lines = ["| kind | scenario | " + " | ".join(HEADS.get(c, c) for c in columns) + " |",
-             "|---|---|" + "---|" * len(columns)]
+    order = {c: i for i, c in enumerate(COLUMNS)}
+    lines = ["| kind | scenario | result per transport | promised outcome (asserted exactly) |", "|---|---|---|---|"]
     for (kind, name), by in rows.items():
-        cells = [_cell([r["outcome"] for r in by.get(c, [])]) for c in columns]
-        lines.append(f"| {kind} | {name} | " + " | ".join(cells) + " |")
+        ran = sorted(by, key=lambda t: (order.get(t, len(order)), t))
+        results = "<br>".join(f"{HEADS.get(t, t)}: {_cell([r['outcome'] for r in by[t]])}" for t in ran)
+        lines.append(f"| {kind} | {name} | {results} | {_promises(ran, by)} |")
     passed = {k: sum(1 for r in records if r["kind"] == k and r["outcome"] == "passed")
               for k in sorted({r["kind"] for r in records})}
-    lines += ["", "Passing cases: " + ", ".join(f"{k}: {n}" for k, n in passed.items()), ""]
-    promised = [(key, t, rs) for key, by in rows.items() for t, rs in by.items() if rs[0].get("promise")]
-    if promised:
-        lines += ["### The one outcome each test asserts", "",
-                  "| scenario | transport | promised outcome (asserted exactly) | result |", "|---|---|---|---|"]
-        for (_, name), t, rs in promised:
-            lines.append(f"| {name} | {HEADS.get(t, t)} | {rs[0]['promise']} | {_cell([r['outcome'] for r in rs])} |")
+    lines += ["", "Passing cases: " + ", ".join(f"{k}: {n}" for k, n in passed.items())]
     return "\n".join(lines) + "\n"
+
+
+def _promises(ran: list[str], by: dict[str, list[dict]]) -> str:
+    """The scenario's promise once when every transport makes the same one, else each distinct
+    promise once, headed by the transports that make it."""
+    same: dict[str, list[str]] = {}
+    for t in ran:
+        same.setdefault(by[t][0].get("promise") or "", []).append(HEADS.get(t, t))
+    if len(same) == 1:
+        return next(iter(same)) or "—"
+    return "<br>".join(f"**{', '.join(heads)}**: {promise or '—'}" for promise, heads in same.items())
 
 
 def splice(path: Path, table: str) -> None:
