@@ -1,6 +1,7 @@
 """Render the reliability table from what the test suite recorded (results/reliability.json,
-written by tests/conftest.py) and put it into docs/reliability.md (and, with --readme,
-README.md) between the <!-- reliability:start --> / <!-- reliability:end --> markers.
+written by tests/conftest.py) and put it into docs/reliability.md between the
+<!-- reliability:start --> / <!-- reliability:end --> markers. The README links the page and
+keeps no copy of the table.
 
 One row per scenario: the transports its tests actually ran on, each with the sum of every
 variant run there (first / middle / last bucket, ...; "pass" only if all of them passed), and
@@ -10,7 +11,6 @@ the outcome the tests assert, written once when every transport promises the sam
 from __future__ import annotations
 
 import json
-import sys
 from pathlib import Path
 
 COLUMNS = ("shm", "ipc", "broadcast", "none")
@@ -68,14 +68,12 @@ def splice(path: Path, table: str) -> None:
     print(f"{path.name}: reliability table updated")
 
 
-def main(argv: list[str]) -> None:
+def main() -> None:
     root = Path(__file__).resolve().parents[1]
     table = render(json.loads((root / "results" / "reliability.json").read_text()))
     (root / "results" / "reliability.md").write_text(table)
     splice(root / "docs" / "reliability.md", table)
-    if "--readme" in argv:
-        splice(root / "README.md", table)
 
 
 if __name__ == "__main__":
-    main(sys.argv[1:])
+    main()

@@ -153,8 +153,9 @@ class WeightSender(Party):
 
         Raises:
             DeadlineExceeded: The expected receivers did not register within ``connect_timeout_s``.
-            WeightSyncError: The requested transport cannot work for this placement (the
-                message says why), or the coordinator refused the publication.
+            ConfigError: The requested transport cannot work for this placement (the message
+                says why).
+            WeightSyncError: The coordinator refused the publication.
         """
         if self.transport is not None:
             return
@@ -201,6 +202,7 @@ class WeightSender(Party):
         Raises:
             VersionError: ``version`` was already staged, or is not newer than the last one.
             ManifestError: The tensors differ from the session's manifest (names the tensor).
+            ConfigError: The first version found the requested transport cannot work here.
             CapacityError: The shm budget cannot hold even a streaming ring.
         """
         if version in self._staged:
