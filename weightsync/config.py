@@ -23,8 +23,14 @@ SHM_BACKINGS = ("auto", "memfd", "files")
 ENV_PREFIX = "WEIGHTSYNC_"
 # WEIGHTSYNC_ variables that are not config fields: read by the scripts, the test tiers and
 # the capability probe; every other WEIGHTSYNC_ variable must name a field (typos fail loudly)
-NON_CONFIG_ENV = frozenset({"WEIGHTSYNC_DISABLE_IPC", "WEIGHTSYNC_TORCH", "WEIGHTSYNC_VERL_SRC",
-                            "WEIGHTSYNC_SOAK_VERSIONS", "WEIGHTSYNC_VLLM_TIER", "WEIGHTSYNC_VLLM_VENV"})
+# read by the scripts, the test tiers and the capability probe: a shell that exports one (e.g.
+# ``WEIGHTSYNC_TIERS=gen bash scripts/test.sh``) must not make every config load fail
+NON_CONFIG_ENV = frozenset({
+    "WEIGHTSYNC_CONFORMANCE_DIR", "WEIGHTSYNC_DISABLE_IPC", "WEIGHTSYNC_SOAK_VERSIONS", "WEIGHTSYNC_TIERS",
+    "WEIGHTSYNC_TORCH", "WEIGHTSYNC_VERL_E2E_TORCH", "WEIGHTSYNC_VERL_E2E_VENV", "WEIGHTSYNC_VERL_SRC",
+    "WEIGHTSYNC_VERL_VLLM", "WEIGHTSYNC_VLLM_CPU", "WEIGHTSYNC_VLLM_TIER", "WEIGHTSYNC_VLLM_VENV",
+    "WEIGHTSYNC_VLLM_VERSION",
+})
 MiB = 1 << 20
 
 
