@@ -2,7 +2,8 @@
 per-tensor collective broadcast and the machine's copy ceiling, measured in one run.
 
 Modules: cli (arguments, the run), actors (trainer / rollout Ray actors), runner (rows),
-baselines of the collective kind via collective_glue, ceiling, memory, layouts, report.
+collective baselines (collective_baselines, driven by baseline_rows), ceiling, peak_memory,
+memory_fit, layout_source, results (table, JSON, plot), growth, expect.
 """
 
 from .cli import add_bench_arguments, run_bench

@@ -51,7 +51,7 @@ def row_bytes(name: str, payload: int, bucket_bytes: int, receivers: int, shm_se
         return payload + slack, payload
     if name == "ray-user":
         return (2 + receivers) * payload + slack, payload
-    return 0, 0  # the collective baselines check their own memory (collective_glue)
+    return 0, 0  # the collective baselines check their own memory (baseline_rows)
 
 
 def refusal(what: str, need: int, available: int, total: int, shm_need: int = 0,
