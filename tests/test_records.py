@@ -21,7 +21,11 @@ from weightsync.transports.ipc import IpcReceiver
 from weightsync.transports.shm import ShmReceiver
 from weightsync.transports.shm_stream import ShmStreamReceiver, open_shm_receiver
 
-HOST = {"kind": "host", "segment": "memfd:1234:5", "bytes": 4096}
+HOST = R.HostBuffer(segment="memfd:1234:5", bytes=4096)
+# the values ipc_wire.export_handle takes from torch's reduce_tensor for a CUDA buffer
+CUDA = R.DeviceHandle(kind="cuda", physical=3, size=[4096], stride=[1], offset=0, typed=False, dtype="uint8",
+                      handle=b"\x01" * 64, storage_bytes=4096, storage_offset=0, ref_handle=b"ref", ref_offset=0,
+                      event=None, event_sync=True)
 DEVICE = R.DeviceRecord(type="cpu", index=None, physical=None)
 IPC = dict(control="memfd:1234:4", buffers=[HOST, HOST], nbuf=2, capacity=4096, digest_kind="xxh3", device=DEVICE)
 BCAST = R.BroadcastSession(backend="gloo", communicator="torch", communicator_reason="gloo: torch's own",
@@ -34,6 +38,10 @@ SAMPLES = [
     R.ShmVersion(segment="/dev/shm/wsync-1", size=8192),  # the early part, announced before packing
     R.IpcSession(**IPC),
     R.IpcVersion(session=R.IpcSession(**IPC), digest="x3:cd"),
+    R.IpcSession(**{**IPC, "buffers": [CUDA, CUDA], "device": R.DeviceRecord(type="cuda", index=0, physical=3),
+                    "digest_kind": "torch"}),
+    HOST,
+    CUDA,
     R.ShmStreamSession(**IPC),
     R.ShmStreamVersion(session=R.ShmStreamSession(**IPC)),
     BCAST,
@@ -101,6 +109,14 @@ def test_a_nested_record_names_its_own_field():
         R.IpcVersion.from_wire(wire)
 
 
+def test_a_buffer_is_a_host_buffer_or_a_device_handle_and_a_bad_one_says_why():
+    wire = R.IpcSession(**IPC).to_wire()
+    wire["buffers"][1] = {"kind": "host", "segment": "memfd:1234:6"}
+    with pytest.raises(ProtocolError, match=r"^ipc: IpcSession field 'buffers'\[1\] is dict, not HostBuffer / "
+                                            r"DeviceHandle \(ipc: HostBuffer lacks field 'bytes'; "):
+        R.IpcSession.from_wire(wire)
+
+
 def test_the_coordinators_note_of_a_broadcast_group_is_no_unknown_field():
     record = R.BroadcastVersion(session=BCAST)
     wire = {**record.to_wire(), "group": {"epoch": 1, "members": ["rollout-0"]}}  # coordinator_broadcast.py
@@ -110,8 +126,8 @@ def test_the_coordinators_note_of_a_broadcast_group_is_no_unknown_field():
 @pytest.mark.parametrize("wire,mode", [({}, None), ({"mode": "ring"}, "'ring'")])
 def test_shm_tells_its_modes_by_the_mode_field(wire, mode):
     assert isinstance(R.shm_version(SAMPLES[3].to_wire()), R.ShmVersion)
-    assert isinstance(R.shm_version(SAMPLES[7].to_wire()), R.ShmStreamVersion)
-    assert isinstance(R.shm_session(SAMPLES[6].to_wire()), R.ShmStreamSession)
+    assert isinstance(R.shm_version(SAMPLES[10].to_wire()), R.ShmStreamVersion)
+    assert isinstance(R.shm_session(SAMPLES[9].to_wire()), R.ShmStreamSession)
     with pytest.raises(ProtocolError, match=rf"^shm: version field 'mode' is {mode}"):
         R.shm_version(wire)
 

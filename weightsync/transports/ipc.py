@@ -57,7 +57,7 @@ from .ipc_wire import (
     slot_word,
     tag,
 )
-from .records import DeviceRecord, IpcSession, IpcVersion, VersionRecord
+from .records import DeviceHandle, DeviceRecord, HostBuffer, IpcSession, IpcVersion, VersionRecord
 from .segment import PAGE, Segment, attach, create, digest_word, reap_stale
 
 
@@ -79,7 +79,7 @@ class IpcSender(SenderTransport):
         self.capacity = max([b.nbytes for b in ctx.plan.buckets] + [1])
         self.segments: list[Segment] = []
         self.buffers: list[torch.Tensor] = []
-        self.handles: list[dict[str, Any]] = []
+        self.handles: list[HostBuffer | DeviceHandle] = []
         self._pending: dict[int, Packing] = {}
         try:
             self.control = self._segment(CONTROL_BYTES, f"an {self.name} control block", f"{self.resource}_control")
@@ -107,12 +107,12 @@ class IpcSender(SenderTransport):
             seg = self._segment(size, f"a {self.name} bucket of {self.capacity} bytes", f"{self.resource}_handles")
             seg.pin(self.ctx.device)  # reused for every bucket of every version: page-locked once
             self.buffers.append(seg.bytes[: self.capacity])
-            self.handles.append({"kind": "host", "segment": seg.ref, "bytes": self.capacity})
+            self.handles.append(HostBuffer(segment=seg.ref, bytes=self.capacity))
             return
         devices.set_current(self.ctx.device)
         t = torch.empty(self.capacity, dtype=torch.uint8, device=self.ctx.device)
         check_nd(t)
-        self.handles.append(export_handle(t))
+        self.handles.append(DeviceHandle.from_wire(export_handle(t)))
         self.buffers.append(t)
         self.ctx.account(f"{self.resource}_handles", +1)
 
@@ -254,12 +254,12 @@ class IpcReceiver(ReceiverTransport):
             self._claim()
             devices.set_current(ctx.device)
             for h in info.buffers:
-                if h.get("kind") == "host":
-                    seg = self._map(h["segment"], int(h["bytes"]), writable=False, kind=f"{self.resource}_handles")
+                if isinstance(h, HostBuffer):
+                    seg = self._map(h.segment, h.bytes, writable=False, kind=f"{self.resource}_handles")
                     seg.pin(ctx.device)
                     self.buffers.append(seg.bytes[: self.capacity])
                 else:
-                    self.buffers.append(import_handle(h))
+                    self.buffers.append(import_handle(h.to_wire()))
                     self.opened += 1
                     ctx.account(f"{self.resource}_handles", +1)
         except BaseException:

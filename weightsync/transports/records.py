@@ -91,12 +91,15 @@ def _parse(tp: Any, value: Any, where: str) -> Any:
     """``value`` checked against the annotation ``tp``; raises ProtocolError naming ``where``."""
     origin = typing.get_origin(tp)
     if origin in (types.UnionType, typing.Union):
+        why = []
         for option in typing.get_args(tp):
             try:
                 return _parse(option, value, where)
-            except ProtocolError:
-                continue
-        raise ProtocolError(f"{where} is {type(value).__name__}, not {tp}")
+            except ProtocolError as exc:
+                why.append(str(exc))
+        names = " / ".join(getattr(t, "__name__", str(t)) for t in typing.get_args(tp))
+        raise ProtocolError(f"{where} is {type(value).__name__}, not {names}"
+                            + (f" ({'; '.join(why)})" if isinstance(value, Mapping) else ""))
     if tp is type(None):
         if value is None:
             return None
@@ -187,12 +190,48 @@ class DeviceRecord(Record):
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
+class HostBuffer(Record):
+    """A bucket buffer in host shared memory."""
+
+    transport: ClassVar[str] = "ipc"
+    kind: str = "host"
+    segment: str  # its segment reference (transports/segment.py)
+    bytes: int
+
+    def __post_init__(self) -> None:
+        self._check("kind", self.kind == "host", "'host'")
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class DeviceHandle(Record):
+    """A bucket buffer in device memory, shared by handle: the values of torch's (torch_npu's)
+    reduce_tensor (ipc_wire.export_handle); ipc_wire.import_handle opens it."""
+
+    transport: ClassVar[str] = "ipc"
+    kind: str  # cuda / npu
+    physical: int  # the sender's physical device id
+    size: list[int]
+    stride: list[int]
+    offset: int
+    typed: bool
+    dtype: str
+    handle: bytes
+    storage_bytes: int
+    storage_offset: int
+    ref_handle: bytes | None
+    ref_offset: int
+    event: bytes | None
+    event_sync: bool
+
+    def __post_init__(self) -> None:
+        self._check("kind", self.kind != "host", "a device type")
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
 class IpcSession(SessionRecord):
     transport: ClassVar[str] = "ipc"
     control: str  # the control block's segment reference (transports/ipc_wire.py)
-    # one handle per buffer: a host segment {"kind": "host", "segment", "bytes"}, or a device
-    # handle that ipc_wire.import_handle checks field by field before it opens it
-    buffers: list[dict[str, Any]]
+    buffers: list[HostBuffer | DeviceHandle]
     nbuf: int
     capacity: int  # bytes of each buffer
     device: DeviceRecord
