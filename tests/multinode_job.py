@@ -73,7 +73,7 @@ def wait_until(what: str, cond, timeout: float = DEADLINE_S) -> Any:
 class Trainer(TrainerWorker):
     def rendezvous(self) -> str:
         """The address this sender's rendezvous store listens on (rendezvous_host: auto)."""
-        return self.sender.transport.session_info()["host"]
+        return self.sender.transport.session_info().host
 
 
 def serves(worker: Any) -> dict[str, Any]:

@@ -11,7 +11,7 @@ import torch
 from weightsync import CapacityError, ConfigError, ManifestError, SyncConfig, VersionError
 from weightsync.manifest import Manifest, TensorSpec, build_manifest
 from weightsync.model_layouts import layout, materialize
-from weightsync.plan import plan_buckets
+from weightsync.plan import Packing, plan_buckets
 from weightsync.testing import RolloutWorker, TrainerWorker, same_bits
 from weightsync.transports.base import TransportContext
 from weightsync.transports.segment import holders, locate, memory_available
@@ -147,7 +147,7 @@ def test_manifest_too_large_for_shm_is_refused_before_writing(backing):
     sender = ShmSender(ctx)
     before = set(os.listdir("/dev/shm"))
     with pytest.raises(CapacityError, match=message):
-        sender.stage(1, 0, fill=lambda _b: iter(()), announce=lambda _i: None)
+        sender.stage(1, 0, Packing(ctx.plan, huge, {}), announce=lambda _i: None)
     assert set(os.listdir("/dev/shm")) == before, "no file was created"
     assert [h for h in holders() if h[0] == os.getpid()] == [], "no memfd was created"
     sender.close()

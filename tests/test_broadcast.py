@@ -219,7 +219,7 @@ def _device_flow(coordinator_factory, actors, kind: str, resources: dict):
         ray.get(sender.step.remote(v), timeout=120)
         assert ray.get(applied, timeout=120) == v
         assert_serves(rollout, TINY, v)
-    assert coord.status()["versions"][-1]["info"]["backend"] == ("nccl" if kind == "cuda" else "hccl")
+    assert coord.status()["versions"][-1]["info"]["session"]["backend"] == ("nccl" if kind == "cuda" else "hccl")
 
 
 @pytest.mark.cuda

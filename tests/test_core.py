@@ -283,7 +283,7 @@ def test_two_threads_of_one_receiver_hash_each_bucket_once():
 
     import torch
 
-    from weightsync.plan import pack_stream, plan_buckets
+    from weightsync.plan import Packing, plan_buckets
     from weightsync.transports.base import TransportContext
     from weightsync.transports.shm import ShmReceiver, ShmSender
 
@@ -294,10 +294,9 @@ def test_two_threads_of_one_receiver_hash_each_bucket_once():
                            name="p", rank=0, device=torch.device("cpu"))
     named = materialize(manifest, seed=3)
     sender = ShmSender(ctx)
-    receiver = ShmReceiver(ctx, sender.session_info())
+    receiver = ShmReceiver(ctx, sender.session_info().to_wire())
     try:
-        info = sender.stage(1, 0, lambda buf, sums=None, kind="xxh3": pack_stream(plan, manifest, named, buf, sums,
-                                                                                  kind), lambda _i: None)
+        info = receiver.parse_version(sender.stage(1, 0, Packing(plan, manifest, named), lambda _i: None).to_wire())
         hashed = [[0] * plan.bucket_count for _ in range(2)]
         start = threading.Barrier(2)
 

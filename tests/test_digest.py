@@ -4,6 +4,7 @@ gloo broadcast by the torch digest, and a version's digest is the same on every 
 
 from __future__ import annotations
 
+import dataclasses
 import sys
 
 import numpy as np
@@ -14,7 +15,7 @@ import torch
 from weightsync import ConfigError, SyncConfig, SyncFailed
 from weightsync import digest as D
 from weightsync.model_layouts import layout, materialize
-from weightsync.plan import pack_stream, plan_buckets
+from weightsync.plan import BucketSink, Buffers, Packing, pack_stream, plan_buckets
 from weightsync.testing import RolloutWorker, TrainerWorker, same_bits
 
 TINY = layout("tiny")
@@ -62,7 +63,7 @@ def _bucket(version: int, b: int = 0) -> torch.Tensor:
     """Bucket ``b`` of the tiny layout's weights of ``version``, packed as a sender packs it."""
     plan = plan_buckets(TINY, BUCKET)
     bufs = {i: torch.zeros(bk.nbytes, dtype=torch.uint8) for i, bk in enumerate(plan.buckets)}
-    for _ in pack_stream(plan, TINY, materialize(TINY, seed=version), lambda i: bufs[i]):
+    for _ in pack_stream(plan, TINY, materialize(TINY, seed=version), Buffers(lambda i: bufs[i])):
         pass
     return bufs[b]
 
@@ -141,7 +142,7 @@ def test_pack_stream_stores_the_torch_digest_of_each_packed_bucket():
     plan = plan_buckets(TINY, BUCKET)
     bufs = {i: torch.zeros(bk.nbytes, dtype=torch.uint8) for i, bk in enumerate(plan.buckets)}
     sums: dict = {}
-    for _ in pack_stream(plan, TINY, materialize(TINY, seed=3), lambda i: bufs[i], sums, "torch"):
+    for _ in pack_stream(plan, TINY, materialize(TINY, seed=3), Buffers(lambda i: bufs[i], sums), "torch"):
         pass
     assert {b: D.as_int(v) for b, v in sums.items()} == {b: D.as_int(D.torch_digest(bufs[b]))
                                                            for b in range(plan.bucket_count)}
@@ -151,9 +152,9 @@ def test_batched_packing_writes_the_same_bytes_as_hashed_packing():
     """Without a streaming hash the copies go through one _foreach_copy_ per bucket."""
     plan = plan_buckets(TINY, BUCKET)
     out = []
-    for sums, kind in (({}, "xxh3"), (None, "xxh3"), ({}, "torch")):
+    for kind in ("xxh3", None, "torch"):
         bufs = {i: torch.zeros(bk.nbytes, dtype=torch.uint8) for i, bk in enumerate(plan.buckets)}
-        for _ in pack_stream(plan, TINY, materialize(TINY, seed=4), lambda i, bufs=bufs: bufs[i], sums, kind):
+        for _ in pack_stream(plan, TINY, materialize(TINY, seed=4), Buffers(lambda i, bufs=bufs: bufs[i]), kind):
             pass
         out.append(torch.cat(list(bufs.values())))
     assert same_bits(out[0], out[1]) and same_bits(out[0], out[2])
@@ -175,29 +176,39 @@ def test_unknown_digest_kind_is_a_config_error():
 
 # -- end to end, real Ray actors --------------------------------------------------------------
 
-def _corrupting(fill, target: int):
-    """``fill`` with one byte of bucket ``target`` flipped after the sender digested it and
-    before the transport publishes it: what a receiver sees after corruption in transit."""
-    def run(bucket_buffer, *args):
-        bufs, done = {}, []
+class _Corrupting(BucketSink):
+    """A transport's sink with one byte of bucket ``target`` flipped after the sender digested
+    it and before the transport publishes it: what a receiver sees after corruption in transit."""
 
-        def hit():
-            if not done and target in bufs:
-                bufs[target][3] ^= 0x40
-                done.append(True)
+    def __init__(self, sink: BucketSink, target: int):
+        self.sink, self.target, self.bufs, self.hit = sink, target, {}, False
 
-        def wrapped(b):
-            if b > target:
-                hit()  # bucket ``target`` is complete and digested once a later one is asked for
-            bufs[b] = bucket_buffer(b)
-            return bufs[b]
+    def flip(self) -> None:
+        if not self.hit and self.target in self.bufs:
+            self.bufs[self.target][3] ^= 0x40
+            self.hit = True
 
-        for b in fill(wrapped, *args):
-            if b == target:
-                hit()
+    def buffer(self, b: int) -> torch.Tensor:
+        if b > self.target:
+            self.flip()  # bucket ``target`` is complete and digested once a later one is asked for
+        self.bufs[b] = self.sink.buffer(b)
+        return self.bufs[b]
+
+    def done(self, b: int, digest) -> None:
+        self.sink.done(b, digest)
+
+
+@dataclasses.dataclass(frozen=True)
+class _CorruptingPacking(Packing):
+    target: int = 0
+
+    def into(self, sink: BucketSink, kind):
+        wrapped = _Corrupting(sink, self.target)
+        for b in super().into(wrapped, kind):
+            if b == self.target:
+                wrapped.flip()
             yield b
-        hit()
-    return run
+        wrapped.flip()
 
 
 class CorruptingTrainer(TrainerWorker):
@@ -207,8 +218,10 @@ class CorruptingTrainer(TrainerWorker):
         transport = self.sender.transport
         stage = transport.stage
 
-        def corrupted_stage(v, slot, fill, announce):
-            return stage(v, slot, _corrupting(fill, bucket) if v == version else fill, announce)
+        def corrupted_stage(v, slot, packing, announce):
+            if v == version:
+                packing = _CorruptingPacking(packing.plan, packing.manifest, packing.named, bucket)
+            return stage(v, slot, packing, announce)
 
         transport.stage = corrupted_stage
 

@@ -96,3 +96,47 @@ def test_coordinator_calls_go_through_the_typed_control_plane():
     found = [f"{p.relative_to(ROOT)}:{i}" for p in PKG.rglob("*.py") if p not in allowed
              for i, line in enumerate(p.read_text().splitlines(), 1) if raw.search(line)]
     assert found == []
+
+
+# what a transport publishes for its peers is a typed record (transports/records.py): no
+# ``dict[str, Any]`` in the signatures through which it passes; the one place a wire dict is
+# taken is where it is parsed (a receiver's constructor and parse_version, named ``wire``)
+TRANSPORTS = ("base", "shm", "shm_stream", "ipc", "broadcast", "broadcast_end", "__init__")
+
+
+def untyped_published(path: Path) -> list[str]:
+    """``name(param)`` of every public function and method in ``path`` whose parameter or
+    return annotation is a plain ``dict[str, Any]``, other than a parameter named ``wire``."""
+    found = []
+
+    def check(fn: ast.FunctionDef, where: str) -> None:
+        if fn.name.startswith("_") and fn.name != "__init__":
+            return
+        args = fn.args.posonlyargs + fn.args.args + fn.args.kwonlyargs
+        pairs = [(a.arg, a.annotation) for a in args if a.arg != "wire"] + [("return", fn.returns)]
+        found.extend(f"{where}{fn.name}({name})" for name, ann in pairs
+                     if ann is not None and "dict[str, Any]" in ast.unparse(ann))
+
+    for node in ast.parse(path.read_text()).body:
+        if isinstance(node, ast.FunctionDef):
+            check(node, "")
+        elif isinstance(node, ast.ClassDef):
+            for item in node.body:
+                if isinstance(item, ast.FunctionDef):
+                    check(item, f"{node.name}.")
+    return found
+
+
+def test_transports_publish_typed_records_not_dicts():
+    found = [f"{m}: {f}" for m in TRANSPORTS for f in untyped_published(PKG / "transports" / f"{m}.py")]
+    assert found == []
+
+
+def test_a_dict_in_a_transport_signature_is_found(tmp_path):
+    (tmp_path / "t.py").write_text(
+        "class R:\n"
+        "    def __init__(self, ctx, wire: dict[str, Any]): ...\n"
+        "    def receive(self, version: int, info: dict[str, Any]) -> None: ...\n"
+        "    def _helper(self, info: dict[str, Any]) -> None: ...\n"
+        "def session_info() -> dict[str, Any]: ...\n")
+    assert untyped_published(tmp_path / "t.py") == ["R.receive(info)", "session_info(return)"]

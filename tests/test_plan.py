@@ -8,7 +8,7 @@ from hypothesis import strategies as st
 from weightsync import ManifestError
 from weightsync.digest import xxh3 as checksum
 from weightsync.manifest import DTYPES, Manifest, TensorSpec, build_manifest, check_manifest
-from weightsync.plan import Unpacker, pack_stream, plan_buckets
+from weightsync.plan import Buffers, Unpacker, pack_stream, plan_buckets
 from weightsync.testing import same_bits
 
 
@@ -32,7 +32,7 @@ def roundtrip(named: dict, bucket_bytes: int, align: int = 256) -> dict:
         buffers[b] = torch.full((bucket_bytes,), 0xAB, dtype=torch.uint8)
         return buffers[b]
 
-    order = list(pack_stream(plan, manifest, named, bucket_buffer))
+    order = list(pack_stream(plan, manifest, named, Buffers(bucket_buffer)))
     assert order == list(range(plan.bucket_count)), "buckets complete in order, each once"
     out = {}
     unpacker = Unpacker(plan, manifest)
@@ -109,7 +109,7 @@ def test_pack_unpack_roundtrip_property(case, seed):
 
 def _pack(named_iter, manifest, bucket_bytes=4096):
     plan = plan_buckets(manifest, bucket_bytes, 256)
-    return list(pack_stream(plan, manifest, named_iter, lambda b: torch.empty(bucket_bytes, dtype=torch.uint8)))
+    return list(pack_stream(plan, manifest, named_iter, Buffers(lambda b: torch.empty(bucket_bytes, dtype=torch.uint8))))
 
 
 BASE = {"a": torch.ones(4, 4), "b": torch.zeros(8, dtype=torch.int32), "c": torch.ones(3, dtype=torch.bfloat16)}
@@ -140,7 +140,7 @@ def test_mapping_input_is_checked_whole_before_any_byte_is_written():
     touched = []
     bad = {"a": BASE["a"], "b": BASE["b"], "c": torch.ones(4, dtype=torch.bfloat16)}
     with pytest.raises(ManifestError, match="'c' has shape"):
-        list(pack_stream(plan, manifest, bad, lambda b: touched.append(b) or torch.empty(4096, dtype=torch.uint8)))
+        list(pack_stream(plan, manifest, bad, Buffers(lambda b: touched.append(b) or torch.empty(4096, dtype=torch.uint8))))
     assert touched == [], "no bucket buffer was requested"
 
 
@@ -198,7 +198,7 @@ def test_checksums_computed_while_packing_equal_a_hash_of_the_packed_bucket(buck
         assert set(sums) == set(range(b)), f"bucket {b} asked for, checksums of {sorted(sums)}"
         return buffers[b]
 
-    order = list(pack_stream(plan, manifest, named, bucket_buffer, sums))
+    order = list(pack_stream(plan, manifest, named, Buffers(bucket_buffer, sums), "xxh3"))
     assert order == list(range(plan.bucket_count)) and set(sums) == set(order)
     for b in order:
         assert sums[b] == checksum(buffers[b][: plan.buckets[b].nbytes]), f"bucket {b}"
@@ -225,7 +225,7 @@ def test_split_tensors_come_back_as_views_where_storage_is_contiguous(contiguous
     plan = plan_buckets(manifest, 1024, 256)
     stride = 1024 if contiguous else 1024 + 256  # buckets back to back, or with gaps between them
     storage = torch.zeros(plan.bucket_count * stride, dtype=torch.uint8)
-    for _ in pack_stream(plan, manifest, named, lambda b: storage[b * stride:b * stride + 1024]):
+    for _ in pack_stream(plan, manifest, named, Buffers(lambda b: storage[b * stride:b * stride + 1024])):
         pass
 
     def span(bucket, offset, nbytes):
@@ -254,7 +254,7 @@ def test_split_tensors_are_rebuilt_in_two_arenas_not_one_buffer_each():
     for version in (1, 2):
         named = {n: random_tensor(torch.bfloat16, (k,), version * 10 + i) for i, (n, k) in enumerate(sizes.items())}
         storage = torch.zeros(plan.bucket_count * 1024, dtype=torch.uint8)
-        for _ in pack_stream(plan, manifest, named, lambda b, s=storage: s[b * 1024:(b + 1) * 1024]):
+        for _ in pack_stream(plan, manifest, named, Buffers(lambda b, s=storage: s[b * 1024:(b + 1) * 1024])):
             pass
         out = {}
         for b in range(plan.bucket_count):

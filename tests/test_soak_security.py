@@ -207,8 +207,8 @@ def test_rendezvous_store_binds_to_configured_address():
     try:
         info = sender.session_info()
         listening = [c.laddr for c in psutil.Process().net_connections(kind="tcp")
-                     if c.status == psutil.CONN_LISTEN and c.laddr.port == info["port"]]
-        assert info["host"] == "127.0.0.1"
+                     if c.status == psutil.CONN_LISTEN and c.laddr.port == info.port]
+        assert info.host == "127.0.0.1"
         assert listening and all(a.ip == "127.0.0.1" for a in listening), listening
     finally:
         sender.close()

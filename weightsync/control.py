@@ -32,7 +32,9 @@ class Publication:
     payload_bytes: int
     transport: str
     reason: str  # why this transport was chosen
-    info: dict[str, Any]  # the transport's session info (rendezvous, segment names, ...): for receivers
+    # the wire form of the transport's session record (transports/records.py): the coordinator
+    # stores and forwards it unread; the receivers' transports parse it
+    info: dict[str, Any]
     pipelined: bool = False  # see SenderTransport.pipelined
     keeps_versions: bool = False  # see SenderTransport.keeps_versions
 
@@ -42,7 +44,7 @@ class SessionInfo:
     manifest: list
     digest: str
     transport: str
-    info: dict[str, Any]
+    info: dict[str, Any]  # Publication.info, as published
     session: str
 
 
@@ -53,6 +55,7 @@ class Target:
     version: int | None
     state: str | None = None
     slot: int | None = None
+    # the wire form of the version's record (transports/records.py), parts merged by the coordinator
     info: dict[str, Any] = dataclasses.field(default_factory=dict)
 
 

@@ -7,6 +7,7 @@ own and it is reused for every version of a session.
 
 from __future__ import annotations
 
+import abc
 import ctypes
 import dataclasses
 from collections.abc import Callable, Iterable, Iterator, Mapping
@@ -171,25 +172,58 @@ def _copy_piece(window: torch.Tensor, tensor: torch.Tensor, flat: torch.Tensor |
         hashed.upto(piece.offset + piece.nbytes)
 
 
-def pack_stream(
-    plan: BucketPlan,
-    manifest: Manifest,
-    named: Mapping[str, torch.Tensor] | Iterable[tuple[str, torch.Tensor]],
-    bucket_buffer: Callable[[int], torch.Tensor],
-    checksums: dict[int, Any] | None = None,
-    kind: str = "xxh3",
-) -> Iterator[int]:
+class BucketSink(abc.ABC):
+    """Where pack_stream puts a version: a transport's bucket buffers."""
+
+    @abc.abstractmethod
+    def buffer(self, b: int) -> torch.Tensor:
+        """The uint8 destination of bucket ``b`` (``plan.buckets[b].nbytes`` or more). Asked
+        once per bucket in plan order, once every earlier bucket is complete: a transport may
+        hand out a recycled buffer and publish the buckets before ``b`` here."""
+
+    def done(self, b: int, digest: int | torch.Tensor | None) -> None:
+        """Bucket ``b``'s last byte is in, before the next buffer is asked for. ``digest``: of
+        pack_stream's ``kind`` over its bytes (an int, or a 0-dim device tensor for torch)."""
+
+
+class Buffers(BucketSink):
+    """A sink over ``buffer(b)`` that keeps each bucket's digest in ``digests``."""
+
+    def __init__(self, buffer: Callable[[int], torch.Tensor], digests: dict[int, Any] | None = None):
+        self._buffer, self.digests = buffer, {} if digests is None else digests
+
+    def buffer(self, b: int) -> torch.Tensor:
+        return self._buffer(b)
+
+    def done(self, b: int, digest: int | torch.Tensor | None) -> None:
+        if digest is not None:
+            self.digests[b] = digest
+
+
+@dataclasses.dataclass(frozen=True)
+class Packing:
+    """One version's tensors, packed when the transport asks (in stage() or send())."""
+
+    plan: BucketPlan
+    manifest: Manifest
+    named: Mapping[str, torch.Tensor] | Iterable[tuple[str, torch.Tensor]]
+
+    def into(self, sink: BucketSink, kind: str | None) -> Iterator[int]:
+        return pack_stream(self.plan, self.manifest, self.named, sink, kind)
+
+
+def pack_stream(plan: BucketPlan, manifest: Manifest,
+                named: Mapping[str, torch.Tensor] | Iterable[tuple[str, torch.Tensor]],
+                sink: BucketSink, kind: str | None = None) -> Iterator[int]:
     """Copy tensors into their buckets in plan order, yielding each bucket index once full.
 
-    ``bucket_buffer(b)`` returns the uint8 destination of bucket ``b`` (at least
-    ``plan.buckets[b].nbytes`` long); it is called once per bucket, right before the first
-    byte is written, so a transport can hand out a recycled buffer. Tensors are checked
-    against the manifest as they arrive; a mismatch raises ManifestError naming the tensor.
-    With ``checksums`` (a dict), each bucket's digest of ``kind`` (see digest.py) is stored
-    in ``checksums[b]`` as soon as its last byte is in: an int for xxh3 (hashed piece by
-    piece from cache while a host bucket is filled), a 0-dim device tensor for torch.
-    Copies from a device, and host copies that are not hashed as they go, are batched:
-    one ``_foreach_copy_`` per bucket, issued before the next bucket is asked for.
+    Bucket ``b`` goes to ``sink.buffer(b)``; ``sink.done(b, digest)`` follows once its last
+    byte is in. Tensors are checked against the manifest as they arrive; a mismatch raises
+    ManifestError naming the tensor. With a ``kind``, each bucket's digest (see digest.py)
+    is computed as it is filled: an xxh3 of a host bucket piece by piece from cache, a torch
+    digest on the bucket's device. Copies from a device, and host copies that are not hashed
+    as they go, are batched: one ``_foreach_copy_`` per bucket, issued before the next
+    bucket is asked for.
     """
     if isinstance(named, Mapping):
         _check_names(manifest, named)
@@ -216,8 +250,8 @@ def pack_stream(
             dst = buffers.get(piece.bucket)
             if dst is None:
                 batch.flush()  # every earlier bucket is complete when this one is asked for
-                dst = buffers[piece.bucket] = bucket_buffer(piece.bucket)
-                if checksums is not None and kind == "xxh3" and dst.device.type == "cpu":
+                dst = buffers[piece.bucket] = sink.buffer(piece.bucket)
+                if kind == "xxh3" and dst.device.type == "cpu":
                     hashes[piece.bucket] = _StreamHash(dst)
             hashed = hashes.get(piece.bucket)
             if piece.nbytes:
@@ -226,13 +260,13 @@ def pack_stream(
                 if streamed:
                     batch.flush()  # the hash reads up to this piece: queued copies must have landed
                 _copy_piece(window, tensor, flat, piece, hashed, None if streamed else batch)
-            if checksums is not None and piece is last_piece[piece.bucket]:
+            if piece is last_piece[piece.bucket]:
                 nbytes = plan.buckets[piece.bucket].nbytes
                 batch.flush()
                 if hashed is not None:
-                    checksums[piece.bucket] = hashes.pop(piece.bucket).digest(nbytes)
+                    sink.done(piece.bucket, hashes.pop(piece.bucket).digest(nbytes))
                 else:
-                    checksums[piece.bucket] = digests.compute(kind, dst[:nbytes])
+                    sink.done(piece.bucket, None if kind is None else digests.compute(kind, dst[:nbytes]))
         for b in ready_after.get(i, ()):
             batch.flush()
             buffers.pop(b, None)

@@ -26,6 +26,7 @@ from .errors import ManifestError, VersionError, WeightSyncError
 from .manifest import Expected, Manifest, check_manifest
 from .party import Party
 from .plan import Unpacker
+from .transports.records import VersionRecord
 from .versions import State
 
 LoadWeights = Callable[[Iterable[tuple[str, torch.Tensor]]], Any]
@@ -91,7 +92,10 @@ class WeightReceiver(Party):
         self._version: int | None = None
         self._touched = False  # a bucket of the version being applied reached the model
         self._buckets_loaded = 0  # of the version being applied, for its log line
-        self._info: dict[str, Any] = {}  # where the served version's bytes are (for rollback)
+        # where the served version's bytes are: the wire form (told to a restarted coordinator)
+        # and its record (for rollback)
+        self._info: dict[str, Any] = {}
+        self._served: VersionRecord | None = None
         self._session_lock = threading.Lock()  # prefetch() may run in a thread beside apply()
         self.last_metrics: dict[str, Any] = {}
         # a test's fault point (weightsync.testing): called as (version, bucket) once bucket b
@@ -158,10 +162,12 @@ class WeightReceiver(Party):
         if v is None or v == self._version:
             return self._version
         deadline = time.monotonic() + timeout
-        prev, prev_info = self._version, self._info.get("info", {})
+        prev, prev_info = self._version, self._served
         t0 = time.perf_counter()
+        self._touched = False
         try:
-            self.last_metrics = self._load(v, target.info, deadline)
+            info = self.transport.parse_version(target.info)
+            self.last_metrics = self._load(v, info, deadline)
         except BaseException as exc:
             reason, loaded = f"{type(exc).__name__}: {exc}", self._buckets_loaded
             if self._touched:
@@ -170,7 +176,7 @@ class WeightReceiver(Party):
                                 self.unpacker.plan.bucket_count, time.perf_counter() - t0, reason)
             self._report(v, ok=False, reason=reason)
             raise
-        self._version, self._info = v, {"slot": target.slot, "info": target.info}
+        self._version, self._info, self._served = v, {"slot": target.slot, "info": target.info}, info
         self._report(v, ok=True, metrics=self.last_metrics)
         events.applied(self.name, v, self.transport.name, self.last_metrics["bytes"], self.last_metrics["total_s"])
         return v
@@ -213,8 +219,8 @@ class WeightReceiver(Party):
             return None
 
         try:
-            done = self.transport.prefetch(v, target.info, time.monotonic() + timeout,
-                                           lambda: self._raise_if_aborted(v))
+            info = self.transport.parse_version(target.info)
+            done = self.transport.prefetch(v, info, time.monotonic() + timeout, lambda: self._raise_if_aborted(v))
         except WeightSyncError:
             return None  # a bad bucket stays unmarked: apply() verifies it and fails the version
         return v if done else None
@@ -237,7 +243,7 @@ class WeightReceiver(Party):
         """
         return self.apply(None, wait=False)
 
-    def _load(self, version: int, info: dict[str, Any], deadline: float, replay: bool = False) -> dict[str, float]:
+    def _load(self, version: int, info: VersionRecord, deadline: float, replay: bool = False) -> dict[str, float]:
         def check() -> None:
             if not replay:  # a replayed version is complete; its later fate does not matter
                 self._raise_if_aborted(version)
@@ -301,8 +307,8 @@ class WeightReceiver(Party):
             return f"; abort_load failed ({type(exc).__name__}: {exc})"
         return ""
 
-    def _rollback(self, prev: int | None, info: dict[str, Any], deadline: float) -> str:
-        if prev is None or not self.config.keep_previous or not self.transport.can_replay(prev, info):
+    def _rollback(self, prev: int | None, info: VersionRecord | None, deadline: float) -> str:
+        if prev is None or info is None or not self.config.keep_previous or not self.transport.can_replay(prev, info):
             return f"; serves no version until the next sync (previous version {prev} is not at hand)"
         try:
             self._load(prev, info, max(deadline, time.monotonic() + self.config.sync_timeout_s), replay=True)

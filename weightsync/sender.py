@@ -3,7 +3,7 @@
 One version, end to end:  stage(v, named_tensors)
   -> manifest check and bucket plan (first version only; reused afterwards)
   -> coordinator.begin_stage(v) picks the storage slot
-  -> transport.stage(): pack_stream() copies tensors into buckets, bucket by bucket
+  -> transport.stage(): pack_stream() copies tensors into the transport's BucketSink, bucket by bucket
   -> coordinator.staged(v)                     ... the trainer is free again
 sync(v)  -> coordinator.begin_sync(v) -> transport.send(v) -> coordinator.wait_outcome(v)
 """
@@ -28,8 +28,9 @@ from .device import describe
 from .errors import VersionError
 from .manifest import Manifest, build_manifest
 from .party import Party
-from .plan import pack_stream
+from .plan import Packing
 from .selection import choose_transport
+from .transports.records import VersionRecord
 
 log = logging.getLogger("weightsync")
 
@@ -172,7 +173,8 @@ class WeightSender(Party):
             reason = f"{reason}; {transport.mode_reason}"
         log.info("weightsync session %s: transport %s (%s)", self.session, name, reason)
         self._published = Publication(manifest.to_wire(), digest, ctx.plan.payload_bytes, name, reason,
-                                      transport.session_info(), transport.pipelined, transport.keeps_versions)
+                                      transport.session_info().to_wire(), transport.pipelined,
+                                      transport.keeps_versions)
         try:
             self.control.publish(self._published)
         except BaseException:
@@ -239,16 +241,14 @@ class WeightSender(Party):
         slot = self.control.begin_stage(version)
         self._last_version = version  # a restarted coordinator learns it on re-registration
         try:
-            info = self.transport.stage(
-                version, slot,
-                fill=lambda bucket_buffer, checksums=None, kind="xxh3": pack_stream(
-                    self.plan, self.manifest, named, bucket_buffer, checksums, kind),
-                announce=lambda early: self.control.stage_info(version, early, readable=True),
+            record = self.transport.stage(
+                version, slot, Packing(self.plan, self.manifest, named),
+                announce=lambda early: self.control.stage_info(version, early.to_wire(), readable=True),
             )
             stage_s = time.perf_counter() - t0
-            self.control.staged(version, info, stage_s)
+            self.control.staged(version, record.to_wire(), stage_s)
             self._staged_digest = {v: d for v, d in self._staged_digest.items() if v > version - 8}
-            self._staged_digest[version] = info.get("digest")
+            self._staged_digest[version] = record.digest
         except BaseException as exc:
             try:
                 self.control.abort(version, f"staging failed: {type(exc).__name__}: {exc}")
@@ -287,7 +287,7 @@ class WeightSender(Party):
                 # transports that pack at the barrier know the version's digest only now
                 digest = self.transport.version_digests.get(version)
                 if digest is not None and digest != self._staged_digest.pop(version, None):
-                    self.control.stage_info(version, {"digest": digest})
+                    self.control.stage_info(version, VersionRecord(digest=digest).to_wire())
             outcome = self.control.wait_outcome(version, timeout)
         except Exception as exc:
             if self.sends:

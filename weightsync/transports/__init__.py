@@ -7,7 +7,7 @@ transport registered by a plugin can be selected."""
 from __future__ import annotations
 
 import importlib
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any
 
 from ..registry import entry, names, register_transport
@@ -24,8 +24,9 @@ def sender_class(name: str) -> Callable[[TransportContext], SenderTransport]:
     return _load(name, 0)
 
 
-def receiver_class(name: str) -> Callable[[TransportContext, dict[str, Any]], ReceiverTransport]:
-    """What builds the receiver of ``name`` from a TransportContext and the sender's session info."""
+def receiver_class(name: str) -> Callable[[TransportContext, Mapping[str, Any]], ReceiverTransport]:
+    """What builds the receiver of ``name`` from a TransportContext and the wire form of the
+    sender's session record (parsed there: transports/records.py)."""
     return _load(name, 1)
 
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 import abc
 import dataclasses
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from typing import TYPE_CHECKING, Any, ClassVar
 
 import torch
@@ -19,16 +19,12 @@ from .. import digest
 from ..config import SyncConfig
 from ..errors import VersionError
 from ..manifest import Manifest
-from ..plan import BucketPlan
+from ..plan import BucketPlan, Packing
+from .records import SessionRecord, VersionRecord
 
 if TYPE_CHECKING:
     from ..control import ControlPlane
 
-# fill(bucket_buffer, checksums=None, kind="xxh3") packs the version into the buffers
-# bucket_buffer(b) hands out and yields each bucket index as soon as that bucket is complete;
-# given a dict, it stores each bucket's digest of ``kind`` there once its last byte is in
-# (an int, or a 0-dim device tensor for "torch"), before it asks for the next bucket's buffer
-Fill = Callable[..., Iterator[int]]
 # a received bucket: (index, uint8 bytes of the bucket, the sender's digest or None)
 Received = tuple[int, torch.Tensor, "int | None"]
 
@@ -92,6 +88,9 @@ class SenderTransport(abc.ABC):
     # how this transport runs here and why (shm: whole versions or a bounded stream), added to
     # the transport reason status() shows; set by the transport
     mode_reason: str = ""
+    # what it publishes (transports/records.py): a plugin transport names its own subclasses
+    session_record: ClassVar[type[SessionRecord]] = SessionRecord
+    version_record: ClassVar[type[VersionRecord]] = VersionRecord
 
     def __init__(self, ctx: TransportContext):
         self.ctx = ctx
@@ -110,18 +109,20 @@ class SenderTransport(abc.ABC):
         self.version_digests[version] = value
         return value
 
-    def session_info(self) -> dict[str, Any]:
+    def session_info(self) -> SessionRecord:
         """Published once through the coordinator for every receiver (rendezvous, ...); the
-        coordinator passes it on without reading it."""
-        return {"digest_kind": self.digest_kind}
+        coordinator passes its wire form on without reading it."""
+        return self.session_record(digest_kind=self.digest_kind)
 
     @abc.abstractmethod
-    def stage(self, version: int, slot: int, fill: Fill, announce: Callable[[dict[str, Any]], None]) -> dict[str, Any]:
-        """Pack ``version``; may run while receivers are still busy. ``slot`` is the
+    def stage(self, version: int, slot: int, packing: Packing,
+              announce: Callable[[VersionRecord], None]) -> VersionRecord:
+        """Pack ``version`` (``packing.into(sink, kind)`` drives this transport's BucketSink,
+        now or in send()); may run while receivers are still busy. ``slot`` is the
         coordinator's choice of reusable storage (a transport that keeps no versions ignores
-        it). ``announce(info)`` publishes early info to receivers and makes the version readable
-        from then on (pipelined transports).
-        Returns the per-version info receivers need."""
+        it). ``announce(record)`` publishes an early record to receivers and makes the version
+        readable from then on (pipelined transports).
+        Returns the version record receivers need."""
 
     def send(self, version: int, deadline: float) -> None:
         """The barrier part of a transfer (collectives); nothing for storage transports."""
@@ -132,22 +133,35 @@ class SenderTransport(abc.ABC):
 
 class ReceiverTransport(abc.ABC):
     name: ClassVar[str]
+    # what its sender publishes (transports/records.py), parsed where it arrives
+    session_record: ClassVar[type[SessionRecord]] = SessionRecord
+    version_record: ClassVar[type[VersionRecord]] = VersionRecord
 
-    def __init__(self, ctx: TransportContext, session_info: dict[str, Any]):
+    def __init__(self, ctx: TransportContext, wire: Mapping[str, Any]):
+        """``wire``: the sender's session record as it came over the control plane; a
+        malformed one raises ProtocolError naming the transport and the field."""
         self.ctx = ctx
-        self.session_info = session_info
+        self.session = self.session_record.from_wire(wire)
         # the sender's digest kind, unless this receiver's own config turns digests off
-        self.kind: str | None = (session_info.get("digest_kind")
+        self.kind: str | None = (self.session.digest_kind
                                  if digest.kind_of(ctx.config, ctx.device) is not None else None)
 
+    def parse_version(self, wire: Mapping[str, Any]) -> VersionRecord:
+        """A version's record from its wire form (the coordinator's Target.info).
+
+        Raises:
+            ProtocolError: a field is missing, unknown or of the wrong type.
+        """
+        return self.version_record.from_wire(wire)
+
     @abc.abstractmethod
-    def receive(self, version: int, info: dict[str, Any], deadline: float,
+    def receive(self, version: int, info: VersionRecord, deadline: float,
                 check: Callable[[], None]) -> Iterator[Received]:
         """Yield the buckets of ``version`` in plan order. A yielded buffer stays valid until
         the next one is requested. ``check()`` raises if the version was aborted; call it
         while waiting. Raise DeadlineExceeded past ``deadline`` (time.monotonic())."""
 
-    def verify_bucket(self, version: int, info: dict[str, Any], b: int, buf: torch.Tensor, expected: int | None) -> bool:
+    def verify_bucket(self, version: int, info: VersionRecord, b: int, buf: torch.Tensor, expected: int | None) -> bool:
         """Raise ChecksumError if bucket b does not match the sender's digest (None: no
         digest). True if it was digested here; a transport whose receivers share the bytes
         may let one of them verify for all (shm)."""
@@ -156,18 +170,18 @@ class ReceiverTransport(abc.ABC):
         digest.verify(self.kind, b, buf, expected, version)
         return True
 
-    def prefetch(self, version: int, info: dict[str, Any], deadline: float, check: Callable[[], None]) -> bool:
+    def prefetch(self, version: int, info: VersionRecord, deadline: float, check: Callable[[], None]) -> bool:
         """Do ahead of apply() what can be done without touching the model (shm: verify the
         checksums). False: nothing to do on this transport (it keeps nothing to read ahead)."""
         return False
 
-    def span(self, version: int, info: dict[str, Any]) -> Callable[[int, int, int], torch.Tensor | None] | None:
+    def span(self, version: int, info: VersionRecord) -> Callable[[int, int, int], torch.Tensor | None] | None:
         """For transports that hold a whole version at once: a function giving a view of
         ``nbytes`` from ``offset`` in ``bucket`` onwards (None where not contiguous), so tensors
         split over buckets need no reassembly copy. None (the default): reassemble."""
         return None
 
-    def can_replay(self, version: int, info: dict[str, Any]) -> bool:
+    def can_replay(self, version: int, info: VersionRecord) -> bool:
         """True if ``version`` can be received again (rollback after a failed apply)."""
         return False
 

@@ -32,19 +32,20 @@ background, holding their own buffers) and the next version re-forms without the
 
 from __future__ import annotations
 
+import dataclasses
 import secrets
-import struct
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
 from .. import device as devices
-from ..digest import compute, kind_of
-from ..errors import ConfigError, DeadlineExceeded, ProtocolError, VersionError, WeightSyncError
-from .base import Aborted, Fill, Received, ReceiverTransport, SenderTransport, TransportContext
+from ..errors import ConfigError, DeadlineExceeded, VersionError, WeightSyncError
+from ..plan import BucketSink, Packing
+from .base import Aborted, Received, ReceiverTransport, SenderTransport, TransportContext
+from .broadcast_end import BUFFERS, TRAILER, BroadcastEnd, get_checksum, put_checksum  # noqa: F401  (tests)
 from .groups import (  # noqa: F401  (re-exported: bench/collective_baselines.py and the tests use them from here)
     DEVICE_OF_BACKEND,
     Group,
@@ -59,120 +60,20 @@ from .groups import (  # noqa: F401  (re-exported: bench/collective_baselines.py
     settle,
     store_host,
 )
-
-TRAILER = 8  # bytes of the digest that follows a bucket's payload
-BUFFERS = 2  # per side: one bucket in flight while the other is packed (or loaded)
+from .records import BroadcastSession, BroadcastVersion, VersionRecord
 
 
-def put_checksum(buf: torch.Tensor, n: int, value: int | torch.Tensor | None = None,
-                 kind: str = "xxh3") -> int | torch.Tensor:
-    """Append the bucket's digest (``value`` if pack_stream computed it already) as a
-    trailer. A device value is copied on the device: nothing waits for it."""
-    value = compute(kind, buf[:n]) if value is None else value
-    if isinstance(value, torch.Tensor):
-        # little-endian int64 bytes, as struct writes them below (every device torch runs on)
-        buf[n: n + TRAILER].copy_(value.reshape(1).view(torch.uint8))
-    else:
-        buf[n: n + TRAILER].copy_(torch.frombuffer(bytearray(struct.pack("<Q", value)), dtype=torch.uint8))
-    return value
-
-
-def get_checksum(buf: torch.Tensor, n: int) -> int:
-    return struct.unpack("<Q", buf[n: n + TRAILER].cpu().numpy().tobytes())[0]
-
-
-# -- the two ends ----------------------------------------------------------------------
-
-
-class _End:
-    """What both ends share: the session's store, the current group, the two buffers."""
-
-    def _setup(self, ctx: TransportContext, backend: str, who: str, communicator: str | None = None) -> None:
-        self.backend = backend
-        self.device = comm_device(backend, ctx.device, who)
-        # the sender picks the construction; a receiver builds the same one or fails to register
-        try:
-            self.communicator, self.communicator_reason = choose_communicator(
-                communicator or ctx.config.communicator, backend)
-        except ConfigError as exc:
-            raise ConfigError(f"{who}: {exc}") from None
-        self.trailer = TRAILER if kind_of(ctx.config, self.device) else 0
-        self.group: Group | None = None
-        self.buffers: list[torch.Tensor] | None = None
-        self.pending: list[Any] = []  # ops posted and not yet settled
-
-    def _buffers(self) -> list[torch.Tensor]:
-        if self.buffers is None:
-            size = self.ctx.plan.bucket_bytes + self.trailer
-            self.buffers = [torch.empty(size, dtype=torch.uint8, device=self.device) for _ in range(BUFFERS)]
-            self.ctx.account("bcast_buffers", +BUFFERS)
-        return self.buffers
-
-    def _wire(self, b: int) -> torch.Tensor:
-        return self._buffers()[b % BUFFERS][: self.ctx.plan.buckets[b].nbytes + self.trailer]
-
-    def _join(self, group: dict[str, Any], rank: int, deadline: float, poll: Callable[[], None]) -> Group:
-        """The group of this version: the current one if the epoch is unchanged, else built
-        anew in a helper thread while this one keeps polling the coordinator."""
-        # epochs count from 1 again in a restarted coordinator: its nonce keeps names unique
-        ident = (group.get("nonce"), group["epoch"])
-        if self.group is not None and self.group.epoch == ident:
-            return self.group
-        self._drop()
-        names = [group["sender"]] + list(group["members"])
-        prefix = f"weightsync/{self.ctx.session}/{self.ctx.digest[:16]}/{group.get('nonce')}/epoch{group['epoch']}"
-        timeout = max(0.001, min(self.ctx.config.connect_timeout_s, deadline - time.monotonic()))
-        self.group = Group.build_polled(self.backend, self._store(), prefix, rank, len(names), self.device,
-                                        timeout, names, self.communicator, poll,
-                                        f"building broadcast group epoch {group['epoch']}")
-        self.group.epoch = ident
-        self.ctx.account("bcast_groups", +1)
-        return self.group
-
-    def _drop(self) -> None:
-        """Retire the group and, if ops are still pending on them, the buffers too."""
-        if self.group is not None:
-            self.ctx.account("bcast_groups", -1)
-        if self.pending and self.buffers is not None:
-            self.ctx.account("bcast_buffers", -BUFFERS)
-            self.buffers = None
-        retire(self.group, self.pending, self.ctx.name)
-        self.group, self.pending = None, []
-
-    def _failed(self, version: int, exc: BaseException) -> str:
-        """Tell the coordinator; returns the abort reason, which names the party at fault."""
-        if isinstance(exc, Aborted):
-            return str(exc)
-        try:
-            wait_s = self.ctx.config.heartbeat_timeout_s + 2 * self.ctx.config.heartbeat_interval_s
-            return self.ctx.control.bcast_failed(version, f"{type(exc).__name__}: {exc}"[:2000], timeout=wait_s)
-        except WeightSyncError as why:
-            return f"{type(exc).__name__}: {exc} (and the coordinator could not be told: {why})"
-
-    def _poll(self, version: int) -> None:
-        reply = self.ctx.control.bcast_check(version)
-        if reply["aborted"]:
-            raise Aborted(f"version {version} was aborted: {reply['aborted']}")
-        if reply["lost"]:
-            # not an abort yet: whoever sees it first aborts the version with this reason
-            raise ProtocolError(f"version {version}: broadcast group lost {'; '.join(reply['lost'])}")
-
-    def _close_end(self) -> None:
-        self._drop()
-        if self.buffers is not None:
-            self.ctx.account("bcast_buffers", -BUFFERS)
-            self.buffers = None
-
-
-class BroadcastSender(_End, SenderTransport):
+class BroadcastSender(BroadcastEnd, SenderTransport):
     name = "broadcast"
+    session_record = BroadcastSession
+    version_record = BroadcastVersion
     pipelined = False  # bytes move at the barrier, when every receiver is in the collective
 
     def __init__(self, ctx: TransportContext):
         super().__init__(ctx)
         self._setup(ctx, choose_backend(ctx.config.backend, ctx.device), f"sender '{ctx.name}'")
         self.store: dist.TCPStore | None = None
-        self.fills: dict[int, Fill] = {}
+        self.packings: dict[int, Packing] = {}
         self.scratch: torch.Tensor | None = None  # where a failed version's rest is packed
         # tells this sender's store from a restarted sender's, even on a fixed rendezvous_port
         self.store_id = secrets.token_hex(8)
@@ -187,26 +88,26 @@ class BroadcastSender(_End, SenderTransport):
                                     self.ctx.config.rendezvous_port, self.ctx.config.connect_timeout_s)
         return self.store
 
-    def session_info(self) -> dict[str, Any]:
-        store = self._store()
-        return {"backend": self.backend, "communicator": self.communicator,
-                "communicator_reason": self.communicator_reason, "host": store_host(self.ctx.config.rendezvous_host),
-                "port": store.port, "store_id": self.store_id,
-                "digest_kind": self.digest_kind}
+    def session_info(self) -> BroadcastSession:
+        return self.session_record(backend=self.backend, communicator=self.communicator,
+                                   communicator_reason=self.communicator_reason,
+                                   host=store_host(self.ctx.config.rendezvous_host), port=self._store().port,
+                                   store_id=self.store_id, digest_kind=self.digest_kind)
 
-    def stage(self, version: int, slot: int, fill: Fill, announce: Callable[[dict[str, Any]], None]) -> dict[str, Any]:
+    def stage(self, version: int, slot: int, packing: Packing,
+              announce: Callable[[VersionRecord], None]) -> BroadcastVersion:
         # Nothing moves before the barrier: the tensors are read, packed and sent in send(),
         # with two buckets of memory instead of a copy of the model. So the trainer must
         # leave them unchanged until sync() returns (the recipe syncs right after the step).
-        self.fills = {v: f for v, f in self.fills.items() if v > version}
-        self.fills[version] = fill
+        self.packings = {v: p for v, p in self.packings.items() if v > version}
+        self.packings[version] = packing
         # the store's address rides along with every version: a restarted trainer hosts a
         # new store, and receivers still connected to the dead one's follow it (receive())
-        return self.session_info()
+        return self.version_record(session=self.session_info())
 
     def send(self, version: int, deadline: float) -> None:
-        fill = self.fills.pop(version, None)
-        if fill is None:
+        packing = self.packings.pop(version, None)
+        if packing is None:
             raise VersionError(f"version {version} was not staged on the broadcast transport")
         devices.set_current(self.device)
         group = None
@@ -217,76 +118,31 @@ class BroadcastSender(_End, SenderTransport):
         except WeightSyncError as exc:
             self._failed(version, exc)
         if group is None or group["size"] == 1:
-            self._drain(fill)  # nobody to send to; the coordinator records the outcome
+            self._drain(packing)  # nobody to send to; the coordinator records the outcome
             return
-        self._stream(version, group, fill, deadline)
+        self._stream(version, group, packing, deadline)
 
-    def _stream(self, version: int, group: dict[str, Any], fill: Fill, deadline: float) -> None:
-        """Pack and send the version. pack_stream asks for bucket b's buffer only once every
-        bucket before b is fully packed: that is when bucket b-1 is launched and bucket b-2,
-        the buffer's previous user, must have left. A tensor larger than a bucket spans
-        several, so a yield from pack_stream comes too late to be the signal.
-
-        The iteration always runs to its end, even after the transfer failed: it may be a
-        collective on the trainer's own group (FSDP full_tensor) that the other trainer
-        ranks are inside. So errors of the transfer are recorded, not raised, in there."""
-        plan = self.ctx.plan
-        poll = lambda: self._poll(version)  # noqa: E731
-        launched: list[Any] = []
-        sums: dict[int, Any] = {}  # each bucket's digest, computed by pack_stream while packing
-        kind = self.digest_kind
-        written: list[Any] = []  # the same, in plan order, for the version's digest
-        error: BaseException | None = None
-        g: Group | None = None
-
-        def fail(exc: BaseException) -> None:
-            nonlocal error
-            if error is None:
-                error = exc
-                self._failed(version, exc)  # aborts the version, naming the fault, for everyone
-                self._drop()
-
-        def launch_until(b: int) -> None:
-            while len(launched) < b:
-                i = len(launched)
-                if self.trailer:
-                    written.append(put_checksum(self._wire(i), plan.buckets[i].nbytes, sums.pop(i, None), kind))
-                if self.on_packed is not None:
-                    self.on_packed(version, i, self._wire(i)[: plan.buckets[i].nbytes])
-                launched.append(g.broadcast(self._wire(i), deadline - time.monotonic()))
-                self.pending.append(launched[-1])
-
-        def bucket_buffer(b: int) -> torch.Tensor:
-            if error is None:
-                try:
-                    launch_until(b)
-                    if b >= BUFFERS:
-                        settle(launched[b - BUFFERS], deadline, poll, f"bucket {b - BUFFERS} of version {version}")
-                    return self._wire(b)
-                except Exception as exc:
-                    fail(exc)
-            return self._scratch()
-
+    def _stream(self, version: int, group: dict[str, Any], packing: Packing, deadline: float) -> None:
+        """Pack and send the version (_Launch). The iteration always runs to its end, even
+        after the transfer failed: it may be a collective on the trainer's own group (FSDP
+        full_tensor) that the other trainer ranks are inside. So errors of the transfer are
+        recorded, not raised, in there."""
+        run = _Launch(self, version, deadline)
         try:
-            g = self._join(group, 0, deadline, poll)
+            run.group = self._join(group, 0, deadline, run.poll)
         except Exception as exc:
-            fail(exc)
+            run.fail(exc)
         try:
-            for _ in fill(bucket_buffer, sums if self.trailer else None, kind or "xxh3"):
+            for _ in packing.into(run, self.digest_kind if self.trailer else None):
                 pass
         except BaseException as exc:
-            fail(exc)  # the trainer's tensors are off the manifest, or its iteration failed
+            run.fail(exc)  # the trainer's tensors are off the manifest, or its iteration failed
             raise
-        if error is None:
+        if run.error is None:
             try:
-                launch_until(plan.bucket_count)
-                for b in range(max(0, plan.bucket_count - BUFFERS), plan.bucket_count):
-                    settle(launched[b], deadline, poll, f"bucket {b} of version {version}")
-                devices.synchronize(self.device)
-                self.pending = []
-                self._record(version, written)  # device digests are final after the sync
+                run.finish()
             except Exception as exc:
-                fail(exc)
+                run.fail(exc)
         # a failed transfer is not raised here: sync()'s wait_outcome raises SyncFailed
         # with what the coordinator learned, naming every party at fault
 
@@ -296,58 +152,121 @@ class BroadcastSender(_End, SenderTransport):
                                        device=self.device)
         return self.scratch
 
-    def _drain(self, fill: Fill) -> None:
+    def _drain(self, packing: Packing) -> None:
         """Iterate the version without sending: the iteration may be a collective on the
         trainer's own group (FSDP full_tensor), which the other ranks are inside."""
         try:
-            for _ in fill(lambda b: self._scratch()):
+            for _ in packing.into(_Launch(self, -1, 0.0, failed=True), None):
                 pass
         except Exception:
             pass  # the version has already failed; the first error is the one reported
 
     def close(self) -> None:
         self._close_end()
-        self.fills.clear()
+        self.packings.clear()
         self.scratch = self.store = None
 
 
-class BroadcastReceiver(_End, ReceiverTransport):
-    name = "broadcast"
+class _Launch(BucketSink):
+    """One version packed and broadcast. pack_stream asks for bucket b's buffer only once every
+    bucket before b is fully packed: that is when bucket b-1 is launched and bucket b-2, the
+    buffer's previous user, must have left. A tensor larger than a bucket spans several, so a
+    yield from pack_stream comes too late to be the signal. Once the transfer failed, the
+    rest of the version is packed into scratch."""
 
-    def __init__(self, ctx: TransportContext, session_info: dict[str, Any]):
-        super().__init__(ctx, session_info)
-        self._setup(ctx, session_info["backend"], f"receiver '{ctx.name}'", session_info.get("communicator", "torch"))
-        if bool(self.trailer) != bool(session_info.get("digest_kind")):
+    def __init__(self, sender: BroadcastSender, version: int, deadline: float, failed: bool = False):
+        self.sender, self.version, self.deadline = sender, version, deadline
+        self.group: Group | None = None
+        self.launched: list[Any] = []
+        self.digests: dict[int, Any] = {}  # each bucket's, from pack_stream, until launched
+        self.written: list[Any] = []  # the same, in plan order, for the version's digest
+        self.error: BaseException | None = Aborted("draining") if failed else None
+
+    def poll(self) -> None:
+        self.sender._poll(self.version)
+
+    def fail(self, exc: BaseException) -> None:
+        if self.error is None:
+            self.error = exc
+            self.sender._failed(self.version, exc)  # aborts the version, naming the fault, for everyone
+            self.sender._drop()
+
+    def launch_until(self, b: int) -> None:
+        s, plan = self.sender, self.sender.ctx.plan
+        while len(self.launched) < b:
+            i = len(self.launched)
+            if s.trailer:
+                self.written.append(put_checksum(s._wire(i), plan.buckets[i].nbytes, self.digests.pop(i, None),
+                                                 s.digest_kind))
+            if s.on_packed is not None:
+                s.on_packed(self.version, i, s._wire(i)[: plan.buckets[i].nbytes])
+            self.launched.append(self.group.broadcast(s._wire(i), self.deadline - time.monotonic()))
+            s.pending.append(self.launched[-1])
+
+    def buffer(self, b: int) -> torch.Tensor:
+        if self.error is None:
+            try:
+                self.launch_until(b)
+                if b >= BUFFERS:
+                    settle(self.launched[b - BUFFERS], self.deadline, self.poll,
+                           f"bucket {b - BUFFERS} of version {self.version}")
+                return self.sender._wire(b)
+            except Exception as exc:
+                self.fail(exc)
+        return self.sender._scratch()
+
+    def done(self, b: int, digest: int | torch.Tensor | None) -> None:
+        if digest is not None:
+            self.digests[b] = digest
+
+    def finish(self) -> None:
+        """Launch what is left, wait for the last buckets, record the version's digest."""
+        s, count = self.sender, self.sender.ctx.plan.bucket_count
+        self.launch_until(count)
+        for b in range(max(0, count - BUFFERS), count):
+            settle(self.launched[b], self.deadline, self.poll, f"bucket {b} of version {self.version}")
+        devices.synchronize(s.device)
+        s.pending = []
+        s._record(self.version, self.written)  # device digests are final after the sync
+
+
+class BroadcastReceiver(BroadcastEnd, ReceiverTransport):
+    name = "broadcast"
+    session_record = BroadcastSession
+    version_record = BroadcastVersion
+
+    def __init__(self, ctx: TransportContext, wire: Mapping[str, Any]):
+        super().__init__(ctx, wire)
+        sends = bool(self.session.digest_kind)
+        self._setup(ctx, self.session.backend, f"receiver '{ctx.name}'", self.session.communicator)
+        if bool(self.trailer) != sends:
             raise ConfigError(f"receiver '{ctx.name}' has checksum={ctx.config.checksum} but the sender "
-                              f"{'sends' if session_info.get('digest_kind') else 'does not send'} digests; "
-                              f"use one config for every party")
+                              f"{'sends' if sends else 'does not send'} digests; use one config for every party")
         self.store: dist.TCPStore | None = None
 
     def _store(self) -> dist.TCPStore:
         if self.store is None:
-            info = self.session_info
-            self.store = connect_store(info["host"], info["port"], self.ctx.config.connect_timeout_s)
+            self.store = connect_store(self.session.host, self.session.port, self.ctx.config.connect_timeout_s)
         return self.store
 
-    def _follow(self, info: dict[str, Any]) -> None:
+    def _follow(self, info: BroadcastSession) -> None:
         """A version hosted by another store than ours: the trainer was restarted. Leave the
         dead sender's group and store; the next group is built on the new store."""
-        if info.get("store_id") in (None, self.session_info.get("store_id")):
+        if info.store_id == self.session.store_id:
             return
-        sends = bool(info.get("digest_kind"))
-        if (info.get("backend", self.backend), info.get("communicator", self.communicator), sends) \
-                != (self.backend, self.communicator, bool(self.trailer)):
+        sends = bool(info.digest_kind)
+        if (info.backend, info.communicator, sends) != (self.backend, self.communicator, bool(self.trailer)):
             raise ConfigError(f"receiver '{self.ctx.name}': the restarted sender uses backend "
-                              f"{info.get('backend')!r} ({info.get('communicator')}), checksum={sends}; "
+                              f"{info.backend!r} ({info.communicator}), checksum={sends}; "
                               f"this receiver was set up for {self.backend!r} ({self.communicator}), "
                               f"checksum={bool(self.trailer)}")
         self._drop()
         self.store = None
-        self.session_info = {**self.session_info, **{k: info[k] for k in ("host", "port", "store_id")}}
+        self.session = dataclasses.replace(self.session, host=info.host, port=info.port, store_id=info.store_id)
 
-    def receive(self, version: int, info: dict[str, Any], deadline: float,
+    def receive(self, version: int, info: BroadcastVersion, deadline: float,
                 check: Callable[[], None]) -> Iterator[Received]:
-        self._follow(info)
+        self._follow(info.session)
 
         def poll() -> None:
             try:

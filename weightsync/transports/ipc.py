@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import fcntl
 import os
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from typing import Any, ClassVar
 
 import numpy as np
@@ -36,9 +36,9 @@ import torch
 from .. import device as devices
 from ..digest import as_int, compute, kind_of
 from ..errors import CapacityError, DeadlineExceeded, ProtocolError, VersionError
-from ..plan import align_up
+from ..plan import BucketSink, Packing, align_up
 from ..versions import State
-from .base import Aborted, Fill, Received, ReceiverTransport, SenderTransport, TransportContext, poll_until
+from .base import Aborted, Received, ReceiverTransport, SenderTransport, TransportContext, poll_until
 from .ipc_wire import (
     BUCKET_BITS,
     CONTROL_BYTES,
@@ -57,11 +57,14 @@ from .ipc_wire import (
     slot_word,
     tag,
 )
+from .records import DeviceHandle, DeviceRecord, HostBuffer, IpcSession, IpcVersion, VersionRecord
 from .segment import PAGE, Segment, attach, create, digest_word, reap_stale
 
 
 class IpcSender(SenderTransport):
     name = "ipc"
+    session_record = IpcSession
+    version_record = IpcVersion
     # bucket buffers in host shared memory even on an accelerator (shm's streaming mode)
     host_buffers: ClassVar[bool] = False
     resource: ClassVar[str] = "ipc"  # status() counts our segments and handles as <resource>_*
@@ -76,8 +79,8 @@ class IpcSender(SenderTransport):
         self.capacity = max([b.nbytes for b in ctx.plan.buckets] + [1])
         self.segments: list[Segment] = []
         self.buffers: list[torch.Tensor] = []
-        self.handles: list[dict[str, Any]] = []
-        self._pending: dict[int, Fill] = {}
+        self.handles: list[HostBuffer | DeviceHandle] = []
+        self._pending: dict[int, Packing] = {}
         try:
             self.control = self._segment(CONTROL_BYTES, f"an {self.name} control block", f"{self.resource}_control")
             w = self.control.words
@@ -104,82 +107,43 @@ class IpcSender(SenderTransport):
             seg = self._segment(size, f"a {self.name} bucket of {self.capacity} bytes", f"{self.resource}_handles")
             seg.pin(self.ctx.device)  # reused for every bucket of every version: page-locked once
             self.buffers.append(seg.bytes[: self.capacity])
-            self.handles.append({"kind": "host", "segment": seg.ref, "bytes": self.capacity})
+            self.handles.append(HostBuffer(segment=seg.ref, bytes=self.capacity))
             return
         devices.set_current(self.ctx.device)
         t = torch.empty(self.capacity, dtype=torch.uint8, device=self.ctx.device)
         check_nd(t)
-        self.handles.append(export_handle(t))
+        self.handles.append(DeviceHandle.from_wire(export_handle(t)))
         self.buffers.append(t)
         self.ctx.account(f"{self.resource}_handles", +1)
 
-    def session_info(self) -> dict[str, Any]:
-        return {"control": self.control.ref, "buffers": list(self.handles),
-                "nbuf": self.nbuf, "capacity": self.capacity,
-                "digest_kind": self.digest_kind,
-                "device": devices.describe(self.buffer_device())}
+    def session_info(self) -> IpcSession:
+        return self.session_record(control=self.control.ref, buffers=list(self.handles), nbuf=self.nbuf,
+                                   capacity=self.capacity, digest_kind=self.digest_kind,
+                                   device=DeviceRecord(**devices.describe(self.buffer_device())))
 
-    def stage(self, version: int, slot: int, fill: Fill, announce: Callable[[dict[str, Any]], None]) -> dict[str, Any]:
+    def stage(self, version: int, slot: int, packing: Packing,
+              announce: Callable[[VersionRecord], None]) -> IpcVersion:
         if not 0 <= version < 1 << (63 - BUCKET_BITS) or self.ctx.plan.bucket_count >= 1 << BUCKET_BITS:
             raise VersionError(f"{self.name}: version {version} is out of range (0 .. 2**39)")
         # a newer version supersedes one staged but never sent
-        self._pending = {version: fill}
+        self._pending = {version: packing}
         # the whole rendezvous rides along with every version: a restarted trainer brings a
         # new control block and buffers, and receivers attached to the dead one's re-attach
-        return self.session_info()
+        return self.version_record(session=self.session_info())
 
     def send(self, version: int, deadline: float) -> None:
-        fill = self._pending.pop(version, None)
-        if fill is None:
+        packing = self._pending.pop(version, None)
+        if packing is None:
             raise VersionError(f"{self.name}: version {version} was not staged on this transport (superseded?)")
         devices.set_current(self.ctx.device)
         try:
-            self._stream(version, fill, Watch(self.ctx, version), deadline)
+            ring = _Ring(self, version, Watch(self.ctx, version), deadline)
+            for b in packing.into(ring, self.digest_kind):
+                ring.publish_through(b)
+            ring.publish_through(self.ctx.plan.bucket_count - 1)
+            self._record(version, ring.sums)
         except Aborted:
             pass  # the coordinator has the reason; sync() reports it through wait_outcome
-
-    def _stream(self, version: int, fill: Fill, watch: Watch, deadline: float) -> None:
-        plan, w = self.ctx.plan, self.control.words
-        published = -1
-        asked: set[int] = set()
-        kind = self.digest_kind
-        hashed: dict[int, Any] | None = {} if kind else None  # filled by pack_stream as it packs
-        sums: list[int] = []
-
-        def publish_through(last: int) -> None:
-            nonlocal published
-            if last <= published:
-                return
-            devices.synchronize(self.ctx.device)  # the copies into the buffer have landed
-            for b in range(published + 1, last + 1):
-                if b not in asked:
-                    bucket_buffer(b)  # never handed out (nothing to write): still claim the buffer
-                k = b % self.nbuf
-                if hashed is not None:
-                    # a device digest was queued behind the copies: reading it costs no extra wait
-                    s = hashed.pop(b, None)
-                    sums.append(as_int(compute(kind, self.buffers[k][: plan.buckets[b].nbytes]) if s is None else s))
-                    w[ready_word(k) + 1] = sums[-1]
-                if self.on_packed is not None:
-                    self.on_packed(version, b, self.buffers[k][: plan.buckets[b].nbytes])
-                w[ready_word(k)] = tag(version, b)
-                published = b
-
-        def bucket_buffer(b: int) -> torch.Tensor:
-            # plan order is monotonic: when bucket b is asked for, every bucket before it is full
-            # (a tensor split over several buckets would otherwise hold them all unpublished)
-            publish_through(b - 1)
-            asked.add(b)
-            k = b % self.nbuf
-            if b >= self.nbuf:
-                self._wait_released(version, b - self.nbuf, k, watch, deadline)
-            w[ready_word(k)] = 0  # receivers that outlived their turn see the overwrite
-            return self.buffers[k][: plan.buckets[b].nbytes]
-
-        for b in fill(bucket_buffer, hashed, kind or "xxh3"):
-            publish_through(b)
-        publish_through(plan.bucket_count - 1)
-        self._record(version, sums)
 
     def _wait_released(self, version: int, b: int, k: int, watch: Watch, deadline: float) -> None:
         need, w = tag(version, b), self.control.words
@@ -206,61 +170,107 @@ class IpcSender(SenderTransport):
         self.segments.clear()
 
 
+class _Ring(BucketSink):
+    """One version packed into the sender's ring: bucket b goes to buffer b % nbuf once every
+    receiver released the bucket it held there; a bucket is published (digest, then ready
+    word) once it is complete."""
+
+    def __init__(self, sender: IpcSender, version: int, watch: Watch, deadline: float):
+        self.sender, self.version, self.watch, self.deadline = sender, version, watch, deadline
+        self.published = -1
+        self.asked: set[int] = set()
+        self.digests: dict[int, Any] = {}  # from pack_stream, by bucket, until published
+        self.sums: list[int] = []
+
+    def buffer(self, b: int) -> torch.Tensor:
+        # plan order is monotonic: when bucket b is asked for, every bucket before it is full
+        # (a tensor split over several buckets would otherwise hold them all unpublished)
+        s = self.sender
+        self.publish_through(b - 1)
+        self.asked.add(b)
+        k = b % s.nbuf
+        if b >= s.nbuf:
+            s._wait_released(self.version, b - s.nbuf, k, self.watch, self.deadline)
+        s.control.words[ready_word(k)] = 0  # receivers that outlived their turn see the overwrite
+        return s.buffers[k][: s.ctx.plan.buckets[b].nbytes]
+
+    def done(self, b: int, digest: int | torch.Tensor | None) -> None:
+        if digest is not None:
+            self.digests[b] = digest
+
+    def publish_through(self, last: int) -> None:
+        if last <= self.published:
+            return
+        s, w = self.sender, self.sender.control.words
+        devices.synchronize(s.ctx.device)  # the copies into the buffer have landed
+        for b in range(self.published + 1, last + 1):
+            if b not in self.asked:
+                self.buffer(b)  # never handed out (nothing to write): still claim the buffer
+            k, n = b % s.nbuf, s.ctx.plan.buckets[b].nbytes
+            if s.digest_kind:
+                # a device digest was queued behind the copies: reading it costs no extra wait
+                d = self.digests.pop(b, None)
+                self.sums.append(as_int(compute(s.digest_kind, s.buffers[k][:n]) if d is None else d))
+                w[ready_word(k) + 1] = self.sums[-1]
+            if s.on_packed is not None:
+                s.on_packed(self.version, b, s.buffers[k][:n])
+            w[ready_word(k)] = tag(self.version, b)
+            self.published = b
+
+
 class IpcReceiver(ReceiverTransport):
     name = "ipc"
+    session_record = IpcSession
+    version_record = IpcVersion
     host_buffers: ClassVar[bool] = False  # host buffers: the receiver may load onto any device
     resource: ClassVar[str] = "ipc"
 
-    def __init__(self, ctx: TransportContext, session_info: dict[str, Any]):
-        super().__init__(ctx, session_info)
+    def __init__(self, ctx: TransportContext, wire: Mapping[str, Any]):
+        super().__init__(ctx, wire)
         self.directory = ctx.config.shm_dir
         self.mappings: list[Segment] = []
         self.buffers: list[torch.Tensor] = []
         self.opened = 0  # device handles opened (host ones are counted as mappings)
         self.slot: int | None = None
         self.control: Segment | None = None
-        self._attach(session_info)
+        self._attach(self.session)
 
-    def _attach(self, info: dict[str, Any]) -> None:
+    def _attach(self, info: IpcSession) -> None:
         """Open the sender's control block and buffers and take a receiver slot."""
         ctx = self.ctx
-        sender_dev = info.get("device") or {}
-        if sender_dev.get("type") != ctx.device.type and not (self.host_buffers and sender_dev.get("type") == "cpu"):
-            raise ProtocolError(f"{self.name}: the sender's buckets are in {sender_dev.get('type')} memory but receiver "
+        sender_dev = info.device.type
+        if sender_dev != ctx.device.type and not (self.host_buffers and sender_dev == "cpu"):
+            raise ProtocolError(f"{self.name}: the sender's buckets are in {sender_dev} memory but receiver "
                                 f"'{ctx.name}' runs on {ctx.device.type}; both must share one device")
-        nbuf = int(info["nbuf"])
-        if not 1 <= nbuf <= MAX_BUFFERS:
-            raise ProtocolError(f"{self.name}: session announces {nbuf} buffers")
-        self.nbuf, self.capacity = nbuf, int(info["capacity"])
-        self.kind = info.get("digest_kind") if kind_of(ctx.config, ctx.device) is not None else None
+        if not 1 <= info.nbuf <= MAX_BUFFERS:
+            raise ProtocolError(f"{self.name}: session announces {info.nbuf} buffers")
+        self.nbuf, self.capacity = info.nbuf, info.capacity
+        self.kind = info.digest_kind if kind_of(ctx.config, ctx.device) is not None else None
         try:
-            self.control = self._map(info["control"], CONTROL_BYTES, writable=True, kind=f"{self.resource}_control")
+            self.control = self._map(info.control, CONTROL_BYTES, writable=True, kind=f"{self.resource}_control")
             w = self.control.words
             if int(w[0]) != MAGIC or int(w[1]) != digest_word(ctx.digest):
                 raise ProtocolError(f"ipc control block {self.control.name} belongs to another session layout")
             self._claim()
             devices.set_current(ctx.device)
-            for h in info["buffers"]:
-                if h.get("kind") == "host":
-                    seg = self._map(h["segment"], int(h["bytes"]), writable=False, kind=f"{self.resource}_handles")
+            for h in info.buffers:
+                if isinstance(h, HostBuffer):
+                    seg = self._map(h.segment, h.bytes, writable=False, kind=f"{self.resource}_handles")
                     seg.pin(ctx.device)
                     self.buffers.append(seg.bytes[: self.capacity])
                 else:
-                    self.buffers.append(import_handle(h))
+                    self.buffers.append(import_handle(h.to_wire()))
                     self.opened += 1
                     ctx.account(f"{self.resource}_handles", +1)
         except BaseException:
             self.close()
             raise
 
-    def _follow(self, info: dict[str, Any]) -> None:
+    def _follow(self, info: IpcSession) -> None:
         """A version from another control block than ours: the trainer was restarted and
         publishes new buffers. Drop the dead sender's mappings and attach to the new ones."""
-        name = info.get("control")
-        if name is None or (self.control is not None and name == self.control.ref):
+        if self.control is not None and info.control == self.control.ref:
             return
-        if "buffers" not in info:
-            raise ProtocolError(f"ipc: version info names control block {name} but carries no buffers")
         self.close()
         self._attach(info)
 
@@ -289,9 +299,9 @@ class IpcReceiver(ReceiverTransport):
         finally:
             fcntl.flock(self.control.fd, fcntl.LOCK_UN)
 
-    def receive(self, version: int, info: dict[str, Any], deadline: float,
+    def receive(self, version: int, info: IpcVersion, deadline: float,
                 check: Callable[[], None]) -> Iterator[Received]:
-        self._follow(info)
+        self._follow(info.session)
         self._check_member(version)
         w = self.control.words
         mine = slot_word(self.slot)

@@ -21,10 +21,11 @@ others see the mark and load. One that finds a bad digest marks nothing: all che
 
 from __future__ import annotations
 
+import dataclasses
 import fcntl
 import os
 import threading
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
 import numpy as np
@@ -32,8 +33,9 @@ import torch
 
 from ..digest import as_int, verify
 from ..errors import DeadlineExceeded, ProtocolError
-from ..plan import BucketPlan, align_up
-from .base import Fill, Received, ReceiverTransport, SenderTransport, TransportContext, poll_until
+from ..plan import BucketPlan, BucketSink, Packing, align_up
+from .base import Received, ReceiverTransport, SenderTransport, TransportContext, poll_until
+from .records import ShmSession, ShmStreamVersion, ShmVersion, VersionRecord, shm_version
 from .segment import PAGE, Segment, attach, create, digest_word, reap_stale
 
 MAGIC = 0x5753594E43534D31  # "WSYNCSM1"
@@ -77,8 +79,25 @@ def spans(buf: torch.Tensor, bases: list[int], plan: BucketPlan) -> Callable[[in
     return view
 
 
+class _SegmentSink(BucketSink):
+    """Packs into a slot's segment, bucket b at its page-aligned base."""
+
+    def __init__(self, seg: Segment, bases: list[int], plan: BucketPlan):
+        self.seg, self.bases, self.plan = seg, bases, plan
+        self.digests: dict[int, Any] = {}
+
+    def buffer(self, b: int) -> torch.Tensor:
+        return self.seg.bytes[self.bases[b]: self.bases[b] + self.plan.buckets[b].nbytes]
+
+    def done(self, b: int, digest: int | torch.Tensor | None) -> None:
+        if digest is not None:
+            self.digests[b] = digest
+
+
 class ShmSender(SenderTransport):
     name = "shm"
+    session_record = ShmSession
+    version_record = ShmVersion
     pipelined = True
     # versions stay in their segments: late or restarted receivers catch up without the trainer
     keeps_versions = True
@@ -107,7 +126,8 @@ class ShmSender(SenderTransport):
             self.slots[slot] = seg
         return seg
 
-    def stage(self, version: int, slot: int, fill: Fill, announce: Callable[[dict[str, Any]], None]) -> dict[str, Any]:
+    def stage(self, version: int, slot: int, packing: Packing,
+              announce: Callable[[VersionRecord], None]) -> ShmVersion:
         seg = self._slot(slot)
         head = seg.header
         count = self.ctx.plan.bucket_count
@@ -115,25 +135,23 @@ class ShmSender(SenderTransport):
         words[:, 0] = 0  # invalidate every bucket first
         words[:, 2] = 0  # and its verification
         head[3] = version
-        info = {"segment": seg.ref, "size": self.size}
-        announce(info)
+        early = ShmVersion(segment=seg.ref, size=self.size)
+        announce(early)
         sums: list[int] = []
-        kind = self.digest_kind
-        hashed: dict[int, Any] | None = {} if kind else None
+        sink = _SegmentSink(seg, self.bases, self.ctx.plan)
         packed, ready = 0, np.uint64(version + 1)
-        for b in fill(lambda b: seg.bytes[self.bases[b]: self.bases[b] + self.ctx.plan.buckets[b].nbytes],
-                      hashed, kind or "xxh3"):
+        for b in packing.into(sink, self.digest_kind):
             n = self.ctx.plan.buckets[b].nbytes
             word = _ready_word(b)
-            if hashed is not None:  # pack_stream digested the bucket while packing it
-                sums.append(as_int(hashed.pop(b)))
+            if self.digest_kind:  # pack_stream digested the bucket while packing it
+                sums.append(as_int(sink.digests.pop(b)))
                 head[word + 1] = sums[-1]
             if self.on_packed is not None:
                 self.on_packed(version, b, seg.bytes[self.bases[b]: self.bases[b] + n])
             head[word] = ready
             packed += n
             self.packed_bytes += n
-        return {**info, "checksums": sums, "packed_bytes": packed, "digest": self._record(version, sums)}
+        return dataclasses.replace(early, checksums=sums, packed_bytes=packed, digest=self._record(version, sums))
 
     def close(self) -> None:
         for seg in self.slots.values():
@@ -144,9 +162,11 @@ class ShmSender(SenderTransport):
 
 class ShmReceiver(ReceiverTransport):
     name = "shm"
+    session_record = ShmSession
+    version_record = ShmVersion
 
-    def __init__(self, ctx: TransportContext, session_info: dict[str, Any]):
-        super().__init__(ctx, session_info)
+    def __init__(self, ctx: TransportContext, wire: Mapping[str, Any]):
+        super().__init__(ctx, wire)
         self.directory = ctx.config.shm_dir
         self.size, self.bases = layout(ctx.plan)
         self.attached: dict[str, Segment] = {}
@@ -177,19 +197,22 @@ class ShmReceiver(ReceiverTransport):
             self.ctx.account("shm_mappings", +1)
         return seg
 
-    def receive(self, version: int, info: dict[str, Any], deadline: float,
+    def parse_version(self, wire: Mapping[str, Any]) -> ShmVersion | ShmStreamVersion:
+        return shm_version(wire)  # either mode: receive() tells a mode change from a malformed record
+
+    def receive(self, version: int, info: VersionRecord, deadline: float,
                 check: Callable[[], None]) -> Iterator[Received]:
-        if "segment" not in info:
+        if not isinstance(info, ShmVersion):
             raise ProtocolError(f"shm: version {version} is published in streaming mode, but this receiver attached "
                                 f"to a whole-version session; restart the receiver")
-        seg = self._attach(info["segment"])
+        seg = self._attach(info.segment)
         size = os.fstat(seg.fd).st_size
         if size < self.size:
             # reading a mapping past the end of its file raises SIGBUS: check before touching it
             raise ProtocolError(f"segment {seg.name} was truncated to {size} bytes; version {version} needs {self.size}")
         head = seg.header
         ready = version + 1
-        sums = info.get("checksums") or None
+        sums = info.checksums or None
         for b, bucket in enumerate(self.ctx.plan.buckets):
             word = _ready_word(b)
             self._wait_ready(head, word, ready, version, b, deadline, check)
@@ -209,12 +232,12 @@ class ShmReceiver(ReceiverTransport):
         poll_until(lambda: int(head[word]) == ready, deadline, check,
                    lambda: DeadlineExceeded(f"bucket {b} of version {version} was not written before the deadline"))
 
-    def verify_bucket(self, version: int, info: dict[str, Any], b: int, buf: torch.Tensor, expected: int | None) -> bool:
+    def verify_bucket(self, version: int, info: ShmVersion, b: int, buf: torch.Tensor, expected: int | None) -> bool:
         """Verify bucket b unless another receiver on the node already did (see module doc).
         True if this receiver hashed it."""
         if expected is None or self.kind is None:
             return False
-        seg = self._attach(info["segment"])
+        seg = self._attach(info.segment)
         word, mark = _ready_word(b) + 2, np.uint64(version + 1)
         if seg.control[word] == mark:
             return False
@@ -230,21 +253,22 @@ class ShmReceiver(ReceiverTransport):
             finally:
                 fcntl.lockf(seg.fd, fcntl.LOCK_UN, 8, 8 * word)
 
-    def prefetch(self, version: int, info: dict[str, Any], deadline: float, check: Callable[[], None]) -> bool:
+    def prefetch(self, version: int, info: ShmVersion, deadline: float, check: Callable[[], None]) -> bool:
         """Verify (and mark for the node) each bucket as soon as the sender wrote it."""
         for b, buf, expected in self.receive(version, info, deadline, check):
             self.verify_bucket(version, info, b, buf, expected)
         return True
 
-    def span(self, version: int, info: dict[str, Any]) -> Callable[[int, int, int], torch.Tensor | None]:
-        return spans(self._attach(info["segment"]).bytes, self.bases, self.ctx.plan)
+    def span(self, version: int, info: VersionRecord) -> Callable[[int, int, int], torch.Tensor | None] | None:
+        if not isinstance(info, ShmVersion):
+            return None  # receive() says why
+        return spans(self._attach(info.segment).bytes, self.bases, self.ctx.plan)
 
-    def can_replay(self, version: int, info: dict[str, Any]) -> bool:
-        name = info.get("segment")
-        if not name:
+    def can_replay(self, version: int, info: VersionRecord) -> bool:
+        if not isinstance(info, ShmVersion):
             return False
         try:
-            seg = self._attach(name)
+            seg = self._attach(info.segment)
         except ProtocolError:
             return False
         head = seg.header

@@ -28,7 +28,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import os
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from typing import Any, ClassVar
 
 from ..config import MiB, SyncConfig
@@ -37,6 +37,7 @@ from ..plan import BucketPlan, align_up
 from .base import Received, ReceiverTransport, SenderTransport, TransportContext
 from .ipc import IpcReceiver, IpcSender
 from .ipc_wire import CONTROL_BYTES, MAX_BUFFERS
+from .records import ShmStreamSession, ShmStreamVersion, ShmVersion, VersionRecord, shm_session, shm_version
 from .segment import PAGE, memory_available, resolve_backing
 from .shm import ShmReceiver, ShmSender, layout
 
@@ -105,6 +106,8 @@ class ShmStreamSender(IpcSender):
     """shm in streaming mode: ipc's sender over K host buffers."""
 
     name = "shm"
+    session_record = ShmStreamSession
+    version_record = ShmStreamVersion
     host_buffers: ClassVar[bool] = True
     resource: ClassVar[str] = "shm_ring"
 
@@ -112,20 +115,22 @@ class ShmStreamSender(IpcSender):
         super().__init__(ctx, nbuf=mode.buffers)
         self.mode_reason = mode.reason
 
-    def session_info(self) -> dict[str, Any]:
-        return {**super().session_info(), "mode": "stream"}
-
 
 class ShmStreamReceiver(IpcReceiver):
     """shm in streaming mode: ipc's receiver, mapping the sender's K host buffers."""
 
     name = "shm"
+    session_record = ShmStreamSession
+    version_record = ShmStreamVersion
     host_buffers: ClassVar[bool] = True
     resource: ClassVar[str] = "shm_ring"
 
-    def receive(self, version: int, info: dict[str, Any], deadline: float,
+    def parse_version(self, wire: Mapping[str, Any]) -> ShmVersion | ShmStreamVersion:
+        return shm_version(wire)  # either mode: receive() tells a mode change from a malformed record
+
+    def receive(self, version: int, info: VersionRecord, deadline: float,
                 check: Callable[[], None]) -> Iterator[Received]:
-        if info.get("mode") != "stream":
+        if not isinstance(info, ShmStreamVersion):
             # a restarted trainer that found room for whole versions: this session's receivers
             # were built for the ring
             raise ProtocolError(f"shm: version {version} is published in whole-version mode, but this receiver "
@@ -139,8 +144,7 @@ def open_shm_sender(ctx: TransportContext) -> SenderTransport:
     return ShmStreamSender(ctx, mode) if mode.streaming else ShmSender(ctx, mode.reason)
 
 
-def open_shm_receiver(ctx: TransportContext, session_info: dict[str, Any]) -> ReceiverTransport:
-    """The "shm" receiver of the mode the sender published."""
-    if session_info.get("mode") == "stream":
-        return ShmStreamReceiver(ctx, session_info)
-    return ShmReceiver(ctx, session_info)
+def open_shm_receiver(ctx: TransportContext, wire: Mapping[str, Any]) -> ReceiverTransport:
+    """The "shm" receiver of the mode the sender published (its session record's ``mode``)."""
+    streaming = isinstance(shm_session(wire), ShmStreamSession)
+    return ShmStreamReceiver(ctx, wire) if streaming else ShmReceiver(ctx, wire)

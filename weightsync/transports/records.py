@@ -1,0 +1,313 @@
+"""What a transport's sender publishes for its receivers, as typed records.
+
+Two records per transport: its session record (published once with the session: the
+rendezvous, the digest kind) and its version record (per version: where the bytes are, their
+digests). The sender builds them; the coordinator stores and forwards their wire form
+(``to_wire()``: plain msgpack-able data) without reading it; each receiver parses the wire
+form back with ``from_wire()`` where it arrives. A field missing, unknown or of the wrong type
+is a ProtocolError naming the transport and the field, so a sender and receivers of different
+weightsync versions fail at the first record, not at a KeyError deep in a transfer.
+
+A plugin transport brings its own records: subclasses of :class:`SessionRecord` and
+:class:`VersionRecord` named by its sender and receiver classes (``session_record``,
+``version_record``, see transports/base.py).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import types
+import typing
+from collections.abc import Mapping
+from typing import Any, ClassVar, TypeVar
+
+from ..errors import ProtocolError
+
+DIGEST_KINDS = (None, "xxh3", "torch")
+R = TypeVar("R", bound="Record")
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class Record:
+    """A typed record with a strict wire form; subclasses name their ``transport``."""
+
+    transport: ClassVar[str] = "transport"
+    # keys that others than the sender add to the wire form and the record ignores (see
+    # VersionRecord); never a field
+    foreign: ClassVar[frozenset[str]] = frozenset()
+
+    def to_wire(self) -> dict[str, Any]:
+        """Plain data (dicts, lists, str, int, float, bool, bytes, None) for the control plane."""
+        return {f.name: _out(getattr(self, f.name)) for f in dataclasses.fields(self)}
+
+    @classmethod
+    def from_wire(cls: type[R], wire: Any) -> R:
+        """The record of ``wire`` (a ``to_wire()`` form that crossed the control plane).
+
+        Raises:
+            ProtocolError: a field is missing, unknown or of the wrong type; names the
+                transport and the field.
+        """
+        what = f"{cls.transport}: {cls.__name__}"
+        if not isinstance(wire, Mapping):
+            raise ProtocolError(f"{what} arrived as {type(wire).__name__}, not a map")
+        fields = {f.name: f for f in dataclasses.fields(cls)}
+        unknown = sorted(str(k) for k in wire if k not in fields and k not in cls.foreign)
+        if unknown:
+            raise ProtocolError(f"{what} has unknown field {unknown[0]!r} (sender and receiver run different "
+                                f"weightsync versions?)")
+        hints = _hints(cls)
+        args = {}
+        for name, f in fields.items():
+            if name in wire:
+                args[name] = _parse(hints[name], wire[name], f"{what} field {name!r}")
+            elif f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING:
+                raise ProtocolError(f"{what} lacks field {name!r}")
+        try:
+            return cls(**args)
+        except (TypeError, ValueError) as exc:  # __post_init__ checks of a value
+            raise ProtocolError(f"{what}: {exc}") from None
+
+    def _check(self, name: str, ok: bool, want: str) -> None:
+        if not ok:
+            raise ValueError(f"field {name!r} is {getattr(self, name)!r}, not {want}")
+
+
+@functools.cache
+def _hints(cls: type) -> dict[str, Any]:
+    return typing.get_type_hints(cls)
+
+
+def _out(value: Any) -> Any:
+    if isinstance(value, Record):
+        return value.to_wire()
+    if isinstance(value, (list, tuple)):
+        return [_out(v) for v in value]
+    return value
+
+
+def _parse(tp: Any, value: Any, where: str) -> Any:
+    """``value`` checked against the annotation ``tp``; raises ProtocolError naming ``where``."""
+    origin = typing.get_origin(tp)
+    if origin in (types.UnionType, typing.Union):
+        why = []
+        for option in typing.get_args(tp):
+            try:
+                return _parse(option, value, where)
+            except ProtocolError as exc:
+                why.append(str(exc))
+        names = " / ".join(getattr(t, "__name__", str(t)) for t in typing.get_args(tp))
+        raise ProtocolError(f"{where} is {type(value).__name__}, not {names}"
+                            + (f" ({'; '.join(why)})" if isinstance(value, Mapping) else ""))
+    if tp is type(None):
+        if value is None:
+            return None
+    elif origin is list:
+        if isinstance(value, (list, tuple)):
+            (item,) = typing.get_args(tp) or (Any,)
+            return [_parse(item, v, f"{where}[{i}]") for i, v in enumerate(value)]
+    elif origin is dict:
+        if isinstance(value, Mapping) and all(isinstance(k, str) for k in value):
+            return dict(value)
+    elif tp is Any:
+        return value
+    elif isinstance(tp, type) and issubclass(tp, Record):
+        if isinstance(value, Mapping):
+            return tp.from_wire(value)
+    elif tp is float:
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            return float(value)
+    elif tp is int:
+        if isinstance(value, int) and not isinstance(value, bool):
+            return value
+    elif isinstance(tp, type) and isinstance(value, tp):
+        return value
+    name = getattr(tp, "__name__", str(tp))
+    raise ProtocolError(f"{where} is {type(value).__name__}, not {name}")
+
+
+# -- the two kinds of record --------------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class SessionRecord(Record):
+    """Published once with the session. Every transport's carries the sender's digest kind."""
+
+    digest_kind: str | None  # of the bucket digests (weightsync.digest), None: off
+
+    def __post_init__(self) -> None:
+        self._check("digest_kind", self.digest_kind in DIGEST_KINDS, " / ".join(map(str, DIGEST_KINDS)))
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class VersionRecord(Record):
+    """Published per version (stage(): early through ``announce``, whole when staged); the
+    coordinator merges the parts, so a field a later part brings has a default."""
+
+    # the coordinator notes a broadcast version's group here for metrics (coordinator_broadcast.py)
+    foreign: ClassVar[frozenset[str]] = frozenset({"group"})
+    digest: str | None = None  # of the whole version (digest.version_digest), once packed
+
+
+# -- shm: whole versions in segments ------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class ShmSession(SessionRecord):
+    transport: ClassVar[str] = "shm"
+    mode: str = "whole"  # shm's two modes: "whole" here, "stream" in ShmStreamSession
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        self._check("mode", self.mode == "whole", "'whole'")
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class ShmVersion(VersionRecord):
+    transport: ClassVar[str] = "shm"
+    mode: str = "whole"
+    segment: str  # the slot's segment reference (transports/segment.py)
+    size: int  # its bytes
+    checksums: list[int] = dataclasses.field(default_factory=list)  # per bucket, once staged
+    packed_bytes: int = 0  # once staged
+
+    def __post_init__(self) -> None:
+        self._check("mode", self.mode == "whole", "'whole'")
+
+
+# -- ipc: a ring of buffers shared by handle; shm streams through the same ---------------------
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class DeviceRecord(Record):
+    """Where a sender's buffers live (weightsync.device.describe)."""
+
+    transport: ClassVar[str] = "ipc"
+    type: str
+    index: int | None = None
+    physical: int | None = None
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class HostBuffer(Record):
+    """A bucket buffer in host shared memory."""
+
+    transport: ClassVar[str] = "ipc"
+    kind: str = "host"
+    segment: str  # its segment reference (transports/segment.py)
+    bytes: int
+
+    def __post_init__(self) -> None:
+        self._check("kind", self.kind == "host", "'host'")
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class DeviceHandle(Record):
+    """A bucket buffer in device memory, shared by handle: the values of torch's (torch_npu's)
+    reduce_tensor (ipc_wire.export_handle); ipc_wire.import_handle opens it."""
+
+    transport: ClassVar[str] = "ipc"
+    kind: str  # cuda / npu
+    physical: int  # the sender's physical device id
+    size: list[int]
+    stride: list[int]
+    offset: int
+    typed: bool
+    dtype: str
+    handle: bytes
+    storage_bytes: int
+    storage_offset: int
+    ref_handle: bytes | None
+    ref_offset: int
+    event: bytes | None
+    event_sync: bool
+
+    def __post_init__(self) -> None:
+        self._check("kind", self.kind != "host", "a device type")
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class IpcSession(SessionRecord):
+    transport: ClassVar[str] = "ipc"
+    control: str  # the control block's segment reference (transports/ipc_wire.py)
+    buffers: list[HostBuffer | DeviceHandle]
+    nbuf: int
+    capacity: int  # bytes of each buffer
+    device: DeviceRecord
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        self._check("nbuf", self.nbuf == len(self.buffers) and self.nbuf >= 1, "the number of buffers (>= 1)")
+        self._check("capacity", self.capacity >= 1, ">= 1")
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class IpcVersion(VersionRecord):
+    """The whole rendezvous rides along: receivers of a restarted sender follow its new buffers."""
+
+    transport: ClassVar[str] = "ipc"
+    session: IpcSession
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class ShmStreamSession(IpcSession):
+    transport: ClassVar[str] = "shm"
+    mode: str = "stream"
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        self._check("mode", self.mode == "stream", "'stream'")
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class ShmStreamVersion(VersionRecord):
+    transport: ClassVar[str] = "shm"
+    mode: str = "stream"
+    session: ShmStreamSession
+
+    def __post_init__(self) -> None:
+        self._check("mode", self.mode == "stream", "'stream'")
+
+
+def _shm_mode(wire: Any, what: str) -> str:
+    mode = wire.get("mode") if isinstance(wire, Mapping) else None
+    if mode not in ("whole", "stream"):
+        raise ProtocolError(f"shm: {what} field 'mode' is {mode!r}, not 'whole' / 'stream'")
+    return mode
+
+
+def shm_session(wire: Any) -> ShmSession | ShmStreamSession:
+    """The shm session record of either mode, by its ``mode`` field."""
+    return (ShmStreamSession if _shm_mode(wire, "session") == "stream" else ShmSession).from_wire(wire)
+
+
+def shm_version(wire: Any) -> ShmVersion | ShmStreamVersion:
+    """The shm version record of either mode, by its ``mode`` field."""
+    return (ShmStreamVersion if _shm_mode(wire, "version") == "stream" else ShmVersion).from_wire(wire)
+
+
+# -- broadcast: a collective over a group built on the sender's store ---------------------------
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class BroadcastSession(SessionRecord):
+    transport: ClassVar[str] = "broadcast"
+    backend: str  # gloo / nccl / hccl
+    communicator: str  # how the group is built (transports/groups.py)
+    communicator_reason: str
+    host: str  # of the sender's TCPStore
+    port: int
+    store_id: str  # tells this sender's store from a restarted sender's
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        self._check("port", 0 < self.port < 65536, "a TCP port")
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class BroadcastVersion(VersionRecord):
+    """The store's address rides along: receivers of a restarted sender follow its new store."""
+
+    transport: ClassVar[str] = "broadcast"
+    session: BroadcastSession
