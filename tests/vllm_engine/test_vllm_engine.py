@@ -100,7 +100,9 @@ def test_a_corrupt_bucket_fails_the_update_and_the_engine_keeps_the_previous_wei
     ray.get(rollout.generate.remote(200))
     ray.get(trainer.tamper.remote(2, 1))
     err = ray.get(trainer.step.remote(2), timeout=300)
-    assert "SyncFailed" in err and "vllm-0" in err, err
+    assert "SyncFailed" in err and "vllm-0" in err and "bucket 1 of version 2 is corrupted" in err, err
+    measured.append({"vllm": importlib.metadata.version("vllm"), "transport": transport, "case": "corrupt bucket",
+                     "error": err})
     ray.get(trainer.revert.remote())
     assert ray.get(rollout.weight_version.remote()) == "1"
     cur, _ = parity(rollout, trainer, 2)
@@ -132,9 +134,9 @@ def test_a_receiver_killed_during_the_update_leaves_the_served_version(coordinat
         ray.kill(peer)
         t0 = time.monotonic()
         err = ray.get(step, timeout=300)
-        assert "SyncFailed" in err and "peer-1" in err, err
+        assert "SyncFailed" in err and "peer-1: " in err and "silent" in err, err
         measured.append({"vllm": importlib.metadata.version("vllm"), "case": "peer killed at bucket 0 of v2",
-                         "sync_failed_after_kill_s": time.monotonic() - t0})
+                         "sync_failed_after_kill_s": time.monotonic() - t0, "error": err})
         ray.get(trainer.revert.remote())
         assert ray.get(rollout.weight_version.remote()) == "1"
         assert ray.get(rollout.engine_state.remote())["published"] == 1

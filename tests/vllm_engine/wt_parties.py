@@ -23,8 +23,15 @@ import engine as E  # noqa: E402  (tests/vllm_gen/engine.py: the model, prompts,
 
 
 class VllmRollout:
-    def __init__(self, hf_config: dict):
+    def __init__(self, hf_config: dict, multiprocessing: bool = False):
         os.environ.update(E.ENV)
+        # on: vLLM's default, the engine core and its worker in a subprocess (spawned: vLLM
+        # forces spawn inside a Ray actor), which is no Ray job
+        os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "1" if multiprocessing else "0"
+        if multiprocessing:
+            # its multiprocess executor parses the bind as CPU id lists ("all" is the uniproc
+            # worker's word); the machine is shared, so no binding at all
+            os.environ["VLLM_CPU_OMP_THREADS_BIND"] = "nobind"
         from vllm import LLM
 
         path = E.checkpoint(hf_config)
@@ -52,9 +59,17 @@ class VllmRollout:
     def update_weight_version(self, version: str) -> None:
         self.llm.update_weight_version(version)
 
+    def shutdown(self) -> None:
+        self.llm.llm_engine.engine_core.shutdown()
+
     # -- what the tests look at --
     def generate(self, seed: int) -> list:
         return E.generate(self.llm, seed)
+
+    def engine_core_client(self) -> str:
+        """How the LLM reaches its engine core: InprocClient (same process) or SyncMPClient
+        (a subprocess, with the worker in it or below it)."""
+        return type(self.llm.llm_engine.engine_core).__name__
 
     def weight_version(self) -> str:
         return self.llm.get_weight_version()

@@ -105,7 +105,11 @@ class WeightsyncTrainerInitInfo(TrainerInitInfo):
             raise ValueError(f"{owner}: `rank` must be an int >= 0, got {self.rank!r}")
         self.sync_config = _config(owner, self.config)
 
-    def worker_init_info(self, ray_address: str | None) -> dict[str, Any]:
-        """What the trainer sends with ``init_weight_transfer_engine`` (a WeightsyncInitInfo)."""
-        return {"coordinator": self.coordinator, "token": self.token, "config": dict(self.config),
+    def worker_init_info(self, ray_address: str | None, namespace: str | None) -> dict[str, Any]:
+        """What the trainer sends with ``init_weight_transfer_engine`` (a WeightsyncInitInfo):
+        the Ray address and namespace the trainer runs in, unless the config names them."""
+        config = dict(self.config)
+        if not config.get("namespace") and namespace:
+            config["namespace"] = namespace
+        return {"coordinator": self.coordinator, "token": self.token, "config": config,
                 "receiver": self.receiver, "ray_address": self.ray_address or ray_address}

@@ -14,7 +14,7 @@ Staging comes before start: vLLM has no phase that ends an update without finish
 nothing that can fail on the trainer alone may happen inside one. When v fails (SyncFailed
 names the receivers and why) and a worker's update still returned, finish runs without a
 version label: the worker sees v aborted, drops it and serves the previous weights, and
-vLLM's update session closes.
+vLLM's update session closes (the same after any other error of sync).
 """
 
 from __future__ import annotations
@@ -25,7 +25,6 @@ from typing import Any
 from vllm.distributed.weight_transfer.base import TrainerWeightTransferEngine, VLLMWeightSyncClient, WeightSource
 
 from weightsync.client import Coordinator
-from weightsync.errors import SyncFailed
 from weightsync.sender import SyncResult, WeightSender
 
 from .info import WeightsyncTrainerInitInfo
@@ -56,8 +55,12 @@ class WeightsyncTrainerWeightTransferEngine(TrainerWeightTransferEngine[Weightsy
         engine = cls(client=client, source=source, sender=sender, is_sender=init_info.is_sender,
                      timeout_s=cfg.sync_timeout_s + cfg.connect_timeout_s)
         if engine.is_sender:
-            address = ray.get_runtime_context().gcs_address if ray.is_initialized() else None
-            client.init_weight_transfer_engine(init_info.worker_init_info(address))
+            ctx = ray.get_runtime_context() if ray.is_initialized() else None
+            # a worker outside this Ray job (vLLM's engine core subprocess) joins it at this
+            # address, and must look the coordinator up in this job's namespace: a job
+            # without one has an anonymous namespace no other job can name otherwise
+            client.init_weight_transfer_engine(init_info.worker_init_info(
+                ctx.gcs_address if ctx else None, ctx.namespace if ctx else None))
         return engine
 
     def send_weights(self, version: int | None = None) -> SyncResult:
@@ -83,7 +86,7 @@ class WeightsyncTrainerWeightTransferEngine(TrainerWeightTransferEngine[Weightsy
         thread.start()
         try:
             result = self.sender.sync(v)
-        except SyncFailed:
+        except Exception:  # SyncFailed, or the sender's own deadline / session errors
             thread.join(self.timeout_s)
             if not thread.is_alive() and "error" not in worker:
                 self.client.finish_weight_update()  # closes vLLM's session; the worker drops v
