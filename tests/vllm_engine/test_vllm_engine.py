@@ -7,7 +7,9 @@
 After every version the engine's sampled-token logprobs equal a Hugging Face forward with the
 trainer's weights (fp32, max abs <= 1e-4) and vLLM labels its outputs with the version; a
 version that fails (a corrupt bucket, a receiver killed during the update) changes neither:
-the engine goes on generating with the previous version's weights.
+the engine goes on generating with the previous version's weights. Two engines: the
+worker in the rollout actor's process (offline ``LLM``, multiprocessing off), and the worker
+in the subprocess vLLM spawns by default.
 """
 
 from __future__ import annotations
@@ -33,29 +35,45 @@ ray.cloudpickle.register_pickle_by_value(P)
 ray.cloudpickle.register_pickle_by_value(P.E)
 ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])
 measured: list[dict] = []
+# the first test's set-up starts both engines: over 5 min on the shared 2-core VM at load 40+
+pytestmark = pytest.mark.timeout(900)
 
 
 @pytest.fixture(scope="module")
-def sides(ray_cluster):
-    """(rollout, trainer): one vLLM engine for the module (its start is the slow part)."""
+def engines(ray_cluster):
+    """{"inproc": rollout, "mp": rollout, "trainer": trainer}: two vLLM engines, started at
+    once (their import and start are most of the tier's time). "inproc": engine core and
+    worker in the actor's process; "mp": vLLM's default multiprocessing, the worker in a
+    spawned subprocess that is no Ray job."""
     hf = {**P.E.QWEN2, "tie_word_embeddings": False}
     threads = {"env_vars": {"OMP_NUM_THREADS": str(max(2, os.cpu_count() or 2))}}
-    rollout = ray.remote(P.VllmRollout).options(num_cpus=0, runtime_env=threads).remote(hf)
-    trainer = ray.remote(P.Trainer).options(num_cpus=0).remote(hf)
+    made = {kind: ray.remote(P.VllmRollout).options(num_cpus=0, runtime_env=threads).remote(
+        hf, multiprocessing=kind == "mp") for kind in ("inproc", "mp")}
+    made["trainer"] = ray.remote(P.Trainer).options(num_cpus=0).remote(hf)
     try:
-        ray.get(rollout.generate.remote(0), timeout=900)
-        yield rollout, trainer
+        ray.get([made[k].generate.remote(0) for k in ("inproc", "mp")], timeout=900)
+        yield made
     finally:
         try:
-            ray.get(trainer.close.remote(), timeout=30)
+            ray.get(made["trainer"].close.remote(), timeout=30)
         except Exception:  # a failed test may have left it unusable; it is killed all the same
             pass
-        for actor in (trainer, rollout):
+        try:
+            ray.get(made["mp"].shutdown.remote(), timeout=120)  # vLLM stops its engine core subprocess
+        except Exception:
+            pass
+        for actor in made.values():
             ray.kill(actor)
         out = os.path.join(os.path.dirname(__file__), "..", "..", "results")
         os.makedirs(out, exist_ok=True)
         with open(os.path.join(out, f"vllm_engine_{importlib.metadata.version('vllm')}.json"), "w") as fh:
             json.dump(measured, fh, indent=1)
+
+
+@pytest.fixture
+def sides(engines):
+    """(rollout, trainer): the engine whose worker runs in the rollout actor's process."""
+    return engines["inproc"], engines["trainer"]
 
 
 def connect(coordinator_factory, rollout, trainer, transport: str, receivers: int = 1) -> tuple:
@@ -167,3 +185,22 @@ def test_update_info_names_its_wrong_field(info, field):
 
     with pytest.raises(ValueError, match=f"`{field}`"):
         WeightsyncUpdateInfo(**info)
+
+
+def test_a_worker_in_vllms_subprocess_joins_the_trainers_ray_job(coordinator_factory, engines):
+    """vLLM's default multiprocessing: the engine core and its worker run in a subprocess
+    vLLM spawns (it forces spawn inside a Ray actor), no Ray job. The engine joins the
+    trainer's cluster at the address and namespace the trainer's init info carries."""
+    rollout, trainer = engines["mp"], engines["trainer"]
+    assert ray.get(rollout.engine_core_client.remote()) == "SyncMPClient"
+    connect(coordinator_factory, rollout, trainer, "shm")
+    ray.get(rollout.generate.remote(100))
+    for v in (1, 2):
+        err = ray.get(trainer.step.remote(v), timeout=300)
+        assert err == "", err
+        assert ray.get(rollout.weight_version.remote()) == str(v)
+        cur, old = parity(rollout, trainer, v)
+        measured.append({"vllm": importlib.metadata.version("vllm"), "transport": "shm", "mode": "multiprocessing",
+                         "version": v, "max_abs": cur, "max_abs_vs_previous": old})
+        assert cur <= BOUND, f"version {v}: rollout logprobs differ from the trainer's by {cur}"
+        assert old > CHANGED, f"version {v}: generation did not change with the weights ({old})"

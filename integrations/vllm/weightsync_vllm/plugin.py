@@ -12,7 +12,13 @@ from . import BACKEND
 
 
 def register() -> None:
-    from vllm.distributed.weight_transfer.factory import WeightTransferEngineFactory, WeightTransferTrainerFactory
+    try:
+        from vllm.distributed.weight_transfer.factory import WeightTransferEngineFactory, WeightTransferTrainerFactory
+    except ImportError:
+        # vLLM < 0.32 (0.11 and the vllm-ascend releases on it) has no weight-transfer API
+        # but loads this entry point all the same, and does not catch what a plugin raises:
+        # an error here would stop every vLLM process of such an install from starting
+        return
 
     # register_engine raises on a second registration of a name; vLLM may call plugins twice
     if BACKEND not in WeightTransferEngineFactory._registry:
