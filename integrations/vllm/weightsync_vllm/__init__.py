@@ -1,0 +1,14 @@
+"""weightsync as a vLLM weight-transfer engine (``vllm.distributed.weight_transfer``, vLLM >= 0.32).
+
+``weight_transfer_config={"backend": "weightsync"}`` picks it: :mod:`weightsync_vllm.plugin`
+registers it from vLLM's ``vllm.general_plugins`` entry point, which vLLM loads in every
+process it starts. Nothing here imports vLLM until vLLM asks for the engine; the main
+``weightsync`` package never imports this one.
+
+- :mod:`weightsync_vllm.info`: the typed init / update records both sides exchange
+- :mod:`weightsync_vllm.worker`: the worker-side engine (a WeightReceiver in vLLM's worker)
+- :mod:`weightsync_vllm.trainer`: the trainer-side engine (drives a WeightSender and vLLM's
+  start / update / finish through a ``VLLMWeightSyncClient``)
+"""
+
+BACKEND = "weightsync"
