@@ -13,7 +13,10 @@ import psutil
 from ..device import backend_for, ray_options
 
 # per baseline: the function of weightsync.bench.collective_baselines and whether it checks the bytes
-FUNCTIONS = {"bcast-per-tensor": ("per_tensor_broadcast", True), "bcast-flat": ("raw_broadcast", False)}
+# bcast-flat-load is the fair wire baseline of the broadcast transport: one flat broadcast and
+# the load into the model (what our broadcast also does), only without packing or digests
+FUNCTIONS = {"bcast-per-tensor": ("per_tensor_broadcast", True), "bcast-flat": ("raw_broadcast", False),
+             "bcast-flat-load": ("raw_broadcast_load", True)}
 
 
 def _module():
@@ -44,8 +47,10 @@ def unavailable(kind: str, backend: str, device: str, payload: int, receivers: i
     return None
 
 
-def run(manifest: Any, kind: str, receivers: int, backend: str, device: str, repeats: int) -> tuple[list[float], bool | None]:
-    """(seconds per repetition, bytes verified or None) of one collective baseline."""
+def run(manifest: Any, kind: str, receivers: int, backend: str, device: str, repeats: int,
+        cpu: dict | None = None) -> tuple[list[float], bool | None]:
+    """(seconds per repetition, bytes verified or None) of one collective baseline; ``cpu``
+    gets ``cpu_s``, the CPU seconds its actors spent over the repetitions."""
     mod, why = _module()
     if mod is None:
         raise RuntimeError(why)
@@ -53,6 +58,6 @@ def run(manifest: Any, kind: str, receivers: int, backend: str, device: str, rep
     # a device collective takes one whole device per rank (the runner checked there are enough)
     resources = ray_options(device, 1) or None
     seconds = getattr(mod, fn)(manifest, receivers, backend=backend, device=device, repeats=repeats,
-                               resources=resources)
+                               resources=resources, cpu=cpu)
     # per_tensor_broadcast raises when a receiver's model differs from the sender's tensors
     return list(seconds), (True if verifies else None)
