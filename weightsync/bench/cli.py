@@ -255,10 +255,10 @@ def _run_size(args: argparse.Namespace, label: str, manifest: Any, weights_path:
     """Every row of one model size, between actors that hold that model (made, then closed)."""
     import torch
 
-    from .ceiling import device_ceilings, host_ceiling
     from . import interleave
-    from .peak_memory import NodeShmem
     from .actors import BenchRollout, BenchTrainer
+    from .ceiling import device_ceilings, host_ceiling
+    from .peak_memory import NodeShmem
     from .runner import Bench
 
     payload = manifest.total_bytes
