@@ -64,6 +64,17 @@ def test_a_row_pools_its_rounds_versions_and_keeps_each_rounds_figures():
     assert bad["verified"] is False
 
 
+
+def test_a_failed_round_is_recorded_and_left_out_of_the_statistics():
+    killed = {**_round_row(0, [9.0], position=1), "error": "ActorDiedError: killed by the memory monitor"}
+    row = rounds.merge_rounds([killed, _round_row(1, [1.0, 2.0]), _round_row(2, [3.0])], payload=10**9)
+    assert row["error"] is None and row["seconds"] == [1.0, 2.0, 3.0] and row["median_s"] == 2.0
+    assert row["failed_rounds"] == [{"round": 0, "error": killed["error"]}]
+    assert [r["round"] for r in row["rounds"]] == [1, 2] and row["rounds"][0]["seconds"] == [1.0, 2.0]
+    # every round failed: the row failed
+    assert rounds.merge_rounds([killed], payload=10**9)["error"] == killed["error"]
+
+
 def test_the_two_sides_of_an_ab_run_stay_apart_and_are_judged_beyond_their_iqr():
     def merged(name, side, seconds):
         row = rounds.merge_rounds([_round_row(0, seconds, name=name, side=side)], payload=10**9)

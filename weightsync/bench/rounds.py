@@ -62,10 +62,14 @@ def merge_rounds(per_round: list[dict[str, Any]], payload: int) -> dict[str, Any
     own figures (position in the order, load, CPU seconds) kept under ``rounds``."""
     if not per_round:
         raise ValueError("no rounds to merge")
-    ran = [r for r in per_round if r["kind"] != "unavailable"]
-    if not ran:
+    tried = [r for r in per_round if r["kind"] != "unavailable"]
+    if not tried:
         return dict(per_round[0])
+    # a round that failed (e.g. Ray's memory monitor killed an actor on a full machine) is
+    # recorded, not pooled: its partial versions ran on a dying session
+    ran = [r for r in tried if not r.get("error")] or tried
     row = dict(ran[0])
+    row["failed_rounds"] = [{"round": r.get("round"), "error": r["error"]} for r in tried if r.get("error")]
     seconds = [s for r in ran for s in r.get("seconds") or []]
     row["seconds"] = seconds
     row["versions"] = len(seconds)
@@ -82,8 +86,8 @@ def merge_rounds(per_round: list[dict[str, Any]], payload: int) -> dict[str, Any
         row[k] = max(vals) if vals else None
     for k in ("prestaged_s", "prefetched_s"):
         row[k] = [s for r in ran for s in r.get(k) or []]
-    row["rounds"] = [{k: r.get(k) for k in ("round", "position", "median_s", "load_avg_1m", "cpu_s_per_version",
-                                            "others_cpu_s", "row_wall_s")} for r in ran]
+    row["rounds"] = [{k: r.get(k) for k in ("round", "position", "seconds", "median_s", "load_avg_1m",
+                                            "cpu_s_per_version", "others_cpu_s", "row_wall_s")} for r in ran]
     cpu = [r["cpu_s_per_version"] for r in ran if r.get("cpu_s_per_version") is not None]
     row["cpu_s_per_version"] = statistics.median(cpu) if cpu else None
     row["cpu_s_per_version_iqr"] = quantile(cpu, 0.75) - quantile(cpu, 0.25) if cpu else None
