@@ -71,6 +71,12 @@ def test_a_failed_round_is_recorded_and_left_out_of_the_statistics():
     assert row["error"] is None and row["seconds"] == [1.0, 2.0, 3.0] and row["median_s"] == 2.0
     assert row["failed_rounds"] == [{"round": 0, "error": killed["error"]}]
     assert [r["round"] for r in row["rounds"]] == [1, 2] and row["rounds"][0]["seconds"] == [1.0, 2.0]
+    # a round skipped for memory is the same row when the plan placed it: one row, not two
+    skipped = {"kind": "unavailable", "name": "shm", "side": "this", "seconds": [], "error": "skipped: 2 GiB",
+               "plan_index": 4, "round": 0}
+    ran = {**_round_row(1, [1.0, 2.0]), "plan_index": 4}
+    (one,) = rounds.merge_all([skipped, ran], payload=10**9)
+    assert one["seconds"] == [1.0, 2.0] and one["skipped_rounds"] == [{"round": 0, "why": "skipped: 2 GiB"}]
     # every round failed: the row failed
     assert rounds.merge_rounds([killed], payload=10**9)["error"] == killed["error"]
 

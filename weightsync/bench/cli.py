@@ -113,6 +113,8 @@ def _plan(args: argparse.Namespace, receivers: list[int]) -> list[tuple[str, str
 
 def _skipped(item: tuple[str, str, int, float | None, bool], payload: int, why: str) -> dict[str, Any]:
     kind, name, n, mb, ck = item
+    if kind == "transport" and not ck:
+        name += " (no xxh3)"  # as the row that runs is named
     return {"kind": "unavailable", "name": name, "transport": name if kind == "transport" else None,
             "bucket_mb": mb, "receivers": n, "checksum": ck if kind == "transport" else None,
             "payload_bytes": payload, "seconds": [], "median_s": None, "gbps": None, "error": why}

@@ -148,9 +148,9 @@ def run_rounds(plan: list[tuple[str, Item]], benches: dict[str, Any], run_row: C
             for side, b in benches.items()}
     done: list[dict[str, Any]] = []
     for k in range(n_rounds):
-        order = rounds.round_order(plan, k)
+        order = rounds.round_order(list(enumerate(plan)), k)
         print(f"weightsync bench: round {k + 1}/{n_rounds}", file=sys.stderr)
-        for position, (side, item) in enumerate(order):
+        for position, (index, (side, item)) in enumerate(order):
             kind, _, n, _, _ = item
             bench = benches[side]
             why = refusal(item)
@@ -164,7 +164,7 @@ def run_rounds(plan: list[tuple[str, Item]], benches: dict[str, Any], run_row: C
                 row.update(probe_out)
                 ran = versions_run(row["kind"], warmup, versions) if row.get("seconds") else 0
                 row["cpu_s_per_version"] = probe_out["parties_cpu_s"] / ran if ran else None
-            row.update(round=k, position=position)
+            row.update(round=k, position=position, plan_index=index)
             rounds.tag_side(row, side, rev if side == "against" else None)
             done.append(row)
             echo(row, bench)

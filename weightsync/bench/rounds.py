@@ -52,9 +52,13 @@ def spread(seconds: list[float]) -> dict[str, float | None]:
 
 
 def row_key(row: dict[str, Any]) -> tuple:
-    """What makes two rounds' rows the same row: name, side, receivers, bucket, checksum."""
-    return (row.get("side", "this"), row["kind"] if row["kind"] == "baseline" else "transport", row.get("name"),
-            row.get("transport"), row.get("receivers"), row.get("bucket_mb"), row.get("checksum"))
+    """What makes two rounds' rows the same row: its place in the plan where the run set one
+    (a row skipped in one round for memory and run in the next is one row), else its side,
+    name and configuration."""
+    if row.get("plan_index") is not None:
+        return ("plan", row["plan_index"])
+    return (row.get("side", "this"), row.get("name"), row.get("transport"), row.get("receivers"),
+            row.get("bucket_mb"), row.get("checksum"))
 
 
 def merge_rounds(per_round: list[dict[str, Any]], payload: int) -> dict[str, Any]:
@@ -69,6 +73,8 @@ def merge_rounds(per_round: list[dict[str, Any]], payload: int) -> dict[str, Any
     # recorded, not pooled: its partial versions ran on a dying session
     ran = [r for r in tried if not r.get("error")] or tried
     row = dict(ran[0])
+    row["skipped_rounds"] = [{"round": r.get("round"), "why": r.get("error")} for r in per_round
+                             if r["kind"] == "unavailable"]
     row["failed_rounds"] = [{"round": r.get("round"), "error": r["error"]} for r in tried if r.get("error")]
     seconds = [s for r in ran for s in r.get("seconds") or []]
     row["seconds"] = seconds
