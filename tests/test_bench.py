@@ -18,7 +18,7 @@ from weightsync.cli import main
 def test_bench_tiny_shm_end_to_end(ray_cluster, tmp_path):
     out, png = tmp_path / "bench.json", tmp_path / "bench.png"
     rc = main(["bench", "--device", "cpu", "--model", "tiny", "--transport", "shm", "--receivers", "1", "2", "--bucket-mb", "0.25",
-               "--versions", "2", "--warmup", "1", "--baselines", "ray-user", "ray-numpy", "--ceiling-repeats", "2",
+               "--versions", "2", "--rounds", "2", "--warmup", "1", "--baselines", "ray-user", "ray-numpy", "--ceiling-repeats", "2",
                "--checksum", "on", "off", "--no-progress", "--note", "pytest smoke", "--expect", "x_ray-user>=0", "--json", str(out), "--plot", str(png)])
     assert rc == 0
     top = json.loads(out.read_text())
@@ -38,15 +38,23 @@ def test_bench_tiny_shm_end_to_end(ray_cluster, tmp_path):
     for (name, n), r in rows.items():
         assert r["error"] is None, r
         assert r["verified"] is True, f"{name} x{n}: receivers do not hold the trainer's bits"
-        assert len(r["seconds"]) == 2 and all(s > 0 for s in r["seconds"])
-        assert r["median_s"] <= r["p90_s"] <= max(r["seconds"]) + 1e-12
+        assert len(r["seconds"]) == 4 and all(s > 0 for s in r["seconds"]), "2 rounds x 2 versions, pooled"
+        assert r["min_s"] <= r["q1_s"] <= r["median_s"] <= r["q3_s"] <= max(r["seconds"]) + 1e-12
+        assert r["iqr_s"] == pytest.approx(r["q3_s"] - r["q1_s"])
+        assert [g["round"] for g in r["rounds"]] == [0, 1] and r["side"] == "this"
+        assert r["cpu_s_per_version"] > 0 and r["load_avg_1m"] >= 0
+        assert all(g["others_cpu_s"] >= 0 and g["row_wall_s"] > 0 for g in r["rounds"])
         assert r["gbps"] == pytest.approx(payload / r["median_s"] / 1e9)
         assert r["ceiling_ratio"] == pytest.approx(r["gbps"] / ceil["gbps"])
         assert r["sender_peak_extra_bytes"] >= 0 and r["receiver_peak_extra_bytes"] >= 0
     shm = rows[("shm", 1)]
     assert shm["kind"] == "transport" and shm["bucket_mb"] == 0.25
-    assert len(shm["prestaged_s"]) == 2 and shm["barrier_s"] > 0 and shm["stage_s"] > 0
+    assert len(shm["prestaged_s"]) == 4 and shm["barrier_s"] > 0 and shm["stage_s"] > 0
     assert shm["shm_bytes"] >= payload  # at least one segment holds the whole version
+    # the order rotates: the 8 rows (4 per receiver count) each shift one place in round 2
+    first = {k: r["rounds"][0]["position"] for k, r in rows.items()}
+    assert sorted(first.values()) == list(range(8))
+    assert all(r["rounds"][1]["position"] == (first[k] - 1) % 8 for k, r in rows.items())
     assert shm["phases_s"]["total_s"] > 0
     assert set(shm["speedup_vs"]) == {"ray-user", "ray-numpy"}
     assert shm["speedup_vs"]["ray-user"] == pytest.approx(rows[("ray-user", 1)]["median_s"] / shm["median_s"])
@@ -65,17 +73,20 @@ def test_bench_tiny_shm_end_to_end(ray_cluster, tmp_path):
 def test_bench_tiny_broadcast_and_collective_baselines(ray_cluster, tmp_path):
     out = tmp_path / "bench.json"
     rc = main(["bench", "--device", "cpu", "--model", "tiny", "--transport", "broadcast", "--backend", "gloo", "--receivers", "1",
-               "--bucket-mb", "0.25", "--versions", "2", "--warmup", "1", "--baselines", "bcast-per-tensor",
-               "bcast-flat", "--ceiling-repeats", "1", "--no-progress", "--json", str(out)])
+               "--bucket-mb", "0.25", "--versions", "2", "--rounds", "1", "--warmup", "1", "--checksum", "on", "--baselines",
+               "bcast-per-tensor", "bcast-flat", "bcast-flat-load", "--ceiling-repeats", "1", "--no-progress",
+               "--json", str(out)])
     assert rc == 0
     rows = {r["name"]: r for r in json.loads(out.read_text())["sizes"][0]["rows"]}
-    assert set(rows) == {"broadcast", "bcast-per-tensor", "bcast-flat"}
+    assert set(rows) == {"broadcast", "bcast-per-tensor", "bcast-flat", "bcast-flat-load"}
     for name, r in rows.items():
         assert r["error"] is None, r
         # the raw flat broadcast is the wire limit only: nothing is unpacked, so nothing to check
         assert r["verified"] is (None if name == "bcast-flat" else True), f"{name}: {r['verified']}"
         assert len(r["seconds"]) == 2 and all(s > 0 for s in r["seconds"])
-    assert set(rows["broadcast"]["speedup_vs"]) == {"bcast-per-tensor", "bcast-flat"}
+    assert set(rows["broadcast"]["speedup_vs"]) == {"bcast-per-tensor", "bcast-flat", "bcast-flat-load"}
+    # the baselines' own actors report their CPU seconds
+    assert rows["bcast-flat-load"]["cpu_s_per_version"] > 0
 
 
 def test_bench_growth_over_sizes_and_a_size_that_cannot_fit(ray_cluster, tmp_path, capsys):
@@ -91,7 +102,7 @@ def test_bench_growth_over_sizes_and_a_size_that_cannot_fit(ray_cluster, tmp_pat
     huge.write_bytes(len(header).to_bytes(8, "little") + header)  # 4 TiB declared, no data
     out, png = tmp_path / "growth.json", tmp_path / "growth.png"
     rc = main(["bench", "--device", "cpu", "--layout", str(huge), "tiny", str(small), "--transport", "shm", "ipc",
-               "--receivers", "1", "--versions", "1", "--warmup", "1", "--baselines", "--ceiling-repeats", "1",
+               "--receivers", "1", "--versions", "1", "--rounds", "1", "--checksum", "on", "--warmup", "1", "--baselines", "--ceiling-repeats", "1",
                "--no-progress", "--json", str(out), "--plot", str(png)])
     assert rc == 0, "a skipped size is not a failure"
     res = json.loads(out.read_text())
@@ -254,3 +265,32 @@ def test_floors_script_does_the_real_work(tmp_path):
     assert set(r["gloo_s"]) == {"flat", "buckets", "buckets+load"}
     assert all(s > 0 for s in [*r["host_s"].values(), *r["gloo_s"].values()])
     assert "shm / copy ceiling at best" in proc.stdout
+
+
+def test_bench_ab_runs_another_revs_transports_in_the_same_rounds(ray_cluster, tmp_path):
+    """--against HEAD: the rev's tree is extracted, its own actors import it, and its shm rows
+    take turns with ours; every row says its side, and the A/B table pairs them."""
+    import subprocess
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    head = subprocess.run(["git", "-C", str(root), "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
+                          check=True).stdout.strip()
+    out = tmp_path / "ab.json"
+    rc = main(["bench", "--device", "cpu", "--model", "tiny", "--transport", "shm", "--receivers", "1",
+               "--bucket-mb", "0.25", "--versions", "2", "--rounds", "2", "--warmup", "1", "--checksum", "on",
+               "--baselines", "ray-numpy", "--against", "HEAD", "--ceiling-repeats", "1", "--no-progress",
+               "--json", str(out)])
+    assert rc == 0
+    top = json.loads(out.read_text())
+    assert top["args"]["against"] == {"rev": head, "asked": "HEAD"}
+    rows = {(r["side"], r["name"]): r for r in top["sizes"][0]["rows"]}
+    assert set(rows) == {("this", "ray-numpy"), ("this", "shm"), ("against", f"shm @{head}")}
+    other = rows[("against", f"shm @{head}")]
+    assert other["rev"] == head and other["verified"] is True and len(other["seconds"]) == 4
+    # three (side, row) pairs per round, rotated: round 2 shifts each by one place
+    assert all(r["rounds"][1]["position"] == (r["rounds"][0]["position"] - 1) % 3 for r in rows.values())
+    (ab,) = top["sizes"][0]["ab"]
+    assert ab["transport"] == "shm" and ab["rev"] == head and ab["verdict"] in ("slower", "same", "faster")
+    assert ab["x_against"] == pytest.approx(other["median_s"] / rows[("this", "shm")]["median_s"])
+    assert set(rows[("this", "shm")]["speedup_vs"]) == {"ray-numpy"}

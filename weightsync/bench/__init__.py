@@ -1,9 +1,10 @@
 """``weightsync bench``: sync throughput of the transports against Ray's object store, a
 per-tensor collective broadcast and the machine's copy ceiling, measured in one run.
 
-Modules: cli (arguments, the run), actors (trainer / rollout Ray actors), runner (rows),
-collective baselines (collective_baselines, driven by baseline_rows), ceiling, peak_memory,
-memory_fit, layout_source, results (table, JSON, plot), growth, expect.
+Modules: cli (arguments, the run), interleave (rows in rotated rounds, load and CPU per
+row, the other side of --against), rounds (pure: order, statistics, A/B table), actors
+(trainer / rollout Ray actors), runner (rows), baseline_rows + collective_baselines,
+ceiling, memory_fit, peak_memory, layout_source, results, expect, growth.
 """
 
 from .cli import add_bench_arguments, run_bench

@@ -6,6 +6,7 @@ import argparse
 import datetime
 import os
 import platform
+import shutil
 import socket
 import sys
 import time
@@ -18,7 +19,7 @@ from . import memory_fit
 from .expect import KEYS, evaluate, fastest, parse_expectation
 
 TRANSPORTS = ("shm", "ipc", "broadcast", "auto")
-BASELINE_CHOICES = ("ray-user", "ray-numpy", "bcast-per-tensor", "bcast-flat")
+BASELINE_CHOICES = ("ray-user", "ray-numpy", "bcast-per-tensor", "bcast-flat", "bcast-flat-load")
 
 
 def add_bench_arguments(p: argparse.ArgumentParser) -> None:
@@ -37,12 +38,17 @@ def add_bench_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--receivers", nargs="+", type=int, default=[1], metavar="N", help="receiver counts to run")
     p.add_argument("--bucket-mb", nargs="+", type=float, default=[SyncConfig().bucket_mb], metavar="MB",
                    help="bucket sizes to sweep")
-    p.add_argument("--checksum", nargs="+", default=["on"], choices=("on", "off"),
+    p.add_argument("--checksum", nargs="+", default=["on", "off"], choices=("on", "off"),
                    help="per-bucket digest on or off (the config's checksum), on every transport, device "
-                        "links included; both 'on off' shows what it costs")
+                        "links included; both (the default) show what it costs, interleaved in one run")
     p.add_argument("--digest", default="auto", choices=("auto", "xxh3", "torch"),
                    help="digest kind when on: auto = xxh3 for host buckets, torch ops on device buckets")
-    p.add_argument("--versions", type=int, default=5, help="timed versions per row")
+    p.add_argument("--versions", type=int, default=5, help="timed versions per row and round")
+    p.add_argument("--rounds", type=int, default=3, help="rounds over every row, the order rotated each round, "
+                   "so a neighbour's load drifting during the run lands on every row alike")
+    p.add_argument("--against", metavar="GIT_REV", default=None,
+                   help="A/B: also run the transports of this git rev of the repo (extracted with git archive, "
+                        "imported by its own actors), interleaved with this checkout's in the same rounds")
     p.add_argument("--warmup", type=int, default=2, help="untimed versions first: they allocate the transport's reusable buffers (shm alternates two segments) and fault their pages in")
     p.add_argument("--device", default="auto", choices=("auto", "cpu", "cuda", "npu"),
                    help="where trainer tensors and engine weights live")
@@ -107,6 +113,8 @@ def _plan(args: argparse.Namespace, receivers: list[int]) -> list[tuple[str, str
 
 def _skipped(item: tuple[str, str, int, float | None, bool], payload: int, why: str) -> dict[str, Any]:
     kind, name, n, mb, ck = item
+    if kind == "transport" and not ck:
+        name += " (no xxh3)"  # as the row that runs is named
     return {"kind": "unavailable", "name": name, "transport": name if kind == "transport" else None,
             "bucket_mb": mb, "receivers": n, "checksum": ck if kind == "transport" else None,
             "payload_bytes": payload, "seconds": [], "median_s": None, "gbps": None, "error": why}
@@ -163,7 +171,7 @@ def run_bench(args: argparse.Namespace) -> int:
     import ray
 
     from ..device import platform as detect_platform
-    from . import growth, layout_source, results
+    from . import growth, interleave, layout_source, results, rounds
 
     device = detect_platform() if args.device == "auto" else args.device
     # smallest first: a size that fails or is skipped leaves the smaller ones measured
@@ -172,8 +180,8 @@ def run_bench(args: argparse.Namespace) -> int:
     receivers = sorted(set(args.receivers))
     if min(receivers) < 1:
         raise SystemExit("weightsync bench: --receivers must be >= 1")
-    if args.versions < 1 or args.warmup < 0:
-        raise SystemExit("weightsync bench: --versions must be >= 1 and --warmup >= 0")
+    if args.versions < 1 or args.warmup < 0 or args.rounds < 1:
+        raise SystemExit("weightsync bench: --versions and --rounds must be >= 1 and --warmup >= 0")
     backend = args.backend if args.backend != "auto" else backend_for(device)
     largest = max(m.total_bytes for _, m, _ in sizes_in)
 
@@ -189,12 +197,18 @@ def run_bench(args: argparse.Namespace) -> int:
                  include_dashboard=False, log_to_driver=True, logging_level="ERROR",
                  **({} if args.address else {"object_store_memory": store}))
     sizes: list[dict[str, Any]] = []
+    against = None
     try:
+        if args.against:
+            tree, short = interleave.extract_rev(args.against)
+            against = {"rev": short, "tree": tree, "asked": args.against}
         for label, manifest, weights_path in sizes_in:
-            sizes.append(_run_size(args, label, manifest, weights_path, device, backend, receivers))
+            sizes.append(_run_size(args, label, manifest, weights_path, device, backend, receivers, against))
     finally:
         if own_ray:
             ray.shutdown()
+        if against:
+            shutil.rmtree(against["tree"], ignore_errors=True)
 
     result: dict[str, Any] = {
         "schema": results.SCHEMA,
@@ -205,6 +219,7 @@ def run_bench(args: argparse.Namespace) -> int:
         "args": {"model": list(dict.fromkeys(args.model)), "dtype": args.dtype, "transport": args.transport,
                  "backend": backend, "receivers": receivers, "bucket_mb": args.bucket_mb, "checksum": args.checksum,
                  "digest": args.digest, "versions": args.versions, "warmup": args.warmup, "device": device,
+                 "rounds": args.rounds, "against": {k: against[k] for k in ("rev", "asked")} if against else None,
                  "baselines": args.baselines, "real_weights": bool(args.real_weights and any(w for *_, w in sizes_in)),
                  "expect": [e.text for e in args.expect]},
         "sizes": sizes,
@@ -216,6 +231,7 @@ def run_bench(args: argparse.Namespace) -> int:
         counts = sorted({r["receivers"] for r in size["rows"]})
         size["comparisons"] = [f for f in (fastest(size, n) for n in counts) if f is not None]
         size["expectations"] = evaluate(size, args.expect)
+        size["ab"] = rounds.ab_table(size["rows"])
     result["growth"] = growth.table(sizes)
     result["skipped"] = growth.skipped(sizes)
     for size in sizes:
@@ -237,10 +253,12 @@ def _total_gb() -> float:
 
 
 def _run_size(args: argparse.Namespace, label: str, manifest: Any, weights_path: str | None, device: str,
-              backend: str, receivers: list[int]) -> dict[str, Any]:
+              backend: str, receivers: list[int], against: dict[str, str] | None) -> dict[str, Any]:
     """Every row of one model size, between actors that hold that model (made, then closed)."""
     import torch
 
+    from . import interleave
+    from .actors import BenchRollout, BenchTrainer
     from .ceiling import device_ceilings, host_ceiling
     from .peak_memory import NodeShmem
     from .runner import Bench
@@ -263,31 +281,41 @@ def _run_size(args: argparse.Namespace, label: str, manifest: Any, weights_path:
     size["ceiling"] = host_ceiling(payload, repeats=args.ceiling_repeats)
     if device != "cpu":
         size["device_ceilings"] = device_ceilings(payload, torch.device(device), args.ceiling_repeats)
-    rows = size["rows"]
-    bench = Bench(manifest, receivers=max(receivers), device=device,
-                  weights_path=weights_path if args.real_weights else None, versions=args.versions,
-                  warmup=args.warmup, progress=not args.no_progress, check=not args.no_verify)
+    common = {"receivers": max(receivers), "device": device, "versions": args.versions, "warmup": args.warmup,
+              "weights_path": weights_path if args.real_weights else None, "progress": not args.no_progress,
+              "check": not args.no_verify}
+    benches = {"this": Bench(manifest, **common)}
+    sided = [("this", item) for item in plan]
+    if against:  # its transport rows take turns with ours; baselines run once, on this side
+        sided += [("against", item) for item in plan if item[0] == "transport"]
+
+    def run_row(bench: Any, item: tuple[str, str, int, float | None, bool]) -> dict[str, Any]:
+        kind, name, n, mb, ck = item
+        with NodeShmem() as shm:
+            if kind == "transport":
+                row = bench.sync_row(name, mb, n, backend=backend if name == "broadcast" else "auto",
+                                     checksum=ck, digest=args.digest)
+            elif name.startswith("ray-"):
+                row = bench.ray_row(name, n)
+            else:
+                row = bench.collective_row(name, n, backend)
+        row["node_shmem_extra_bytes"] = shm.extra()
+        return row
+
     try:
-        for item in plan:
-            kind, name, n, mb, ck = item
-            why = _row_refusal(item, manifest)  # shm segments and the object store are host memory anywhere
-            if why:
-                rows.append(_skipped(item, payload, why))
-                _echo(rows[-1])
-                continue
-            with NodeShmem() as shm:
-                if kind == "transport":
-                    row = bench.sync_row(name, mb, n, backend=backend if name == "broadcast" else "auto",
-                                         checksum=ck, digest=args.digest)
-                elif name.startswith("ray-"):
-                    row = bench.ray_row(name, n)
-                else:
-                    row = bench.collective_row(name, n, backend)
-            row["node_shmem_extra_bytes"] = shm.extra()
-            rows.append(row)
-            _echo(row, bench)
+        if against:
+            tree = against["tree"]
+            benches["against"] = Bench(manifest, **common, runtime_env=interleave.side_runtime_env(tree),
+                                       classes=(interleave.side_class(tree, BenchTrainer),
+                                                interleave.side_class(tree, BenchRollout)))
+            interleave.check_side(benches["against"], tree)
+        size["rows"] = interleave.run_rounds(
+            sided, benches, run_row, lambda item: _row_refusal(item, manifest),
+            lambda item, why: _skipped(item, payload, why), _echo, n_rounds=args.rounds, warmup=args.warmup,
+            versions=args.versions, payload=payload, rev=against["rev"] if against else None)
     finally:
-        bench.close()
+        for b in benches.values():
+            b.close()
     return size
 
 

@@ -3,6 +3,9 @@ same group construction the transport uses (:class:`weightsync.transports.broadc
 
 - :func:`raw_broadcast`: the version's bytes pre-packed in one flat buffer, sent by a single
   broadcast. The wire limit: no packing, no checksums, no loading, no pipelining to lose.
+- :func:`raw_broadcast_load`: the same flat broadcast, then each receiver loads the tensors
+  (views into the flat buffer) into its model: the fair wire baseline of the broadcast
+  transport, which also ends with the weights in the model; only packing and digests are left out.
 - :func:`per_tensor_broadcast`: one broadcast per tensor, each loaded as it arrives: what
   verl's one-step-off-policy recipe does today.
 - :func:`bucketed_broadcast`: a whole weightsync version over the broadcast transport
@@ -66,7 +69,7 @@ class Peer:
         """What ``method`` needs, made before any timing: for ``raw`` the flat buffer (the
         sender's filled with the version), for ``per_tensor`` the tensors or the model."""
         tensors = materialize(self.manifest, seed=seed) if self.rank == 0 else {}
-        if method == "raw":
+        if method in ("raw", "raw_load"):
             self.flat = torch.empty(self.manifest.total_bytes, dtype=torch.uint8, device=self.device)
             if self.rank == 0:
                 offset = 0
@@ -76,6 +79,8 @@ class Peer:
                     offset += n
             else:
                 self.flat.fill_(1)  # fault the pages in now, not inside the timed broadcast
+                if method == "raw_load":
+                    self.engine = ToyEngine(self.manifest, device=str(self.device))
         elif self.rank == 0:
             self.tensors = {k: t.to(self.device) for k, t in tensors.items()}
         else:
@@ -93,6 +98,21 @@ class Peer:
         self.group.broadcast(self.flat, 600.0).wait()
         _sync(self.device)
         return t0, time.monotonic()
+
+    def raw_load(self) -> tuple[float, float]:
+        """(start, end) of one flat broadcast and, on receivers, the load of every tensor into
+        the model from views of the flat buffer (no copy besides the load itself)."""
+        self._fence()
+        t0 = time.monotonic()
+        self.group.broadcast(self.flat, 600.0).wait()
+        if self.rank:
+            self.engine.load_weights(_views(self.manifest, self.flat))
+        _sync(self.device)
+        return t0, time.monotonic()
+
+    def cpu_s(self) -> float:
+        """This process's CPU seconds so far, every thread (the baseline's share of the machine)."""
+        return time.process_time()
 
     def per_tensor(self) -> tuple[float, float]:
         """(start, end) of one broadcast per tensor, each loaded on arrival, as the recipe does."""
@@ -120,6 +140,15 @@ class Peer:
         self.group = self.store = None
 
 
+def _views(manifest: Manifest, flat: torch.Tensor):
+    """(name, tensor) views of the packed flat buffer, in the order prepare() packed them."""
+    offset = 0
+    for spec in manifest:
+        n = spec.nbytes
+        yield spec.name, flat[offset: offset + n].view(spec.torch_dtype).view(spec.shape)
+        offset += n
+
+
 def _sync(device: torch.device) -> None:
     from ..device import synchronize
 
@@ -142,13 +171,16 @@ def _peers(manifest: Manifest, receivers: int, backend: str, device: str, resour
     return peers
 
 
-def _timed(peers: list[Any], method: str, repeats: int) -> list[float]:
+def _timed(peers: list[Any], method: str, repeats: int, cpu: dict | None = None) -> list[float]:
     out = []
+    cpu0 = sum(ray.get([p.cpu_s.remote() for p in peers], timeout=TIMEOUT_S))
     for _ in range(repeats):
         spans = ray.get([getattr(p, method).remote() for p in peers], timeout=TIMEOUT_S)
         out.append(max(e for _, e in spans) - min(s for s, _ in spans))
-    if method == "per_tensor" and not all(ray.get([p.checksum_ok.remote() for p in peers])):
-        raise RuntimeError("per-tensor baseline delivered wrong bytes")
+    if cpu is not None:
+        cpu["cpu_s"] = sum(ray.get([p.cpu_s.remote() for p in peers], timeout=TIMEOUT_S)) - cpu0
+    if method in ("per_tensor", "raw_load") and not all(ray.get([p.checksum_ok.remote() for p in peers])):
+        raise RuntimeError(f"{method} baseline delivered wrong bytes")
     return out
 
 
@@ -161,24 +193,31 @@ def _kill(actors: list[Any]) -> None:
         ray.kill(a)
 
 
-def raw_broadcast(manifest: Manifest, receivers: int, *, backend: str = "gloo", device: str = "cpu",
-                  repeats: int = 3, resources: dict | None = None) -> list[float]:
-    """Seconds of one broadcast of ``manifest.total_bytes`` pre-packed in a flat buffer."""
-    peers = _peers(manifest, receivers, backend, device, resources, "raw")
+def _baseline(method: str, manifest: Manifest, receivers: int, backend: str, device: str, repeats: int,
+              resources: dict | None, cpu: dict | None) -> list[float]:
+    peers = _peers(manifest, receivers, backend, device, resources, method)
     try:
-        return _timed(peers, "raw", repeats)
+        return _timed(peers, method, repeats, cpu)
     finally:
         _kill(peers)
+
+
+def raw_broadcast(manifest: Manifest, receivers: int, *, backend: str = "gloo", device: str = "cpu",
+                  repeats: int = 3, resources: dict | None = None, cpu: dict | None = None) -> list[float]:
+    """Seconds of one broadcast of ``manifest.total_bytes`` pre-packed in a flat buffer."""
+    return _baseline("raw", manifest, receivers, backend, device, repeats, resources, cpu)
+
+
+def raw_broadcast_load(manifest: Manifest, receivers: int, *, backend: str = "gloo", device: str = "cpu",
+                       repeats: int = 3, resources: dict | None = None, cpu: dict | None = None) -> list[float]:
+    """Seconds of one flat broadcast plus every receiver's load of the tensors into its model."""
+    return _baseline("raw_load", manifest, receivers, backend, device, repeats, resources, cpu)
 
 
 def per_tensor_broadcast(manifest: Manifest, receivers: int, *, backend: str = "gloo", device: str = "cpu",
-                         repeats: int = 3, resources: dict | None = None) -> list[float]:
+                         repeats: int = 3, resources: dict | None = None, cpu: dict | None = None) -> list[float]:
     """Seconds of one broadcast per tensor, each handed to load_weights on arrival."""
-    peers = _peers(manifest, receivers, backend, device, resources, "per_tensor")
-    try:
-        return _timed(peers, "per_tensor", repeats)
-    finally:
-        _kill(peers)
+    return _baseline("per_tensor", manifest, receivers, backend, device, repeats, resources, cpu)
 
 
 class _BenchTrainer:

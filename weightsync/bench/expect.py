@@ -18,7 +18,7 @@ import re
 from dataclasses import dataclass
 from typing import Any
 
-BASELINES = ("ray-user", "ray-numpy", "bcast-per-tensor", "bcast-flat")
+BASELINES = ("ray-user", "ray-numpy", "bcast-per-tensor", "bcast-flat", "bcast-flat-load")
 
 # key -> what it is (shown by --help and in the docs)
 KEYS = {
@@ -61,7 +61,9 @@ def parse_expectation(text: str) -> Expectation:
 
 
 def _ok(row: dict[str, Any]) -> bool:
-    return row["kind"] == "transport" and not row.get("error") and bool(row.get("median_s"))
+    # an A/B run's other side is compared in its own table, never taken as this run's fastest
+    return (row["kind"] == "transport" and not row.get("error") and bool(row.get("median_s"))
+            and row.get("side", "this") == "this")
 
 
 def _same_config(a: dict[str, Any], b: dict[str, Any]) -> bool:

@@ -8,11 +8,14 @@ import math
 from typing import Any
 
 from .expect import BASELINES, comparison_lines, expectation_lines
+from .rounds import format_ab
 
 # /2: "checks" against built-in targets gave way to "comparisons" and the user's "expectations"
 # /3: several model sizes per run: each size's layout, ceiling, rows, comparisons and
 # expectations moved under "sizes"; "growth" compares time per GB across them
-SCHEMA = "weightsync.bench/3"
+# /4: rows pooled over interleaved rounds: q1_s / q3_s / iqr_s, cpu_s_per_version, load_avg_1m,
+# "rounds" per row; "side" / "rev" per row and a size's "ab" table with --against
+SCHEMA = "weightsync.bench/4"
 
 
 def _ok(row: dict[str, Any]) -> bool:
@@ -56,7 +59,8 @@ def format_table(result: dict[str, Any]) -> str:
     if c is None:  # the whole size was skipped before it started: every row says why
         return "\n".join([title, *dict.fromkeys(f"  {r['error']}" for r in result["rows"])])
     head = [
-        f"{title}, {result['args']['versions']} versions after {result['args']['warmup']} warm-up",
+        f"{title}, {result['args'].get('rounds', 1)} interleaved rounds x {result['args']['versions']} versions "
+        f"(after {result['args']['warmup']} warm-up each)",
         f"machine: {result['machine']['cpu_model']}, {result['machine']['cpu_count']} cores, "
         f"{result['machine']['mem_total_bytes'] / 2**30:.0f} GiB; copy ceiling {c['gbps']:.2f} GB/s "
         f"({c['method']}, one copy {result['payload_bytes'] / c['gbps'] / 1e9:.3f} s)",
@@ -64,8 +68,8 @@ def format_table(result: dict[str, Any]) -> str:
     for k, v in (result.get("device_ceilings") or {}).items():
         head.append(f"  {k}: {v['gbps']:.1f} GB/s")
     bases = [b for b in BASELINES if any(r["name"] == b and _ok(r) for r in result["rows"])]
-    cols = ["row", "rcv", "bucket", "median s", "p90 s", "GB/s", "s/GB", "x ceil"] + [f"x {b}" for b in bases] + [
-        "stage s", "barrier s", "snd+MiB", "rcv+MiB", "shm+MiB", "bits"]
+    cols = ["row", "rcv", "bucket", "median s", "min s", "IQR s", "GB/s", "x ceil"] + [f"x {b}" for b in bases] + [
+        "cpu s/v", "load", "stage s", "barrier s", "snd+MiB", "rcv+MiB", "shm+MiB", "bits"]
     lines = []
     said = set()
     for r in result["rows"]:
@@ -81,8 +85,9 @@ def format_table(result: dict[str, Any]) -> str:
         for b in bases:
             vs.append(_f(speed.get(b), "{:.1f}x"))
         lines.append([r["name"], str(r.get("receivers")), _f(r.get("bucket_mb"), "{:g}"), _f(r.get("median_s")),
-                      _f(r.get("p90_s")), _f(r.get("gbps"), "{:.2f}"), _f(r.get("s_per_gb")),
+                      _f(r.get("min_s")), _f(r.get("iqr_s")), _f(r.get("gbps"), "{:.2f}"),
                       _f(r.get("ceiling_ratio"), "{:.2f}"), *vs,
+                      _f(r.get("cpu_s_per_version")), _f(r.get("load_avg_1m"), "{:.1f}"),
                       _f(r.get("stage_s")), _f(r.get("barrier_s")), _mib(r.get("sender_peak_extra_bytes")),
                       _mib(r.get("receiver_peak_extra_bytes")), _mib(r.get("node_shmem_extra_bytes")),
                       {True: "ok", False: "DIFF", None: "-"}[r.get("verified")]])
@@ -94,7 +99,8 @@ def format_table(result: dict[str, Any]) -> str:
             out.append("  ".join(v.ljust(w) for v, w in zip(ln, widths, strict=False)))
         else:
             out.append("  ".join(v.ljust(w) for v, w in zip(ln[:3], widths, strict=False)) + "  " + ln[3])
-    summary = comparison_lines(result) + expectation_lines(result.get("expectations") or [])
+    summary = comparison_lines(result) + format_ab(result.get("ab") or []) + expectation_lines(
+        result.get("expectations") or [])
     if summary:
         out += [""] + summary
     for r in result["rows"]:
@@ -128,6 +134,14 @@ def write_json(result: dict[str, Any], path: str) -> None:
 
 # -- plot ----------------------------------------------------------------------------------
 
+def _gbps_range(row: dict[str, Any]) -> tuple[float, float]:
+    """GB/s at the third and the first quartile of the version times (the slow and fast ends)."""
+    q1, q3 = row.get("q1_s"), row.get("q3_s")
+    if not q1 or not q3:
+        return row["gbps"], row["gbps"]
+    return row["payload_bytes"] / q3 / 1e9, row["payload_bytes"] / q1 / 1e9
+
+
 def write_plot(result: dict[str, Any], path: str) -> str | None:
     """GB/s per transport and bucket size (one panel per receiver count), baselines beside
     them, the copy ceiling as a line. Returns why not when matplotlib is missing."""
@@ -149,17 +163,17 @@ def write_plot(result: dict[str, Any], path: str) -> str | None:
         mine = [r for r in rows if r["receivers"] == n]
         transports = [r for r in mine if r["kind"] == "transport"]
         baselines = [r for r in mine if r["kind"] == "baseline"]
-        labels, heights, colors = [], [], []
-        for r in sorted(transports, key=lambda r: (r["name"], r["bucket_mb"])):
-            labels.append(f"{r['name']}\n{r['bucket_mb']:g} MiB")
-            heights.append(r["gbps"])
-            colors.append(color[r["name"]])
-        for r in baselines:
+        labels, heights, colors, err = [], [], [], [[], []]
+        for r in sorted(transports, key=lambda r: (r["name"], r["bucket_mb"])) + baselines:
             labels.append(r["name"] + (f"\n{r['bucket_mb']:g} MiB" if r.get("bucket_mb") else "\n(baseline)"))
             heights.append(r["gbps"])
             colors.append(color[r["name"]])
+            lo, hi = _gbps_range(r)  # the interquartile range of version times, as GB/s
+            err[0].append(max(0.0, r["gbps"] - lo))
+            err[1].append(max(0.0, hi - r["gbps"]))
         xs = range(len(labels))
-        bars = ax.bar(xs, heights, color=colors, edgecolor="black", linewidth=0.5)
+        bars = ax.bar(xs, heights, color=colors, edgecolor="black", linewidth=0.5, yerr=err, capsize=3,
+                      error_kw={"linewidth": 0.8})
         for bar, h in zip(bars, heights, strict=False):
             ax.annotate(f"{h:.2f}", (bar.get_x() + bar.get_width() / 2, h), ha="center", va="bottom", fontsize=8)
         ax.axhline(ceiling, color="red", linestyle="--", linewidth=1.2)
@@ -169,7 +183,7 @@ def write_plot(result: dict[str, Any], path: str) -> str | None:
         ax.set_xticks(list(xs), labels, fontsize=8, rotation=35 if crowded else 0, ha="right" if crowded else "center")
         ax.set_title(f"{n} receiver{'s' if n > 1 else ''}")
         ax.grid(axis="y", alpha=0.3)
-    axes[0][0].set_ylabel("GB/s per version (higher is better)")
+    axes[0][0].set_ylabel("GB/s per version, median; bars: IQR (higher is better)")
     lay = result["layout"]
     m = result["machine"]
     fig.suptitle(f"weightsync bench: {lay['name']} {result['payload_bytes'] / 2**30:.2f} GiB {lay['dtype']}, "

@@ -119,7 +119,8 @@ class Bench:
     """Owns the actors for one benchmark run; each ``*_row`` method returns one result row."""
 
     def __init__(self, manifest: Manifest, *, receivers: int, device: str = "cpu", weights_path: str | None = None,
-                 versions: int = 5, warmup: int = 1, progress: bool = True, check: bool = True):
+                 versions: int = 5, warmup: int = 1, progress: bool = True, check: bool = True,
+                 runtime_env: dict[str, Any] | None = None, classes: tuple[type, type] | None = None):
         self.manifest = manifest
         self.payload = manifest.total_bytes
         self.device = device
@@ -129,7 +130,10 @@ class Bench:
         self._version = itertools.count(1)
         self._ids = itertools.count()
         parties = receivers + 1
-        self._base: dict[str, Any] = {"num_cpus": 0, "max_concurrency": 1}
+        # runtime_env, classes: an A/B run's other side, actors running another checkout's code
+        self._classes = classes or (BenchTrainer, BenchRollout)
+        self._base: dict[str, Any] = {"num_cpus": 0, "max_concurrency": 1,
+                                      **({"runtime_env": runtime_env} if runtime_env else {})}
         # colocated on one device, like the ipc case
         self._opts, self._weights_path = {**self._base, **ray_options(device, 1.0 / parties)}, weights_path
         self._spread: tuple[Any, list[Any]] | None = None  # one device per party, made when needed
@@ -138,11 +142,11 @@ class Bench:
         ray.get([self.trainer.pid.remote()] + [r.pid.remote() for r in self.rollouts])
 
     def _new_trainer(self, opts: dict[str, Any] | None = None) -> Any:
-        return ray.remote(BenchTrainer).options(**(opts or self._opts)).remote(self.manifest.to_wire(), self.device,
+        return ray.remote(self._classes[0]).options(**(opts or self._opts)).remote(self.manifest.to_wire(), self.device,
                                                                                self._weights_path)
 
     def _new_rollout(self, i: int, opts: dict[str, Any] | None = None) -> Any:
-        return ray.remote(BenchRollout).options(**(opts or self._opts)).remote(
+        return ray.remote(self._classes[1]).options(**(opts or self._opts)).remote(
             self.manifest.to_wire(), f"bench-rollout-{i}", i + 1, self.device)
 
     def _parties(self, spread: bool) -> tuple[Any, list[Any]]:
@@ -357,10 +361,12 @@ class Bench:
             return row
         seconds: list[float] = []
         try:
+            cpu: dict[str, float] = {}  # its actors' CPU seconds over every repetition
             with self.progress.bar(1, f"{kind} x{receivers} ({self.warmup + self.versions} versions)") as bar:
                 timed, verified = baseline_rows.run(self.manifest, kind, receivers, backend, self.device,
-                                                      self.warmup + self.versions)
+                                                      self.warmup + self.versions, cpu)
                 _tick(bar)
+            row["parties_cpu_s"] = cpu.get("cpu_s")
             seconds = timed[self.warmup:]  # the first ones fault in the engine's pages
             row["verified"] = verified
         except Exception as exc:

@@ -1,0 +1,175 @@
+"""Runs a size's rows in interleaved rounds (weightsync.bench.rounds) and measures, per row and
+round, what a shared machine does to it: the 1-minute load average, the parties' own CPU
+seconds (a neighbour stretches wall time far more than the CPU our processes burn) and the
+CPU seconds everyone else used meanwhile. With ``--against REV`` a second set of actors runs
+that checkout's code, and its transport rows take their turns in the same rounds.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import psutil
+import ray
+
+from . import rounds
+
+# (kind, name, receivers, bucket MiB, checksum), as cli._plan makes them, plus the side
+Item = tuple[str, str, int, float | None, bool]
+
+
+def cpu_seconds(pids: list[int]) -> float:
+    """User + system CPU seconds of these processes (threads included) so far; gone ones count 0."""
+    total = 0.0
+    for pid in pids:
+        try:
+            t = psutil.Process(pid).cpu_times()
+            total += t.user + t.system
+        except psutil.Error:
+            pass
+    return total
+
+
+def machine_busy_seconds() -> float:
+    """CPU seconds every core spent on anything but idle / iowait since boot."""
+    t = psutil.cpu_times()
+    return sum(t) - t.idle - getattr(t, "iowait", 0.0)
+
+
+class Probe:
+    """Around one row: wall time, the parties' CPU seconds, everyone else's, and the load."""
+
+    def __init__(self, pids: list[int]):
+        self.pids = pids + [os.getpid()]  # the driver's ray.get loop is part of the row's cost
+        self.t0, self.cpu0, self.busy0 = time.monotonic(), cpu_seconds(self.pids), machine_busy_seconds()
+        self.load0 = os.getloadavg()[0]
+
+    def done(self, extra_party_cpu_s: float = 0.0) -> dict[str, float]:
+        party = cpu_seconds(self.pids) - self.cpu0 + extra_party_cpu_s
+        busy = machine_busy_seconds() - self.busy0
+        return {"row_wall_s": time.monotonic() - self.t0, "parties_cpu_s": party,
+                "others_cpu_s": max(0.0, busy - party), "load_avg_1m": (self.load0 + os.getloadavg()[0]) / 2}
+
+
+def versions_run(kind: str, warmup: int, versions: int) -> int:
+    """Versions a row call moves in all: a sync row adds 2 x versions pre-staged / prefetched."""
+    return warmup + (3 * versions if kind == "transport" else versions)
+
+
+# -- the other side of an A/B run -------------------------------------------------------------
+
+def repo_root() -> Path:
+    return Path(__file__).resolve().parents[2]
+
+
+def extract_rev(rev: str, dest: str | None = None) -> tuple[str, str]:
+    """``git archive REV | tar -x`` into a temp dir; (that dir, the rev's short hash). The
+    dir holds the rev's ``weightsync`` package, which the other side's actors import first."""
+    root = repo_root()
+    short = subprocess.run(["git", "-C", str(root), "rev-parse", "--short", rev], check=True, capture_output=True,
+                           text=True).stdout.strip()
+    tree = dest or tempfile.mkdtemp(prefix=f"wsbench-{short}-")
+    archive = subprocess.Popen(["git", "-C", str(root), "archive", rev], stdout=subprocess.PIPE)
+    subprocess.run(["tar", "-x", "-C", tree], stdin=archive.stdout, check=True)
+    if archive.wait() != 0:
+        raise SystemExit(f"weightsync bench --against {rev}: git archive failed")
+    if not (Path(tree) / "weightsync" / "__init__.py").exists():
+        raise SystemExit(f"weightsync bench --against {rev}: that tree has no weightsync package")
+    return tree, short
+
+
+def side_runtime_env(tree: str) -> dict[str, Any]:
+    """The other side's actors' env: processes they start import ``weightsync`` from ``tree`` too."""
+    return {"env_vars": {"PYTHONPATH": tree}}
+
+
+def _enter(tree: str) -> str:
+    """In a worker of the other side: ``tree`` first on sys.path and every ``weightsync`` module
+    dropped, so the next import is the rev's. Needed because Ray puts the driver's directory
+    (this checkout) at the front of every worker's path, ahead of PYTHONPATH."""
+    if sys.path[:1] != [tree]:
+        sys.path.insert(0, tree)
+    for name in [m for m in sys.modules if m == "weightsync" or m.startswith("weightsync.")]:
+        del sys.modules[name]
+    import weightsync
+
+    return os.path.dirname(os.path.dirname(os.path.abspath(weightsync.__file__)))
+
+
+def side_class(tree: str, cls: type) -> type:
+    """An actor class that builds the rev's own ``cls`` (same module and name, imported from
+    ``tree``) and forwards this checkout's actor protocol (``cls``'s public methods) to it."""
+    module, name = cls.__module__, cls.__name__
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        import importlib
+
+        self.weightsync_root = _enter(tree)
+        self.inner = getattr(importlib.import_module(module), name)(*args, **kwargs)
+
+    def forward(method: str) -> Callable[..., Any]:
+        def call(self, *args: Any, **kwargs: Any) -> Any:
+            return getattr(self.inner, method)(*args, **kwargs)
+
+        call.__name__ = method
+        return call
+
+    ns: dict[str, Any] = {m: forward(m) for m in dir(cls) if not m.startswith("_") and callable(getattr(cls, m))}
+    ns["__init__"] = __init__
+    ns["where"] = lambda self: self.weightsync_root
+    return type(f"{name}AtRev", (), ns)
+
+
+def check_side(bench: Any, tree: str) -> str:
+    """Where the other side's actors imported weightsync from; exits unless from ``tree``."""
+    got = ray.get(bench.trainer.where.remote(), timeout=300)
+    if os.path.realpath(got) != os.path.realpath(tree):
+        raise SystemExit(f"weightsync bench --against: the other side's actors import weightsync from {got}, "
+                         f"not {tree}")
+    return got
+
+
+# -- the rounds -------------------------------------------------------------------------------
+
+def run_rounds(plan: list[tuple[str, Item]], benches: dict[str, Any], run_row: Callable[[Any, Item], dict],
+               refusal: Callable[[Item], str | None], skipped: Callable[[Item, str], dict],
+               echo: Callable[[dict, Any], None], *, n_rounds: int, warmup: int, versions: int,
+               payload: int, rev: str | None) -> list[dict[str, Any]]:
+    """Every (side, item) of ``plan`` once per round, the order rotated each round; returns
+    one merged row per (side, item) with the statistics over every round's versions."""
+    pids = {side: {"trainer": ray.get(b.trainer.pid.remote()), "rollouts": ray.get([r.pid.remote() for r in b.rollouts])}
+            for side, b in benches.items()}
+    done: list[dict[str, Any]] = []
+    for k in range(n_rounds):
+        order = rounds.round_order(list(enumerate(plan)), k)
+        print(f"weightsync bench: round {k + 1}/{n_rounds}", file=sys.stderr)
+        for position, (index, (side, item)) in enumerate(order):
+            kind, _, n, _, _ = item
+            bench = benches[side]
+            why = refusal(item)
+            if why:
+                row = skipped(item, why)
+            else:
+                probe = Probe([pids[side]["trainer"], *pids[side]["rollouts"][:n]])
+                row = run_row(bench, item)
+                # collective baselines run in their own actors, which report their own CPU time
+                probe_out = probe.done(row.pop("parties_cpu_s", 0.0) or 0.0)
+                row.update(probe_out)
+                ran = versions_run(row["kind"], warmup, versions) if row.get("seconds") else 0
+                row["cpu_s_per_version"] = probe_out["parties_cpu_s"] / ran if ran else None
+            row.update(round=k, position=position, plan_index=index)
+            rounds.tag_side(row, side, rev if side == "against" else None)
+            done.append(row)
+            echo(row, bench)
+            if row.get("replaced_actors"):  # new actors, new pids
+                b = benches[side]
+                pids[side] = {"trainer": ray.get(b.trainer.pid.remote()),
+                              "rollouts": ray.get([r.pid.remote() for r in b.rollouts])}
+    return rounds.merge_all(done, payload)
