@@ -57,7 +57,8 @@ from .ipc_wire import (
     slot_word,
     tag,
 )
-from .segment import PAGE, Segment, attach, create, digest_word, reap_stale
+from .segment import PAGE, Segment, attach, create, digest_word
+from .segment_scan import reap_stale
 
 
 class IpcSender(SenderTransport):

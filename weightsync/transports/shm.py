@@ -34,7 +34,8 @@ from ..digest import as_int, verify
 from ..errors import DeadlineExceeded, ProtocolError
 from ..plan import BucketPlan, align_up
 from .base import Fill, Received, ReceiverTransport, SenderTransport, TransportContext, poll_until
-from .segment import PAGE, Segment, attach, create, digest_word, reap_stale
+from .segment import PAGE, Segment, attach, create, digest_word
+from .segment_scan import reap_stale
 
 MAGIC = 0x5753594E43534D31  # "WSYNCSM1"
 _HEAD_WORDS = 8
