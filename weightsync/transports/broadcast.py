@@ -45,20 +45,9 @@ from .. import device as devices
 from ..digest import compute, kind_of
 from ..errors import ConfigError, DeadlineExceeded, ProtocolError, VersionError, WeightSyncError
 from .base import Aborted, Fill, Received, ReceiverTransport, SenderTransport, TransportContext
-from .groups import (  # noqa: F401  (re-exported: bench/collective_baselines.py and the tests use them from here)
-    DEVICE_OF_BACKEND,
-    Group,
-    choose_backend,
-    choose_communicator,
-    comm_device,
-    connect_store,
-    host_store,
-    new_process_group,
-    probe,
-    retire,
-    settle,
-    store_host,
-)
+from .communicators import choose_backend, choose_communicator, comm_device
+from .group_store import connect_store, host_store, store_host
+from .groups import Group, retire, settle
 
 TRAILER = 8  # bytes of the digest that follows a bucket's payload
 BUFFERS = 2  # per side: one bucket in flight while the other is packed (or loaded)
