@@ -29,7 +29,7 @@ import numpy as np
 import torch
 
 from .. import device as devices
-from ..errors import ConfigError, CapacityError, ProtocolError
+from ..errors import CapacityError, ConfigError, ProtocolError
 from .node_memory import check_space
 from .segment_refs import SEGMENT_REF, memfd_link, segment_name
 from .segment_scan import holders
