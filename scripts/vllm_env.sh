@@ -7,8 +7,8 @@
 # WEIGHTSYNC_VLLM_VERSION picks the vLLM release (default 0.11.0): 0.10.1 is the one inside the
 # official Ascend verl image (vLLM commit 38217877aa); its venv is .venv-vllm-0.10.1.
 #
-# Idempotent: a stamp records what was installed; when it matches, this returns in about a
-# second. Prints the venv's python on its last line.
+# Idempotent (scripts/lib/venv.sh): a stamp records what was installed; when it matches, this
+# returns in about a second. Prints the venv's python on its last line.
 #
 # Why not `pip install vllm==0.11.0`: with VLLM_TARGET_DEVICE=empty the build reports version
 # 0.11.0+empty, which pip refuses for a `==0.11.0` request; so the sdist is installed by
@@ -27,19 +27,13 @@ case "$version" in  # the sdists' sha256 on PyPI, pinned
     *) echo "vllm_env.sh: no pinned sdist for vLLM $version (0.11.0, 0.10.1)" >&2; exit 2 ;;
 esac
 venv="${WEIGHTSYNC_VLLM_VENV:-$default_venv}"
-python="${PYTHON:-python3}"
 torch_spec="${WEIGHTSYNC_TORCH:-torch==2.13.0}"
-stamp_key="vllm=${version} sha=${vllm_sha} torch=${torch_spec} pyproject=$(sha256sum pyproject.toml | cut -c1-16)"
+. scripts/lib/venv.sh
+stamp_key="vllm=${version} sha=${vllm_sha} torch=${torch_spec} pyproject=$(pyproject_hash)"
 stamp="$venv/.weightsync-vllm-stamp"
+venv_reuse "$venv" "$stamp" "$stamp_key"
 
-if [ -f "$stamp" ] && [ "$(cat "$stamp")" = "$stamp_key" ] && [ -x "$venv/bin/python" ]; then
-    echo "$venv/bin/python"
-    exit 0
-fi
-started=$(date +%s)
-[ -x "$venv/bin/python" ] || "$python" -m venv "$venv"
-. "$venv/bin/activate"
-pip_q="pip install --quiet --disable-pip-version-check"
+venv_start "$venv"
 constraints="$venv/constraints.txt"
 printf '%s\ntransformers<5\n' "$torch_spec" > "$constraints"
 $pip_q -c "$constraints" "$torch_spec"
@@ -48,6 +42,4 @@ vllm_url=$(python scripts/sdist_url.py "vllm-${version}.tar.gz" "$vllm_sha")
 VLLM_TARGET_DEVICE=empty $pip_q -c "$constraints" --no-build-isolation "vllm @ ${vllm_url}#sha256=${vllm_sha}"
 $pip_q -c "$constraints" -e ".[dev]"
 python -c "import vllm, torch, transformers, weightsync; print('vllm', vllm.__version__, 'torch', torch.__version__, 'transformers', transformers.__version__)" >&2
-echo "$stamp_key" > "$stamp"
-echo "weightsync: $venv ready in $(( $(date +%s) - started )) s" >&2
-echo "$venv/bin/python"
+venv_done "$venv" "$stamp" "$stamp_key"

@@ -8,7 +8,7 @@ import os
 
 import pytest
 
-from weightsync.transports.segment import holders, our_segments, reap_stale
+from weightsync.transports.segment_scan import holders, our_segments, reap_stale
 
 _ids = itertools.count()
 

@@ -14,7 +14,9 @@ from weightsync.model_layouts import layout, materialize
 from weightsync.plan import Packing, plan_buckets
 from weightsync.testing import RolloutWorker, TrainerWorker, same_bits
 from weightsync.transports.base import TransportContext
-from weightsync.transports.segment import holders, locate, memory_available
+from weightsync.transports.node_memory import memory_available
+from weightsync.transports.segment import locate
+from weightsync.transports.segment_scan import holders
 from weightsync.transports.shm import ShmSender
 
 Rollout = ray.remote(RolloutWorker).options(num_cpus=0)

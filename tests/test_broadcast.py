@@ -19,13 +19,8 @@ from weightsync.errors import ConfigError
 from weightsync.manifest import Manifest, TensorSpec
 from weightsync.model_layouts import layout
 from weightsync.testing import RolloutWorker, TrainerWorker, assert_serves
-from weightsync.transports.broadcast import (
-    TRAILER,
-    choose_backend,
-    comm_device,
-    get_checksum,
-    put_checksum,
-)
+from weightsync.transports.broadcast import TRAILER, get_checksum, put_checksum
+from weightsync.transports.communicators import choose_backend, comm_device
 
 TINY = layout("tiny")  # embed_tokens is 125 KiB: several buckets of the size below
 BUCKET_MB = 48 / 1024

@@ -1,4 +1,4 @@
-"""Which construction builds the broadcast group, and why (weightsync.transports.groups).
+"""Which construction builds the broadcast group, and why (weightsync.transports.communicators).
 
 The constructions themselves run in tests/test_broadcast.py (torch gloo here; nccl / hccl
 on devices), tests/vllm_tier/test_stateless_group.py (vLLM's StatelessProcessGroup on our store)
@@ -12,7 +12,7 @@ import ray
 from weightsync.errors import ConfigError
 from weightsync.model_layouts import layout
 from weightsync.testing import RolloutWorker, TrainerWorker
-from weightsync.transports.groups import choose_communicator, probe
+from weightsync.transports.communicators import choose_communicator, probe
 
 
 def _probe(missing: dict[str, str]):
@@ -114,7 +114,7 @@ def _gloo_listens(monkeypatch, ifname: str | None) -> set[str]:
     import psutil
     import torch.distributed as dist
 
-    from weightsync.transports.groups import new_process_group
+    from weightsync.transports.communicators import new_process_group
 
     if ifname is None:
         monkeypatch.delenv("GLOO_SOCKET_IFNAME", raising=False)

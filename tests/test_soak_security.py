@@ -14,7 +14,9 @@ import ray
 from weightsync import Coordinator, ProtocolError, WeightReceiver, protocol, transports
 from weightsync.model_layouts import layout, materialize
 from weightsync.testing import RolloutWorker, TrainerWorker, same_bits
-from weightsync.transports.segment import SEGMENT_REF, holders, locate, our_segments
+from weightsync.transports.segment import locate
+from weightsync.transports.segment_refs import SEGMENT_REF
+from weightsync.transports.segment_scan import holders, our_segments
 
 Rollout = ray.remote(RolloutWorker).options(num_cpus=0)
 Trainer = ray.remote(TrainerWorker).options(num_cpus=0)

@@ -203,7 +203,7 @@ def test_install_patches_recipe_on_import(tmp_path, monkeypatch):
         with pytest.raises(RuntimeError, match="already has worker_process_setup_hook"):
             recipe.add_setup_hook({"worker_process_setup_hook": "other.hook"})
     finally:
-        sys.meta_path[:] = [f for f in sys.meta_path if not isinstance(f, recipe._PatchOnImport)]
+        recipe.uninstall()
         for name in [m for m in sys.modules if m == "recipe" or m.startswith("recipe.")]:
             sys.modules.pop(name, None)
 
@@ -241,6 +241,6 @@ def test_recipe_without_a_sync_group_method(tmp_path, monkeypatch, init_workers,
                                                    r"v0\.5\.0, v0\.5\.0-80-g796871d7, v0\.6\.1"):
                 import recipe.one_step_off_policy.ray_trainer  # noqa: F401
     finally:
-        sys.meta_path[:] = [f for f in sys.meta_path if not isinstance(f, recipe._PatchOnImport)]
+        recipe.uninstall()
         for name in [m for m in sys.modules if m == "recipe" or m.startswith("recipe.")]:
             sys.modules.pop(name, None)

@@ -232,14 +232,3 @@ def version_digest(kind: str | None, bucket_digests: Sequence[int] | Iterable[in
     h.update(np.asarray(values, dtype=np.uint64).tobytes())
     return f"{kind}:{h.hexdigest()}"
 
-
-def metrics(version_record: dict[str, Any]) -> dict[str, float]:
-    """Numeric digest metrics of one version (coordinator ``metrics(version)``) for trainer
-    loggers, which take numbers only: the low 32 bits of the sender's version digest (exact
-    in a float; the full value is in status()) and whether every receiver reported the same."""
-    sent = version_record.get("digest")
-    if not sent:
-        return {}
-    got = list((version_record.get("receiver_digests") or {}).values())
-    return {"weightsync/digest": float(int(sent.rsplit(":", 1)[-1][-8:], 16)),
-            "weightsync/digest_agree": float(bool(got) and all(d == sent for d in got))}

@@ -97,17 +97,17 @@ def _groups(kind: str) -> dict[str, Any]:
     """The broadcast group's constructions per backend, and the one this platform would use
     with the config's ``communicator`` (``WEIGHTSYNC_COMMUNICATOR``, default auto)."""
     from .device import backend_for
-    from .transports import groups
+    from .transports import communicators
 
     backend = backend_for(kind)
     requested = os.environ.get("WEIGHTSYNC_COMMUNICATOR", "auto")
     try:
-        name, why = groups.choose_communicator(requested, backend)
+        name, why = communicators.choose_communicator(requested, backend)
         used: dict[str, Any] = {"backend": backend, "communicator": name, "reason": why}
     except Exception as exc:  # an explicit choice that cannot work here, or nothing can
         used = {"backend": backend, "communicator": None, "reason": str(exc)}
     return {"used_here": used, "requested": requested,
-            "constructions": {b: groups.constructions(b) for b in ("hccl", "nccl", "gloo")}}
+            "constructions": {b: communicators.constructions(b) for b in ("hccl", "nccl", "gloo")}}
 
 
 def collect(shm_dir: str = "/dev/shm", shm_backing: str | None = None) -> dict[str, Any]:

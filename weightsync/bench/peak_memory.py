@@ -11,7 +11,7 @@ import resource
 
 import psutil
 
-from ..transports.segment import meminfo
+from ..transports.node_memory import meminfo
 
 
 def rss() -> int:

@@ -46,20 +46,9 @@ from ..errors import ConfigError, DeadlineExceeded, VersionError, WeightSyncErro
 from ..plan import BucketSink, Packing
 from .base import Aborted, Received, ReceiverTransport, SenderTransport, TransportContext
 from .broadcast_end import BUFFERS, TRAILER, BroadcastEnd, get_checksum, put_checksum  # noqa: F401  (tests)
-from .groups import (  # noqa: F401  (re-exported: bench/collective_baselines.py and the tests use them from here)
-    DEVICE_OF_BACKEND,
-    Group,
-    choose_backend,
-    choose_communicator,
-    comm_device,
-    connect_store,
-    host_store,
-    new_process_group,
-    probe,
-    retire,
-    settle,
-    store_host,
-)
+from .communicators import choose_backend, comm_device
+from .group_store import connect_store, host_store, store_host
+from .groups import Group, settle
 from .records import BroadcastSession, BroadcastVersion, VersionRecord
 
 

@@ -13,7 +13,8 @@ import torch
 from ..digest import compute, kind_of
 from ..errors import ConfigError, ProtocolError, WeightSyncError
 from .base import Aborted, TransportContext
-from .groups import Group, choose_communicator, comm_device, retire
+from .communicators import choose_communicator, comm_device
+from .groups import Group, retire
 
 TRAILER = 8  # bytes of the digest that follows a bucket's payload
 BUFFERS = 2  # per side: one bucket in flight while the other is packed (or loaded)

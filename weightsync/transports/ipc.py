@@ -58,7 +58,8 @@ from .ipc_wire import (
     tag,
 )
 from .records import DeviceHandle, DeviceRecord, HostBuffer, IpcSession, IpcVersion, VersionRecord
-from .segment import PAGE, Segment, attach, create, digest_word, reap_stale
+from .segment import PAGE, Segment, attach, create, digest_word
+from .segment_scan import reap_stale
 
 
 class IpcSender(SenderTransport):

@@ -36,7 +36,8 @@ from ..errors import DeadlineExceeded, ProtocolError
 from ..plan import BucketPlan, BucketSink, Packing, align_up
 from .base import Received, ReceiverTransport, SenderTransport, TransportContext, poll_until
 from .records import ShmSession, ShmStreamVersion, ShmVersion, VersionRecord, shm_version
-from .segment import PAGE, Segment, attach, create, digest_word, reap_stale
+from .segment import PAGE, Segment, attach, create, digest_word
+from .segment_scan import reap_stale
 
 MAGIC = 0x5753594E43534D31  # "WSYNCSM1"
 _HEAD_WORDS = 8

@@ -37,8 +37,9 @@ from ..plan import BucketPlan, align_up
 from .base import Received, ReceiverTransport, SenderTransport, TransportContext
 from .ipc import IpcReceiver, IpcSender
 from .ipc_wire import CONTROL_BYTES, MAX_BUFFERS
+from .node_memory import memory_available
 from .records import ShmStreamSession, ShmStreamVersion, ShmVersion, VersionRecord, shm_session, shm_version
-from .segment import PAGE, memory_available, resolve_backing
+from .segment import PAGE, resolve_backing
 from .shm import ShmReceiver, ShmSender, layout
 
 AUTO_FRACTION = 0.5

@@ -22,8 +22,6 @@ imported). Generations: see ``PATCHES`` and docs/verl.md.
 
 from __future__ import annotations
 
-import importlib
-import importlib.abc
 import inspect
 import os
 import sys
@@ -34,15 +32,16 @@ import ray
 
 from weightsync import Coordinator
 from weightsync.config import ENV_PREFIX
-from weightsync.digest import metrics as digest_metrics
+from weightsync.logger_metrics import digest_metrics
 
 from .config import refuse_old_key, sync_config
+from .import_hook import after_import, remove
 from .inline_group import GroupRequest, take_over_group
 from .tagging import VersionLedger, agreed_version, next_version, stamp_all
 from .workers import FSDPActorWeightSyncMixin, MegatronActorWeightSyncMixin, RolloutWeightSyncMixin
 
 __all__ = ["FSDPActorWeightSyncMixin", "MegatronActorWeightSyncMixin", "RolloutWeightSyncMixin",
-           "WeightSyncTrainerMixin", "install", "enable_in_ray_workers", "add_setup_hook", "PATCHES"]
+           "WeightSyncTrainerMixin", "install", "uninstall", "enable_in_ray_workers", "add_setup_hook", "PATCHES"]
 
 RECIPE = "recipe.one_step_off_policy"
 GROUP = "actor_rollout"  # the recipe's name for its sync group, at every generation
@@ -224,42 +223,18 @@ def _creates_group_inline(trainer: type) -> bool:
     return "create_collective_group" in source
 
 
-class _PatchingLoader(importlib.abc.Loader):
-    def __init__(self, inner: Any):
-        self.inner = inner
-
-    def create_module(self, spec: Any) -> Any:
-        return self.inner.create_module(spec) if hasattr(self.inner, "create_module") else None
-
-    def exec_module(self, module: Any) -> None:
-        self.inner.exec_module(module)
-        patch_module(module)
-
-
-class _PatchOnImport(importlib.abc.MetaPathFinder):
-    """Patches a recipe module right after it executes, wherever it is first imported."""
-
-    def find_spec(self, fullname: str, path: Any, target: Any = None) -> Any:
-        if fullname not in PATCHES:
-            return None
-        for finder in sys.meta_path:
-            if finder is self or not hasattr(finder, "find_spec"):
-                continue
-            spec = finder.find_spec(fullname, path, target)
-            if spec is not None:
-                spec.loader = _PatchingLoader(spec.loader)
-                return spec
-        return None
-
-
 def install() -> None:
     """Patch the recipe in this process: modules already imported now, the others as they
     are imported. Idempotent; cheap (imports nothing of the recipe itself)."""
-    if not any(isinstance(f, _PatchOnImport) for f in sys.meta_path):
-        sys.meta_path.insert(0, _PatchOnImport())
+    after_import(__name__, dict.fromkeys(PATCHES, patch_module))
     for name in PATCHES:
         if name in sys.modules:
             patch_module(sys.modules[name])
+
+
+def uninstall() -> None:
+    """Stop patching recipe modules as they are imported (those patched stay patched)."""
+    remove(__name__)
 
 
 HOOK = f"{__name__}.install"

@@ -21,12 +21,12 @@ cpu_workers.py, without subclassing any of verl's workers:
   rollout's and the actor's log-probs, the batch's weightsync tag: ``batch-<n>.pt``, n the
   n-th call, one per step).
 
-Each is applied right after the verl module that needs it is imported (an import hook), so
+Each is applied right after the verl module that needs it is imported (the adapter's own
+import hook, weightsync_verl.import_hook, which imports only the standard library), so
 processes that never import verl pay nothing.
 """
 
-import importlib.abc
-import sys
+from weightsync_verl.import_hook import after_import
 
 
 def _device(module):
@@ -163,32 +163,4 @@ def _sender(module):
 
 _AFTER = {"verl.utils.device": _device, "verl.utils.debug.metrics": _metrics, "weightsync.sender": _sender}
 
-
-class _Loader(importlib.abc.Loader):
-    def __init__(self, inner, fix):
-        self.inner, self.fix = inner, fix
-
-    def create_module(self, spec):
-        return self.inner.create_module(spec) if hasattr(self.inner, "create_module") else None
-
-    def exec_module(self, module):
-        self.inner.exec_module(module)
-        self.fix(module)
-
-
-class _Finder(importlib.abc.MetaPathFinder):
-    def find_spec(self, fullname, path, target=None):
-        fix = _AFTER.get(fullname)
-        if fix is None:
-            return None
-        for finder in sys.meta_path:
-            if finder is self or not hasattr(finder, "find_spec"):
-                continue
-            spec = finder.find_spec(fullname, path, target)
-            if spec is not None:
-                spec.loader = _Loader(spec.loader, fix)
-                return spec
-        return None
-
-
-sys.meta_path.insert(0, _Finder())
+after_import("e2e_site", _AFTER)
