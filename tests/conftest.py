@@ -3,14 +3,9 @@ and checks that no shared-memory segment or Ray process outlives the tests."""
 
 from __future__ import annotations
 
-import itertools
-import os
-
 import pytest
 
 from weightsync.transports.segment_scan import holders, our_segments, reap_stale
-
-_ids = itertools.count()
 
 
 def pytest_collection_modifyitems(config, items):
@@ -54,19 +49,14 @@ def ray_cluster():
 
 @pytest.fixture
 def coordinator_factory(ray_cluster):
-    """make(config_dict) -> Coordinator with a unique name; killed after the test."""
-    from weightsync import Coordinator
+    """make(config_dict) -> Coordinator with a unique name; shut down after the test."""
+    from weightsync.testing import new_coordinator
 
     made = []
 
     def make(config: dict | None = None, **kwargs):
-        # device cpu unless a test asks for one: on a GPU node "auto" would pick cuda for some
-        # parties (those Ray gives a GPU, or all of them) and not others
-        cfg = {"heartbeat_interval_s": 0.2, "heartbeat_timeout_s": 3.0, "sync_timeout_s": 60.0,
-               "connect_timeout_s": 60.0, "device": "cpu", **(config or {})}
-        coord = Coordinator.create(cfg, name=f"ws-test-{os.getpid()}-{next(_ids)}", **kwargs)
-        made.append(coord)
-        return coord
+        made.append(new_coordinator(config, **kwargs))
+        return made[-1]
 
     yield make
     for coord in made:
@@ -76,6 +66,8 @@ def coordinator_factory(ray_cluster):
 @pytest.fixture
 def actors(ray_cluster):
     """Track Ray actors a test starts; each is closed (if it can be) and killed afterwards."""
+    from weightsync.testing import stop_actors
+
     started = []
 
     class Tracker:
@@ -84,12 +76,24 @@ def actors(ray_cluster):
             return handle
 
     yield Tracker()
-    for handle in started:
-        try:
-            ray_cluster.get(handle.close.remote(), timeout=10)
-        except Exception:
-            pass
-        ray_cluster.kill(handle)
+    stop_actors(started)
+
+
+@pytest.fixture
+def start_job(coordinator_factory, actors):
+    """The one way a test starts a job: start_job(config, receivers=2, manifest=layout("tiny"),
+    options=, rollout=, trainer=) -> weightsync.testing.Job (a coordinator with ``config``,
+    ``receivers`` rollout workers and a trainer, all given ``config``); torn down after the test."""
+    from weightsync.model_layouts import layout
+    from weightsync.testing import start_parties
+
+    def start(config: dict, receivers: int = 2, manifest=None, **kwargs):
+        job = start_parties(coordinator_factory(config), manifest or layout("tiny"), config, receivers, **kwargs)
+        for party in job.parties:
+            actors.add(party)
+        return job
+
+    return start
 
 
 @pytest.fixture(scope="session", autouse=True)

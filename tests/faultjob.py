@@ -11,25 +11,21 @@ i) and say so; the test acts there. Waits in here wait for a state the coordinat
 
 from __future__ import annotations
 
-import itertools
-import os
 import time
 from typing import Any
 
 import pytest
 import ray
 
-from weightsync import Coordinator, SyncFailed
+from weightsync import SyncFailed
 from weightsync.manifest import Manifest
 from weightsync.plan import plan_buckets
-from weightsync.testing import RolloutWorker, TrainerWorker, serves
+from weightsync.testing import JOB_DEFAULTS, new_coordinator, rollout_actor, serves, stop_actors, trainer_actor
 
 # threaded actors: reached() / release() run beside an apply() or stage() held at a fault point
-Rollout = ray.remote(RolloutWorker).options(num_cpus=0, max_concurrency=4)
-Trainer = ray.remote(TrainerWorker).options(num_cpus=0, max_concurrency=4)
+THREADED = {"max_concurrency": 4}
 DEADLINE_S = 30.0  # sync_timeout_s: every failure must surface well before it
 RECEIVERS = ("rollout-0", "rollout-1")
-_ids = itertools.count()
 
 
 def wait_until(what: str, cond, timeout: float = DEADLINE_S) -> Any:
@@ -50,11 +46,10 @@ class Job:
     def __init__(self, transport: str, manifest: Manifest, bucket_mb: float, *,
                  coordinator_options: dict | None = None, **extra: Any):
         self.transport, self.manifest = transport, manifest
-        self.cfg = {"transport": transport, "bucket_mb": bucket_mb, "sync_timeout_s": DEADLINE_S, "device": "cpu",
-                    "heartbeat_interval_s": 0.2, "heartbeat_timeout_s": 3.0, "connect_timeout_s": 60.0, **extra}
+        self.cfg = {**JOB_DEFAULTS, "transport": transport, "bucket_mb": bucket_mb, "sync_timeout_s": DEADLINE_S,
+                    **extra}
+        self.coord = new_coordinator(self.cfg, "ws-faults", actor_options=coordinator_options)
         self.buckets = plan_buckets(manifest, int(bucket_mb * 2**20), 256).bucket_count
-        self.coord = Coordinator.create(self.cfg, name=f"ws-faults-{os.getpid()}-{next(_ids)}",
-                                        actor_options=coordinator_options)
         self.actors: list[Any] = []
         self.rollouts: dict[str, Any] = {}
         self.dead: set[str] = set()
@@ -68,13 +63,12 @@ class Job:
     # -- parties ----------------------------------------------------------------------
 
     def _start_rollout(self, name: str, rank: int) -> Any:
-        actor = Rollout.remote(self.coord, self.manifest.to_wire(), name, rank=rank, config=self.cfg)
+        actor = rollout_actor(self.coord, self.manifest, name, rank, self.cfg, THREADED)
         self.actors.append(actor)
         return actor
 
     def _start_trainer(self) -> Any:
-        actor = Trainer.remote(self.coord, self.manifest.to_wire(), config=self.cfg,
-                               expected_receivers=len(RECEIVERS))
+        actor = trainer_actor(self.coord, self.manifest, self.cfg, len(RECEIVERS), THREADED)
         self.actors.append(actor)
         return actor
 
@@ -132,6 +126,33 @@ class Job:
         assert all(ray.get([r.reached.remote(DEADLINE_S) for r in self.rollouts.values()]))
         return applied, sync
 
+    def bucket_at(self, where: str) -> int:
+        """The bucket a fault lands after: "first", "middle" or "last" of a version."""
+        return {"first": 0, "middle": self.buckets // 2, "last": self.buckets - 1}[where]
+
+    def kill_held(self, name: str, where: str) -> tuple[int, int, dict[str, Any], Any]:
+        """From a fresh job, a new version held after its ``where`` bucket (start_held()) and
+        ``name`` (a rollout or "trainer") killed there; once the coordinator has seen it (a
+        receiver failed in the version, or the version aborted for a sender), the other rollouts
+        go on. Returns (the version served before, the new one, start_held()'s refs)."""
+        base, version = self.fresh(), self.next()
+        applied, sync = self.start_held(version, self.bucket_at(where))
+        self.kill(name)
+        if name == "trainer":
+            wait_until("the coordinator aborted v", lambda: self.state(version) == "ABORTED")
+        else:
+            wait_until(f"{name} is failed in v", lambda: name in self.metrics(version)["failed"])
+        ray.get([r.release.remote() for n, r in self.rollouts.items() if n != name])
+        return base, version, applied, sync
+
+    def next_serves_all(self, restart: str | None = None) -> bool:
+        """A new version commits on every receiver and each serves it, bit-exactly (after a
+        replacement for the killed party ``restart``, where one is named)."""
+        if restart:
+            self.restart(restart)
+        v = self.next()
+        return self.step(v) == {n: v for n in RECEIVERS} and [self.serves(n) for n in RECEIVERS] == [v, v]
+
     def metrics(self, version: int) -> dict[str, Any]:
         return self.coord.metrics(version)
 
@@ -143,12 +164,7 @@ class Job:
         return serves(self.rollouts[name], self.manifest)
 
     def close(self) -> None:
-        for actor in self.actors:
-            try:
-                ray.get(actor.close.remote(), timeout=10)
-            except Exception:
-                pass
-            ray.kill(actor)
+        stop_actors(self.actors)
         self.coord.shutdown()
 
 
@@ -159,6 +175,15 @@ def sync_failed(ref) -> SyncFailed:
         ray.get(ref, timeout=DEADLINE_S + 30)
     assert time.monotonic() - t0 < DEADLINE_S, "the failure surfaced before the deadline"
     return err.value
+
+
+def survivor_commits(job: Job, version: int, applied, sync, why: str) -> None:
+    """The sender's sync (ref ``sync``) fails naming only rollout-1 (its reason says ``why``);
+    rollout-0 (its apply ref ``applied``) commits ``version`` and serves it; the version ABORTED."""
+    err = sync_failed(sync)
+    assert set(err.failed) == {"rollout-1"} and why in err.failed["rollout-1"], err
+    assert err.committed == ["rollout-0"] and job.state(version) == "ABORTED"
+    assert ray.get(applied) == version and job.serves("rollout-0") == version
 
 
 def apply_fails(ref, *patterns: str) -> str:

@@ -29,7 +29,7 @@ from ray.cluster_utils import Cluster
 
 from weightsync import Coordinator, SyncFailed
 from weightsync.manifest import Manifest, TensorSpec
-from weightsync.testing import RolloutWorker, TrainerWorker, check_serves
+from weightsync.testing import TrainerWorker, check_serves, rollout_actor, trainer_actor
 
 DEADLINE_S = 30.0
 # test_broadcast.py's WIDE layout: the first tensor spans 6 buckets and the version is far larger
@@ -84,12 +84,12 @@ def serves(worker: Any) -> dict[str, Any]:
 
 def run(cluster: Cluster, nodes: dict[str, Any], out: dict[str, Any]) -> None:
     coord = Coordinator.create(CFG, name="ws-multinode", actor_options={"resources": {"node_a": 0.01}})
-    opts = {"num_cpus": 0, "max_concurrency": 4}
-    rollouts = {name: ray.remote(RolloutWorker).options(**opts, resources={node: 1}).remote(
-                    coord, LAYOUT.to_wire(), name, rank=rank, config=CFG)
+    def on(node: str) -> dict[str, Any]:  # threaded: reached() / release() beside a held apply()
+        return {"max_concurrency": 4, "resources": {node: 1}}
+
+    rollouts = {name: rollout_actor(coord, LAYOUT, name, rank, CFG, on(node))
                 for rank, (name, node) in enumerate((("rollout-0", "node_b"), ("rollout-1", "node_c")))}
-    trainer = ray.remote(Trainer).options(**opts, resources={"node_a": 1}).remote(
-        coord, LAYOUT.to_wire(), config=CFG, expected_receivers=2)
+    trainer = trainer_actor(coord, LAYOUT, CFG, 2, on("node_a"), cls=Trainer)
     ray.get([r.version.remote() for r in rollouts.values()], timeout=120)
     out["node_ids"] = {name: node.node_id for name, node in nodes.items()}
 

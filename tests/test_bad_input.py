@@ -12,15 +12,18 @@ from weightsync import CapacityError, ConfigError, ManifestError, SyncConfig, Ve
 from weightsync.manifest import Manifest, TensorSpec, build_manifest
 from weightsync.model_layouts import layout, materialize
 from weightsync.plan import Packing, plan_buckets
-from weightsync.testing import RolloutWorker, TrainerWorker, same_bits
+from weightsync.testing import (
+    assert_serves,
+    new_coordinator,
+    start_parties,
+    stop_actors,
+)
 from weightsync.transports.base import TransportContext
 from weightsync.transports.node_memory import memory_available
 from weightsync.transports.segment import locate
 from weightsync.transports.segment_scan import holders
 from weightsync.transports.shm import ShmSender
 
-Rollout = ray.remote(RolloutWorker).options(num_cpus=0)
-Trainer = ray.remote(TrainerWorker).options(num_cpus=0)
 MANIFEST = layout("tiny")
 CFG = {"transport": "shm", "bucket_mb": 1 / 16}
 
@@ -52,18 +55,10 @@ PATTERNS = {
 @pytest.fixture(scope="module")
 def job(ray_cluster):
     """One coordinator, receiver and trainer for every bad-input case (each uses new versions)."""
-    from weightsync import Coordinator
-
-    coord = Coordinator.create({**CFG, "heartbeat_interval_s": 0.2, "heartbeat_timeout_s": 3.0},
-                               name=f"ws-bad-input-{os.getpid()}")
-    r = Rollout.remote(coord, MANIFEST.to_wire(), "rollout-0", config=CFG)
-    trainer = Trainer.remote(coord, MANIFEST.to_wire(), config=CFG, expected_receivers=1)
-    state = {"coord": coord, "rollout": r, "trainer": trainer, "version": 0}
-    yield state
-    ray.get([r.close.remote(), trainer.close.remote()])
-    ray.kill(r)
-    ray.kill(trainer)
-    coord.shutdown()
+    job = start_parties(new_coordinator(CFG, "ws-bad-input"), MANIFEST, CFG, 1)
+    yield {"coord": job.coordinator, "rollout": job.rollouts[0], "trainer": job.trainer, "version": 0}
+    stop_actors(job.parties)
+    job.coordinator.shutdown()
 
 
 @pytest.mark.parametrize("kind", list(PATTERNS))
@@ -84,24 +79,18 @@ def test_bad_tensors_on_the_sender(job, kind, form, request):
         ray.get(trainer.stage.remote(bad_version, None, 0.0, bad))
     with pytest.raises(VersionError, match="aborted.*ManifestError"):
         ray.get(applied)
-    assert ray.get(r.version.remote()) == good
-    expected, got = materialize(MANIFEST, seed=1), ray.get(r.weights.remote())
-    assert all(same_bits(got[n], expected[n]) for n in expected), "nothing of the bad version was applied"
+    assert_serves(r, materialize(MANIFEST, seed=1), good)  # nothing of the bad version was applied
     assert coord.metrics(bad_version)["state"] == "ABORTED"
 
 
 @pytest.mark.scenario("bad input", "bucket truncated in transit")
 @pytest.mark.parametrize("backing", ["files", "memfd"])
-def test_truncated_segment_is_refused(coordinator_factory, actors, backing):
+def test_truncated_segment_is_refused(start_job, backing):
     """files: the receiver sees the cut file and refuses the version (no SIGBUS), serving v1;
     memfd: the segment is sealed against shrinking, the cut is refused and v2 commits."""
-    cfg = {**CFG, "shm_backing": backing}
-    coord = coordinator_factory(cfg)
-    r = actors.add(Rollout.remote(coord, MANIFEST.to_wire(), "rollout-0", config=cfg))
-    trainer = actors.add(Trainer.remote(coord, MANIFEST.to_wire(), config=cfg, expected_receivers=1))
-    applied = r.apply.remote(1)
-    ray.get(trainer.step.remote(1))
-    ray.get(applied)
+    job = start_job({**CFG, "shm_backing": backing}, 1, MANIFEST)
+    coord, (r,), trainer = job
+    job.step(1)
     ray.get(trainer.stage.remote(2))
     path = locate(coord.metrics(2)["info"]["segment"], "/dev/shm")
     if backing == "files":
@@ -115,8 +104,7 @@ def test_truncated_segment_is_refused(coordinator_factory, actors, backing):
     applied = r.apply.remote(2)
     ray.get(trainer.sync.remote(2))
     assert ray.get(applied) == 2
-    expected, got = materialize(MANIFEST, seed=2), ray.get(r.weights.remote())
-    assert all(same_bits(got[n], expected[n]) for n in expected)
+    assert_serves(r, MANIFEST, 2)
 
 
 @pytest.mark.scenario("bad input", "config with unknown keys or impossible values")
@@ -156,20 +144,17 @@ def test_manifest_too_large_for_shm_is_refused_before_writing(backing):
 
 
 @pytest.mark.scenario("bad input", "non-contiguous tensors on the sender (accepted, bit-exact)")
-def test_non_contiguous_inputs_are_sent_bit_exact(coordinator_factory, actors):
-    coord = coordinator_factory(CFG)
+def test_non_contiguous_inputs_are_sent_bit_exact(start_job):
     weights = {n: t for n, t in materialize(MANIFEST, seed=3).items()}
     # the same values, held transposed-and-back or sliced: strided views on the sender
     strided = {n: (t.t().contiguous().t() if t.dim() == 2 else t[::1]) for n, t in weights.items()}
     assert any(not t.is_contiguous() for t in strided.values())
-    r = actors.add(Rollout.remote(coord, MANIFEST.to_wire(), "rollout-0", config=CFG))
-    trainer = actors.add(Trainer.remote(coord, MANIFEST.to_wire(), config=CFG, expected_receivers=1))
+    _, (r,), trainer = start_job(CFG, 1, MANIFEST)
     applied = r.apply.remote(3)
     ray.get(trainer.stage.remote(3, None, 0.0, list(strided.items())))
     ray.get(trainer.sync.remote(3))
     assert ray.get(applied) == 3
-    got = ray.get(r.weights.remote())
-    assert all(same_bits(got[n], weights[n]) for n in weights)
+    assert_serves(r, weights, 3)
 
 
 @pytest.mark.scenario("bad input", "DTensor-like input on the sender")

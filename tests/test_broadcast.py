@@ -12,25 +12,19 @@ from types import SimpleNamespace
 import pytest
 import ray
 import torch
-from faultjob import RECEIVERS, Job, apply_fails, sync_failed, wait_until
+from faultjob import RECEIVERS, Job, apply_fails, survivor_commits, sync_failed
 
 from weightsync.device import ray_options
 from weightsync.errors import ConfigError
 from weightsync.manifest import Manifest, TensorSpec
 from weightsync.model_layouts import layout
-from weightsync.testing import RolloutWorker, TrainerWorker, assert_serves
+from weightsync.testing import assert_serves, trainer_actor
 from weightsync.transports.broadcast import TRAILER, get_checksum, put_checksum
 from weightsync.transports.communicators import choose_backend, comm_device
 
 TINY = layout("tiny")  # embed_tokens is 125 KiB: several buckets of the size below
 BUCKET_MB = 48 / 1024
 CFG = {"transport": "broadcast", "bucket_mb": BUCKET_MB, "sync_timeout_s": 30.0, "device": "cpu"}
-
-
-def _rollouts(actors, coord, names, config, manifest=TINY):
-    cls = ray.remote(RolloutWorker).options(num_cpus=0)
-    return [actors.add(cls.remote(coord, manifest.to_wire(), name, rank=rank, config=config))
-            for rank, name in names]
 
 
 def test_plan_has_a_tensor_larger_than_a_bucket():
@@ -61,14 +55,11 @@ def test_checksum_trailer_round_trip():
     assert put_checksum(buf, 1000) != value
 
 
-def test_ten_versions_bit_exact_one_group(coordinator_factory, actors):
+def test_ten_versions_bit_exact_one_group(start_job, actors):
     """1 sender + 3 receivers + a non-sending trainer rank, 10 versions, bit-exact; the
     group is built once (epoch 1) and reused by every version."""
-    coord = coordinator_factory(CFG)
-    rollouts = _rollouts(actors, coord, [(r, f"rollout-{r}") for r in range(3)], CFG)
-    trainer_cls = ray.remote(TrainerWorker).options(num_cpus=0)
-    sender = actors.add(trainer_cls.remote(coord, TINY.to_wire(), rank=0, config=CFG, expected_receivers=3))
-    follower = actors.add(trainer_cls.remote(coord, TINY.to_wire(), rank=1, config=CFG))
+    coord, rollouts, sender = start_job(CFG, 3, TINY)
+    follower = actors.add(trainer_actor(coord, TINY, CFG, rank=1))
     for v in range(1, 11):
         applied = [r.apply.remote(v) for r in rollouts]
         ray.get(sender.stage.remote(v), timeout=60)  # rank 1's sync needs the version to exist
@@ -99,65 +90,58 @@ WIDE = Manifest((TensorSpec("embed", "bfloat16", (2048, 6144)),
                  *(TensorSpec(f"layers.{i}.w", "bfloat16", (1024, 2048)) for i in range(8))))
 
 
+# what each case promises: docs/reliability.md shows it beside the outcome
+RECEIVER_KILLED = ("first / middle bucket: the group breaks for everyone: the sender's SyncFailed names both "
+                   "receivers, rollout-0's reason (and its own error) naming rollout-1 lost (silent); rollout-0 serves "
+                   "v-1 at the first bucket (it holds only part of a tensor split over 6 buckets: nothing of v reached "
+                   "the model) and nothing at the middle one (broadcast keeps no copy to roll back to) until the next "
+                   "version; v ABORTED; last bucket: rollout-0 had every byte, so it is the shm / ipc outcome "
+                   "(SyncFailed names only rollout-1, rollout-0 commits and serves v); either way the next version "
+                   "re-forms the group without the dead member's old rank and commits on both")
+SENDER_KILLED = ("first / middle bucket: both receivers raise naming trainer-0 (silent) and serve v-1 at the first "
+                 "bucket (nothing of v reached the model yet) and nothing at the middle one until the next version; v "
+                 "ABORTED; last bucket: every byte arrived, both serve v, while the coordinator, which aborted v when "
+                 "the sender went silent, keeps v ABORTED with both listed committed; either way a restarted trainer's "
+                 "next version commits on both")
+RECEIVER_STUCK = ("known limit of a collective: the sender cannot tell which member is slow, so the version aborts at "
+                  "the deadline for everyone with a reason naming the sender's timed-out bucket (DeadlineExceeded), "
+                  "not the stuck rollout-1; both receivers raise and keep serving v-1 (bucket 0 holds only part of a "
+                  "split tensor: nothing of v reached the model); v ABORTED; once unstuck, the next version (with a "
+                  "deadline the engine fits in) commits on both")
+
+
 @pytest.fixture(scope="module")
-def wide(ray_cluster):
+def job(ray_cluster):
+    """One fault job over WIDE for the cases below (tests/faultjob.py)."""
     j = Job("broadcast", WIDE, bucket_mb=4.0)
     yield j
     j.close()
 
 
-def _at(job: Job, where: str) -> int:
-    return {"first": 0, "middle": job.buckets // 2, "last": job.buckets - 1}[where]
-
-
 @pytest.mark.scenario("fault", "receiver killed after loading bucket k of v (first / middle / last)",
-                      transport="broadcast", promise=(
-    "first / middle bucket: the group breaks for everyone: the sender's SyncFailed names both receivers, "
-    "rollout-0's reason (and its own error) naming rollout-1 lost (silent); rollout-0 serves v-1 at the first "
-    "bucket (it holds only part of a tensor split over 6 buckets: nothing of v reached the model) and nothing "
-    "at the middle one (broadcast keeps no copy to roll back to) until the next version; v ABORTED; last bucket: rollout-0 had every byte, so it is the "
-    "shm / ipc outcome (SyncFailed names only rollout-1, rollout-0 commits and serves v); either way the next "
-    "version re-forms the group without the dead member's old rank and commits on both"))
+                      transport="broadcast", promise=RECEIVER_KILLED)
 @pytest.mark.parametrize("where", ["first", "middle", "last"])
-def test_receiver_killed_at_bucket(wide, where):
-    job = wide
-    base = job.fresh()
-    v, k = job.next(), _at(job, where)
-    applied, sync = job.start_held(v, k)
-    job.kill("rollout-1")
-    wait_until("rollout-1 is failed in v", lambda: "rollout-1" in job.metrics(v)["failed"])
-    ray.get(job.rollouts["rollout-0"].release.remote())
-    err = sync_failed(sync)
-    assert "silent" in err.failed["rollout-1"], err
+def test_receiver_killed_at_bucket(job, where):
+    base, v, applied, sync = job.kill_held("rollout-1", where)
     if where == "last":
-        assert set(err.failed) == {"rollout-1"} and err.committed == ["rollout-0"]
-        assert ray.get(applied["rollout-0"]) == v and job.serves("rollout-0") == v
+        survivor_commits(job, v, applied["rollout-0"], sync, "silent")
     else:
+        err = sync_failed(sync)
+        assert "silent" in err.failed["rollout-1"], err
         assert set(err.failed) == set(RECEIVERS) and err.committed == []
         assert "lost receiver 'rollout-1'" in err.failed["rollout-0"], err.failed["rollout-0"]
         apply_fails(applied["rollout-0"], "lost receiver 'rollout-1'")
         assert job.serves("rollout-0") == (base if where == "first" else None)
     assert job.state(v) == "ABORTED"
-    job.restart("rollout-1")
-    v = job.next()
-    assert job.step(v) == {n: v for n in RECEIVERS} and [job.serves(n) for n in RECEIVERS] == [v, v]
+    assert job.next_serves_all(restart="rollout-1")
 
 
 @pytest.mark.scenario("fault", "sender killed after both receivers loaded bucket k of v (first / middle / last)",
-                      transport="broadcast", promise=(
-    "first / middle bucket: both receivers raise naming trainer-0 (silent) and serve v-1 at the first bucket "
-    "(nothing of v reached the model yet) and nothing at the middle one until the next version; v ABORTED; last bucket: every byte arrived, both serve v, while the coordinator, which aborted v "
-    "when the sender went silent, keeps v ABORTED with both listed committed; either way a restarted trainer's "
-    "next version commits on both"))
+                      transport="broadcast", promise=SENDER_KILLED)
 @pytest.mark.parametrize("where", ["first", "middle", "last"])
-def test_sender_killed_at_bucket(wide, where):
-    job = wide
-    base = job.fresh()
-    v, k = job.next(), _at(job, where)
-    applied = list(job.start_held(v, k)[0].values())
-    job.kill("trainer")
-    wait_until("the coordinator aborted v", lambda: job.state(v) == "ABORTED")
-    ray.get([r.release.remote() for r in job.rollouts.values()])
+def test_sender_killed_at_bucket(job, where):
+    base, v, applied, _ = job.kill_held("trainer", where)
+    applied = list(applied.values())
     m = job.metrics(v)
     assert "trainer-0" in m["reason"] and "silent" in m["reason"], m["reason"]
     if where == "last":
@@ -169,19 +153,12 @@ def test_sender_killed_at_bucket(wide, where):
         kept = base if where == "first" else None
         assert [job.serves(n) for n in RECEIVERS] == [kept, kept] and job.metrics(v)["committed"] == []
     assert job.state(v) == "ABORTED"
-    job.restart("trainer")
-    v = job.next()
-    assert job.step(v) == {n: v for n in RECEIVERS} and [job.serves(n) for n in RECEIVERS] == [v, v]
+    assert job.next_serves_all(restart="trainer")
 
 
 @pytest.mark.scenario("fault", "receiver stuck in load_weights past the deadline (alive, heartbeating)",
-                      transport="broadcast", promise=(
-    "known limit of a collective: the sender cannot tell which member is slow, so the version aborts at the "
-    "deadline for everyone with a reason naming the sender's timed-out bucket (DeadlineExceeded), not the stuck "
-    "rollout-1; both receivers raise and keep serving v-1 (bucket 0 holds only part of a split tensor: nothing "
-    "of v reached the model); v ABORTED; once unstuck, the next version (with a deadline the engine fits in) commits on both"))
-def test_stuck_receiver_times_out_the_version(wide):
-    job = wide
+                      transport="broadcast", promise=RECEIVER_STUCK)
+def test_stuck_receiver_times_out_the_version(job):
     base = job.fresh()
     v, short = job.next(), 3.0
     applied, sync = job.start_held(v, 0, sync_timeout=short)  # only the sender's deadline is short
@@ -194,34 +171,23 @@ def test_stuck_receiver_times_out_the_version(wide):
     for ref in applied:
         apply_fails(ref, f"version {v}")
     assert [job.serves(n) for n in RECEIVERS] == [base, base] and job.state(v) == "ABORTED"
-    v = job.next()
-    assert job.step(v) == {n: v for n in RECEIVERS} and [job.serves(n) for n in RECEIVERS] == [v, v]
+    assert job.next_serves_all()
 
 
-def _device_flow(coordinator_factory, actors, kind: str, resources: dict):
+def _device_flow(start_job, kind: str, resources: dict):
     count = torch.cuda.device_count() if kind == "cuda" else torch.npu.device_count()
     if count < 2:
         pytest.skip(f"needs two {kind} devices (a communicator cannot hold one device twice)")
-    cfg = {**CFG, "device": kind, "bucket_mb": 1.0}
-    coord = coordinator_factory(cfg)
-    opts = {"num_cpus": 0, **resources}
-    rollout = actors.add(ray.remote(RolloutWorker).options(**opts).remote(coord, TINY.to_wire(), "rollout-0",
-                                                                         config=cfg))
-    sender = actors.add(ray.remote(TrainerWorker).options(**opts).remote(coord, TINY.to_wire(), config=cfg,
-                                                                        expected_receivers=1))
-    for v in range(1, 4):
-        applied = rollout.apply.remote(v)
-        ray.get(sender.step.remote(v), timeout=120)
-        assert ray.get(applied, timeout=120) == v
-        assert_serves(rollout, TINY, v)
-    assert coord.status()["versions"][-1]["info"]["session"]["backend"] == ("nccl" if kind == "cuda" else "hccl")
+    job = start_job({**CFG, "device": kind, "bucket_mb": 1.0}, 1, TINY, options=resources)
+    job.run(TINY, range(1, 4))
+    assert job.coordinator.status()["versions"][-1]["info"]["session"]["backend"] == ("nccl" if kind == "cuda" else "hccl")
 
 
 @pytest.mark.cuda
-def test_nccl_bit_exact(coordinator_factory, actors):
-    _device_flow(coordinator_factory, actors, "cuda", ray_options("cuda", 1))
+def test_nccl_bit_exact(start_job):
+    _device_flow(start_job, "cuda", ray_options("cuda", 1))
 
 
 @pytest.mark.npu
-def test_hccl_bit_exact(coordinator_factory, actors):
-    _device_flow(coordinator_factory, actors, "npu", ray_options("npu", 1))
+def test_hccl_bit_exact(start_job):
+    _device_flow(start_job, "npu", ray_options("npu", 1))

@@ -8,28 +8,17 @@ import ray
 from weightsync import ManifestError, SyncConfig, SyncFailed, VersionError, WeightReceiver, WeightSender
 from weightsync.manifest import Manifest, TensorSpec
 from weightsync.model_layouts import layout, materialize
-from weightsync.testing import RolloutWorker, ToyEngine, TrainerWorker, assert_serves, same_bits
+from weightsync.testing import ToyEngine, assert_same_weights, assert_serves, rollout_actor, trainer_actor
 from weightsync.transports.segment import locate
-
-Rollout = ray.remote(RolloutWorker).options(num_cpus=0)
-Trainer = ray.remote(TrainerWorker).options(num_cpus=0)
 
 # tiny layout with a 64 KiB bucket: the embedding (1000 x 64 bf16 = 125 KiB) is split in chunks
 CFG = {"transport": "shm", "bucket_mb": 1 / 16, "device": "cpu"}
 MANIFEST = layout("tiny")
 
 
-def start(coordinator_factory, actors, receivers=2, config=CFG, **kw):
-    coord = coordinator_factory(config)
-    rs = [actors.add(Rollout.remote(coord, MANIFEST.to_wire(), f"rollout-{i}", rank=i, config=config, **kw))
-          for i in range(receivers)]
-    trainer = actors.add(Trainer.remote(coord, MANIFEST.to_wire(), config=config, expected_receivers=receivers))
-    return coord, rs, trainer
-
-
-def test_twenty_versions_bit_exact(coordinator_factory, actors):
+def test_twenty_versions_bit_exact(start_job):
     assert max(s.nbytes for s in MANIFEST) > CFG["bucket_mb"] * 2**20, "layout must exercise chunking"
-    coord, rs, trainer = start(coordinator_factory, actors)
+    coord, rs, trainer = start_job(CFG)
     for v in range(1, 21):
         applied = [r.apply.remote(v) for r in rs]
         result = ray.get(trainer.step.remote(v))
@@ -47,8 +36,8 @@ def test_twenty_versions_bit_exact(coordinator_factory, actors):
     assert "COMMITTED" in coord.format_status()
 
 
-def test_prestaged_version_then_barrier(coordinator_factory, actors):
-    coord, rs, trainer = start(coordinator_factory, actors, receivers=1)
+def test_prestaged_version_then_barrier(start_job):
+    coord, rs, trainer = start_job(CFG, 1)
     ray.get(trainer.stage.remote(5))
     assert coord.metrics(5)["state"] == "STAGED"
     applied = rs[0].apply.remote(5)
@@ -57,13 +46,13 @@ def test_prestaged_version_then_barrier(coordinator_factory, actors):
     assert_serves(rs[0], MANIFEST, 5)
 
 
-def test_late_joiner_serves_latest_committed(coordinator_factory, actors):
-    coord, rs, trainer = start(coordinator_factory, actors, receivers=1)
+def test_late_joiner_serves_latest_committed(start_job, actors):
+    coord, rs, trainer = start_job(CFG, 1)
     for v in (1, 2, 3):
         applied = rs[0].apply.remote(v)
         ray.get(trainer.step.remote(v))
         ray.get(applied)
-    late = actors.add(Rollout.remote(coord, MANIFEST.to_wire(), "late", rank=9, config=CFG))
+    late = actors.add(rollout_actor(coord, MANIFEST, "late", rank=9, config=CFG))
     assert ray.get(late.version.remote()) is None
     assert ray.get(late.apply.remote(None, None, False)) == 3, "catches up without the trainer"
     assert_serves(late, MANIFEST, 3)
@@ -86,11 +75,11 @@ def _corrupt(coord, version, bucket_offset):
 
 @pytest.mark.scenario("bad input", "bucket corrupted in transit")
 @pytest.mark.parametrize("where", ["first-bucket", "later-bucket"])
-def test_corrupted_bucket_is_not_applied(coordinator_factory, actors, where):
+def test_corrupted_bucket_is_not_applied(start_job, where):
     from weightsync.plan import plan_buckets
     from weightsync.transports.shm import layout as seg_layout
 
-    coord, rs, trainer = start(coordinator_factory, actors, receivers=2)
+    coord, rs, trainer = start_job(CFG, 2)
     applied = [r.apply.remote(1) for r in rs]
     ray.get(trainer.step.remote(1))
     ray.get(applied)
@@ -134,8 +123,8 @@ def test_corrupted_bucket_is_not_applied(coordinator_factory, actors, where):
 def test_manifest_mismatch_fails_before_anything_is_applied(coordinator_factory, actors, change, pattern):
     coord = coordinator_factory(CFG)
     sender_manifest = Manifest(tuple(change(list(MANIFEST))))
-    good = actors.add(Rollout.remote(coord, MANIFEST.to_wire(), "good", config=CFG))
-    trainer = actors.add(Trainer.remote(coord, sender_manifest.to_wire(), config=CFG, expected_receivers=1))
+    good = actors.add(rollout_actor(coord, MANIFEST, "good", config=CFG))
+    trainer = actors.add(trainer_actor(coord, sender_manifest, CFG, receivers=1))
     applied = good.apply.remote(1)
     with pytest.raises(SyncFailed, match=pattern):
         ray.get(trainer.step.remote(1))
@@ -147,8 +136,8 @@ def test_manifest_mismatch_fails_before_anything_is_applied(coordinator_factory,
 
 
 @pytest.mark.scenario("bad input", "version going backwards / reused with different content")
-def test_version_going_backwards_or_reused_is_refused(coordinator_factory, actors):
-    coord, rs, trainer = start(coordinator_factory, actors, receivers=1)
+def test_version_going_backwards_or_reused_is_refused(start_job):
+    coord, rs, trainer = start_job(CFG, 1)
     applied = rs[0].apply.remote(7)
     ray.get(trainer.step.remote(7))
     ray.get(applied)
@@ -179,7 +168,7 @@ def test_in_process_api_and_resources_return_to_zero(coordinator_factory):
         result = sender.sync(11)
         t.join(30)
         assert receiver.version == 11 and result.bytes == MANIFEST.total_bytes
-        assert all(same_bits(engine.params[n], w) for n, w in weights.items())
+        assert_same_weights(engine.params, weights)
         assert coord.status()["resources"]["shm_segments"] == 1
     finally:
         receiver.close()
@@ -253,18 +242,18 @@ def test_more_buckets_than_one_header_page_holds(coordinator_factory):
             sender.sync(v)
             t.join(60)
             assert receiver.version == v
-            assert all(same_bits(engine.params[n], w) for n, w in weights.items())
+            assert_same_weights(engine.params, weights)
     finally:
         receiver.close()
         sender.close()
 
 
-def test_each_bucket_is_verified_once_per_node(coordinator_factory, actors):
+def test_each_bucket_is_verified_once_per_node(start_job):
     """Receivers read the same pages: one hashes a bucket and marks it, the others load it."""
     from weightsync.plan import plan_buckets
 
     buckets = plan_buckets(MANIFEST, int(CFG["bucket_mb"] * 2**20), 256).bucket_count
-    coord, rs, trainer = start(coordinator_factory, actors, receivers=3)
+    coord, rs, trainer = start_job(CFG, 3)
     for v in (1, 2, 3):
         applied = [r.apply.remote(v) for r in rs]
         ray.get(trainer.step.remote(v))
@@ -316,14 +305,14 @@ def test_two_threads_of_one_receiver_hash_each_bucket_once():
         sender.close()
 
 
-def test_prefetch_verifies_ahead_and_apply_only_loads(coordinator_factory, actors):
+def test_prefetch_verifies_ahead_and_apply_only_loads(start_job):
     """prefetch() while the engine would generate: the barrier is left with loading only; a
     bucket corrupted before the prefetch stays unmarked and apply() still refuses it."""
     from weightsync.plan import plan_buckets
     from weightsync.transports.shm import layout as seg_layout
 
     plan = plan_buckets(MANIFEST, int(CFG["bucket_mb"] * 2**20), 256)
-    coord, rs, trainer = start(coordinator_factory, actors, receivers=2)
+    coord, rs, trainer = start_job(CFG, 2)
     ray.get(trainer.stage.remote(1))
     assert ray.get(rs[0].prefetch.remote()) == 1
     assert ray.get(rs[1].prefetch.remote(1)) == 1  # everything marked already: nothing to hash

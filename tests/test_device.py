@@ -8,7 +8,6 @@ import pytest
 
 from weightsync.device import ray_options
 from weightsync.model_layouts import layout
-from weightsync.testing import RolloutWorker, TrainerWorker, assert_serves
 
 # 30 KiB buckets: the 125 KiB embedding of "tiny" is split over five of them
 CFG = {"bucket_mb": 0.03}
@@ -23,38 +22,25 @@ def _share(kind: str, parties: int) -> dict:
 # shm-stream: shm under a budget below two versions, a ring of host buffers read onto the device
 @pytest.mark.parametrize("transport,chosen", [("auto", "ipc"), ("ipc", "ipc"), ("shm", "shm"), ("shm-stream", "shm")])
 @pytest.mark.parametrize("kind", KINDS)
-def test_colocated_on_one_device_bit_exact(ray_cluster, coordinator_factory, actors, kind, transport, chosen):
-    ray, m = ray_cluster, layout("tiny")
+def test_colocated_on_one_device_bit_exact(start_job, kind, transport, chosen):
+    m = layout("tiny")
     cfg = {**CFG, "device": kind, "transport": transport}
     if transport == "shm-stream":
         cfg.update(transport="shm", shm_budget_mb=0.2)
-    coord = coordinator_factory(cfg)
-    opts = {"num_cpus": 0, **_share(kind, 3)}
-    rs = [actors.add(ray.remote(RolloutWorker).options(**opts).remote(coord, m.to_wire(), f"rollout-{i}", rank=i,
-                                                                     config=cfg, device=kind)) for i in range(2)]
-    t = actors.add(ray.remote(TrainerWorker).options(**opts).remote(coord, m.to_wire(), config=cfg,
-                                                                    expected_receivers=2, device=kind))
-    for v in range(1, 6):
-        applied = [r.apply.remote(v) for r in rs]
-        ray.get(t.step.remote(v), timeout=120)
-        assert ray.get(applied, timeout=120) == [v, v]
-        for r in rs:
-            assert_serves(r, m, v)
-    status = coord.status()
+    on_device = {"device": kind}
+    job = start_job(cfg, 2, m, options=_share(kind, 3), rollout=on_device, trainer=on_device)
+    job.run(m, range(1, 6))
+    status = job.coordinator.status()
     assert status["transport"] == chosen and status["latest_committed"] == 5
     assert ("shm streaming" in status["transport_reason"]) == (transport == "shm-stream")
 
 
 @pytest.mark.parametrize("kind", KINDS)
-def test_broadcast_refuses_two_ranks_on_one_device(ray_cluster, coordinator_factory, actors, kind):
+def test_broadcast_refuses_two_ranks_on_one_device(ray_cluster, start_job, kind):
     # NCCL / HCCL cannot hold one device twice; the session says so instead of hanging
-    ray, m = ray_cluster, layout("tiny")
+    ray = ray_cluster
     cfg = {**CFG, "device": kind, "transport": "broadcast", "connect_timeout_s": 30.0}
-    coord = coordinator_factory(cfg)
-    opts = {"num_cpus": 0, **_share(kind, 2)}
-    actors.add(ray.remote(RolloutWorker).options(**opts).remote(coord, m.to_wire(), "rollout-0", config=cfg,
-                                                                device=kind))
-    t = actors.add(ray.remote(TrainerWorker).options(**opts).remote(coord, m.to_wire(), config=cfg,
-                                                                    expected_receivers=1, device=kind))
+    on_device = {"device": kind}
+    t = start_job(cfg, 1, options=_share(kind, 2), rollout=on_device, trainer=on_device).trainer
     with pytest.raises(ray.exceptions.RayTaskError, match="share physical"):
         ray.get(t.stage.remote(1), timeout=120)

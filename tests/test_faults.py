@@ -16,7 +16,7 @@ import signal
 
 import pytest
 import ray
-from faultjob import DEADLINE_S, RECEIVERS, Job, apply_fails, sync_failed, wait_until
+from faultjob import DEADLINE_S, RECEIVERS, Job, apply_fails, survivor_commits, sync_failed, wait_until
 
 from weightsync import transports
 from weightsync.model_layouts import layout
@@ -39,13 +39,14 @@ def job(ray_cluster, transport):
     j.close()
 
 
-def bucket(job: Job, where: str) -> int:
-    return {"first": 0, "middle": job.buckets // 2, "last": job.buckets - 1}[where]
-
-
 SURVIVOR_COMMITS = ("the sender's sync raises SyncFailed naming only rollout-1 ({why}); rollout-0 commits v and "
                     "serves it; the coordinator records v ABORTED with committed [rollout-0]; {then}")
 WITHOUT_IT = "v+1 goes on without rollout-1 and commits; a restarted rollout-1 takes part in the next version"
+KILLED_BEFORE_THE_BARRIER = ("stage() packs nothing here (the bytes move at the barrier): killed after stage(), "
+                             "before sync(); both receivers raise naming trainer-0 (silent){how} serve v-1; "
+                             "v ABORTED; a restarted trainer's next version commits on both")
+CORRUPTED = ("both receivers raise ChecksumError naming the middle bucket{how}; the sender's SyncFailed names both; "
+             "v ABORTED; the next clean version commits{then}")
 
 
 @pytest.mark.scenario("fault", "receiver killed between versions (seen dead before the barrier)",
@@ -57,18 +58,11 @@ def test_receiver_killed_between_versions(job):
     job.wait_seen("rollout-1", alive=False)
     assert job.state(base) == "COMMITTED", "a committed version stays committed"
     v = job.next()
-    applied = job.rollouts["rollout-0"].apply.remote(v)
-    err = sync_failed(job.trainer.step.remote(v))
-    assert set(err.failed) == {"rollout-1"} and "silent" in err.failed["rollout-1"], err
-    assert err.committed == ["rollout-0"] and job.state(v) == "ABORTED"
-    assert ray.get(applied) == v and job.serves("rollout-0") == v
+    survivor_commits(job, v, job.rollouts["rollout-0"].apply.remote(v), job.trainer.step.remote(v), "silent")
     # the fault persists: the next version goes on without the dead receiver
     v = job.next()
     assert job.step(v, ["rollout-0"]) == {"rollout-0": v} and job.state(v) == "COMMITTED"
-    job.restart("rollout-1")
-    v = job.next()
-    assert job.step(v) == {n: v for n in RECEIVERS}
-    assert [job.serves(n) for n in RECEIVERS] == [v, v]
+    assert job.next_serves_all(restart="rollout-1")
 
 
 @pytest.mark.scenario("fault", "receiver killed after loading bucket k of v (first / middle / last)",
@@ -80,31 +74,17 @@ def test_receiver_killed_at_bucket(job, where):
     """Both receivers stop after bucket k; rollout-1 is killed there, rollout-0 goes on once
     the coordinator has seen the death (shm: it reads the segment on its own; ipc: the
     sender stops waiting for a receiver declared dead)."""
-    job.fresh()
-    v, k = job.next(), bucket(job, where)
-    applied, sync = job.start_held(v, k)
-    job.kill("rollout-1")
-    wait_until("rollout-1 is failed in v", lambda: "rollout-1" in job.metrics(v)["failed"])
-    ray.get(job.rollouts["rollout-0"].release.remote())
-    err = sync_failed(sync)
-    assert set(err.failed) == {"rollout-1"} and "silent" in err.failed["rollout-1"], err
-    assert err.committed == ["rollout-0"] and job.state(v) == "ABORTED"
-    assert ray.get(applied["rollout-0"]) == v and job.serves("rollout-0") == v
-    job.restart("rollout-1")
-    v = job.next()
-    assert job.step(v) == {n: v for n in RECEIVERS} and [job.serves(n) for n in RECEIVERS] == [v, v]
+    _, v, applied, sync = job.kill_held("rollout-1", where)
+    survivor_commits(job, v, applied["rollout-0"], sync, "silent")
+    assert job.next_serves_all(restart="rollout-1")
 
 
 @pytest.mark.scenario("fault", "sender killed while staging v", promise={
     "shm": "held before the middle tensor, the segment half written: both receivers raise naming trainer-0 "
            "(silent), roll back to v-1 from its segment and serve it; v ABORTED; a restarted trainer's next "
            "version commits on both",
-    "ipc": "stage() packs nothing here (the bytes move at the barrier): killed after stage(), before sync(); "
-           "both receivers raise naming trainer-0 (silent) before loading anything and serve v-1; v ABORTED; "
-           "a restarted trainer's next version commits on both",
-    "broadcast": "stage() packs nothing here (the bytes move at the barrier): killed after stage(), before "
-                 "sync(); both receivers raise naming trainer-0 (silent) and serve v-1; v ABORTED; a restarted "
-                 "trainer's next version commits on both"})
+    "ipc": KILLED_BEFORE_THE_BARRIER.format(how=" before loading anything and"),
+    "broadcast": KILLED_BEFORE_THE_BARRIER.format(how=" and")})
 @pytest.mark.parametrize("transport", ALL, indirect=True)
 def test_sender_killed_while_staging(job, transport):
     base = job.fresh()
@@ -124,9 +104,7 @@ def test_sender_killed_while_staging(job, transport):
     assert [job.serves(n) for n in RECEIVERS] == [base, base], "rolled back or untouched, never torn"
     m = job.metrics(v)
     assert m["state"] == "ABORTED" and "trainer-0" in m["reason"] and m["committed"] == []
-    job.restart("trainer")
-    v = job.next()
-    assert job.step(v) == {n: v for n in RECEIVERS} and [job.serves(n) for n in RECEIVERS] == [v, v]
+    assert job.next_serves_all(restart="trainer")
 
 
 @pytest.mark.scenario("fault", "sender killed after both receivers loaded bucket k of v (first / middle / last)",
@@ -142,7 +120,7 @@ def test_sender_killed_while_staging(job, transport):
 @pytest.mark.parametrize("transport", STORAGE_OR_POINT_TO_POINT, indirect=True)
 def test_sender_killed_at_bucket(job, transport, where):
     job.fresh()
-    v, k = job.next(), bucket(job, where)
+    v, k = job.next(), job.bucket_at(where)
     applied = list(job.start_held(v, k)[0].values())
     wait_until("v is at the barrier", lambda: job.state(v) == "TRANSFERRING")
     job.kill("trainer")
@@ -164,9 +142,7 @@ def test_sender_killed_at_bucket(job, transport, where):
         m = job.metrics(v)
         assert m["state"] == "ABORTED" and m["committed"] == []
         assert all("serves no version until the next sync" in m["failed"][n] for n in RECEIVERS), m["failed"]
-    job.restart("trainer")
-    v = job.next()
-    assert job.step(v) == {n: v for n in RECEIVERS} and [job.serves(n) for n in RECEIVERS] == [v, v]
+    assert job.next_serves_all(restart="trainer")
 
 
 @pytest.mark.scenario("fault", "receiver stalled past heartbeat_timeout_s (SIGSTOP before the barrier, later SIGCONT)",
@@ -181,31 +157,23 @@ def test_receiver_stalled_then_resumed(job):
     try:
         job.wait_seen("rollout-1", alive=False)
         v = job.next()
-        applied = job.rollouts["rollout-0"].apply.remote(v)
-        err = sync_failed(job.trainer.step.remote(v))
-        assert set(err.failed) == {"rollout-1"} and "stalled" in err.failed["rollout-1"], err
-        assert err.committed == ["rollout-0"] and job.state(v) == "ABORTED"
-        assert ray.get(applied) == v and job.serves("rollout-0") == v
+        survivor_commits(job, v, job.rollouts["rollout-0"].apply.remote(v), job.trainer.step.remote(v), "stalled")
     finally:
         os.kill(pid, signal.SIGCONT)
     job.wait_seen("rollout-1", alive=True)  # its heartbeats resumed
     assert job.serves("rollout-1") == base, "the stalled receiver still holds a complete version"
-    v = job.next()
-    assert job.step(v) == {n: v for n in RECEIVERS} and [job.serves(n) for n in RECEIVERS] == [v, v]
+    assert job.next_serves_all()
 
 
 @pytest.mark.scenario("fault", "bucket corrupted in transit (one byte flipped after its checksum)", promise={
-    "shm": "both receivers raise ChecksumError naming the middle bucket, roll back to v-1 from its segment and "
-           "serve it; the sender's SyncFailed names both; v ABORTED; the next clean version commits",
-    "ipc": "both receivers raise ChecksumError naming the middle bucket and serve nothing (no copy of v-1 to "
-           "roll back to) until the next version; the sender's SyncFailed names both; v ABORTED; the next clean "
-           "version commits",
-    "broadcast": "both receivers raise ChecksumError naming the middle bucket (one may learn it from the other "
-                 "through the aborted group) and serve nothing until the next version; the sender's SyncFailed "
-                 "names both; v ABORTED; the next clean version commits over a re-formed group"})
+    "shm": CORRUPTED.format(how=", roll back to v-1 from its segment and serve it", then=""),
+    "ipc": CORRUPTED.format(how=" and serve nothing (no copy of v-1 to roll back to) until the next version",
+                            then=""),
+    "broadcast": CORRUPTED.format(how=" (one may learn it from the other through the aborted group) and serve "
+                                      "nothing until the next version", then=" over a re-formed group")})
 @pytest.mark.parametrize("transport", ALL, indirect=True)
 def test_corrupted_bucket_is_not_applied(job, transport):
-    _tampered(job, transport, "corrupt", bucket(job, "middle"))
+    _tampered(job, transport, "corrupt", job.bucket_at("middle"))
 
 
 @pytest.mark.scenario("fault", "bucket truncated in transit (second half of the last bucket lost)", promise={
@@ -217,7 +185,7 @@ def test_corrupted_bucket_is_not_applied(job, transport):
                  "version; SyncFailed names both; v ABORTED; the next clean version commits"})
 @pytest.mark.parametrize("transport", ALL, indirect=True)
 def test_truncated_bucket_is_not_applied(job, transport):
-    _tampered(job, transport, "truncate", bucket(job, "last"))
+    _tampered(job, transport, "truncate", job.bucket_at("last"))
 
 
 def _tampered(job: Job, transport: str, how: str, k: int) -> None:
@@ -236,8 +204,7 @@ def _tampered(job: Job, transport: str, how: str, k: int) -> None:
     if transport == "shm":
         assert all(f"rolled back to version {base}" in why for why in err.failed.values())
     assert job.state(v) == "ABORTED"
-    v = job.next()
-    assert job.step(v) == {n: v for n in RECEIVERS} and [job.serves(n) for n in RECEIVERS] == [v, v]
+    assert job.next_serves_all()
 
 
 @pytest.mark.scenario("fault", "receiver restarted with an empty model catches up", promise={
@@ -254,8 +221,7 @@ def test_restarted_receiver_catches_up(job, transport):
     assert ray.get(fresh.version.remote()) is None
     assert ray.get(fresh.apply.remote(None, None, False)) == (base if transport == "shm" else None)
     assert job.serves("rollout-1") == (base if transport == "shm" else None)
-    v = job.next()
-    assert job.step(v) == {n: v for n in RECEIVERS} and [job.serves(n) for n in RECEIVERS] == [v, v]
+    assert job.next_serves_all()
 
 
 @pytest.mark.scenario("fault", "coordinator killed and restarted by Ray", promise=(
@@ -269,10 +235,9 @@ def test_coordinator_killed_and_restarted(job):
     wait_until("every party re-registered with the new coordinator", lambda: (
         (s := job.coord.status())["session"] != before
         and sorted(p["name"] for p in s["parties"] if p["alive"]) == sorted([*RECEIVERS, "trainer-0"])))
-    v = job.next()
-    assert job.step(v) == {n: v for n in RECEIVERS} and [job.serves(n) for n in RECEIVERS] == [v, v]
+    assert job.next_serves_all()
     status = job.coord.status()
-    assert status["latest_committed"] == v and len([p for p in status["parties"] if p["role"] == "receiver"]) == 2
+    assert status["latest_committed"] == job.v and len([p for p in status["parties"] if p["role"] == "receiver"]) == 2
     with pytest.raises(Exception, match="goes backwards|is reused"):
         ray.get(job.trainer.stage.remote(base))
 

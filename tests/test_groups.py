@@ -11,7 +11,6 @@ import ray
 
 from weightsync.errors import ConfigError
 from weightsync.model_layouts import layout
-from weightsync.testing import RolloutWorker, TrainerWorker
 from weightsync.transports.communicators import choose_communicator, probe
 
 
@@ -55,13 +54,9 @@ def test_explicit_choice_that_cannot_be_built_here_says_why():
         choose_communicator("pyhccl", "hccl")
 
 
-def test_an_impossible_communicator_fails_at_registration(coordinator_factory, actors):
+def test_an_impossible_communicator_fails_at_registration(start_job):
     cfg = {"transport": "broadcast", "device": "cpu", "communicator": "pyhccl", "connect_timeout_s": 30.0}
-    m = layout("tiny")
-    coord = coordinator_factory(cfg)
-    actors.add(ray.remote(RolloutWorker).options(num_cpus=0).remote(coord, m.to_wire(), "rollout-0", config=cfg))
-    t = actors.add(ray.remote(TrainerWorker).options(num_cpus=0).remote(coord, m.to_wire(), config=cfg,
-                                                                         expected_receivers=1))
+    t = start_job(cfg, 1).trainer
     with pytest.raises(ray.exceptions.RayTaskError, match="communicator 'pyhccl' does not build a 'gloo' group"):
         ray.get(t.stage.remote(1), timeout=120)
 
@@ -78,11 +73,10 @@ def _device_count(kind: str) -> int:
     pytest.param("npu", "pyhccl", marks=pytest.mark.npu), pytest.param("npu", "torch_npu", marks=pytest.mark.npu),
     pytest.param("cuda", "torch", marks=pytest.mark.cuda), pytest.param("cuda", "pynccl", marks=pytest.mark.cuda),
 ])
-def test_each_device_construction_bit_exact(coordinator_factory, actors, kind, communicator):
+def test_each_device_construction_bit_exact(start_job, kind, communicator):
     """Every construction through the broadcast transport's one code path, 3 versions,
     bit-exact, the group built once. Needs two devices of the kind."""
     from weightsync.device import ray_options
-    from weightsync.testing import assert_serves
 
     if _device_count(kind) < 2:
         pytest.skip(f"needs two {kind} devices (a communicator cannot hold one device twice)")
@@ -91,17 +85,9 @@ def test_each_device_construction_bit_exact(coordinator_factory, actors, kind, c
     m = layout("tiny")
     cfg = {"transport": "broadcast", "device": kind, "communicator": communicator, "bucket_mb": 1.0,
            "sync_timeout_s": 60.0}
-    coord = coordinator_factory(cfg)
-    opts = {"num_cpus": 0, **ray_options(kind, 1)}
-    rollout = actors.add(ray.remote(RolloutWorker).options(**opts).remote(coord, m.to_wire(), "rollout-0", config=cfg))
-    sender = actors.add(ray.remote(TrainerWorker).options(**opts).remote(coord, m.to_wire(), config=cfg,
-                                                                        expected_receivers=1))
-    for v in range(1, 4):
-        applied = rollout.apply.remote(v)
-        ray.get(sender.step.remote(v), timeout=120)
-        assert ray.get(applied, timeout=120) == v
-        assert_serves(rollout, m, v)
-    status = coord.status()
+    job = start_job(cfg, 1, m, options=ray_options(kind, 1))
+    job.run(m, range(1, 4))
+    status = job.coordinator.status()
     assert status["group"]["communicator"] == communicator
     assert status["resources"]["bcast_groups"] == 2
 

@@ -11,7 +11,7 @@ import torch
 from weightsync.capabilities import DISABLE_IPC_VAR
 from weightsync.errors import ConfigError, ProtocolError, SyncFailed
 from weightsync.model_layouts import layout, materialize
-from weightsync.testing import RolloutWorker, TrainerWorker, assert_serves
+from weightsync.testing import assert_serves, rollout_actor
 from weightsync.transports.ipc_wire import import_handle, tag
 
 # 30 KiB buckets: the 125 KiB embedding of "tiny" spans five buckets, more than the two
@@ -19,27 +19,18 @@ from weightsync.transports.ipc_wire import import_handle, tag
 SMALL = {"bucket_mb": 0.03, "device": "cpu"}
 
 
-def _workers(ray, actors, coord, manifest, cfg, receivers=2):
-    R = ray.remote(RolloutWorker).options(num_cpus=0)
-    T = ray.remote(TrainerWorker).options(num_cpus=0)
-    rs = [actors.add(R.remote(coord, manifest.to_wire(), f"rollout-{i}", rank=i, config=cfg)) for i in range(receivers)]
-    t = actors.add(T.remote(coord, manifest.to_wire(), config=cfg, expected_receivers=receivers))
-    return rs, t
-
-
 def _ipc_resources(status):
     return {k: v for k, v in status["resources"].items() if k.startswith("ipc")}
 
 
-def test_ipc_two_receivers_ten_versions_bit_exact(ray_cluster, coordinator_factory, actors):
+def test_ipc_two_receivers_ten_versions_bit_exact(ray_cluster, start_job):
     ray = ray_cluster
     m = layout("tiny")
-    coord = coordinator_factory({**SMALL, "transport": "ipc"})
-    rs, t = _workers(ray, actors, coord, m, None)
+    job = start_job({**SMALL, "transport": "ipc"}, manifest=m)
+    coord, rs, t = job
     for v in range(1, 11):
-        refs = [r.apply.remote(v) for r in rs]
-        out = ray.get(t.step.remote(v))
-        assert ray.get(refs) == [v, v]
+        applied, out = job.step(v)
+        assert applied == [v, v]
         assert sorted(out["metrics"]["committed"]) == ["rollout-0", "rollout-1"]
         [assert_serves(x, m, v) for x in rs]
     status = coord.status()
@@ -67,8 +58,7 @@ def test_auto_on_cpu_picks_shm_and_says_why(ray_cluster, coordinator_factory, ac
     ray = ray_cluster
     m = layout("tiny")
     coord = coordinator_factory({**SMALL, "transport": "auto"})
-    R = ray.remote(RolloutWorker).options(num_cpus=0)
-    r = actors.add(R.remote(coord, m.to_wire(), "rollout-0"))
+    r = actors.add(rollout_actor(coord, m, "rollout-0"))
     with _sender_here(coord, 1) as sender:
         ref = r.apply.remote(1)
         sender.stage(1, materialize(m, seed=1))
@@ -94,8 +84,7 @@ def test_sender_stops_waiting_for_a_receiver_declared_dead(ray_cluster, coordina
     ray = ray_cluster
     m = layout("tiny")
     coord = coordinator_factory({**SMALL, "transport": "ipc", "heartbeat_timeout_s": 2.0})
-    R = ray.remote(RolloutWorker).options(num_cpus=0)
-    rs = [actors.add(R.remote(coord, m.to_wire(), f"rollout-{i}", rank=i)) for i in range(2)]
+    rs = [actors.add(rollout_actor(coord, m, f"rollout-{i}", rank=i)) for i in range(2)]
     with _sender_here(coord, 2) as sender:
         refs = [r.apply.remote(1) for r in rs]
         sender.stage(1, materialize(m, seed=1))

@@ -13,7 +13,7 @@ import ray
 import torch
 
 from weightsync import StalenessError, VersionError, WeightSender, build_manifest, check_staleness
-from weightsync.testing import RolloutWorker, same_bits
+from weightsync.testing import assert_serves, rollout_actor
 from weightsync.timeline import Recorder, Span, busy_seconds, render_png
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -60,8 +60,7 @@ def test_shm_barrier_moves_no_trainer_bytes(coordinator_factory, actors):
     for receiver work: the sender's packed-byte counter does not move during the barrier."""
     manifest = build_manifest(materialize_toy(0))
     coord = coordinator_factory({"transport": "shm", "bucket_mb": 0.05})
-    remote = ray.remote(RolloutWorker).options(num_cpus=0)
-    workers = [actors.add(remote.remote(coord, manifest.to_wire(), f"rollout-{i}", rank=i)) for i in range(2)]
+    workers = [actors.add(rollout_actor(coord, manifest, f"rollout-{i}", rank=i)) for i in range(2)]
     sender = WeightSender(coord, expected_receivers=2)
     try:
         with pytest.raises(VersionError, match="never staged version 1"):
@@ -80,8 +79,8 @@ def test_shm_barrier_moves_no_trainer_bytes(coordinator_factory, actors):
             assert ray.get(applied) == [version, version]
             assert sender.transport.packed_bytes == before, "the barrier packed trainer-side bytes"
             assert result.metrics["info"]["packed_bytes"] == payload
-            for got in ray.get([w.weights.remote() for w in workers]):
-                assert all(same_bits(got[n], t) for n, t in weights.items())
+            for w in workers:
+                assert_serves(w, weights, version)
     finally:
         sender.close()
 

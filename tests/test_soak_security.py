@@ -13,13 +13,11 @@ import ray
 
 from weightsync import Coordinator, ProtocolError, WeightReceiver, protocol, transports
 from weightsync.model_layouts import layout, materialize
-from weightsync.testing import RolloutWorker, TrainerWorker, same_bits
+from weightsync.testing import assert_serves, start_parties
 from weightsync.transports.segment import locate
 from weightsync.transports.segment_refs import SEGMENT_REF
 from weightsync.transports.segment_scan import holders, our_segments
 
-Rollout = ray.remote(RolloutWorker).options(num_cpus=0)
-Trainer = ray.remote(TrainerWorker).options(num_cpus=0)
 MANIFEST = layout("tiny")
 CPU_TRANSPORTS = [t for t in ("shm", "ipc", "broadcast") if t in transports.names()]
 SOAK_VERSIONS = int(os.environ.get("WEIGHTSYNC_SOAK_VERSIONS", "300"))
@@ -38,23 +36,20 @@ def _gone(pid: int) -> bool:
 def test_soak(coordinator_factory, transport, request):
     request.node.add_marker(pytest.mark.scenario("soak", f"{SOAK_VERSIONS} versions, 2 receivers"))
     cfg = {"transport": transport, "bucket_mb": 1 / 16}
-    coord = coordinator_factory(cfg)
-    rs = [Rollout.remote(coord, MANIFEST.to_wire(), f"rollout-{i}", rank=i, config=cfg) for i in range(2)]
-    trainer = Trainer.remote(coord, MANIFEST.to_wire(), config=cfg, expected_receivers=2)
-    parties = rs + [trainer]
+    # its own teardown, not the actors fixture's: that the processes are gone is the test's outcome
+    job = start_parties(coordinator_factory(cfg), MANIFEST, cfg, 2)
+    coord, rs, trainer = job
+    parties = job.parties
     pids = ray.get([p.pid.remote() for p in parties])
     rss, segments, resources = {}, {}, {}
     try:
         for v in range(1, SOAK_VERSIONS + 1):
-            applied = [r.apply.remote(v) for r in rs]
-            ray.get(trainer.step.remote(v))
-            assert ray.get(applied) == [v, v]
+            assert job.step(v)[0] == [v, v]
             if v in (20, SOAK_VERSIONS):
                 rss[v] = ray.get([p.rss.remote() for p in parties])
                 segments[v] = len(set(our_segments()) | {n for _, _, n in holders()})
                 resources[v] = coord.status()["resources"]
-        expected, got = materialize(MANIFEST, seed=SOAK_VERSIONS), ray.get(rs[1].weights.remote())
-        assert all(same_bits(got[n], expected[n]) for n in expected)
+        assert_serves(rs[1], MANIFEST, SOAK_VERSIONS)
         for before, after in zip(rss[20], rss[SOAK_VERSIONS]):
             assert after < before * 1.05, f"resident memory grew {after / before - 1:.1%} after version 20"
         assert segments[20] == segments[SOAK_VERSIONS], "the segment count (files and memfds) is constant"
@@ -75,32 +70,24 @@ def test_soak(coordinator_factory, transport, request):
 
 @pytest.mark.scenario("security", "two jobs on one node sync concurrently without touching each other")
 @pytest.mark.parametrize("transport", CPU_TRANSPORTS)
-def test_two_jobs_are_isolated(coordinator_factory, actors, transport):
+def test_two_jobs_are_isolated(start_job, transport):
     cfg = {"transport": transport, "bucket_mb": 1 / 16}
-    jobs = []
-    for j in range(2):
-        coord = coordinator_factory(cfg)
-        r = actors.add(Rollout.remote(coord, MANIFEST.to_wire(), "rollout-0", config=cfg))
-        t = actors.add(Trainer.remote(coord, MANIFEST.to_wire(), config=cfg, expected_receivers=1))
-        jobs.append((coord, r, t))
+    jobs = [start_job(cfg, 1, MANIFEST) for _ in range(2)]
     errors = []
 
-    def run(j, coord, r, t):
+    def run(j, job):
         try:
             for v in range(1, 6):
-                applied = r.apply.remote(v)
-                ray.get(t.step.remote(v, 1000 * j + v))  # different weights per job
-                assert ray.get(applied) == v
+                assert job.step(v, 1000 * j + v)[0] == [v]  # different weights per job
         except BaseException as exc:  # surfaced below
             errors.append(exc)
 
-    threads = [threading.Thread(target=run, args=(j, *job)) for j, job in enumerate(jobs)]
+    threads = [threading.Thread(target=run, args=(j, job)) for j, job in enumerate(jobs)]
     [th.start() for th in threads]
     [th.join(300) for th in threads]
     assert not errors, errors
-    for j, (coord, r, _) in enumerate(jobs):
-        expected, got = materialize(MANIFEST, seed=1000 * j + 5), ray.get(r.weights.remote())
-        assert all(same_bits(got[n], expected[n]) for n in expected), f"job {j} got the other job's weights"
+    for j, job in enumerate(jobs):  # each serves its own job's weights, not the other's
+        assert_serves(job.rollouts[0], materialize(MANIFEST, seed=1000 * j + 5), 5)
     names = [{str(v["info"].get(k)) for v in c.status()["versions"] for k in ("segment", "store", "rendezvous")
               if v["info"].get(k)} for c, _, _ in jobs]
     assert not (names[0] & names[1]), f"jobs shared segments or rendezvous: {names[0] & names[1]}"
@@ -109,14 +96,10 @@ def test_two_jobs_are_isolated(coordinator_factory, actors, transport):
 
 @pytest.mark.scenario("security", "segments are 0600 with >= 128 random bits in the name", transport="shm")
 @pytest.mark.parametrize("backing", ["files", "memfd"])
-def test_segment_mode_and_name(coordinator_factory, actors, backing):
-    cfg = {"transport": "shm", "bucket_mb": 1 / 16, "shm_backing": backing}
-    coord = coordinator_factory(cfg)
-    r = actors.add(Rollout.remote(coord, MANIFEST.to_wire(), "rollout-0", config=cfg))
-    t = actors.add(Trainer.remote(coord, MANIFEST.to_wire(), config=cfg, expected_receivers=1))
-    applied = r.apply.remote(1)
-    ray.get(t.step.remote(1))
-    ray.get(applied)
+def test_segment_mode_and_name(start_job, backing):
+    job = start_job({"transport": "shm", "bucket_mb": 1 / 16, "shm_backing": backing}, 1, MANIFEST)
+    coord, (r,), t = job
+    job.step(1)
     ref = coord.metrics(1)["info"]["segment"]
     name = SEGMENT_REF.fullmatch(ref).group(1)
     st = os.stat(locate(ref, "/dev/shm"))  # a memfd: through /proc/<pid>/fd, its inode's mode

@@ -62,7 +62,7 @@ def test_manager_transfer_is_bit_exact(worker_groups, transport):
     from verl.checkpoint_engine import CheckpointEngineManager
     from weightsync_verl.testing import ReplicaGates, hf_weights
 
-    from weightsync.testing import same_bits
+    from weightsync.testing import assert_same_weights
 
     actors, rollouts = worker_groups
     cfg = _config(transport)
@@ -77,8 +77,7 @@ def test_manager_transfer_is_bit_exact(worker_groups, transport):
             expected = hf_weights(step)
             for got in rollouts.received(step):
                 assert list(got) == list(expected)  # verl's consumer sees the trainer's order and names
-                bad = [n for n in expected if not same_bits(got[n], expected[n])]
-                assert not bad, f"step {step}: tensors differ after transfer: {bad}"
+                assert_same_weights(got, expected, f"step {step}")
         # both actor ranks walked the generator every time (lockstep), only rank 0 sent
         assert actors.iterated_count() == [3 * len(expected)] * 2
         assert replicas[0].calls[:2] == ["abort", "release"]

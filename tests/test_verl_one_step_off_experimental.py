@@ -123,7 +123,7 @@ def test_one_step_off_trainer_syncs_bit_exact(ray_cluster, monkeypatch, transpor
     import ray
     from weightsync_verl.testing import CpuGroups, hf_weights
 
-    from weightsync.testing import same_bits
+    from weightsync.testing import assert_same_weights
 
     config = compose_config(transport, monkeypatch)
     assert config.actor_rollout_ref.rollout.checkpoint_engine.engine_kwargs.weightsync.transport == transport
@@ -145,8 +145,7 @@ def test_one_step_off_trainer_syncs_bit_exact(ray_cluster, monkeypatch, transpor
             expected = hf_weights(step)
             for got in per_worker:
                 assert list(got) == list(expected)
-                bad = [n for n in expected if not same_bits(got[n], expected[n])]
-                assert not bad, f"step {step}: tensors differ after transfer: {bad}"
+                assert_same_weights(got, expected, f"step {step}")
     finally:
         wgs = [trainer.all_wg[k] for k in getattr(trainer, "all_wg", {})] + [getattr(trainer, "rollout_wg", None)]
         refs = [r for wg in wgs if wg is not None for r in wg.execute_checkpoint_engine(["close"] * wg.world_size)]

@@ -11,11 +11,12 @@ was packed and checksummed, before receivers may read it (``tamper``).
 
 from __future__ import annotations
 
+import itertools
 import os
 import threading
 import time
-from collections.abc import Iterable
-from typing import Any
+from collections.abc import Iterable, Mapping
+from typing import Any, NamedTuple
 
 import torch
 
@@ -74,7 +75,33 @@ class Gate:
                 raise TimeoutError(f"fault point {self.at} was never released")
 
 
-class RolloutWorker:
+class _Party:
+    """What both stand-ins answer beside their role: their fault point's state, their process, close."""
+
+    gate: Gate
+
+    def _party(self) -> WeightReceiver | WeightSender:
+        raise NotImplementedError
+
+    def reached(self, timeout: float) -> bool:
+        return self.gate.reached.wait(timeout)
+
+    def release(self) -> None:
+        self.gate.release.set()
+
+    def pid(self) -> int:
+        return os.getpid()
+
+    def rss(self) -> int:
+        import psutil
+
+        return psutil.Process().memory_info().rss
+
+    def close(self) -> None:
+        self._party().close()
+
+
+class RolloutWorker(_Party):
     """A rollout worker: one receiver feeding a ToyEngine. Wrap with ``ray.remote``."""
 
     def __init__(self, coordinator: Coordinator, manifest_wire: list, name: str, rank: int = 0,
@@ -98,12 +125,6 @@ class RolloutWorker:
         self.gate = Gate(version, bucket)
         self.receiver.on_bucket = lambda v, b: self.gate.pass_((v, b))
 
-    def reached(self, timeout: float) -> bool:
-        return self.gate.reached.wait(timeout)
-
-    def release(self) -> None:
-        self.gate.release.set()
-
     def prefetch(self, version: int | None = None) -> int | None:
         return self.receiver.prefetch(version)
 
@@ -117,17 +138,11 @@ class RolloutWorker:
         return {"loads": self.engine.loads, "post_loads": self.engine.post_loads,
                 "metrics": self.receiver.last_metrics}
 
-    def pid(self) -> int:
-        return os.getpid()
-
-    def rss(self) -> int:
-        return _rss()
-
-    def close(self) -> None:
-        self.receiver.close()
+    def _party(self) -> WeightReceiver:
+        return self.receiver
 
 
-class TrainerWorker:
+class TrainerWorker(_Party):
     """A trainer rank whose weights for version v are ``materialize(manifest, seed=v)``."""
 
     def __init__(self, coordinator: Coordinator, manifest_wire: list, rank: int = 0,
@@ -157,12 +172,6 @@ class TrainerWorker:
         so the hold lands there."""
         self.gate = Gate(tensor)
 
-    def reached(self, timeout: float) -> bool:
-        return self.gate.reached.wait(timeout)
-
-    def release(self) -> None:
-        self.gate.release.set()
-
     def tamper(self, version: int, bucket: int, how: str) -> None:
         """Fault point on the wire: once bucket ``bucket`` of ``version`` is packed and its
         checksum taken, flip one byte of it (``corrupt``) or zero its second half, as a short
@@ -190,43 +199,128 @@ class TrainerWorker:
         self.stage(version, seed)
         return self.sync(version)
 
-    def pid(self) -> int:
-        return os.getpid()
-
-    def rss(self) -> int:
-        return _rss()
-
-    def close(self) -> None:
-        self.sender.close()
+    def _party(self) -> WeightSender:
+        return self.sender
 
 
-def _rss() -> int:
-    import psutil
+def differing(got: Mapping[str, torch.Tensor], expected: Mapping[str, torch.Tensor]) -> list[str]:
+    """The names of ``expected`` that ``got`` lacks or holds with other bits."""
+    return [n for n in expected if n not in got or not same_bits(got[n], expected[n])]
 
-    return psutil.Process().memory_info().rss
+
+def assert_same_weights(got: Mapping[str, torch.Tensor], expected: Mapping[str, torch.Tensor], what: str = "") -> None:
+    """``got`` holds every tensor of ``expected`` bit for bit (``what`` names the case in the failure)."""
+    bad = differing(got, expected)
+    assert not bad, f"{what + ': ' if what else ''}{len(bad)} tensors differ after transfer, e.g. {bad[:3]}"
 
 
-def check_serves(rollout: Any, manifest: Manifest, timeout: float = 60.0) -> tuple[int | None, list[str]]:
-    """(the version ``rollout`` serves, the tensors of its engine that differ from that version's
-    weights, bit for bit). ``rollout``: a :class:`RolloutWorker` Ray actor; version v's weights
-    are ``materialize(manifest, seed=v)``, as :class:`TrainerWorker` stages them."""
+def check_serves(rollout: Any, expected: Manifest | Mapping[str, torch.Tensor],
+                 timeout: float = 60.0) -> tuple[int | None, list[str]]:
+    """(the version ``rollout`` serves, the tensors of its engine that differ from ``expected``,
+    bit for bit). ``rollout``: a :class:`RolloutWorker` Ray actor. ``expected``: the weights
+    it must hold, or a manifest, whose version v weights are ``materialize(manifest, seed=v)``
+    as :class:`TrainerWorker` stages them."""
     import ray
 
     served = ray.get(rollout.version.remote(), timeout=timeout)
     if served is None:
         return None, []
-    expected, got = materialize(manifest, seed=served), ray.get(rollout.weights.remote(), timeout=timeout)
-    return served, [n for n in expected if not same_bits(got[n], expected[n])]
+    if isinstance(expected, Manifest):
+        expected = materialize(expected, seed=served)
+    return served, differing(ray.get(rollout.weights.remote(), timeout=timeout), expected)
 
 
-def serves(rollout: Any, manifest: Manifest, timeout: float = 60.0) -> int | None:
-    """The version ``rollout`` serves, once its weights are shown to be exactly that version's."""
-    served, bad = check_serves(rollout, manifest, timeout)
+def serves(rollout: Any, expected: Manifest | Mapping[str, torch.Tensor], timeout: float = 60.0) -> int | None:
+    """The version ``rollout`` serves, once its weights are shown to be exactly ``expected``."""
+    served, bad = check_serves(rollout, expected, timeout)
     assert not bad, f"rollout claims version {served} but {len(bad)} tensors differ, e.g. {bad[:3]}"
     return served
 
 
-def assert_serves(rollout: Any, manifest: Manifest, version: int | None, timeout: float = 60.0) -> None:
-    """``rollout`` serves ``version`` and holds exactly its weights (None: serves nothing)."""
-    served = serves(rollout, manifest, timeout)
+def assert_serves(rollout: Any, expected: Manifest | Mapping[str, torch.Tensor], version: int | None,
+                  timeout: float = 60.0) -> None:
+    """``rollout`` serves ``version`` and holds exactly ``expected`` (a manifest: that version's
+    weights; None: serves nothing)."""
+    served = serves(rollout, expected, timeout)
     assert served == version, f"rollout serves version {served}, expected {version}"
+
+
+# -- a job: a coordinator, N rollout workers and a trainer, all real Ray actors --------------
+
+# fast failure detection for tests; device cpu unless a test asks for one: on a GPU node "auto"
+# would pick cuda for some parties (those Ray gives a GPU, or all of them) and not others
+JOB_DEFAULTS = {"heartbeat_interval_s": 0.2, "heartbeat_timeout_s": 3.0, "sync_timeout_s": 60.0,
+                "connect_timeout_s": 60.0, "device": "cpu"}
+_job_ids = itertools.count()
+
+
+def new_coordinator(config: dict | None = None, prefix: str = "ws-test", **kwargs: Any) -> Coordinator:
+    """A coordinator under a name no other job on the cluster has, ``JOB_DEFAULTS`` under ``config``."""
+    return Coordinator.create({**JOB_DEFAULTS, **(config or {})}, name=f"{prefix}-{os.getpid()}-{next(_job_ids)}",
+                              **kwargs)
+
+
+def rollout_actor(coordinator: Coordinator, manifest: Manifest, name: str, rank: int = 0, config: dict | None = None,
+                  options: dict | None = None, **kwargs: Any) -> Any:
+    """A :class:`RolloutWorker` Ray actor (``options``: Ray's, e.g. device resources)."""
+    import ray
+
+    return ray.remote(RolloutWorker).options(**{"num_cpus": 0, **(options or {})}).remote(
+        coordinator, manifest.to_wire(), name, rank=rank, config=config, **kwargs)
+
+
+def trainer_actor(coordinator: Coordinator, manifest: Manifest, config: dict | None = None,
+                  receivers: int | None = None, options: dict | None = None, cls: type = TrainerWorker,
+                  **kwargs: Any) -> Any:
+    """A :class:`TrainerWorker` (or subclass ``cls``) Ray actor expecting ``receivers`` receivers."""
+    import ray
+
+    return ray.remote(cls).options(**{"num_cpus": 0, **(options or {})}).remote(
+        coordinator, manifest.to_wire(), config=config, expected_receivers=receivers, **kwargs)
+
+
+class Job(NamedTuple):
+    coordinator: Coordinator
+    rollouts: list  # RolloutWorker actors named rollout-<rank>
+    trainer: Any  # the sending TrainerWorker actor
+
+    @property
+    def parties(self) -> list:
+        return [*self.rollouts, self.trainer]
+
+    def step(self, version: int, seed: int | None = None, timeout: float = 120.0) -> tuple[list, dict[str, Any]]:
+        """Every rollout applies ``version`` while the trainer stages and syncs it: (the versions
+        the rollouts applied, the trainer's sync result)."""
+        import ray
+
+        applied = [r.apply.remote(version) for r in self.rollouts]
+        result = ray.get(self.trainer.step.remote(version, seed), timeout=timeout)
+        return ray.get(applied, timeout=timeout), result
+
+    def run(self, manifest: Manifest, versions: Iterable[int], timeout: float = 120.0) -> None:
+        """Each of ``versions`` in turn: every rollout applies it and serves it bit-exactly."""
+        for v in versions:
+            assert self.step(v, timeout=timeout)[0] == [v] * len(self.rollouts)
+            for r in self.rollouts:
+                assert_serves(r, manifest, v, timeout)
+
+
+def start_parties(coordinator: Coordinator, manifest: Manifest, config: dict | None = None, receivers: int = 2, *,
+                  options: dict | None = None, rollout: dict | None = None, trainer: dict | None = None) -> Job:
+    """``receivers`` rollout workers (rollout-0, ...) and a trainer (rank 0) on ``coordinator``,
+    all started at once; ``rollout`` / ``trainer``: more arguments for each side's actor."""
+    rs = [rollout_actor(coordinator, manifest, f"rollout-{i}", i, config, options, **(rollout or {}))
+          for i in range(receivers)]
+    return Job(coordinator, rs, trainer_actor(coordinator, manifest, config, receivers, options, **(trainer or {})))
+
+
+def stop_actors(handles: Iterable[Any], timeout: float = 10.0) -> None:
+    """Close each actor where it still answers, then kill it (teardown: errors are not the test's)."""
+    import ray
+
+    for handle in handles:
+        try:
+            ray.get(handle.close.remote(), timeout=timeout)
+        except Exception:
+            pass
+        ray.kill(handle)

@@ -141,7 +141,7 @@ def test_recipe_init_workers_and_fit_syncs_bit_exactly(tmp_path, ray_cluster, re
     from verl.utils.dataset.rl_dataset import collate_fn
     from weightsync_verl.recipe import FSDPActorWeightSyncMixin, RolloutWeightSyncMixin, WeightSyncTrainerMixin
 
-    from weightsync.testing import same_bits
+    from weightsync.testing import assert_same_weights, same_bits
 
     from . import cpu_workers
 
@@ -176,8 +176,7 @@ def test_recipe_init_workers_and_fit_syncs_bit_exactly(tmp_path, ray_cluster, re
     def check(version: int) -> None:
         expected = trainer.actor_wg.full_weights()[0]
         for rank, got in enumerate(trainer.rollout_wg.engine_weights()):
-            bad = [n for n, t in expected.items() if not same_bits(got["weights"][n], t)]
-            assert not bad, f"version {version}, rollout rank {rank}: differs from the trainer: {bad}"
+            assert_same_weights(got["weights"], expected, f"version {version}, rollout rank {rank} vs the trainer")
         served = trainer.rollout_wg.weightsync_version()
         assert served == [version] * len(served)
 

@@ -19,6 +19,8 @@ import parties
 import pytest
 import ray
 
+from weightsync.testing import stop_actors
+
 VERSIONS = 3
 BOUND = 1e-4  # fp32: ~1e-5 observed
 CHANGED = 1e-2  # a version's step moves the logprobs by far more than this
@@ -44,13 +46,7 @@ def sides(ray_cluster):
         ray.get([r.generate.remote(0) for r, _ in made.values()], timeout=900)
         yield made
     finally:
-        for r, t in made.values():
-            for actor in (r, t):
-                try:
-                    ray.get(actor.close.remote(), timeout=30)
-                except Exception:
-                    pass
-                ray.kill(actor)
+        stop_actors([actor for pair in made.values() for actor in pair], timeout=30)
         out = os.path.join(os.path.dirname(__file__), "..", "..", "results")
         os.makedirs(out, exist_ok=True)
         with open(os.path.join(out, f"vllm_gen_{importlib.metadata.version('vllm')}.json"), "w") as fh:

@@ -20,7 +20,7 @@ from weightsync.config import SyncConfig
 from weightsync.manifest import Manifest, TensorSpec
 from weightsync.receiver import WeightReceiver
 from weightsync.sender import WeightSender
-from weightsync.testing import same_bits
+from weightsync.testing import assert_same_weights, stop_actors
 
 VERSIONS = 3
 FUSED = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_proj", "up_proj")}
@@ -131,13 +131,7 @@ def parties(ray_cluster):
         built = {tied: ray.get(r.params.remote(), timeout=600) for tied, (r, _) in made.items()}
         yield {tied: (r, t, built[tied]) for tied, (r, t) in made.items()}
     finally:
-        for r, t in made.values():
-            for actor in (r, t):
-                try:
-                    ray.get(actor.close.remote(), timeout=30)
-                except Exception:
-                    pass
-                ray.kill(actor)
+        stop_actors([actor for pair in made.values() for actor in pair], timeout=30)
 
 
 @pytest.mark.parametrize("tied", [False, True], ids=["untied", "tied"])
@@ -153,8 +147,7 @@ def test_hf_trainer_to_real_vllm_model(coordinator_factory, parties, transport, 
         assert ray.get(applied, timeout=120) == v
         got, want = ray.get(rollout.params.remote()), want_in_vllm(state, tied)
         assert set(got) == set(want), set(got) ^ set(want)
-        bad = [n for n in want if not same_bits(got[n][0], want[n])]
-        assert not bad, f"version {v}: {bad}"
+        assert_same_weights({n: t for n, (t, _) in got.items()}, want, f"version {v}")
         moved = [n for n in got if got[n][1] != built[n][1]]
         assert not moved, f"version {v}: parameters replaced instead of updated in place: {moved}"
         assert ray.get(rollout.counts.remote()) == v  # process_weights_after_loading once per version
