@@ -1,0 +1,27 @@
+"""The fully-async run's batch tap, loaded after ``e2e_observe`` by ``VERL_USE_EXTERNAL_MODULES``
+(run_fully_async.py). verl 0.9.1's fully-async recipe keeps ``bypass_mode=True`` (its yaml:
+old_log_prob := the rollout's log-probs), so ``calculate_debug_metrics``, where the one-step-off
+run records its batches, is never called. Here the batch is taken where the trainer collects
+its metrics from the samples it got off the message queue
+(``FullyAsyncTrainer._collect_metrics_from_samples``, called by ``_fit_generate`` for every
+training step, looked up on the instance at each call), together with the weight version the
+trainer holds at that moment (``current_param_version``): the figure the staleness bound is
+about. Observation only: verl's method runs unchanged; with ``VERL_E2E_RECORD`` unset nothing
+is written.
+"""
+
+from __future__ import annotations
+
+from e2e_observe import RECORD, _record_batch
+from verl.experimental.fully_async_policy.fully_async_trainer import FullyAsyncTrainer
+
+_verl_collect = FullyAsyncTrainer._collect_metrics_from_samples
+
+
+def _collect_metrics_from_samples(self, batch, metrics):
+    if RECORD:
+        _record_batch(batch, trainer_version=int(self.current_param_version))
+    return _verl_collect(self, batch, metrics)
+
+
+FullyAsyncTrainer._collect_metrics_from_samples = _collect_metrics_from_samples
