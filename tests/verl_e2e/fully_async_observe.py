@@ -13,8 +13,11 @@ is written.
 from __future__ import annotations
 
 from e2e_observe import RECORD, _record_batch
-from verl.experimental.fully_async_policy.fully_async_trainer import FullyAsyncTrainer
+from verl.experimental.fully_async_policy.fully_async_trainer import FullyAsyncTrainer as _Actor
 
+# verl decorates the trainer with @ray.remote: the module's name holds Ray's ActorClass, and
+# the actor runs a subclass Ray made of the class verl wrote, which is the one patched here
+FullyAsyncTrainer = _Actor.__ray_metadata__.modified_class.__ray_actor_class__
 _verl_collect = FullyAsyncTrainer._collect_metrics_from_samples
 
 

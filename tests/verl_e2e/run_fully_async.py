@@ -9,11 +9,13 @@ the tiny model in fp32). Returns the metrics verl's ``file`` logger wrote (fully
 record per weight version).
 
 Sized so that partial rollouts, aborts and the staleness bound all come into play: the trainer
-takes ``BATCH`` prompts a step and syncs every ``SYNC_EVERY`` steps; the rollouter may run up to
-BATCH * SYNC_EVERY * (1 + STALENESS) prompts ahead per version; vLLM decodes at most
-``MAX_NUM_SEQS`` sequences at a time, so generation is the slower side and requests are in
-flight at every sync (verl's CheckpointEngineManager.update_weights aborts them first and
-FullyAsyncLLMServerClient resumes them with the new weights: the partial rollouts).
+takes ``BATCH`` prompts a step and syncs every ``SYNC_EVERY`` steps; the rollouter may start up
+to BATCH * SYNC_EVERY * (1 + STALENESS) = 12 prompts per version, 8 more than the trainer takes,
+while vLLM decodes at most ``MAX_NUM_SEQS`` sequences at a time: at a sync most of those are
+still queued or half generated (verl's CheckpointEngineManager.update_weights aborts them
+first and FullyAsyncLLMServerClient resumes them with the new weights: the partial rollouts).
+With STALENESS = 0.5 (the rollouter 2 prompts ahead) a first run had none: the 2 had finished
+before every sync.
 
 Also a script: ``python tests/verl_e2e/run_fully_async.py OUT_DIR`` (the docs' run).
 """
@@ -32,7 +34,7 @@ ENTRY = "verl.experimental.fully_async_policy.fully_async_main"
 BATCH = 2  # prompts per training step (ppo_mini_batch_size; verl's required_samples)
 N = 2  # responses per prompt (run_verl.common_overrides)
 SYNC_EVERY = 2  # trigger_parameter_sync_step
-STALENESS = 0.5  # staleness_threshold
+STALENESS = 2.0  # staleness_threshold
 VERSIONS = 4  # weight versions trained after the initial sync
 RESPONSE_LENGTH = 48
 MAX_NUM_SEQS = 2

@@ -153,6 +153,10 @@ def launch(work: str, module: str, args: list[str], modules: tuple[str, ...], ti
         "VLLM_CPU_KVCACHE_SPACE": "1",
         "VLLM_CPU_OMP_THREADS_BIND": "nobind", "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false",
         "WANDB_MODE": "disabled", "RAY_DEDUP_LOGS": "0",
+        # Ray's memory monitor kills workers when the *host* passes 95 % used, whoever uses it;
+        # on a shared machine other jobs' memory then ends this run (seen: a rollouter killed at
+        # 21.4 of 23.5 GB, this run holding a fraction). The kernel's OOM killer still applies.
+        "RAY_memory_monitor_refresh_ms": "0",
     })
     cmd = [sys.executable, "-m", module, *args]
     started = time.monotonic()
