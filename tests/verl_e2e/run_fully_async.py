@@ -14,8 +14,11 @@ to BATCH * SYNC_EVERY * (1 + STALENESS) = 12 prompts per version, 8 more than th
 while vLLM decodes at most ``MAX_NUM_SEQS`` sequences at a time: at a sync most of those are
 still queued or half generated (verl's CheckpointEngineManager.update_weights aborts them
 first and FullyAsyncLLMServerClient resumes them with the new weights: the partial rollouts).
-With STALENESS = 0.5 (the rollouter 2 prompts ahead) a first run had none: the 2 had finished
-before every sync.
+Measured on the way: with STALENESS = 0.5, and with 2.0 but 48-token responses decoded 2 at a
+time, no request was in flight at any sync (verl's ``fully_async/partial/total_partial_num``
+0): on CPU the tiny model decodes a token in ~10 ms while a training step takes ~0.5 s, so
+the rollouter had finished everything it was allowed to start. 128 tokens decoded one
+sequence at a time make generation the slower side.
 
 Also a script: ``python tests/verl_e2e/run_fully_async.py OUT_DIR`` (the docs' run).
 """
@@ -36,8 +39,8 @@ N = 2  # responses per prompt (run_verl.common_overrides)
 SYNC_EVERY = 2  # trigger_parameter_sync_step
 STALENESS = 2.0  # staleness_threshold
 VERSIONS = 4  # weight versions trained after the initial sync
-RESPONSE_LENGTH = 48
-MAX_NUM_SEQS = 2
+RESPONSE_LENGTH = 128
+MAX_NUM_SEQS = 1
 
 
 def overrides(work: str, model: str, transport: str) -> list[str]:
