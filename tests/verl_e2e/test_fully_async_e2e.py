@@ -36,33 +36,31 @@ BOUND = 1e-4
 
 
 @pytest.fixture(scope="module")
-def out_dir(tmp_path_factory):
-    return os.environ.get("VERL_E2E_FULLY_ASYNC_OUT") or str(tmp_path_factory.mktemp("verl-fully-async"))
-
-
-@pytest.fixture(scope="module")
-def run(out_dir):
+def run(tmp_path_factory):
+    """One run: (out dir, verl's metric records, the run's log). VERL_E2E_FULLY_ASYNC_OUT keeps
+    the out dir (metrics.jsonl, run.log, record/, parity.json)."""
     from run_fully_async import run as run_trainer
 
-    records, _ = run_trainer(out_dir)
-    with open(os.path.join(out_dir, "run.log")) as f:
-        log = f.read()
-    return records, log
+    out = os.environ.get("VERL_E2E_FULLY_ASYNC_OUT") or str(tmp_path_factory.mktemp("verl-fully-async"))
+    records, _ = run_trainer(out)
+    with open(os.path.join(out, "run.log")) as f:
+        return out, records, f.read()
 
 
 @pytest.fixture(scope="module")
-def record(run, out_dir):
+def record(run):
     import version_parity as vp
 
-    path = os.path.join(out_dir, "record")
+    path = os.path.join(run[0], "record")
     return {"dir": path, "batches": vp.batches(path), "versions": vp.versions(path)}
 
 
 @pytest.fixture(scope="module")
-def parity(record, out_dir):
+def parity(record, run):
     import partial_parity as pp
     import version_parity as vp
 
+    out_dir = run[0]
     model_dir = os.path.join(out_dir, "model")
     models = {v: vp.model_with(model_dir, record["dir"], v) for v in record["versions"]}
     rows = []
@@ -75,7 +73,7 @@ def parity(record, out_dir):
 
 
 def test_trains_every_step_of_every_version(record):
-    from run_fully_async import BATCH, N, SYNC_EVERY, VERSIONS
+    from run_fully_async import BATCH, SYNC_EVERY, VERSIONS, N
 
     trained = [b["trainer_version"] for b in record["batches"]]
     assert trained == [v for v in range(VERSIONS) for _ in range(SYNC_EVERY)]
@@ -83,7 +81,7 @@ def test_trains_every_step_of_every_version(record):
 
 
 def test_every_sync_went_through_weightsync(run, record):
-    _, log = run
+    _, _, log = run
     assert "Checkpoint manager initialized (backend=weightsync)" in log
     assert "backend=nccl" not in log
     syncs = len(re.findall(r"_fit_update_weights, timing_s/param_sync", log))
@@ -98,7 +96,7 @@ def test_every_sync_went_through_weightsync(run, record):
 
 
 def test_partial_rollouts_happened_and_mix_versions(run, parity):
-    records, _ = run
+    _, records, _ = run
     partial = sum(r.get("fully_async/partial/total_partial_num", 0) for r in records)
     assert partial > 0, "verl reports no partial rollout"
     mixed = [r for r in parity if r["per_version"] and len(r["per_version"]) > 1]
@@ -114,9 +112,9 @@ def test_staleness_threshold_respected(run, record):
     threshold prompts started before V are left, and they are all that is ever trained at V
     or later with min_global_steps < V. Counted here from the trained batches themselves
     (responses: N per prompt); verl's own counters must agree and stay within its limit."""
-    from run_fully_async import BATCH, N, STALENESS, SYNC_EVERY
+    from run_fully_async import BATCH, STALENESS, SYNC_EVERY, N
 
-    records, _ = run
+    _, records, _ = run
     bound = STALENESS * BATCH * SYNC_EVERY * N
     batches = record["batches"]
     started_before = {v: sum(lo < v for b in batches if b["trainer_version"] >= v for lo in b["min_global_steps"])
@@ -146,6 +144,6 @@ def test_the_next_versions_weights_exceed_the_bound(parity):
 
 
 def test_reward_logged(run):
-    records, _ = run
+    _, records, _ = run
     scores = [r["critic/score/mean"] for r in records if "critic/score/mean" in r]
     assert scores and all(0.0 <= s <= 1.0 and not math.isnan(s) for s in scores), scores
