@@ -23,9 +23,15 @@ _verl_collect = _RUN_CLASS._collect_metrics_from_samples
 
 
 def _collect_metrics_from_samples(self, batch, metrics):
+    """verl's method, then the batch recorded with the trainer's version and the step's
+    ``fully_async/*`` metrics verl just computed (the file logger only gets them aggregated
+    per version, and the last version's aggregate is never written)."""
+    out = _verl_collect(self, batch, metrics)
     if RECORD:
-        _record_batch(batch, trainer_version=int(self.current_param_version))
-    return _verl_collect(self, batch, metrics)
+        verl_metrics = {k: float(v) for k, v in metrics.items()
+                        if k.startswith(("fully_async/partial/", "fully_async/count/"))}
+        _record_batch(batch, trainer_version=int(self.current_param_version), verl_metrics=verl_metrics)
+    return out
 
 
 _RUN_CLASS._collect_metrics_from_samples = _collect_metrics_from_samples
