@@ -24,8 +24,10 @@ _verl_collect = _RUN_CLASS._collect_metrics_from_samples
 
 def _collect_metrics_from_samples(self, batch, metrics):
     """verl's method, then the batch recorded with the trainer's version and the step's
-    ``fully_async/*`` metrics verl just computed (the file logger only gets them aggregated
-    per version, and the last version's aggregate is never written)."""
+    ``fully_async/*`` metrics verl just computed. verl's file logger writes them aggregated,
+    one record per version, and measured there the counters are those after the version's
+    first step: cumulative stale responses 0, 4, 12, 20 where the batches give 0, 8, 16, 23,
+    and the one partial rollout, in the last step, never appeared."""
     out = _verl_collect(self, batch, metrics)
     if RECORD:
         verl_metrics = {k: float(v) for k, v in metrics.items()
