@@ -88,6 +88,20 @@ def parity(rollout, trainer, seed: int) -> tuple[float, float]:
 
 
 @pytest.mark.parametrize("transport", TRANSPORTS)
+
+def _serves_version_1_then_commits_3(rollout, trainer, failed: str) -> None:
+    """After version 2 failed: vLLM labels and generates version 1's weights, and version 3
+    then commits and generates."""
+    ray.get(trainer.revert.remote())
+    assert ray.get(rollout.weight_version.remote()) == "1"
+    assert ray.get(rollout.engine_state.remote())["published"] == 1
+    cur, _ = parity(rollout, trainer, 2)
+    assert cur <= BOUND, f"after the {failed} the engine does not generate with version 1 ({cur})"
+    assert ray.get(trainer.step.remote(3), timeout=300) == ""
+    assert ray.get(rollout.weight_version.remote()) == "3"
+    cur, _ = parity(rollout, trainer, 3)
+    assert cur <= BOUND, cur
+
 def test_generation_matches_the_trainer_after_every_update(coordinator_factory, sides, transport):
     rollout, trainer = sides
     connect(coordinator_factory, rollout, trainer, transport)
@@ -121,14 +135,7 @@ def test_a_corrupt_bucket_fails_the_update_and_the_engine_keeps_the_previous_wei
     assert "SyncFailed" in err and "vllm-0" in err and "bucket 1 of version 2 is corrupted" in err, err
     measured.append({"vllm": importlib.metadata.version("vllm"), "transport": transport, "case": "corrupt bucket",
                      "error": err})
-    ray.get(trainer.revert.remote())
-    assert ray.get(rollout.weight_version.remote()) == "1"
-    cur, _ = parity(rollout, trainer, 2)
-    assert cur <= BOUND, f"after the failed update the engine does not generate with version 1 ({cur})"
-    assert ray.get(trainer.step.remote(3), timeout=300) == ""
-    assert ray.get(rollout.weight_version.remote()) == "3"
-    cur, _ = parity(rollout, trainer, 3)
-    assert cur <= BOUND, cur
+    _serves_version_1_then_commits_3(rollout, trainer, "failed update")
 
 
 def test_a_receiver_killed_during_the_update_leaves_the_served_version(coordinator_factory, sides):
@@ -155,15 +162,7 @@ def test_a_receiver_killed_during_the_update_leaves_the_served_version(coordinat
         assert "SyncFailed" in err and "peer-1: " in err and "silent" in err, err
         measured.append({"vllm": importlib.metadata.version("vllm"), "case": "peer killed at bucket 0 of v2",
                          "sync_failed_after_kill_s": time.monotonic() - t0, "error": err})
-        ray.get(trainer.revert.remote())
-        assert ray.get(rollout.weight_version.remote()) == "1"
-        assert ray.get(rollout.engine_state.remote())["published"] == 1
-        cur, _ = parity(rollout, trainer, 2)
-        assert cur <= BOUND, f"after the aborted version the engine does not generate with version 1 ({cur})"
-        assert ray.get(trainer.step.remote(3), timeout=300) == ""
-        assert ray.get(rollout.weight_version.remote()) == "3"
-        cur, _ = parity(rollout, trainer, 3)
-        assert cur <= BOUND, cur
+        _serves_version_1_then_commits_3(rollout, trainer, "aborted version")
     finally:
         ray.kill(peer)
 

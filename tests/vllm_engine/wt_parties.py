@@ -143,9 +143,7 @@ class Trainer:
         return build_manifest(list(self.model.state_dict().items())).to_wire()
 
     def diffs(self, generated: list) -> tuple[float, float]:
-        cur = max(abs(a - b) for p, t, lp in generated for a, b in zip(lp, E.hf_logprobs(self.model, p, t)))
-        old = max(abs(a - b) for p, t, lp in generated for a, b in zip(lp, E.hf_logprobs(self.previous, p, t)))
-        return cur, old
+        return E.logprob_diffs(self.model, self.previous, generated)
 
     def close(self) -> None:
         if self.engine is not None:

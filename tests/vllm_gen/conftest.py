@@ -4,26 +4,10 @@ not installed (the main venv, the vllm tier's model-code-only venv)."""
 
 from __future__ import annotations
 
-import importlib.metadata
-
-import pytest
-
-
-def _cpu_engine() -> str | None:
-    try:
-        version = importlib.metadata.version("vllm")
-    except importlib.metadata.PackageNotFoundError:
-        return None
-    # the distribution scripts/vllm_cpu_wheel.py writes: "<version>+cpu" selects vLLM's CpuPlatform
-    return version if version.endswith("+cpu") else None
+from tier_marks import cpu_engine_version, mark_tier
 
 
 def pytest_collection_modifyitems(config, items):
-    here = __file__.rsplit("/", 1)[0]
-    engine = _cpu_engine()
-    for item in items:
-        if str(item.fspath).startswith(here):
-            item.add_marker(pytest.mark.vllm)
-            if engine is None:
-                item.add_marker(pytest.mark.skip(reason="vLLM's CPU engine is not installed here "
-                                                        "(bash scripts/vllm_cpu_env.sh 0.11.0)"))
+    why = None if cpu_engine_version() else ("vLLM's CPU engine is not installed here "
+                                             "(bash scripts/vllm_cpu_env.sh 0.11.0)")
+    mark_tier(items, __file__.rsplit("/", 1)[0], why)

@@ -87,3 +87,11 @@ def hf_logprobs(model: torch.nn.Module, prompt: list[int], tokens: list[int]) ->
     lp = torch.log_softmax(logits, dim=-1)
     n = len(prompt)
     return [lp[n - 1 + i, t].item() for i, t in enumerate(tokens)]
+
+
+def logprob_diffs(current: torch.nn.Module, previous: torch.nn.Module, generated: list) -> tuple[float, float]:
+    """Max abs difference of the rollout's sampled-token logprobs (``generate``'s output) from a
+    forward of ``current`` and of ``previous``."""
+    def worst(model: torch.nn.Module) -> float:
+        return max(abs(a - b) for p, t, lp in generated for a, b in zip(lp, hf_logprobs(model, p, t)))
+    return worst(current), worst(previous)

@@ -43,9 +43,7 @@ class Trainer:
     def diffs(self, generated: list) -> tuple[float, float]:
         """Max abs difference of the rollout's sampled-token logprobs from this trainer's,
         with the current weights and with the previous version's."""
-        cur = max(abs(a - b) for p, t, lp in generated for a, b in zip(lp, E.hf_logprobs(self.model, p, t)))
-        old = max(abs(a - b) for p, t, lp in generated for a, b in zip(lp, E.hf_logprobs(self.previous, p, t)))
-        return cur, old
+        return E.logprob_diffs(self.model, self.previous, generated)
 
     def close(self) -> None:
         if self.sender is not None:

@@ -2,10 +2,11 @@
 standalone process group, the same code for HCCL (Ascend), NCCL (CUDA) and gloo (CPU).
 
 The group is never the default ``torch.distributed`` world (vLLM and FSDP own it in these
-processes): the sender hosts a TCPStore (address published in ``session_info``) and every
-party builds its group on a PrefixStore of it. How it is built (torch gloo / NCCL,
-torch_npu HCCL, or vLLM's StatelessProcessGroup + PyHccl / PyNccl) is :mod:`.groups`, the
-only per-backend part; so the gloo tests run the code that runs on Ascend.
+processes): the sender hosts a TCPStore (``group_store.py``; its address is in the session
+record) and every party builds its group on a PrefixStore of it (``groups.py``). Which
+communicator carries the bytes (torch gloo / NCCL, torch_npu HCCL, or vLLM's
+StatelessProcessGroup + PyHccl / PyNccl) is ``communicators.py``, the only per-backend part;
+so the gloo tests run the code that runs on Ascend.
 
 Membership comes from the coordinator: at the barrier the sender fixes the group of the
 version (itself as rank 0, the live participants by user rank after it), receivers learn
