@@ -29,6 +29,7 @@ import argparse
 import json
 import multiprocessing as mp
 import os
+import queue
 import statistics
 import sys
 import tempfile
@@ -47,7 +48,7 @@ from weightsync.digest import verify
 from weightsync.digest import xxh3 as checksum
 from weightsync.manifest import Manifest
 from weightsync.model_layouts import materialize
-from weightsync.plan import BucketPlan, Unpacker, pack_stream, plan_buckets
+from weightsync.plan import BucketPlan, Buffers, Unpacker, pack_stream, plan_buckets
 from weightsync.transports.shm import layout, spans
 
 MiB = 1 << 20
@@ -86,7 +87,7 @@ def _host_party(role: str, k: int, model: str, bucket_mb: float, repeats: int, r
     windows = [buf[bases[b]: bases[b] + bucket.nbytes] for b, bucket in enumerate(plan.buckets)]
     tensors = materialize(manifest, seed=0) if role == "stage" else None
     if role == "stage":
-        list(pack_stream(plan, manifest, tensors, lambda b: windows[b]))  # untimed: pages resident
+        list(pack_stream(plan, manifest, tensors, Buffers(lambda b: windows[b])))  # untimed: pages resident
     barrier.wait()
     if role == "stage":
         os.unlink(path)  # every party has it mapped now: the pages go when the last one exits
@@ -97,7 +98,7 @@ def _host_party(role: str, k: int, model: str, bucket_mb: float, repeats: int, r
     span = spans(buf, bases, plan)
 
     def stage(hashed: bool, run: int) -> None:
-        for b in pack_stream(plan, manifest, tensors, lambda b: windows[b], {} if hashed else None):
+        for b in pack_stream(plan, manifest, tensors, Buffers(lambda b: windows[b]), "xxh3" if hashed else None):
             ready[b] = run  # after the bucket's bytes: x86 keeps stores in order
 
     def apply(hashed: bool, run: int | None) -> None:
@@ -140,7 +141,7 @@ def _gloo_party(rank: int, model: str, bucket_mb: float, repeats: int, store_pat
     packed = torch.zeros(size, dtype=torch.uint8)
     if rank == 0:
         tensors = materialize(manifest, seed=0)
-        list(pack_stream(plan, manifest, tensors, lambda b: packed[bases[b]: bases[b] + plan.buckets[b].nbytes]))
+        list(pack_stream(plan, manifest, tensors, Buffers(lambda b: packed[bases[b]: bases[b] + plan.buckets[b].nbytes])))
     else:
         engine = BenchEngine(manifest)  # the rollout gets its bytes from the wire
     unpacker = Unpacker(plan, manifest)
@@ -186,8 +187,18 @@ def _run(target: Any, args_of: list[tuple]) -> list[dict[str, Any]]:
     procs = [ctx.Process(target=target, args=(*a, out), daemon=True) for a in args_of]
     for p in procs:
         p.start()
+    results: list[dict[str, Any]] = []
+    deadline = time.monotonic() + 1800
     try:
-        results = [out.get(timeout=1800) for _ in procs]
+        while len(results) < len(procs):
+            try:
+                results.append(out.get(timeout=1.0))
+            except queue.Empty:
+                # a party that died never reaches the barrier: the others would wait for it forever
+                dead = [f"party {i} (exit code {p.exitcode})" for i, p in enumerate(procs)
+                        if p.exitcode not in (None, 0)]
+                if dead or time.monotonic() > deadline:
+                    raise RuntimeError(f"floors: {', '.join(dead) or 'no result within 1800 s'}") from None
     finally:
         for p in procs:
             p.join(timeout=30)

@@ -13,7 +13,7 @@ import torch
 from weightsync.digest import xxh3 as checksum
 from weightsync.manifest import Manifest, TensorSpec
 from weightsync.model_layouts import layout, materialize
-from weightsync.plan import Unpacker, pack_stream, plan_buckets
+from weightsync.plan import Buffers, Unpacker, pack_stream, plan_buckets
 
 pytest.importorskip("pytest_benchmark")
 
@@ -48,7 +48,7 @@ def test_plan_buckets(benchmark, name):
 
 def test_pack(benchmark, plan, tensors, buckets):
     def pack():
-        return list(pack_stream(plan, MANIFEST, tensors, lambda b: buckets[b]))
+        return list(pack_stream(plan, MANIFEST, tensors, Buffers(lambda b: buckets[b])))
 
     done = benchmark(pack)
     assert sorted(done) == list(range(plan.bucket_count))
@@ -56,7 +56,7 @@ def test_pack(benchmark, plan, tensors, buckets):
 
 
 def test_unpack(benchmark, plan, tensors, buckets):
-    list(pack_stream(plan, MANIFEST, tensors, lambda b: buckets[b]))
+    list(pack_stream(plan, MANIFEST, tensors, Buffers(lambda b: buckets[b])))
     unpacker = Unpacker(plan, MANIFEST)
 
     def unpack():
@@ -79,7 +79,7 @@ def test_pack_transposed_split(benchmark):
     manifest = Manifest((TensorSpec("w", "float32", tuple(weight.shape)),))
     p = plan_buckets(manifest, BUCKET)
     out = [torch.empty(b.nbytes, dtype=torch.uint8) for b in p.buckets]
-    done = benchmark(lambda: list(pack_stream(p, manifest, {"w": weight}, lambda b: out[b], {})))
+    done = benchmark(lambda: list(pack_stream(p, manifest, {"w": weight}, Buffers(lambda b: out[b]), "xxh3")))
     assert len(done) == p.bucket_count == 8
     assert torch.equal(torch.cat(out).view(torch.float32).view(weight.shape), weight)
     benchmark.extra_info["GB/s"] = manifest.total_bytes / benchmark.stats.stats.median / 1e9

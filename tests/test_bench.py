@@ -248,23 +248,38 @@ def test_floors_script_does_the_real_work(tmp_path):
     """benchmarks/floors.py (the data path's floor, no protocol) moves real bytes: the engine
     ends bit-exact on both paths, and every figure it reasons from was measured."""
     import json
+    import os
+    import signal
     import subprocess
     import sys
+    import time
     from pathlib import Path
 
     script = Path(__file__).resolve().parents[1] / "benchmarks" / "floors.py"
     out = tmp_path / "floors.json"
-    proc = subprocess.run([sys.executable, str(script), "--model", "tiny", "--repeats", "1", "--receivers", "1", "2",
-                           "--json", str(out)],
-                          capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 0, proc.stdout + proc.stderr
+    # its own session: on a timeout the whole group goes (the script's spawned workers and the
+    # /dev/shm file they map would otherwise outlive the test)
+    started = time.time()
+    proc = subprocess.Popen([sys.executable, str(script), "--model", "tiny", "--repeats", "1", "--receivers", "1", "2",
+                             "--json", str(out)],
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    try:
+        stdout, _ = proc.communicate(timeout=600)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        stdout, _ = proc.communicate()
+        for leftover in Path("/dev/shm").glob("wsync-floors-*"):
+            if leftover.stat().st_mtime >= started:  # this run's, not a concurrent one's
+                leftover.unlink(missing_ok=True)
+        raise AssertionError(f"benchmarks/floors.py ran past 600 s:\n{stdout}") from None
+    assert proc.returncode == 0, stdout
     r = json.loads(out.read_text())
     assert r["verified"] is True
     assert set(r["host_s"]) == {"stage", "apply", "together", "stage (no xxh3)", "apply (no xxh3)",
                                 "together (no xxh3)", "together x2"}
     assert set(r["gloo_s"]) == {"flat", "buckets", "buckets+load"}
     assert all(s > 0 for s in [*r["host_s"].values(), *r["gloo_s"].values()])
-    assert "shm / copy ceiling at best" in proc.stdout
+    assert "shm / copy ceiling at best" in stdout
 
 
 def test_bench_ab_runs_another_revs_transports_in_the_same_rounds(ray_cluster, tmp_path):
