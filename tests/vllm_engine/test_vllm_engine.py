@@ -87,8 +87,6 @@ def parity(rollout, trainer, seed: int) -> tuple[float, float]:
     return ray.get(trainer.diffs.remote(ray.get(rollout.generate.remote(seed))))
 
 
-@pytest.mark.parametrize("transport", TRANSPORTS)
-
 def _serves_version_1_then_commits_3(rollout, trainer, failed: str) -> None:
     """After version 2 failed: vLLM labels and generates version 1's weights, and version 3
     then commits and generates."""
@@ -102,6 +100,8 @@ def _serves_version_1_then_commits_3(rollout, trainer, failed: str) -> None:
     cur, _ = parity(rollout, trainer, 3)
     assert cur <= BOUND, cur
 
+
+@pytest.mark.parametrize("transport", TRANSPORTS)
 def test_generation_matches_the_trainer_after_every_update(coordinator_factory, sides, transport):
     rollout, trainer = sides
     connect(coordinator_factory, rollout, trainer, transport)
