@@ -26,6 +26,20 @@ def _name(owner: str, key: str, value: Any) -> None:
         raise ValueError(f"{owner}: `{key}` must be a non-empty string, got {value!r}")
 
 
+def _int(owner: str, key: str, value: Any, minimum: int) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+        raise ValueError(f"{owner}: `{key}` must be an int >= {minimum}, got {value!r}")
+
+
+def _target(info: Any) -> SyncConfig:
+    """The checks both sides make of where the coordinator is and who receives; the config."""
+    owner = type(info).__name__
+    _name(owner, "coordinator", info.coordinator)
+    _name(owner, "token", info.token)
+    _name(owner, "receiver", info.receiver)
+    return _config(owner, info.config)
+
+
 def _config(owner: str, value: Any) -> SyncConfig:
     if not isinstance(value, dict):
         raise ValueError(f"{owner}: `config` must be a dict of weightsync SyncConfig fields, got {type(value).__name__}")
@@ -51,13 +65,9 @@ class WeightsyncInitInfo(WeightTransferInitInfo):
     ray_address: str | None = None
 
     def __post_init__(self) -> None:
-        owner = type(self).__name__
-        _name(owner, "coordinator", self.coordinator)
-        _name(owner, "token", self.token)
-        _name(owner, "receiver", self.receiver)
         if self.ray_address is not None:
-            _name(owner, "ray_address", self.ray_address)
-        self.sync_config = _config(owner, self.config)
+            _name(type(self).__name__, "ray_address", self.ray_address)
+        self.sync_config = _target(self)
 
 
 @dataclass
@@ -70,8 +80,7 @@ class WeightsyncUpdateInfo(WeightTransferUpdateInfo):
 
     def __post_init__(self) -> None:
         owner = type(self).__name__
-        if isinstance(self.version, bool) or not isinstance(self.version, int) or self.version < 0:
-            raise ValueError(f"{owner}: `version` must be an int >= 0, got {self.version!r}")
+        _int(owner, "version", self.version, 0)
         if self.timeout_s is not None and (isinstance(self.timeout_s, bool) or not isinstance(self.timeout_s, int | float)
                                            or self.timeout_s <= 0):
             raise ValueError(f"{owner}: `timeout_s` must be a number > 0, got {self.timeout_s!r}")
@@ -95,15 +104,9 @@ class WeightsyncTrainerInitInfo(TrainerInitInfo):
     ray_address: str | None = None
 
     def __post_init__(self) -> None:
-        owner = type(self).__name__
-        _name(owner, "coordinator", self.coordinator)
-        _name(owner, "token", self.token)
-        _name(owner, "receiver", self.receiver)
-        if isinstance(self.receivers, bool) or not isinstance(self.receivers, int) or self.receivers < 1:
-            raise ValueError(f"{owner}: `receivers` must be an int >= 1, got {self.receivers!r}")
-        if isinstance(self.rank, bool) or not isinstance(self.rank, int) or self.rank < 0:
-            raise ValueError(f"{owner}: `rank` must be an int >= 0, got {self.rank!r}")
-        self.sync_config = _config(owner, self.config)
+        self.sync_config = _target(self)
+        _int(type(self).__name__, "receivers", self.receivers, 1)
+        _int(type(self).__name__, "rank", self.rank, 0)
 
     def worker_init_info(self, ray_address: str | None, namespace: str | None) -> dict[str, Any]:
         """What the trainer sends with ``init_weight_transfer_engine`` (a WeightsyncInitInfo):
