@@ -16,6 +16,12 @@ dists=(
     "vllm_ascend-0.11.0rc1.tar.gz c34b592c82bf244c05cf96cbca527dc178da4332c6c912af7b7e681a0456da70 vllm_ascend-0.11.0rc1"
     "vllm-0.10.1.tar.gz 99d00498f25b94767bb2696e88feb67730677dae605c9b8af99492dc3c34492d vllm-0.10.1"
     "vllm-0.11.0.tar.gz f435a64c24e9c4178d657a76f8edd8548ddc444012f7d06a9f79ac3a6392bfae vllm-0.11.0"
+    # the weight-transfer API generation: vllm-ascend 0.23 (pins torch-npu 2.10.0.post4, runs on
+    # vLLM 0.23.0), and the newest vLLM the vllm-engine tier runs (0.32.0)
+    "torch_npu-2.10.0.post4-cp311-cp311-manylinux_2_28_x86_64.whl 7d88428d9bb8473919a38947617fcc481cb6e28927a8aa30e486a9bc42f30d90 torch_npu-2.10.0.post4"
+    "vllm_ascend-0.23.0.post1.tar.gz a3b9f4a5dd7aa50c37e03d1f35937c4ae5aeacc49b734cac74d59ce5757738e1 vllm_ascend-0.23.0.post1"
+    "vllm-0.23.0.tar.gz 760269db3d9611e12e524681df1bca0977d5d2f5fcb4481cc34d33efc4ae7ff5 vllm-0.23.0"
+    "vllm-0.32.0.tar.gz d2c957d5eee3d0985012151315ddc62cbe0cd368fc96a5fc3510438d9dddf2ad vllm-0.32.0"
 )
 for entry in "${dists[@]}"; do
     read -r file sha dir <<< "$entry"

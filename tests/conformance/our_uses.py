@@ -27,6 +27,7 @@ class Use:
     # imported under ``try: ... except ImportError``: where this symbol does not exist our code
     # takes its ImportError path (a version switch); where it exists, the use must fit
     guard: str = ""
+    module: str = ""  # our module, dotted (weightsync_vllm.trainer): what version scopes are keyed by
 
     def what(self) -> str:
         return self.symbol + "".join(f"().{m}" if i == 0 else f".{m}" for i, m in enumerate(self.member))
@@ -249,7 +250,7 @@ class Collector:
     def add(self, use: Use | None) -> None:
         if use is not None and is_ours(use.symbol) and "()" not in use.member:
             guard = next((g for g in self.guards if use.symbol == g or use.symbol.startswith(g + ".")), "")
-            self.uses.append(dataclasses.replace(use, guard=guard) if guard else use)
+            self.uses.append(dataclasses.replace(use, guard=guard, module=self.m.name))
 
 
 CATCHES_IMPORT = {"ImportError", "ModuleNotFoundError", "Exception", "BaseException"}

@@ -12,12 +12,16 @@ from __future__ import annotations
 
 import ast
 import dataclasses
+import importlib
+import inspect
+import sys
 from pathlib import Path
+from typing import Any
 
 
 @dataclasses.dataclass
 class Sym:
-    kind: str  # module | class | function | value | compiled
+    kind: str  # module | class | function | value | compiled | stdlib (a standard-library object)
     name: str  # dotted, where it is defined
     node: ast.AST | None = None
     module: str = ""
@@ -69,7 +73,42 @@ class Tree:
             return self.in_module(sym.name, attr, depth)
         if sym.kind == "class":
             return self.member(sym, attr, depth)
+        if sym.kind == "stdlib":
+            return Sym("stdlib", f"{sym.name}.{attr}", sym.node, sym.module) \
+                if hasattr(stdlib_object(sym.name), attr) else None
         return None
+
+    # -- values typed with the standard library -------------------------------------------------
+
+    def stdlib_typed(self, mod: str, annotation: ast.AST) -> Sym | None:
+        """A module value annotated with a standard-library class (vLLM's ``LAYERWISE_INFO:
+        WeakKeyDictionary[nn.Module, LayerReloadingInfo]``): its attributes are the real
+        class's, read in this Python; the annotation is kept for what ``.get`` returns."""
+        d = dotted_name(annotation.value if isinstance(annotation, ast.Subscript) else annotation)
+        if not d:
+            return None
+        head, *rest = d.split(".")
+        for node in self._statements(self.ast(mod).body):
+            if isinstance(node, ast.ImportFrom) and not node.level and node.module:
+                origin = next((f"{node.module}.{a.name}" for a in node.names if (a.asname or a.name) == head), None)
+            elif isinstance(node, ast.Import):
+                origin = next((a.name for a in node.names if (a.asname or a.name) == head), None)
+            else:
+                continue
+            if origin and origin.split(".")[0] in sys.stdlib_module_names:
+                return Sym("stdlib", ".".join([origin, *rest]), annotation, mod)
+        return None
+
+    def mapping_value(self, sym: Sym) -> Sym | None:
+        """What ``.get(...)`` of a value annotated ``Mapping[K, V]`` returns: a V, where V is a
+        class of the package."""
+        node = sym.node
+        if sym.name.rsplit(".", 1)[-1] != "get" or not isinstance(node, ast.Subscript) \
+                or not isinstance(node.slice, ast.Tuple) or len(node.slice.elts) != 2:
+            return None
+        value = dotted_name(node.slice.elts[1])
+        got = self.resolve(sym.module, value) if value else None
+        return Sym("instance", got.name, got.node, got.module) if got is not None and got.kind == "class" else None
 
     def _statements(self, body: list[ast.stmt]):
         for stmt in body:  # top-level, including what sits under if / try (version switches)
@@ -98,7 +137,7 @@ class Tree:
             elif isinstance(stmt, ast.Assign) and any(isinstance(t, ast.Name) and t.id == name for t in stmt.targets):
                 found = self.value(mod, name, stmt.value, depth)
             elif isinstance(stmt, ast.AnnAssign) and isinstance(stmt.target, ast.Name) and stmt.target.id == name:
-                found = self.value(mod, name, stmt.value, depth)
+                found = self.stdlib_typed(mod, stmt.annotation) or self.value(mod, name, stmt.value, depth)
             elif isinstance(stmt, ast.ImportFrom):
                 src = self.absolute(mod, stmt)
                 for a in stmt.names:
@@ -272,6 +311,36 @@ class Tree:
                             fields.append((stmt.target.id, stmt.value is not None))
                 return None, False, "dataclass:" + ",".join(f"{n}{'=' if d else ''}" for n, d in fields)
         return None, False, ""
+
+
+def stdlib_object(dotted: str) -> Any:
+    parts = dotted.split(".")
+    for cut in range(len(parts), 0, -1):
+        try:
+            obj = importlib.import_module(".".join(parts[:cut]))
+        except ImportError:
+            continue
+        for attr in parts[cut:]:
+            obj = getattr(obj, attr)
+        return obj
+    raise ImportError(dotted)
+
+
+def stdlib_call(dotted: str, call: tuple[int, tuple[str, ...], bool]) -> str | None:
+    """Why a call of (positional count, keyword names, star) does not fit the standard-library
+    callable ``dotted`` (a method: its ``self`` is taken), or None."""
+    npos, kws, star = call
+    fn = stdlib_object(dotted)
+    try:
+        sig = inspect.signature(fn)
+    except (TypeError, ValueError):
+        return None  # a builtin without a signature: nothing to hold the call against
+    first = [None] if "." in dotted and inspect.isclass(stdlib_object(dotted.rsplit(".", 1)[0])) else []
+    try:
+        (sig.bind_partial if star else sig.bind)(*first, *[None] * npos, **dict.fromkeys(kws))
+    except TypeError as exc:
+        return str(exc)
+    return None
 
 
 def is_static(fn: ast.FunctionDef) -> bool:

@@ -13,12 +13,17 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
-from vllm.distributed.weight_transfer.base import TrainerInitInfo, WeightTransferInitInfo, WeightTransferUpdateInfo
+from vllm.distributed.weight_transfer.base import WeightTransferInitInfo, WeightTransferUpdateInfo
 
 from weightsync.config import SyncConfig
 from weightsync.errors import ConfigError
 
 from . import BACKEND
+
+try:  # vLLM >= 0.32: the trainer side has engines too
+    from vllm.distributed.weight_transfer.base import TrainerInitInfo
+except ImportError:  # vLLM 0.23 (vllm-ascend 0.23's): worker engines only, no trainer record
+    TrainerInitInfo = None
 
 
 def _name(owner: str, key: str, value: Any) -> None:
@@ -81,38 +86,42 @@ class WeightsyncUpdateInfo(WeightTransferUpdateInfo):
     def __post_init__(self) -> None:
         owner = type(self).__name__
         _int(owner, "version", self.version, 0)
+        # vLLM 0.23's base record carries a sparse-update mode; weightsync sends whole tensors
+        if getattr(self, "update_kind", "dense") != "dense":
+            raise ValueError(f"{owner}: weightsync sends dense updates, got update_kind={self.update_kind!r}")
         if self.timeout_s is not None and (isinstance(self.timeout_s, bool) or not isinstance(self.timeout_s, int | float)
                                            or self.timeout_s <= 0):
             raise ValueError(f"{owner}: `timeout_s` must be a number > 0, got {self.timeout_s!r}")
 
 
-@dataclass
-class WeightsyncTrainerInitInfo(TrainerInitInfo):
-    """Trainer side (``WeightTransferTrainerFactory.trainer_init``): the coordinator the
-    trainer created (name and token, as ``Coordinator.create`` returned them), the config
-    both sides use, and how many receivers commit a version (vLLM workers, and any other
-    rollout attached to the same coordinator). ``rank`` (keyword) is the trainer rank;
-    rank 0 drives vLLM."""
+if TrainerInitInfo is not None:
+    @dataclass
+    class WeightsyncTrainerInitInfo(TrainerInitInfo):
+        """Trainer side (``WeightTransferTrainerFactory.trainer_init``): the coordinator the
+        trainer created (name and token, as ``Coordinator.create`` returned them), the config
+        both sides use, and how many receivers commit a version (vLLM workers, and any other
+        rollout attached to the same coordinator). ``rank`` (keyword) is the trainer rank;
+        rank 0 drives vLLM."""
 
-    backend: ClassVar[str] = BACKEND
+        backend: ClassVar[str] = BACKEND
 
-    coordinator: str
-    token: str
-    config: dict[str, Any] = field(default_factory=dict)
-    receivers: int = 1
-    receiver: str = "vllm"
-    ray_address: str | None = None
+        coordinator: str
+        token: str
+        config: dict[str, Any] = field(default_factory=dict)
+        receivers: int = 1
+        receiver: str = "vllm"
+        ray_address: str | None = None
 
-    def __post_init__(self) -> None:
-        self.sync_config = _target(self)
-        _int(type(self).__name__, "receivers", self.receivers, 1)
-        _int(type(self).__name__, "rank", self.rank, 0)
+        def __post_init__(self) -> None:
+            self.sync_config = _target(self)
+            _int(type(self).__name__, "receivers", self.receivers, 1)
+            _int(type(self).__name__, "rank", self.rank, 0)
 
-    def worker_init_info(self, ray_address: str | None, namespace: str | None) -> dict[str, Any]:
-        """What the trainer sends with ``init_weight_transfer_engine`` (a WeightsyncInitInfo):
-        the Ray address and namespace the trainer runs in, unless the config names them."""
-        config = dict(self.config)
-        if not config.get("namespace") and namespace:
-            config["namespace"] = namespace
-        return {"coordinator": self.coordinator, "token": self.token, "config": config,
-                "receiver": self.receiver, "ray_address": self.ray_address or ray_address}
+        def worker_init_info(self, ray_address: str | None, namespace: str | None) -> dict[str, Any]:
+            """What the trainer sends with ``init_weight_transfer_engine`` (a WeightsyncInitInfo):
+            the Ray address and namespace the trainer runs in, unless the config names them."""
+            config = dict(self.config)
+            if not config.get("namespace") and namespace:
+                config["namespace"] = namespace
+            return {"coordinator": self.coordinator, "token": self.token, "config": config,
+                    "receiver": self.receiver, "ray_address": self.ray_address or ray_address}

@@ -1,6 +1,7 @@
-"""The worker side: a weightsync WeightReceiver inside vLLM's worker, driven by vLLM's
-start / update / finish phases (``vllm.v1.worker.gpu_worker.Worker``; vLLM's CPUWorker
-inherits them).
+"""The worker side for vLLM >= 0.32, whose engines own the start / update / finish phases: a
+weightsync WeightReceiver inside vLLM's worker, driven by those phases
+(``vllm.v1.worker.gpu_worker.Worker``; vLLM's CPUWorker inherits them). vLLM 0.23's API, where
+the worker owns the phases (vllm-ascend 0.23's NPUWorker), is :mod:`weightsync_vllm.worker_v0_23`.
 
 - ``init_transfer_engine``: attach a receiver to the coordinator (by name; Ray is joined
   first where the worker's process is not in a Ray job yet)
@@ -64,6 +65,31 @@ class StagingTarget:
         self._staged, self.sealed = [], None
 
 
+def attach(model: torch.nn.Module, parallel_config: Any, init_info: WeightsyncInitInfo,
+           previous: WeightReceiver | None) -> tuple[WeightReceiver, StagingTarget]:
+    """A WeightReceiver for this worker (``<receiver>-<global rank>``) on the coordinator the
+    init info names, replacing ``previous``; Ray is joined first where the worker's process
+    is not in a Ray job. Both API generations' engines attach through here."""
+    import ray
+    from vllm.distributed.parallel_state import get_world_group
+
+    if not ray.is_initialized():
+        if init_info.ray_address is None:
+            raise RuntimeError("weightsync: this vLLM worker is not in a Ray job and the init info has no "
+                               "`ray_address` to join one (the trainer fills it from its own Ray job)")
+        # vLLM's engine core subprocess: join the trainer's cluster to reach the coordinator
+        ray.init(address=init_info.ray_address, namespace=init_info.sync_config.namespace or None,
+                 log_to_driver=False, logging_level="ERROR")
+    if previous is not None:
+        previous.close()
+    coord = Coordinator.connect(init_info.coordinator, init_info.token, init_info.sync_config)
+    target = StagingTarget(model)
+    rank = parallel_config.data_parallel_index * parallel_config.world_size + get_world_group().rank_in_group
+    receiver = WeightReceiver(coord, target, name=f"{init_info.receiver}-{rank}", rank=rank,
+                              config=init_info.sync_config)
+    return receiver, target
+
+
 class WeightsyncWeightTransferEngine(WeightTransferEngine[WeightsyncInitInfo, WeightsyncUpdateInfo]):
     init_info_cls = WeightsyncInitInfo
     update_info_cls = WeightsyncUpdateInfo
@@ -82,28 +108,8 @@ class WeightsyncWeightTransferEngine(WeightTransferEngine[WeightsyncInitInfo, We
         return self.receiver.name if self.receiver is not None else "(weightsync receiver not attached)"
 
     def init_transfer_engine(self, init_info: WeightsyncInitInfo) -> None:
-        import ray
-
-        if not ray.is_initialized():
-            if init_info.ray_address is None:
-                raise RuntimeError("weightsync: this vLLM worker is not in a Ray job and the init info has no "
-                                   "`ray_address` to join one (the trainer fills it from its own Ray job)")
-            # vLLM's engine core subprocess: join the trainer's cluster to reach the coordinator
-            ray.init(address=init_info.ray_address, namespace=init_info.sync_config.namespace or None,
-                     log_to_driver=False, logging_level="ERROR")
-        if self.receiver is not None:
-            self.receiver.close()
-        coord = Coordinator.connect(init_info.coordinator, init_info.token, init_info.sync_config)
-        self.target = StagingTarget(self.model)
-        rank = self._global_rank()
-        self.receiver = WeightReceiver(coord, self.target, name=f"{init_info.receiver}-{rank}", rank=rank,
-                                       config=init_info.sync_config)
+        self.receiver, self.target = attach(self.model, self.parallel_config, init_info, self.receiver)
         self._verified = None
-
-    def _global_rank(self) -> int:
-        from vllm.distributed.parallel_state import get_world_group
-
-        return self.parallel_config.data_parallel_index * self.parallel_config.world_size + get_world_group().rank_in_group
 
     def _attached(self) -> tuple[WeightReceiver, StagingTarget]:
         if self.receiver is None or self.target is None:
