@@ -18,6 +18,7 @@ followed by a device event that the transport polls against its deadline (groups
 
 from __future__ import annotations
 
+import dataclasses
 import datetime
 import importlib
 import os
@@ -161,7 +162,11 @@ def stateless_group(store: Any, rank: int, size: int) -> StatelessProcessGroup:
     """vLLM's StatelessProcessGroup on our (prefixed) store, not on a store of its own."""
     from vllm.distributed.utils import StatelessProcessGroup
 
-    return StatelessProcessGroup(rank=rank, world_size=size, store=store, socket=None)
+    # vLLM <= 0.11 keeps the store's listening socket in a required field; from 0.23
+    # (vllm-ascend 0.23's) the field is gone and passing it is a TypeError
+    fields = {f.name for f in dataclasses.fields(StatelessProcessGroup)}
+    owned = {"socket": None} if "socket" in fields else {}
+    return StatelessProcessGroup(rank=rank, world_size=size, store=store, **owned)
 
 
 class _TorchComm:
