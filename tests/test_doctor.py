@@ -86,3 +86,19 @@ def test_doctor_reports_the_segment_backing_and_why(capsys, monkeypatch):
     line = next(ln for ln in text.splitlines() if ln.startswith("segments:"))
     assert line.startswith("segments:      files (shm_backing=files): as configured: named files in /dev/shm")
     assert "weightsync reap" in line
+
+
+def test_doctor_says_vllm_is_absent_and_names_the_verl_entry_points_of_the_installed_verl():
+    """The main venv: no vLLM, verl 0.9.1 from the package index (no recipe/ tree)."""
+    import importlib.metadata
+
+    report = json.loads(_doctor("--json"))
+    assert report["vllm_weight_transfer"] == {"available": False, "vllm": None, "reason": "vLLM is not installed"}
+    verl = report["verl_entry_points"]
+    assert verl["checkpoint_engine"]["available"] is True
+    assert verl["checkpoint_engine"]["reason"] == f"verl {importlib.metadata.version('verl')} has verl.checkpoint_engine"
+    assert verl["recipe_sync_group"]["available"] is False
+    assert "recipe.one_step_off_policy not importable" in verl["recipe_sync_group"]["reason"]
+    text = _doctor()
+    assert "vLLM weight-transfer engines:\n  no   vLLM is not installed" in text
+    assert "  checkpoint_engine  yes  checkpoint-engine backend weightsync_verl.checkpoint_engine" in text

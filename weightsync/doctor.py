@@ -1,5 +1,6 @@
-"""``weightsync doctor``: what this machine is and which transports can run on it, in a form
-a person can paste into a bug report (or ``--json`` for tools).
+"""``weightsync doctor``: what this machine is, which transports can run on it and which vLLM
+weight-transfer engines and verl entry points it has (:mod:`weightsync.doctor_entry`), in a
+form a person can paste into a bug report (or ``--json`` for tools).
 
 Run it on every node type of a job (trainer and rollout): placement decides the transport,
 but each side's drivers and packages decide what is possible.
@@ -15,6 +16,7 @@ from typing import Any
 
 from . import capabilities as caps
 from .capabilities import Capability
+from .doctor_entry import format_entry_points, verl_entry_points, vllm_engines
 
 _PACKAGES = {  # label -> distribution names to try
     "weightsync": ("weightsync",),
@@ -152,6 +154,8 @@ def collect(shm_dir: str = "/dev/shm", shm_backing: str | None = None) -> dict[s
         "transports": {n: {"available": c.ok, "reason": c.reason, **({"notes": list(c.notes)} if c.notes else {})}
                        for n, c in transport_caps.items()},
         "broadcast_group": _groups(kind),
+        "vllm_weight_transfer": vllm_engines(),
+        "verl_entry_points": verl_entry_points(),
         "auto": ("auto picks ipc for receivers on the sender's device, shm (CPU) or broadcast (accelerators) "
                  "for receivers on other devices of the node, broadcast across nodes"),
     }
@@ -184,6 +188,7 @@ def format_report(r: dict[str, Any]) -> str:
         for name, c in options.items():
             lines.append(f"  {backend:<5} {name:<10} {'yes' if c['available'] else 'no '}  "
                          + (c["what"] if c["available"] else f"{c['what']}; {c['reason']}"))
+    lines += format_entry_points(r["vllm_weight_transfer"], r["verl_entry_points"])
     lines += ["", r["auto"]]
     return "\n".join(lines)
 
