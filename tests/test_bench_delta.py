@@ -15,7 +15,8 @@ import psutil
 import pytest
 import torch
 
-from weightsync.bench import delta_rows, results, updates
+from weightsync.bench import delta_rows, memory_fit, results, updates
+from weightsync.bench.cli import default_store_gb
 from weightsync.cli import main
 from weightsync.model_layouts import layout, materialize
 
@@ -143,3 +144,18 @@ def test_ctrl_c_stops_a_running_bench_and_leaves_nothing_behind(tmp_path):
         time.sleep(0.5)
     assert _session(proc.pid) == [], "Ray processes of the interrupted bench outlived it"
     assert sorted(os.listdir(shm_dir)) == []
+
+
+def test_the_default_object_store_takes_at_most_half_of_the_free_shm_space(tmp_path):
+    free_gb = memory_fit.shm_free(str(tmp_path)) / 1e9
+    assert default_store_gb(10 * free_gb, str(tmp_path)) == pytest.approx(free_gb / 2, rel=0.01)
+    assert default_store_gb(0.5, str(tmp_path / "missing")) == 1.0  # nothing known: what the baselines want
+
+
+def test_the_documented_fraction_command_writes_what_it_prints(tmp_path, capsys):
+    out = tmp_path / "fractions.json"
+    assert updates.main(["--layout", "tiny", "--lr", "1e-5", "--warmup-steps", "2", "--steps", "1",
+                         "--json", str(out)]) == 0
+    (rec,) = json.loads(out.read_text())
+    assert rec["layout"] == "tiny" and rec["update"]["lr"] == 1e-5
+    assert f"elements {rec['fractions'][0]['elements']:.4%}" in capsys.readouterr().out

@@ -286,9 +286,11 @@ def _total_gb() -> float:
 def default_store_gb(want_gb: float, shm_dir: str = "/dev/shm") -> float:
     """The object store when --object-store-gb is not given: what the baselines want, but at most
     half of what the shm directory has free (Ray keeps the store there; 3.5x a payload filled
-    /dev/shm on a 24 GiB machine shared with other jobs), and never under Ray's own 0.075 GB."""
-    free_gb = memory_fit.shm_free(shm_dir) / 1e9
-    return max(0.1, min(max(1.0, want_gb), free_gb / 2))
+    /dev/shm on a 24 GiB machine shared with other jobs; the other half is for the shm rows'
+    segments, which live there too), and never under 0.1 GB (Ray's minimum is 0.075 GB)."""
+    free = memory_fit.shm_free(shm_dir)
+    want_gb = max(1.0, want_gb)
+    return want_gb if free is None else max(0.1, min(want_gb, free / 1e9 / 2))
 
 
 def _run_size(args: argparse.Namespace, label: str, manifest: Any, weights_path: str | None, device: str,

@@ -253,12 +253,16 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--signal", type=float, default=AdamWUpdate.signal)
     p.add_argument("--json", default=None)
     args = p.parse_args(argv)
+    threads = torch.get_num_threads()
     torch.set_num_threads(1)  # a shared machine: one core
     out = []
     manifest = layout(args.layout)
     for lr in args.lr:
         update = AdamWUpdate(lr=lr, warmup_steps=args.warmup_steps, steps=args.steps, signal=args.signal)
-        measured, _ = run(manifest, update)
+        try:
+            measured, _ = run(manifest, update)
+        finally:
+            torch.set_num_threads(threads)  # the caller's (a test process) setting back
         rec = {"layout": args.layout, **measured.to_dict(),
                "peak_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024}
         out.append(rec)
