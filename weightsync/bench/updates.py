@@ -255,25 +255,26 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     threads = torch.get_num_threads()
     torch.set_num_threads(1)  # a shared machine: one core
-    out = []
-    manifest = layout(args.layout)
-    for lr in args.lr:
-        update = AdamWUpdate(lr=lr, warmup_steps=args.warmup_steps, steps=args.steps, signal=args.signal)
-        try:
-            measured, _ = run(manifest, update)
-        finally:
-            torch.set_num_threads(threads)  # the caller's (a test process) setting back
-        rec = {"layout": args.layout, **measured.to_dict(),
-               "peak_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024}
-        out.append(rec)
-        for k, f in enumerate(rec["fractions"]):
-            print(f"{args.layout} lr {lr:g} step {update.warmup_steps + k + 1}: "
-                  + ", ".join(f"{key} {v:.4%}" for key, v in f.items()), flush=True)
+    try:
+        out = [_measure(layout(args.layout), args, lr) for lr in args.lr]
+    finally:
+        torch.set_num_threads(threads)  # the caller's (a test process) setting back
     print(f"peak RSS {out[-1]['peak_rss_bytes'] / 2**30:.2f} GiB", flush=True)
     if args.json:
         with open(args.json, "w") as fh:
             json.dump(out, fh, indent=1)
     return 0
+
+
+def _measure(manifest: Manifest, args: argparse.Namespace, lr: float) -> dict[str, Any]:
+    update = AdamWUpdate(lr=lr, warmup_steps=args.warmup_steps, steps=args.steps, signal=args.signal)
+    measured, _ = run(manifest, update)
+    rec = {"layout": args.layout, **measured.to_dict(),
+           "peak_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024}
+    for k, f in enumerate(rec["fractions"]):
+        print(f"{args.layout} lr {lr:g} step {update.warmup_steps + k + 1}: "
+              + ", ".join(f"{key} {v:.4%}" for key, v in f.items()), flush=True)
+    return rec
 
 
 if __name__ == "__main__":
