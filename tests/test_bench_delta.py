@@ -15,7 +15,7 @@ import psutil
 import pytest
 import torch
 
-from weightsync.bench import delta_rows, memory_fit, results, updates
+from weightsync.bench import delta_rows, expect, memory_fit, results, updates
 from weightsync.bench.cli import default_store_gb
 from weightsync.cli import main
 from weightsync.model_layouts import layout, materialize
@@ -78,6 +78,12 @@ def test_a_delta_row_stands_beside_the_full_row_of_its_configuration():
     (entry,) = delta_rows.table(rows)  # the x2 delta row has no full row to stand beside
     assert entry["x_full"] == pytest.approx(4.0) and entry["beyond_spread"] is True
     assert entry["changed_fraction"] == pytest.approx(0.03)
+    # the default comparison describes the default configuration, not the faster delta row
+    for r in rows:
+        r["gbps"] = 1.0 / r["median_s"]
+    size = {"rows": rows, "payload_bytes": 10**9, "ceiling": {"gbps": 10.0}}
+    assert expect.fastest(size, 1)["name"] == "shm"
+    assert expect.fastest(size, 1, transport="shm (delta on)")["name"] == "shm (delta on)"
 
 
 def test_bench_runs_delta_rows_beside_full_rows_on_an_adamw_update(ray_cluster, tmp_path):

@@ -158,10 +158,12 @@ class Bench:
         if not alive(self.trainer):
             self.trainer = self._new_trainer()
             replaced.append("trainer")
+            self.pids.append(ray.get(self.trainer.pid.remote()))  # for a Ctrl-C later: every process to wait for
         for i, r in enumerate(self.rollouts):
             if not alive(r):
                 self.rollouts[i] = self._new_rollout(i)
                 replaced.append(f"rollout-{i}")
+                self.pids.append(ray.get(self.rollouts[i].pid.remote()))
         return replaced
 
     # -- helpers -----------------------------------------------------------------------
