@@ -68,6 +68,7 @@ class SyncConfig:
     # its kind: xxh3 on the host, torch ops on the bucket's device, "auto" (xxh3 for host
     # buckets, torch for device ones: NCCL/HCCL broadcast, device ipc), or off (docs/digest.md)
     digest: str = "auto"
+    delta: str = "off"
     # keep the previous version's data until every receiver committed the new one,
     # so a receiver that fails part-way can roll back instead of going stale
     keep_previous: bool = True

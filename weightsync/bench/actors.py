@@ -22,6 +22,7 @@ from ..model_layouts import materialize
 from ..receiver import WeightReceiver
 from ..sender import WeightSender
 from .peak_memory import PeakTracker
+from .updates import Versions
 
 
 def _flat(t: torch.Tensor) -> torch.Tensor:
@@ -69,10 +70,11 @@ class BenchEngine:
 
 
 class BenchTrainer:
-    """Trainer rank 0: holds the model, bumps a few bytes of every tensor per version (so
-    each version differs while the bytes moved stay the same) and sends."""
+    """Trainer rank 0: holds the model, makes each version from the one before by the run's
+    update model (weightsync.bench.updates: every byte, or an AdamW step) and sends."""
 
-    def __init__(self, manifest_wire: list, device: str = "cpu", weights_path: str | None = None, seed: int = 0):
+    def __init__(self, manifest_wire: list, device: str = "cpu", weights_path: str | None = None, seed: int = 0,
+                 update: str = "random"):
         self.manifest = Manifest.from_wire(manifest_wire)
         self.device = device
         if weights_path:
@@ -81,7 +83,7 @@ class BenchTrainer:
             self.tensors = {n: t.to(device) for n, t in load_weights(weights_path, self.manifest).items()}
         else:
             self.tensors = materialize(self.manifest, seed=seed, device=device)
-        self._flats = [_flat(t) for t in self.tensors.values() if t.numel()]
+        self.versions = Versions(self.tensors, update, self.manifest, start_from_tensors=bool(weights_path))
         self.sender: WeightSender | None = None
         self.peak = PeakTracker()
         self.state: dict[str, Any] = {}
@@ -89,11 +91,12 @@ class BenchTrainer:
     def pid(self) -> int:
         return os.getpid()
 
-    def bump(self, version: int) -> None:
-        stamp = torch.tensor(list(version.to_bytes(8, "little")), dtype=torch.uint8, device=self.device)
-        for f in self._flats:
-            n = min(8, f.numel())
-            f[:n].copy_(stamp[:n])
+    def bump(self, version: int) -> float:
+        """Make ``version``; the fraction of elements that differ from the version before."""
+        return self.versions.apply(version)
+
+    def update_info(self) -> dict[str, Any]:
+        return self.versions.describe()
 
     def digest(self) -> str:
         return digest(self.tensors)
@@ -112,12 +115,12 @@ class BenchTrainer:
 
     def step(self, version: int) -> dict[str, Any]:
         """One version as a trainer runs it: stage, then the barrier."""
-        self.bump(version)
+        changed = self.bump(version)
         t0 = time.monotonic()
         stage_s = self.sender.stage(version, self.tensors).wait()
         r = self.sender.sync(version)
         return {"t0": t0, "end": time.monotonic(), "stage_s": stage_s, "barrier_s": r.barrier_s,
-                "metrics": r.metrics}
+                "metrics": r.metrics, "changed_fraction": changed}
 
     def stage(self, version: int) -> float:
         self.bump(version)
@@ -161,7 +164,7 @@ class BenchTrainer:
     def ray_put(self, kind: str, version: int) -> dict[str, Any]:
         import ray
 
-        self.bump(version)
+        changed = self.bump(version)
         t0 = time.monotonic()
         if kind == "ray-user":
             # what a user writes: the state dict of torch tensors, through the object store
@@ -171,7 +174,7 @@ class BenchTrainer:
             obj = {n: _flat(t.cpu()).numpy() for n, t in self.tensors.items()}
         ref = ray.put(obj)
         # nested in a list so Ray hands the receivers the reference, not the value
-        return {"t0": t0, "put_s": time.monotonic() - t0, "ref": [ref]}
+        return {"t0": t0, "put_s": time.monotonic() - t0, "ref": [ref], "changed_fraction": changed}
 
     # -- collective baselines (weightsync.bench.collective_baselines) --------------------------------
 

@@ -16,7 +16,10 @@ from ..config import SyncConfig
 from ..device import backend_for
 from ..model_layouts import LAYOUTS
 from . import memory_fit
+from .delta_rows import DELTA_MODES, delta_suffix
 from .expect import KEYS, evaluate, fastest, parse_expectation
+from .interrupt import INTERRUPTED
+from .updates import UPDATES
 
 TRANSPORTS = ("shm", "ipc", "broadcast", "auto")
 BASELINE_CHOICES = ("ray-user", "ray-numpy", "bcast-per-tensor", "bcast-flat", "bcast-flat-load")
@@ -43,6 +46,14 @@ def add_bench_arguments(p: argparse.ArgumentParser) -> None:
                         "links included; both (the default) show what it costs, interleaved in one run")
     p.add_argument("--digest", default="auto", choices=("auto", "xxh3", "torch"),
                    help="digest kind when on: auto = xxh3 for host buckets, torch ops on device buckets")
+    p.add_argument("--update", default="random", choices=UPDATES,
+                   help="how each version differs from the one before: random = every byte (what a full sync "
+                        "moves anyway); adamw-LR = one torch.optim.AdamW step at that lr on an fp32 master, sent "
+                        "as bf16 (a few percent of elements change; docs/delta.md). The fraction changed is in "
+                        "the JSON")
+    p.add_argument("--delta", nargs="+", default=["off"], choices=DELTA_MODES,
+                   help="the config's delta mode of the transport rows; several run side by side in the same "
+                        "rounds, delta rows named e.g. 'broadcast (delta on)' and compared to the full row")
     p.add_argument("--versions", type=int, default=5, help="timed versions per row and round")
     p.add_argument("--rounds", type=int, default=3, help="rounds over every row, the order rotated each round, "
                    "so a neighbour's load drifting during the run lands on every row alike")
@@ -56,7 +67,8 @@ def add_bench_arguments(p: argparse.ArgumentParser) -> None:
                    help=f"baselines to run, any of {', '.join(BASELINE_CHOICES)} (none: no baselines)")
     p.add_argument("--ceiling-repeats", type=int, default=5, help="repeats of each copy for the ceiling")
     p.add_argument("--object-store-gb", type=float, default=None,
-                   help="Ray object store size (default: enough for the baselines)")
+                   help="Ray object store size (default: enough for the baselines, 3.5x the largest payload, "
+                        "but at most half of the free space of /dev/shm, where Ray keeps the store)")
     p.add_argument("--address", default=None, help="Ray cluster to join (default: start a local one)")
     p.add_argument("--no-verify", action="store_true", help="skip the bit-exact check after each row")
     p.add_argument("--no-progress", action="store_true", help="no progress bars")
@@ -101,33 +113,38 @@ def machine_info() -> dict[str, Any]:
     }
 
 
-def _plan(args: argparse.Namespace, receivers: list[int]) -> list[tuple[str, str, int, float | None, bool]]:
-    """Every row of one size, in run order: (kind, name, receivers, bucket MiB, checksum)."""
-    items: list[tuple[str, str, int, float | None, bool]] = []
+Item = tuple[str, str, int, "float | None", bool, str]
+
+
+def _plan(args: argparse.Namespace, receivers: list[int]) -> list[Item]:
+    """Every row of one size, in run order: (kind, name, receivers, bucket MiB, checksum, delta)."""
+    items: list[Item] = []
     for n in receivers:
-        items += [("baseline", b, n, None, True) for b in args.baselines]
-        items += [("transport", t, n, mb, ck == "on") for t in args.transport for mb in args.bucket_mb
-                  for ck in dict.fromkeys(args.checksum)]
+        items += [("baseline", b, n, None, True, "off") for b in args.baselines]
+        items += [("transport", t, n, mb, ck == "on", d) for t in args.transport for mb in args.bucket_mb
+                  for ck in dict.fromkeys(args.checksum) for d in dict.fromkeys(args.delta)]
     return items
 
 
-def _skipped(item: tuple[str, str, int, float | None, bool], payload: int, why: str) -> dict[str, Any]:
-    kind, name, n, mb, ck = item
-    if kind == "transport" and not ck:
-        name += " (no xxh3)"  # as the row that runs is named
-    return {"kind": "unavailable", "name": name, "transport": name if kind == "transport" else None,
+def _skipped(item: Item, payload: int, why: str) -> dict[str, Any]:
+    kind, name, n, mb, ck, delta = item
+    transport = name if kind == "transport" else None
+    if kind == "transport":  # as the row that runs is named
+        name += ("" if ck else " (no xxh3)") + delta_suffix(delta)
+    return {"kind": "unavailable", "name": name, "transport": transport,
             "bucket_mb": mb, "receivers": n, "checksum": ck if kind == "transport" else None,
+            "delta": delta if kind == "transport" else None,
             "payload_bytes": payload, "seconds": [], "median_s": None, "gbps": None, "error": why}
 
 
-def _row_need(item: tuple[str, str, int, float | None, bool], manifest: Any) -> tuple[int, int, str]:
+def _row_need(item: Item, manifest: Any) -> tuple[int, int, str]:
     import dataclasses
 
     from ..errors import CapacityError
     from ..plan import plan_buckets
     from ..transports.shm_stream import choose_mode
 
-    _, name, n, mb, _ = item
+    _, name, n, mb, _, _ = item
     config = SyncConfig.from_env()  # the parties read WEIGHTSYNC_SHM_BUDGET_MB and friends too
     config = dataclasses.replace(config, bucket_mb=mb or config.bucket_mb)
     payload, bucket, segs = manifest.total_bytes, config.bucket_bytes, config.shm_max_segments
@@ -141,7 +158,7 @@ def _row_need(item: tuple[str, str, int, float | None, bool], manifest: Any) -> 
     return need, shm, memory_fit.describe_row(name, payload, bucket, n, segs, mode.buffers if mode else 0)
 
 
-def _row_refusal(item: tuple[str, str, int, float | None, bool], manifest: Any) -> str | None:
+def _row_refusal(item: Item, manifest: Any) -> str | None:
     """Whether a row's buffers fit now, beside the models the actors already hold."""
     import psutil
 
@@ -168,10 +185,19 @@ def _size_refusal(label: str, manifest: Any, plan: list, receivers: int) -> str 
 
 
 def run_bench(args: argparse.Namespace) -> int:
+    try:
+        return _run_bench(args)
+    except KeyboardInterrupt:
+        # the rows' actors are killed and their segment files reaped on the way out (interrupt.py)
+        print("weightsync bench: interrupted; nothing written", file=sys.stderr)
+        return INTERRUPTED
+
+
+def _run_bench(args: argparse.Namespace) -> int:
     import ray
 
     from ..device import platform as detect_platform
-    from . import growth, interleave, layout_source, results, rounds
+    from . import delta_rows, growth, interleave, layout_source, results, rounds
 
     device = detect_platform() if args.device == "auto" else args.device
     # smallest first: a size that fails or is skipped leaves the smaller ones measured
@@ -182,6 +208,9 @@ def run_bench(args: argparse.Namespace) -> int:
         raise SystemExit("weightsync bench: --receivers must be >= 1")
     if args.versions < 1 or args.warmup < 0 or args.rounds < 1:
         raise SystemExit("weightsync bench: --versions and --rounds must be >= 1 and --warmup >= 0")
+    if args.against and args.update != "random":
+        raise SystemExit("weightsync bench: --against runs with --update random only (the other rev's trainer "
+                         "knows no update model)")
     backend = args.backend if args.backend != "auto" else backend_for(device)
     largest = max(m.total_bytes for _, m, _ in sizes_in)
 
@@ -191,7 +220,7 @@ def run_bench(args: argparse.Namespace) -> int:
     if own_ray:
         # the Ray baselines put a whole version in the store; without them it holds small control objects
         want = 3.5 * largest / 1e9 + 0.5 if any(b.startswith("ray-") for b in args.baselines) else 1.0
-        store = int(min(args.object_store_gb or max(1.0, want), _total_gb() / 2) * 1e9)
+        store = int(min(args.object_store_gb or default_store_gb(want), _total_gb() / 2) * 1e9)
         # "local": start one as documented, even where another process left a cluster address in /tmp/ray
         ray.init(address=args.address or "local", num_cpus=None if args.address else max(8, 2 * max(receivers) + 4),
                  include_dashboard=False, log_to_driver=True, logging_level="ERROR",
@@ -220,6 +249,7 @@ def run_bench(args: argparse.Namespace) -> int:
                  "backend": backend, "receivers": receivers, "bucket_mb": args.bucket_mb, "checksum": args.checksum,
                  "digest": args.digest, "versions": args.versions, "warmup": args.warmup, "device": device,
                  "rounds": args.rounds, "against": {k: against[k] for k in ("rev", "asked")} if against else None,
+                 "update": args.update, "delta": args.delta,
                  "baselines": args.baselines, "real_weights": bool(args.real_weights and any(w for *_, w in sizes_in)),
                  "expect": [e.text for e in args.expect]},
         "sizes": sizes,
@@ -232,6 +262,7 @@ def run_bench(args: argparse.Namespace) -> int:
         size["comparisons"] = [f for f in (fastest(size, n) for n in counts) if f is not None]
         size["expectations"] = evaluate(size, args.expect)
         size["ab"] = rounds.ab_table(size["rows"])
+        size["delta"] = delta_rows.table(size["rows"])
     result["growth"] = growth.table(sizes)
     result["skipped"] = growth.skipped(sizes)
     for size in sizes:
@@ -252,9 +283,20 @@ def _total_gb() -> float:
     return psutil.virtual_memory().total / 1e9
 
 
+def default_store_gb(want_gb: float, shm_dir: str = "/dev/shm") -> float:
+    """The object store when --object-store-gb is not given: what the baselines want, but at most
+    half of what the shm directory has free (Ray keeps the store there; 3.5x a payload filled
+    /dev/shm on a 24 GiB machine shared with other jobs; the other half is for the shm rows'
+    segments, which live there too), and never under 0.1 GB (Ray's minimum is 0.075 GB)."""
+    free = memory_fit.shm_free(shm_dir)
+    want_gb = max(1.0, want_gb)
+    return want_gb if free is None else max(0.1, min(want_gb, free / 1e9 / 2))
+
+
 def _run_size(args: argparse.Namespace, label: str, manifest: Any, weights_path: str | None, device: str,
               backend: str, receivers: list[int], against: dict[str, str] | None) -> dict[str, Any]:
     """Every row of one model size, between actors that hold that model (made, then closed)."""
+    import ray
     import torch
 
     from . import interleave
@@ -284,17 +326,18 @@ def _run_size(args: argparse.Namespace, label: str, manifest: Any, weights_path:
     common = {"receivers": max(receivers), "device": device, "versions": args.versions, "warmup": args.warmup,
               "weights_path": weights_path if args.real_weights else None, "progress": not args.no_progress,
               "check": not args.no_verify}
-    benches = {"this": Bench(manifest, **common)}
+    benches = {"this": Bench(manifest, **common, update=args.update)}
+    size["update"] = ray.get(benches["this"].trainer.update_info.remote())
     sided = [("this", item) for item in plan]
-    if against:  # its transport rows take turns with ours; baselines run once, on this side
-        sided += [("against", item) for item in plan if item[0] == "transport"]
+    if against:  # its full transport rows take turns with ours; baselines and delta rows run on this side
+        sided += [("against", item) for item in plan if item[0] == "transport" and item[5] == "off"]
 
-    def run_row(bench: Any, item: tuple[str, str, int, float | None, bool]) -> dict[str, Any]:
-        kind, name, n, mb, ck = item
+    def run_row(bench: Any, item: Item) -> dict[str, Any]:
+        kind, name, n, mb, ck, delta = item
         with NodeShmem() as shm:
             if kind == "transport":
                 row = bench.sync_row(name, mb, n, backend=backend if name == "broadcast" else "auto",
-                                     checksum=ck, digest=args.digest)
+                                     checksum=ck, digest=args.digest, delta=delta)
             elif name.startswith("ray-"):
                 row = bench.ray_row(name, n)
             else:
@@ -313,6 +356,10 @@ def _run_size(args: argparse.Namespace, label: str, manifest: Any, weights_path:
             sided, benches, run_row, lambda item: _row_refusal(item, manifest),
             lambda item, why: _skipped(item, payload, why), _echo, n_rounds=args.rounds, warmup=args.warmup,
             versions=args.versions, payload=payload, rev=against["rev"] if against else None)
+    except KeyboardInterrupt:
+        for b in benches.values():
+            b.interrupted = True
+        raise
     finally:
         for b in benches.values():
             b.close()

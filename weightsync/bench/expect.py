@@ -8,8 +8,8 @@ Expectation grammar: ``[TRANSPORT:]KEY[@N](>=|<=)VALUE``, e.g. ``x_ceiling>=0.25
 ``shm:x_ray-numpy>=1.0``, ``growth_x@4<=2.5``. It is judged on the fastest transport row
 (highest GB/s) among those that match: ``TRANSPORT`` is a row name (``shm``, ``auto->shm``)
 or a ``--transport`` value; ``N`` is a receiver count (default: the smallest count run, and
-for ``growth_x`` the largest). Without ``TRANSPORT`` rows with checksums off are left out
-(they are not the default configuration) unless no other row ran.
+for ``growth_x`` the largest). Without ``TRANSPORT`` rows with checksums off and delta rows
+are left out (they are not the default configuration) unless no other row ran.
 """
 
 from __future__ import annotations
@@ -82,7 +82,7 @@ def fastest(result: dict[str, Any], receivers: int, transport: str | None = None
     if transport is not None:
         pool = [r for r in rows if transport in (r["name"], r.get("transport"))]
     else:
-        pool = [r for r in rows if r.get("checksum") is not False] or rows
+        pool = [r for r in rows if r.get("checksum") is not False and (r.get("delta") or "off") == "off"] or rows
     pool = [r for r in pool if r["receivers"] == receivers]
     if not pool:
         return None

@@ -21,8 +21,8 @@ import ray
 
 from . import rounds
 
-# (kind, name, receivers, bucket MiB, checksum), as cli._plan makes them, plus the side
-Item = tuple[str, str, int, float | None, bool]
+# (kind, name, receivers, bucket MiB, checksum, delta), as cli._plan makes them, plus the side
+Item = tuple[str, str, int, float | None, bool, str]
 
 
 def cpu_seconds(pids: list[int]) -> float:
@@ -151,7 +151,7 @@ def run_rounds(plan: list[tuple[str, Item]], benches: dict[str, Any], run_row: C
         order = rounds.round_order(list(enumerate(plan)), k)
         print(f"weightsync bench: round {k + 1}/{n_rounds}", file=sys.stderr)
         for position, (index, (side, item)) in enumerate(order):
-            kind, _, n, _, _ = item
+            n = item[2]
             bench = benches[side]
             why = refusal(item)
             if why:

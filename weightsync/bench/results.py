@@ -7,6 +7,7 @@ import json
 import math
 from typing import Any
 
+from .delta_rows import format_lines as delta_lines
 from .expect import BASELINES, comparison_lines, expectation_lines
 from .rounds import format_ab
 
@@ -15,7 +16,10 @@ from .rounds import format_ab
 # expectations moved under "sizes"; "growth" compares time per GB across them
 # /4: rows pooled over interleaved rounds: q1_s / q3_s / iqr_s, cpu_s_per_version, load_avg_1m,
 # "rounds" per row; "side" / "rev" per row and a size's "ab" table with --against
-SCHEMA = "weightsync.bench/4"
+# /5: --update and --delta: args "update" / "delta", a size's "update" (the model, the changed
+# fractions it measured) and "delta" table (delta rows beside full rows), per row "delta" and
+# "changed_fraction" (the fraction of elements changed in each timed version)
+SCHEMA = "weightsync.bench/5"
 
 
 def _ok(row: dict[str, Any]) -> bool:
@@ -99,8 +103,9 @@ def format_table(result: dict[str, Any]) -> str:
             out.append("  ".join(v.ljust(w) for v, w in zip(ln, widths, strict=False)))
         else:
             out.append("  ".join(v.ljust(w) for v, w in zip(ln[:3], widths, strict=False)) + "  " + ln[3])
-    summary = comparison_lines(result) + format_ab(result.get("ab") or []) + expectation_lines(
-        result.get("expectations") or [])
+    summary = comparison_lines(result) + format_ab(result.get("ab") or []) + delta_lines(
+        result.get("delta") or [], result.get("update") if result["args"].get("update", "random") != "random"
+        else None) + expectation_lines(result.get("expectations") or [])
     if summary:
         out += [""] + summary
     for r in result["rows"]:

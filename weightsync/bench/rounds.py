@@ -58,7 +58,7 @@ def row_key(row: dict[str, Any]) -> tuple:
     if row.get("plan_index") is not None:
         return ("plan", row["plan_index"])
     return (row.get("side", "this"), row.get("name"), row.get("transport"), row.get("receivers"),
-            row.get("bucket_mb"), row.get("checksum"))
+            row.get("bucket_mb"), row.get("checksum"), row.get("delta"))
 
 
 def merge_rounds(per_round: list[dict[str, Any]], payload: int) -> dict[str, Any]:
@@ -90,7 +90,7 @@ def merge_rounds(per_round: list[dict[str, Any]], payload: int) -> dict[str, Any
     for k in _MAX_FIELDS:
         vals = [r[k] for r in ran if isinstance(r.get(k), (int, float))]
         row[k] = max(vals) if vals else None
-    for k in ("prestaged_s", "prefetched_s"):
+    for k in ("prestaged_s", "prefetched_s", "changed_fraction"):
         row[k] = [s for r in ran for s in r.get(k) or []]
     row["rounds"] = [{k: r.get(k) for k in ("round", "position", "seconds", "median_s", "load_avg_1m",
                                             "cpu_s_per_version", "others_cpu_s", "row_wall_s")} for r in ran]
@@ -131,7 +131,8 @@ def ab_table(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
     first quartile exceeds their third): slower beyond the spread, not by a drift of the run.
     ``faster`` is the mirror; anything overlapping is ``same``."""
     def config(r: dict[str, Any]) -> tuple:
-        return (r.get("transport"), r.get("receivers"), r.get("bucket_mb"), r.get("checksum"), r.get("digest"))
+        return (r.get("transport"), r.get("receivers"), r.get("bucket_mb"), r.get("checksum"), r.get("digest"),
+                r.get("delta") or "off")
 
     other = {config(r): r for r in rows if _ok(r) and r.get("side") == "against"}
     out = []

@@ -17,9 +17,7 @@ import itertools
 import os
 import re
 import statistics
-import sys
 import time
-from collections.abc import Iterator
 from typing import Any
 
 import numpy as np
@@ -30,6 +28,8 @@ from ..client import Coordinator
 from ..device import RAY_RESOURCE, ray_options
 from ..manifest import Manifest
 from .actors import BenchRollout, BenchTrainer
+from .delta_rows import delta_suffix
+from .interrupt import Progress, interrupt_close, tick
 
 # generous: a row on a loaded 2-core machine can be slow, but never hangs the benchmark
 ROW_TIMEOUT_S = 600.0
@@ -90,38 +90,17 @@ def transport_unavailable(name: str, backend: str, device: str) -> str | None:
     return None
 
 
-class Progress:
-    """A tqdm bar on stderr when asked for and available; a no-op otherwise."""
-
-    def __init__(self, enabled: bool):
-        self.enabled = enabled and sys.stderr.isatty()
-
-    @contextlib.contextmanager
-    def bar(self, total: int, desc: str) -> Iterator[Any]:
-        if not self.enabled:
-            yield None
-            return
-        try:
-            from tqdm import tqdm
-        except ImportError:
-            yield None
-            return
-        with tqdm(total=total, desc=desc, file=sys.stderr, leave=False, dynamic_ncols=True) as bar:
-            yield bar
-
-
-def _tick(bar: Any) -> None:
-    if bar is not None:
-        bar.update(1)
-
-
 class Bench:
     """Owns the actors for one benchmark run; each ``*_row`` method returns one result row."""
 
     def __init__(self, manifest: Manifest, *, receivers: int, device: str = "cpu", weights_path: str | None = None,
                  versions: int = 5, warmup: int = 1, progress: bool = True, check: bool = True,
-                 runtime_env: dict[str, Any] | None = None, classes: tuple[type, type] | None = None):
+                 runtime_env: dict[str, Any] | None = None, classes: tuple[type, type] | None = None,
+                 update: str = "random"):
         self.manifest = manifest
+        # only passed when not the default: an --against side's older BenchTrainer has no such argument
+        self._update = {"update": update} if update != "random" else {}
+        self.interrupted = False  # Ctrl-C: tear down without waiting on busy actors
         self.payload = manifest.total_bytes
         self.device = device
         self.versions, self.warmup = versions, warmup
@@ -139,11 +118,11 @@ class Bench:
         self._spread: tuple[Any, list[Any]] | None = None  # one device per party, made when needed
         self.trainer = self._new_trainer()
         self.rollouts = [self._new_rollout(i) for i in range(receivers)]
-        ray.get([self.trainer.pid.remote()] + [r.pid.remote() for r in self.rollouts])
+        self.pids = ray.get([self.trainer.pid.remote()] + [r.pid.remote() for r in self.rollouts])
 
     def _new_trainer(self, opts: dict[str, Any] | None = None) -> Any:
         return ray.remote(self._classes[0]).options(**(opts or self._opts)).remote(self.manifest.to_wire(), self.device,
-                                                                               self._weights_path)
+                                                                               self._weights_path, **self._update)
 
     def _new_rollout(self, i: int, opts: dict[str, Any] | None = None) -> Any:
         return ray.remote(self._classes[1]).options(**(opts or self._opts)).remote(
@@ -158,7 +137,7 @@ class Bench:
             opts = {**self._base, **ray_options(self.device, 1)}
             trainer = self._new_trainer(opts)
             rollouts = [self._new_rollout(i, opts) for i in range(len(self.rollouts))]
-            ray.get([trainer.pid.remote()] + [r.pid.remote() for r in rollouts], timeout=ROW_TIMEOUT_S)
+            self.pids += ray.get([trainer.pid.remote()] + [r.pid.remote() for r in rollouts], timeout=ROW_TIMEOUT_S)
             self._spread = (trainer, rollouts)
         return self._spread
 
@@ -179,10 +158,12 @@ class Bench:
         if not alive(self.trainer):
             self.trainer = self._new_trainer()
             replaced.append("trainer")
+            self.pids.append(ray.get(self.trainer.pid.remote()))  # for a Ctrl-C later: every process to wait for
         for i, r in enumerate(self.rollouts):
             if not alive(r):
                 self.rollouts[i] = self._new_rollout(i)
                 replaced.append(f"rollout-{i}")
+                self.pids.append(ray.get(self.rollouts[i].pid.remote()))
         return replaced
 
     # -- helpers -----------------------------------------------------------------------
@@ -194,7 +175,7 @@ class Bench:
                "barrier_s": None, "prestaged_s": [], "prefetched_barrier_s": None, "prefetched_s": [],
                "sender_peak_extra_bytes": None,
                "receiver_peak_extra_bytes": None, "receivers_peak_extra_bytes": [], "shm_bytes": None, "phases_s": {}, "verified": None,
-               "checksum": None, "error": None}
+               "checksum": None, "delta": None, "changed_fraction": [], "error": None}
         row.update(fields)
         return row
 
@@ -217,6 +198,9 @@ class Bench:
 
         spread = [self._spread[0], *self._spread[1]] if self._spread else []
         procs = []
+        if self.interrupted:  # busy actors answer nothing: kill them, then reap their segment files
+            interrupt_close([self.trainer, *self.rollouts, *spread], self.pids)
+            return
         for actor in [self.trainer, *self.rollouts, *spread]:
             with contextlib.suppress(Exception):
                 procs.append(psutil.Process(ray.get(actor.pid.remote(), timeout=30)))
@@ -231,11 +215,11 @@ class Bench:
     # -- weightsync transports -----------------------------------------------------------
 
     def sync_row(self, transport: str, bucket_mb: float, receivers: int, backend: str = "auto",
-                 checksum: bool = True, digest: str = "auto") -> dict[str, Any]:
-        suffix = "" if not checksum or digest == "auto" else f" ({digest} digest)"
+                 checksum: bool = True, digest: str = "auto", delta: str = "off") -> dict[str, Any]:
+        suffix = ("" if not checksum or digest == "auto" else f" ({digest} digest)") + delta_suffix(delta)
         name = (transport if checksum else f"{transport} (no xxh3)") + suffix
         row = self._row(kind="transport", name=name, transport=transport, backend=backend, bucket_mb=bucket_mb,
-                        receivers=receivers, checksum=checksum, digest=digest if checksum else "off")
+                        receivers=receivers, checksum=checksum, digest=digest if checksum else "off", delta=delta)
         spread = transport == "broadcast" and one_device_per_rank(backend, self.device)
         # the set made for the first such row serves every receiver count of the run
         why = transport_unavailable(transport, backend, self.device) or (
@@ -249,9 +233,10 @@ class Bench:
                "checksum": checksum, "digest": digest,
                "sync_timeout_s": ROW_TIMEOUT_S / 2, "connect_timeout_s": 120.0,
                # throughput, not liveness, is measured here: a busy machine must not abort a version
-               "heartbeat_timeout_s": 60.0}
+               "heartbeat_timeout_s": 60.0, **({"delta": delta} if delta != "off" else {})}
         coord = Coordinator.create(cfg, name=f"wsbench-{os.getpid()}-{next(self._ids)}")
         seconds, prestaged, prefetched, stage_s, barrier_s, recv_metrics = [], [], [], [], [], []
+        changed: list[float] = []
         try:
             ray.get([r.open.remote(coord, cfg) for r in rx], timeout=ROW_TIMEOUT_S)
             ray.get(trainer.open.remote(coord, cfg, receivers), timeout=ROW_TIMEOUT_S)
@@ -265,8 +250,9 @@ class Bench:
                     if i >= self.warmup:
                         seconds.append(max([e["end"] for e in ends] + [out["end"]]) - out["t0"])
                         stage_s.append(out["stage_s"])
+                        changed.append(out.get("changed_fraction"))
                         recv_metrics.extend(e["metrics"] for e in ends)
-                    _tick(bar)
+                    tick(bar)
                 for i in range(2 * self.versions):
                     v = next(self._version)
                     ray.get(trainer.stage.remote(v), timeout=ROW_TIMEOUT_S)
@@ -283,12 +269,16 @@ class Bench:
                     else:
                         prestaged.append(took)
                         barrier_s.append(out["barrier_s"])
-                    _tick(bar)
+                    tick(bar)
             row["verified"] = self._verify(rx, trainer)
         except Exception as exc:
             row["error"] = describe_error(exc)
+        except KeyboardInterrupt:
+            # the actors are mid-version: closing their sessions would wait on them (minutes)
+            self.interrupted = True
+            raise
         finally:
-            closed = self._close_sessions(rx, trainer)
+            closed = {} if self.interrupted else self._close_sessions(rx, trainer)
             coord.shutdown()
         row.update(closed)
         if row["transport"] == "auto" and closed.get("chosen"):
@@ -297,6 +287,7 @@ class Bench:
         row["stage_s"] = statistics.median(stage_s) if stage_s else None
         row["barrier_s"] = statistics.median(prestaged) if prestaged else None
         row["prefetched_s"] = prefetched
+        row["changed_fraction"] = changed
         row["prefetched_barrier_s"] = statistics.median(prefetched) if prefetched else None
         row["sender_barrier_s"] = statistics.median(barrier_s) if barrier_s else None
         # where a receiver's time goes (medians over versions and receivers)
@@ -325,7 +316,7 @@ class Bench:
         writes it. ``ray-numpy``: numpy views, read zero-copy from the store, then loaded."""
         row = self._row(kind="baseline", name=kind, receivers=receivers)
         rx = self.rollouts[:receivers]
-        seconds, put_s = [], []
+        seconds, put_s, changed = [], [], []
         try:
             ray.get([a.start_peak.remote() for a in [self.trainer, *rx]])
             with self.progress.bar(self.warmup + self.versions, f"{kind} x{receivers}") as bar:
@@ -334,9 +325,10 @@ class Bench:
                     ends = ray.get([r.ray_load.remote(put["ref"]) for r in rx], timeout=ROW_TIMEOUT_S)
                     del put["ref"]  # the object leaves the store once every holder dropped it
                     if i >= self.warmup:
+                        changed.append(put.get("changed_fraction"))
                         seconds.append(max(e["end"] for e in ends) - put["t0"])
                         put_s.append(put["put_s"])
-                    _tick(bar)
+                    tick(bar)
             row["verified"] = self._verify(rx)
             row["sender_peak_extra_bytes"] = ray.get(self.trainer.peak_extra.remote())
             row["receivers_peak_extra_bytes"] = ray.get([r.peak_extra.remote() for r in rx])
@@ -344,6 +336,7 @@ class Bench:
         except Exception as exc:
             row["error"] = describe_error(exc)
         row["stage_s"] = statistics.median(put_s) if put_s else None  # the trainer is blocked for the put
+        row["changed_fraction"] = changed
         return self._finish(row, seconds)
 
     # -- collective broadcast baselines (weightsync.bench.collective_baselines) -----------------------
@@ -365,7 +358,7 @@ class Bench:
             with self.progress.bar(1, f"{kind} x{receivers} ({self.warmup + self.versions} versions)") as bar:
                 timed, verified = baseline_rows.run(self.manifest, kind, receivers, backend, self.device,
                                                       self.warmup + self.versions, cpu)
-                _tick(bar)
+                tick(bar)
             row["parties_cpu_s"] = cpu.get("cpu_s")
             seconds = timed[self.warmup:]  # the first ones fault in the engine's pages
             row["verified"] = verified
