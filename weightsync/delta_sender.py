@@ -55,7 +55,12 @@ class _Diff(BucketSink):
         self.lost_base = False
 
     def buffer(self, b: int) -> torch.Tensor:
-        return self.owner.scratch[: self.owner.plan.buckets[b].nbytes]
+        scratch = self.owner.scratch
+        # the alignment gaps hold the previous bucket's bytes: zero them, so a bucket's digest
+        # and its diff depend on the tensors only (and equal a full sync's into fresh memory)
+        for start, end in self.owner.gaps[b]:
+            scratch[start:end].zero_()
+        return scratch[: self.owner.plan.buckets[b].nbytes]
 
     def done(self, b: int, digest: int | torch.Tensor | None) -> None:
         new = self.owner.scratch[: self.owner.plan.buckets[b].nbytes]
@@ -76,6 +81,15 @@ class _Diff(BucketSink):
             self.lost_base = True
 
 
+def _gaps(slices) -> list[tuple[int, int]]:
+    out, end = [], 0
+    for s in sorted(slices, key=lambda s: s.offset):
+        if s.offset > end:
+            out.append((end, s.offset))
+        end = max(end, s.offset + s.nbytes)
+    return out
+
+
 class DeltaSender:
     """The snapshot and the per-version diff of one session's sender (rank 0).
 
@@ -89,6 +103,7 @@ class DeltaSender:
         self.plan, self.manifest, self.mode = plan, manifest, mode
         self.snapshot = torch.empty(plan.bucket_count * plan.bucket_bytes, dtype=torch.uint8)
         self.scratch = torch.empty(plan.bucket_bytes, dtype=torch.uint8)
+        self.gaps = [_gaps(b.slices) for b in plan.buckets]
         self.base: int | None = None  # the committed version the snapshot holds
         self.pending: _Pending | None = None
         self.last: dict[str, int] = {}  # the last prepared version's sizes, for metrics
