@@ -270,3 +270,19 @@ def test_failed_staging_leaves_the_snapshot():
     with pytest.raises(ManifestError):
         sender.prepare(1, bad, [0])
     assert torch.equal(sender.snapshot, before) and sender.base == 0
+
+
+def test_the_auto_shm_budget_leaves_room_for_the_trainer_snapshot():
+    from weightsync.transports.shm import layout as segment_layout
+    from weightsync.transports.shm_stream import choose_mode
+
+    m = build_manifest({f"w{i}": torch.zeros(30000, dtype=torch.bfloat16) for i in range(6)})
+    plan = plan_buckets(m, 1 << 16)
+    snapshot = delta.snapshot_bytes(plan.bucket_count, plan.bucket_bytes)
+    # the node can give exactly what 3 whole versions need under the auto fraction
+    can = int(3 * segment_layout(plan)[0] / 0.5) + 1
+    off = choose_mode(plan, SyncConfig(bucket_mb=1 / 16), capacity=lambda _c: can)
+    on = choose_mode(plan, SyncConfig(bucket_mb=1 / 16, delta="auto"), capacity=lambda _c: can)
+    assert not off.streaming and on.streaming
+    assert "delta sync's" in on.reason and DeltaSender.memory_bytes(plan) == snapshot
+    assert DeltaReceiver.memory_bytes(plan) == plan.bucket_count * plan.bucket_bytes

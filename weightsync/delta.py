@@ -38,6 +38,12 @@ class DeltaError(WeightSyncError):
     """A delta does not apply: malformed, or the bucket it rebuilt differs from the sender's."""
 
 
+def snapshot_bytes(bucket_count: int, bucket_bytes: int) -> int:
+    """Host memory the trainer keeps for delta sync: the snapshot at bucket stride plus one
+    scratch bucket (a receiver's shadow: one bucket less)."""
+    return (bucket_count + 1) * bucket_bytes
+
+
 def word_dtype(nbytes: int) -> torch.dtype:
     """The word the bucket is compared in: 2 bytes, or 1 for an odd length."""
     return torch.int16 if nbytes % 2 == 0 else torch.uint8

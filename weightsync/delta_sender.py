@@ -111,7 +111,7 @@ class DeltaSender:
     @staticmethod
     def memory_bytes(plan: BucketPlan) -> int:
         """Host bytes the trainer keeps for delta sync, besides the per-version deltas."""
-        return (plan.bucket_count + 1) * plan.bucket_bytes
+        return delta.snapshot_bytes(plan.bucket_count, plan.bucket_bytes)
 
     def bucket(self, b: int) -> torch.Tensor:
         start = b * self.plan.bucket_bytes
