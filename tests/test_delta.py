@@ -25,7 +25,7 @@ def bucket(n: int, seed: int = 0) -> torch.Tensor:
 
 def flip(buf: torch.Tensor, words: list[int]) -> torch.Tensor:
     out = buf.clone()
-    w = out.view(delta.word_dtype(out.numel()))
+    w = out.numpy().view(delta.word_dtype(out.numel()))
     for i in words:
         w[i] = ~w[i]
     return out

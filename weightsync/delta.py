@@ -14,12 +14,17 @@ encoding raises DeltaError instead of writing outside the bucket.
 
 Applying returns an undo record (the positions and the words they held, or the whole old
 bucket for FULL): as large as the delta, it restores the bucket when the version fails.
+
+The work runs in numpy over zero-copy views of the host tensors: its fancy indexing is an
+order of magnitude faster than torch's on CPU for the ~1 % of positions a delta touches
+(measured on this VM: a gather of 84 k words 4 ms vs 41 ms, a scatter 0.3 ms vs 30 ms).
 """
 
 from __future__ import annotations
 
 import dataclasses
 
+import numpy as np
 import torch
 
 from .errors import WeightSyncError
@@ -44,17 +49,20 @@ def snapshot_bytes(bucket_count: int, bucket_bytes: int) -> int:
     return (bucket_count + 1) * bucket_bytes
 
 
-def word_dtype(nbytes: int) -> torch.dtype:
+def word_dtype(nbytes: int) -> np.dtype:
     """The word the bucket is compared in: 2 bytes, or 1 for an odd length."""
-    return torch.int16 if nbytes % 2 == 0 else torch.uint8
+    return np.dtype(np.int16 if nbytes % 2 == 0 else np.uint8)
 
 
-def changed(old: torch.Tensor, new: torch.Tensor) -> torch.Tensor:
-    """Word positions (int64, increasing) where the uint8 buckets ``old`` and ``new`` differ."""
+def _words(buf: torch.Tensor) -> np.ndarray:
+    return buf.numpy().view(word_dtype(buf.numel()))
+
+
+def changed(old: torch.Tensor, new: torch.Tensor) -> np.ndarray:
+    """Word positions (int32, increasing) where the uint8 host buckets ``old`` and ``new`` differ."""
     if old.numel() != new.numel():
         raise ValueError(f"buckets of {old.numel()} and {new.numel()} bytes cannot be compared")
-    w = word_dtype(new.numel())
-    return torch.nonzero(old.view(w) != new.view(w)).flatten()
+    return np.flatnonzero(_words(old) != _words(new)).astype(np.int32)
 
 
 def sparse_bytes(count: int, nbytes: int) -> int:
@@ -71,15 +79,16 @@ def choose(count: int, nbytes: int) -> str:
     return SPARSE
 
 
-def encode_sparse(new: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-    """The sparse wire form of the words of ``new`` at ``positions``."""
+def encode_sparse(new: torch.Tensor, positions: np.ndarray) -> torch.Tensor:
+    """The sparse wire form of the words of ``new`` at ``positions`` (int32)."""
     w = word_dtype(new.numel())
-    count = positions.numel()
+    count = positions.size
     out = torch.empty(sparse_bytes(count, new.numel()), dtype=torch.uint8)
-    out[:HEADER].view(torch.int64).copy_(torch.tensor([count, w.itemsize], dtype=torch.int64))
+    raw = out.numpy()
+    raw[:HEADER].view(np.int64)[:] = (count, w.itemsize)
     pos_end = HEADER + 4 * count
-    out[HEADER:pos_end].view(torch.int32).copy_(positions)
-    out[pos_end:].view(w).copy_(new.view(w)[positions])
+    raw[HEADER:pos_end].view(np.int32)[:] = positions
+    raw[pos_end:].view(w)[:] = _words(new)[positions]
     return out
 
 
@@ -89,25 +98,26 @@ def encode(old: torch.Tensor | None, new: torch.Tensor) -> tuple[str, torch.Tens
     if old is None:
         return FULL, new
     pos = changed(old, new)
-    kind = choose(pos.numel(), new.numel())
+    kind = choose(pos.size, new.numel())
     if kind == SPARSE:
         return kind, encode_sparse(new, pos)
     return kind, (new if kind == FULL else None)
 
 
-def _parse(payload: torch.Tensor, nbytes: int, where: str) -> tuple[torch.Tensor, torch.Tensor, torch.dtype]:
+def _parse(payload: torch.Tensor, nbytes: int, where: str) -> tuple[np.ndarray, np.ndarray, np.dtype]:
     if payload.numel() < HEADER:
         raise DeltaError(f"{where}: sparse delta of {payload.numel()} bytes is shorter than its header")
-    count, word = (int(x) for x in payload[:HEADER].view(torch.int64).tolist())
+    raw = payload.numpy()
+    count, word = (int(x) for x in raw[:HEADER].view(np.int64))
     w = word_dtype(nbytes)
     if word != w.itemsize or count < 0 or payload.numel() != sparse_bytes(count, nbytes):
         raise DeltaError(f"{where}: sparse delta header (count {count}, word {word}) does not fit its "
                          f"{payload.numel()} bytes for a bucket of {nbytes}")
     pos_end = HEADER + 4 * count
-    pos = payload[HEADER:pos_end].view(torch.int32).long()
+    pos = raw[HEADER:pos_end].view(np.int32)
     if count and (int(pos[0]) < 0 or int(pos[-1]) >= nbytes // w.itemsize or bool((pos[1:] <= pos[:-1]).any())):
         raise DeltaError(f"{where}: sparse delta positions are out of the bucket or out of order")
-    return pos, payload[pos_end:].view(w), w
+    return pos, raw[pos_end:].view(w), w
 
 
 @dataclasses.dataclass
@@ -115,13 +125,12 @@ class Undo:
     """What applying one bucket's delta overwrote: ``positions`` (None: the whole bucket) and
     the old words (or bytes)."""
 
-    positions: torch.Tensor | None
-    values: torch.Tensor
+    positions: np.ndarray | None
+    values: np.ndarray | torch.Tensor
 
     @property
     def nbytes(self) -> int:
-        return self.values.numel() * self.values.element_size() + (
-            0 if self.positions is None else self.positions.numel() * 8)
+        return self.values.nbytes + (0 if self.positions is None else self.positions.nbytes)
 
 
 def apply(bucket: torch.Tensor, kind: str, payload: torch.Tensor | None, where: str = "bucket") -> Undo | None:
@@ -141,9 +150,9 @@ def apply(bucket: torch.Tensor, kind: str, payload: torch.Tensor | None, where: 
         return undo
     if kind != SPARSE:
         raise DeltaError(f"{where}: unknown delta kind {kind!r}")
-    pos, values, w = _parse(payload, bucket.numel(), where)
-    words = bucket.view(w)
-    undo = Undo(pos, words[pos].clone())
+    pos, values, _ = _parse(payload, bucket.numel(), where)
+    words = _words(bucket)
+    undo = Undo(pos.copy(), words[pos])  # fancy indexing copies
     words[pos] = values
     return undo
 
@@ -155,7 +164,7 @@ def revert(bucket: torch.Tensor, undo: Undo | None) -> None:
     if undo.positions is None:
         bucket.copy_(undo.values)
     else:
-        bucket.view(undo.values.dtype)[undo.positions] = undo.values
+        _words(bucket)[undo.positions] = undo.values
 
 
 def pays(encoded: int, payload: int, mode: str) -> bool:
