@@ -104,6 +104,25 @@ def encode(old: torch.Tensor | None, new: torch.Tensor) -> tuple[str, torch.Tens
     return kind, (new if kind == FULL else None)
 
 
+def advance(base: torch.Tensor, new: torch.Tensor) -> tuple[str, torch.Tensor | None, Undo | None]:
+    """The sender's step: encode bucket ``new`` against ``base``, then write it into ``base``
+    (kind, payload, undo record). A SPARSE bucket writes only its changed words and keeps
+    them as the undo record; a FULL one is copied, without an undo record (it would be a copy
+    of the bucket; the caller drops its base when such a version fails)."""
+    pos = changed(base, new)
+    kind = choose(pos.size, new.numel())
+    if kind == SKIP:
+        return kind, None, None
+    if kind == FULL:
+        base.copy_(new)
+        return kind, base, None
+    payload = encode_sparse(new, pos)
+    words = _words(base)
+    undo = Undo(pos, words[pos])
+    words[pos] = _words(new)[pos]
+    return kind, payload, undo
+
+
 def _parse(payload: torch.Tensor, nbytes: int, where: str) -> tuple[np.ndarray, np.ndarray, np.dtype]:
     if payload.numel() < HEADER:
         raise DeltaError(f"{where}: sparse delta of {payload.numel()} bytes is shorter than its header")

@@ -70,15 +70,8 @@ class _Diff(BucketSink):
             snap.copy_(new)
             self.payloads[b] = snap
             return
-        kind, payload = delta.encode(snap, new)
-        self.kinds[b] = kind
-        if kind == delta.SPARSE:
-            self.payloads[b] = payload
-            self.undo[b] = delta.apply(snap, kind, payload)
-        elif kind == delta.FULL:
-            snap.copy_(new)
-            self.payloads[b] = snap
-            self.lost_base = True
+        self.kinds[b], self.payloads[b], self.undo[b] = delta.advance(snap, new)
+        self.lost_base |= self.kinds[b] == delta.FULL
 
 
 def _gaps(slices) -> list[tuple[int, int]]:
