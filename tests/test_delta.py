@@ -95,6 +95,12 @@ def _set_pos(payload: torch.Tensor, i: int, value: int) -> torch.Tensor:
     return payload
 
 
+def test_auto_is_off_on_memory_speed_transports():
+    assert [delta.wanted("auto", t) for t in ("shm", "ipc", "broadcast")] == [False, False, True]
+    assert all(delta.wanted("on", t) for t in ("shm", "ipc", "broadcast"))
+    assert not any(delta.wanted("off", t) for t in ("shm", "ipc", "broadcast"))
+
+
 def test_auto_rule():
     assert delta.pays(10, 100, "on") and delta.pays(90, 100, "on")
     assert delta.pays(50, 100, "auto") and not delta.pays(51, 100, "auto")
@@ -282,7 +288,9 @@ def test_the_auto_shm_budget_leaves_room_for_the_trainer_snapshot():
     # the node can give exactly what 3 whole versions need under the auto fraction
     can = int(3 * segment_layout(plan)[0] / 0.5) + 1
     off = choose_mode(plan, SyncConfig(bucket_mb=1 / 16), capacity=lambda _c: can)
-    on = choose_mode(plan, SyncConfig(bucket_mb=1 / 16, delta="auto"), capacity=lambda _c: can)
+    on = choose_mode(plan, SyncConfig(bucket_mb=1 / 16, delta="on"), capacity=lambda _c: can)
+    auto = choose_mode(plan, SyncConfig(bucket_mb=1 / 16, delta="auto"), capacity=lambda _c: can)
+    assert not auto.streaming  # auto is off on shm: no snapshot
     assert not off.streaming and on.streaming
     assert "delta sync's" in on.reason and DeltaSender.memory_bytes(plan) == snapshot
     assert DeltaReceiver.memory_bytes(plan) == plan.bucket_count * plan.bucket_bytes

@@ -19,7 +19,7 @@ from typing import Any
 
 import torch
 
-from . import events, transports
+from . import delta, events, transports
 from .capabilities import ipc_support
 from .client import Coordinator
 from .config import SyncConfig
@@ -184,7 +184,7 @@ class WeightSender(Party):
             transport.close()
             raise
         self.manifest, self.transport, self.transport_name, self.plan = manifest, transport, name, ctx.plan
-        if self.config.delta != "off" and self.sends:
+        if delta.wanted(self.config.delta, name) and self.sends:
             self._delta = DeltaSender(ctx.plan, manifest, self.config.delta)
 
     # -- per version ---------------------------------------------------------------------
