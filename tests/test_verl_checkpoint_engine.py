@@ -12,12 +12,13 @@ pytestmark = pytest.mark.verl
 MODULE = "weightsync_verl.checkpoint_engine"
 
 
-def _config(transport):
+def _config(transport, delta="off"):
     from verl.workers.config import CheckpointEngineConfig
 
     return CheckpointEngineConfig(
         backend="weightsync", custom_backend_module=MODULE, update_weights_bucket_megabytes=1,
-        engine_kwargs={"weightsync": {"transport": transport, "coordinator_name": f"ws-verl-ce-{transport}",
+        engine_kwargs={"weightsync": {"transport": transport, "coordinator_name": f"ws-verl-ce-{transport}-{delta}",
+                                      "delta": delta,
                                       "bucket_mb": 1 / 64, "heartbeat_interval_s": 0.2, "heartbeat_timeout_s": 5.0,
                                       "sync_timeout_s": 60.0, "connect_timeout_s": 60.0}})
 
@@ -47,17 +48,20 @@ def test_registry_finds_backend_by_custom_module():
     engine = CheckpointEngineRegistry.new("weightsync", bucket_size=3 << 20, transport="shm", checksum=False)
     assert engine.config.bucket_mb == 3.0 and engine.config.transport == "shm" and not engine.config.checksum
     assert engine.prepare() is None  # only the master starts a session
+    assert CheckpointEngineRegistry.new("weightsync", bucket_size=1 << 20, delta="auto").config.delta == "auto"
 
 
 def _transports():
     from weightsync import transports
 
-    return [pytest.param(t, marks=pytest.mark.skipif(t not in transports.names(), reason=f"no {t} transport yet"))
-            for t in ("shm", "broadcast")]
+    return [pytest.param(t, d, marks=pytest.mark.skipif(t not in transports.names(), reason=f"no {t} transport yet"))
+            for t, d in (("shm", "off"), ("broadcast", "off"), ("broadcast", "on"))]
 
 
-@pytest.mark.parametrize("transport", _transports())
-def test_manager_transfer_is_bit_exact(worker_groups, transport):
+@pytest.mark.parametrize("transport, delta", _transports())
+def test_manager_transfer_is_bit_exact(worker_groups, transport, delta):
+    """Three steps through verl's manager; with ``delta: on`` (passed through engine_kwargs)
+    steps 2 and 3 go as deltas against the step before, through the same verl code."""
     import ray
     from verl.checkpoint_engine import CheckpointEngineManager
     from weightsync_verl.testing import ReplicaGates, hf_weights
@@ -65,7 +69,7 @@ def test_manager_transfer_is_bit_exact(worker_groups, transport):
     from weightsync.testing import assert_same_weights
 
     actors, rollouts = worker_groups
-    cfg = _config(transport)
+    cfg = _config(transport, delta)
     actors.use_engine(cfg)
     rollouts.use_engine(cfg)
     replicas = [ReplicaGates(rollouts.workers[:1]), ReplicaGates(rollouts.workers[1:])]

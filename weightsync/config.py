@@ -20,6 +20,7 @@ COMMUNICATORS = ("auto", "torch", "torch_npu", "pyhccl", "pynccl")
 DEVICES = ("auto", "cpu", "cuda", "npu")
 DIGESTS = ("auto", "xxh3", "torch", "off")
 SHM_BACKINGS = ("auto", "memfd", "files")
+DELTAS = ("off", "auto", "on")
 ENV_PREFIX = "WEIGHTSYNC_"
 # WEIGHTSYNC_ variables that are not config fields: read by the scripts, the test tiers and
 # the capability probe; every other WEIGHTSYNC_ variable must name a field (typos fail loudly)
@@ -99,6 +100,9 @@ class SyncConfig:
     # address the broadcast rendezvous store binds to ("auto": this node's Ray address)
     rendezvous_host: str = "auto"
     rendezvous_port: int = 0
+    # send per bucket only what changed since the last committed version (docs/delta.md):
+    # "auto" per version when the delta is under half the payload, "on" always, "off" never
+    delta: str = "off"
 
     def __post_init__(self) -> None:
         _check_choice("transport", self.transport, ("auto", *registry.names()))
@@ -107,6 +111,7 @@ class SyncConfig:
         _check_choice("device", self.device, DEVICES)
         _check_choice("digest", self.digest, DIGESTS)
         _check_choice("shm_backing", self.shm_backing, SHM_BACKINGS)
+        _check_choice("delta", self.delta, DELTAS)
         if not self.bucket_mb > 0:
             raise ConfigError(f"bucket_mb must be > 0, got {self.bucket_mb!r}")
         a = self.align_bytes

@@ -186,8 +186,9 @@ class CoordinatorActor:
             self._party(party, seen=False)
             live = self.parties.receivers()
             if len(live) >= count:
-                return [{"name": p.name, "rank": p.rank, "host": p.host, "node_id": p.node_id, "device": p.device}
-                        for p in live]
+                # serving: a delta sender sends full unless every receiver holds its base
+                return [{"name": p.name, "rank": p.rank, "host": p.host, "node_id": p.node_id, "device": p.device,
+                         "serving": p.serving} for p in live]
             if time.monotonic() >= deadline:
                 raise DeadlineExceeded(
                     f"only {len(live)} of {count} receivers registered within {timeout:.1f}s: "

@@ -21,6 +21,7 @@ import torch
 from . import events, transports
 from .client import Coordinator
 from .config import SyncConfig
+from .delta_receiver import DeltaReceiver
 from .digest import version_digest
 from .errors import ManifestError, VersionError, WeightSyncError
 from .manifest import Expected, Manifest, check_manifest
@@ -96,6 +97,7 @@ class WeightReceiver(Party):
         # and its record (for rollback)
         self._info: dict[str, Any] = {}
         self._served: VersionRecord | None = None
+        self._delta: DeltaReceiver | None = None  # the shadow of delta versions (delta_receiver.py)
         self._session_lock = threading.Lock()  # prefetch() may run in a thread beside apply()
         self.last_metrics: dict[str, Any] = {}
         # a test's fault point (weightsync.testing): called as (version, bucket) once bucket b
@@ -163,23 +165,53 @@ class WeightReceiver(Party):
             return self._version
         deadline = time.monotonic() + timeout
         prev, prev_info = self._version, self._served
+        if target.state == State.COMMITTED and not self._holds_base(target.info):
+            return self._version  # catching up to a committed delta without its base: wait for a full version
         t0 = time.perf_counter()
         self._touched = False
+        info = None
         try:
             info = self.transport.parse_version(target.info)
             self.last_metrics = self._load(v, info, deadline)
         except BaseException as exc:
             reason, loaded = f"{type(exc).__name__}: {exc}", self._buckets_loaded
-            if self._touched:
+            if info is not None and info.delta is not None and self._delta is not None:
+                reason += self._delta_rollback(prev)
+            elif self._touched:
                 reason += self._abort_load() + self._rollback(prev, prev_info, deadline)
             events.apply_failed(self.name, v, self.transport.name, loaded,
                                 self.unpacker.plan.bucket_count, time.perf_counter() - t0, reason)
             self._report(v, ok=False, reason=reason)
             raise
         self._version, self._info, self._served = v, {"slot": target.slot, "info": target.info}, info
+        if self._delta is not None:
+            # a version sent without delta leaves the shadow behind: the next delta is refused
+            self._delta.committed(v if info.delta is not None else None)
         self._report(v, ok=True, metrics=self.last_metrics)
         events.applied(self.name, v, self.transport.name, self.last_metrics["bytes"], self.last_metrics["total_s"])
         return v
+
+    def _holds_base(self, wire: dict[str, Any]) -> bool:
+        base = (wire.get("delta") or {}).get("base") if isinstance(wire, dict) else None
+        return base is None or (self._delta is not None and self._delta.version == base)
+
+    def _delta_rollback(self, prev: int | None) -> str:
+        touched = self._touched
+        why = self._abort_load() if touched else ""
+        try:
+            why += self._delta.failed(prev, self.load_weights if touched else None)
+            if touched and self._delta.version is not None:
+                if self.post_load is not None:
+                    self.post_load()
+                if self.reset_cache is not None and self.reset_cache() is False:
+                    raise VersionError("the engine did not reset its cache")
+        except Exception as exc:  # the engine's own hooks raise what they raise; the version still fails
+            self._delta.version = None
+            self._version = None
+            return why + f"; rollback to version {prev} failed too ({type(exc).__name__}: {exc}); serves no version"
+        if touched:
+            self._version = self._delta.version
+        return why if touched else ""
 
     def _rejoin_state(self) -> dict[str, Any]:
         served = getattr(self, "_version", None)
@@ -255,6 +287,12 @@ class WeightReceiver(Party):
         wait_s = verify_s = load_s = 0.0
         nbytes = peer_verified = 0
         verified: list[int] = []  # bucket digests, verified here or by a peer on the node
+        record = info.delta
+        rebuilt: list[int] = []  # a delta version's: digests of the buckets rebuilt in the shadow
+        if record is not None:
+            if self._delta is None:
+                self._delta = DeltaReceiver(self.unpacker.plan, self.unpacker.manifest, self.name)
+            self._delta.begin(version, record)
         t = time.perf_counter()
         for b, buf, expected in self.transport.receive(version, info, deadline, check):
             t1 = time.perf_counter()
@@ -264,7 +302,11 @@ class WeightReceiver(Party):
             if expected is not None:
                 verified.append(expected)
             t2 = time.perf_counter()
-            pairs = self.unpacker.unpack(b, buf, span)
+            if record is not None:
+                pairs, got = self._delta.apply(version, record, b, buf)
+                rebuilt.append(got)
+            else:
+                pairs = self.unpacker.unpack(b, buf, span)
             if pairs:
                 if not self._touched:
                     # from here on the model holds a mix of versions until the last bucket
@@ -296,7 +338,7 @@ class WeightReceiver(Party):
                 "gbps": nbytes / total / 1e9 if total > 0 else 0.0,
                 # the whole version's digest, from the bucket digests it verified: equal to the
                 # sender's when both hold the same bytes (status() shows both)
-                "digest": version_digest(kind, verified)}
+                "digest": version_digest("xxh3", rebuilt) if record is not None else version_digest(kind, verified)}
 
     def _abort_load(self) -> str:
         if self.abort_load is None:

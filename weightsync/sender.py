@@ -19,11 +19,12 @@ from typing import Any
 
 import torch
 
-from . import events, transports
+from . import delta, events, transports
 from .capabilities import ipc_support
 from .client import Coordinator
 from .config import SyncConfig
 from .control import Publication
+from .delta_sender import DeltaSender
 from .device import describe
 from .errors import VersionError
 from .manifest import Manifest, build_manifest
@@ -134,6 +135,8 @@ class WeightSender(Party):
         self._staged: dict[int, StagedVersion] = {}
         self._staged_digest: dict[int, str | None] = {}  # version digests reported when staged
         self._pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix=f"weightsync-stage-{self.name}")
+        self._delta: DeltaSender | None = None  # config delta: auto / on (delta_sender.py)
+        self._delta_versions: set[int] = set()
 
     @property
     def sends(self) -> bool:
@@ -181,6 +184,8 @@ class WeightSender(Party):
             transport.close()
             raise
         self.manifest, self.transport, self.transport_name, self.plan = manifest, transport, name, ctx.plan
+        if delta.wanted(self.config.delta, name) and self.sends:
+            self._delta = DeltaSender(ctx.plan, manifest, self.config.delta)
 
     # -- per version ---------------------------------------------------------------------
 
@@ -241,15 +246,26 @@ class WeightSender(Party):
         slot = self.control.begin_stage(version)
         self._last_version = version  # a restarted coordinator learns it on re-registration
         try:
+            packing, extra = Packing(self.plan, self.manifest, named), {}
+            if self._delta is not None:
+                serving = [r.get("serving") for r in self.control.receivers(0, self.config.connect_timeout_s)]
+                packing, record, digest = self._delta.prepare(version, named, serving)
+                # receivers read a delta version by its wire plan from the first record on
+                extra = {"delta": record, "digest": digest}
+                self._delta_versions = {v for v in self._delta_versions if v > version - 8} | {version}
             record = self.transport.stage(
-                version, slot, Packing(self.plan, self.manifest, named),
-                announce=lambda early: self.control.stage_info(version, early.to_wire(), readable=True),
+                version, slot, packing,
+                announce=lambda early: self.control.stage_info(
+                    version, dataclasses.replace(early, **extra).to_wire(), readable=True),
             )
+            record = dataclasses.replace(record, **extra)
             stage_s = time.perf_counter() - t0
             self.control.staged(version, record.to_wire(), stage_s)
             self._staged_digest = {v: d for v, d in self._staged_digest.items() if v > version - 8}
             self._staged_digest[version] = record.digest
         except BaseException as exc:
+            if self._delta is not None:
+                self._delta.resolved(version, committed=False)
             try:
                 self.control.abort(version, f"staging failed: {type(exc).__name__}: {exc}")
             except Exception:
@@ -286,10 +302,16 @@ class WeightSender(Party):
                 self.transport.send(version, time.monotonic() + timeout)
                 # transports that pack at the barrier know the version's digest only now
                 digest = self.transport.version_digests.get(version)
+                if version in self._delta_versions:
+                    digest = None  # the transport's is of the encoded buckets; the record has the version's
                 if digest is not None and digest != self._staged_digest.pop(version, None):
                     self.control.stage_info(version, VersionRecord(digest=digest).to_wire())
             outcome = self.control.wait_outcome(version, timeout)
+            if self._delta is not None:
+                self._delta.resolved(version, committed=True)
         except Exception as exc:
+            if self._delta is not None:
+                self._delta.resolved(version, committed=False)
             if self.sends:
                 events.send_failed(self.name, version, transport, time.perf_counter() - t0, f"{type(exc).__name__}: {exc}")
             raise

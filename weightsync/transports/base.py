@@ -17,6 +17,7 @@ import torch
 
 from .. import digest
 from ..config import SyncConfig
+from ..delta_packing import wire_plan
 from ..errors import VersionError
 from ..manifest import Manifest
 from ..plan import BucketPlan, Packing
@@ -160,6 +161,11 @@ class ReceiverTransport(abc.ABC):
         """Yield the buckets of ``version`` in plan order. A yielded buffer stays valid until
         the next one is requested. ``check()`` raises if the version was aborted; call it
         while waiting. Raise DeadlineExceeded past ``deadline`` (time.monotonic())."""
+
+    def plan_of(self, info: VersionRecord) -> BucketPlan:
+        """The bucket lengths a version moves: the session plan's, or a delta version's encoded
+        lengths (weightsync/delta_packing.py), bucket for bucket."""
+        return self.ctx.plan if info.delta is None else wire_plan(self.ctx.plan, info.delta.lengths)
 
     def verify_bucket(self, version: int, info: VersionRecord, b: int, buf: torch.Tensor, expected: int | None) -> bool:
         """Raise ChecksumError if bucket b does not match the sender's digest (None: no

@@ -44,7 +44,7 @@ import torch.distributed as dist
 
 from .. import device as devices
 from ..errors import ConfigError, DeadlineExceeded, VersionError, WeightSyncError
-from ..plan import BucketSink, Packing
+from ..plan import BucketPlan, BucketSink, Packing
 from .base import Aborted, Received, ReceiverTransport, SenderTransport, TransportContext
 from .broadcast_end import BUFFERS, TRAILER, BroadcastEnd, get_checksum, put_checksum  # noqa: F401  (tests)
 from .communicators import choose_backend, comm_device
@@ -117,7 +117,7 @@ class BroadcastSender(BroadcastEnd, SenderTransport):
         after the transfer failed: it may be a collective on the trainer's own group (FSDP
         full_tensor) that the other trainer ranks are inside. So errors of the transfer are
         recorded, not raised, in there."""
-        run = _Launch(self, version, deadline)
+        run = _Launch(self, version, deadline, plan=packing.plan)
         try:
             run.group = self._join(group, 0, deadline, run.poll)
         except Exception as exc:
@@ -164,8 +164,10 @@ class _Launch(BucketSink):
     yield from pack_stream comes too late to be the signal. Once the transfer failed, the
     rest of the version is packed into scratch."""
 
-    def __init__(self, sender: BroadcastSender, version: int, deadline: float, failed: bool = False):
+    def __init__(self, sender: BroadcastSender, version: int, deadline: float, failed: bool = False,
+                 plan: BucketPlan | None = None):
         self.sender, self.version, self.deadline = sender, version, deadline
+        self.plan = sender.ctx.plan if plan is None else plan  # a delta version's encoded lengths
         self.group: Group | None = None
         self.launched: list[Any] = []
         self.digests: dict[int, Any] = {}  # each bucket's, from pack_stream, until launched
@@ -182,15 +184,15 @@ class _Launch(BucketSink):
             self.sender._drop()
 
     def launch_until(self, b: int) -> None:
-        s, plan = self.sender, self.sender.ctx.plan
+        s, plan = self.sender, self.plan
         while len(self.launched) < b:
             i = len(self.launched)
+            n = plan.buckets[i].nbytes
             if s.trailer:
-                self.written.append(put_checksum(s._wire(i), plan.buckets[i].nbytes, self.digests.pop(i, None),
-                                                 s.digest_kind))
+                self.written.append(put_checksum(s._wire(i, n), n, self.digests.pop(i, None), s.digest_kind))
             if s.on_packed is not None:
-                s.on_packed(self.version, i, s._wire(i)[: plan.buckets[i].nbytes])
-            self.launched.append(self.group.broadcast(s._wire(i), self.deadline - time.monotonic()))
+                s.on_packed(self.version, i, s._wire(i, n)[:n])
+            self.launched.append(self.group.broadcast(s._wire(i, n), self.deadline - time.monotonic()))
             s.pending.append(self.launched[-1])
 
     def buffer(self, b: int) -> torch.Tensor:
@@ -200,7 +202,7 @@ class _Launch(BucketSink):
                 if b >= BUFFERS:
                     settle(self.launched[b - BUFFERS], self.deadline, self.poll,
                            f"bucket {b - BUFFERS} of version {self.version}")
-                return self.sender._wire(b)
+                return self.sender._wire(b, self.plan.buckets[b].nbytes)
             except Exception as exc:
                 self.fail(exc)
         return self.sender._scratch()
@@ -211,7 +213,7 @@ class _Launch(BucketSink):
 
     def finish(self) -> None:
         """Launch what is left, wait for the last buckets, record the version's digest."""
-        s, count = self.sender, self.sender.ctx.plan.bucket_count
+        s, count = self.sender, self.plan.bucket_count
         self.launch_until(count)
         for b in range(max(0, count - BUFFERS), count):
             settle(self.launched[b], self.deadline, self.poll, f"bucket {b} of version {self.version}")
@@ -266,7 +268,7 @@ class BroadcastReceiver(BroadcastEnd, ReceiverTransport):
             self._poll(version)
 
         devices.set_current(self.device)
-        plan = self.ctx.plan
+        plan = self.plan_of(info)  # a delta version moves its encoded lengths
         posted: dict[int, Any] = {}
         finished = False
         try:
@@ -276,14 +278,14 @@ class BroadcastReceiver(BroadcastEnd, ReceiverTransport):
 
             def post(b: int) -> None:
                 if b < plan.bucket_count:
-                    posted[b] = g.broadcast(self._wire(b), deadline - time.monotonic())
+                    posted[b] = g.broadcast(self._wire(b, plan.buckets[b].nbytes), deadline - time.monotonic())
                     self.pending.append(posted[b])
 
             for b in range(BUFFERS):
                 post(b)
             for b, bucket in enumerate(plan.buckets):
                 settle(posted.pop(b), deadline, poll, f"bucket {b} of version {version}")
-                wire = self._wire(b)
+                wire = self._wire(b, bucket.nbytes)
                 expected = get_checksum(wire, bucket.nbytes) if self.trailer else None
                 yield b, wire[: bucket.nbytes], expected
                 post(b + BUFFERS)  # the consumer is done with this buffer

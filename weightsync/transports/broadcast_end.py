@@ -61,8 +61,11 @@ class BroadcastEnd:
             self.ctx.account("bcast_buffers", +BUFFERS)
         return self.buffers
 
-    def _wire(self, b: int) -> torch.Tensor:
-        return self._buffers()[b % BUFFERS][: self.ctx.plan.buckets[b].nbytes + self.trailer]
+    def _wire(self, b: int, nbytes: int | None = None) -> torch.Tensor:
+        """Bucket b's buffer with its trailer: ``nbytes`` of payload (a delta version's encoded
+        length), the session plan's by default."""
+        n = self.ctx.plan.buckets[b].nbytes if nbytes is None else nbytes
+        return self._buffers()[b % BUFFERS][: n + self.trailer]
 
     def _join(self, group: dict[str, Any], rank: int, deadline: float, poll: Callable[[], None]) -> Group:
         """The group of this version: the current one if the epoch is unchanged, else built

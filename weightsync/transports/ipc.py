@@ -36,7 +36,7 @@ import torch
 from .. import device as devices
 from ..digest import as_int, compute, kind_of
 from ..errors import CapacityError, DeadlineExceeded, ProtocolError, VersionError
-from ..plan import BucketSink, Packing, align_up
+from ..plan import BucketPlan, BucketSink, Packing, align_up
 from ..versions import State
 from .base import Aborted, Received, ReceiverTransport, SenderTransport, TransportContext, poll_until
 from .ipc_wire import (
@@ -138,10 +138,10 @@ class IpcSender(SenderTransport):
             raise VersionError(f"{self.name}: version {version} was not staged on this transport (superseded?)")
         devices.set_current(self.ctx.device)
         try:
-            ring = _Ring(self, version, Watch(self.ctx, version), deadline)
+            ring = _Ring(self, version, Watch(self.ctx, version), deadline, packing.plan)
             for b in packing.into(ring, self.digest_kind):
                 ring.publish_through(b)
-            ring.publish_through(self.ctx.plan.bucket_count - 1)
+            ring.publish_through(packing.plan.bucket_count - 1)
             self._record(version, ring.sums)
         except Aborted:
             pass  # the coordinator has the reason; sync() reports it through wait_outcome
@@ -176,8 +176,9 @@ class _Ring(BucketSink):
     receiver released the bucket it held there; a bucket is published (digest, then ready
     word) once it is complete."""
 
-    def __init__(self, sender: IpcSender, version: int, watch: Watch, deadline: float):
+    def __init__(self, sender: IpcSender, version: int, watch: Watch, deadline: float, plan: BucketPlan):
         self.sender, self.version, self.watch, self.deadline = sender, version, watch, deadline
+        self.plan = plan  # the session plan, or a delta version's encoded lengths
         self.published = -1
         self.asked: set[int] = set()
         self.digests: dict[int, Any] = {}  # from pack_stream, by bucket, until published
@@ -193,7 +194,7 @@ class _Ring(BucketSink):
         if b >= s.nbuf:
             s._wait_released(self.version, b - s.nbuf, k, self.watch, self.deadline)
         s.control.words[ready_word(k)] = 0  # receivers that outlived their turn see the overwrite
-        return s.buffers[k][: s.ctx.plan.buckets[b].nbytes]
+        return s.buffers[k][: self.plan.buckets[b].nbytes]
 
     def done(self, b: int, digest: int | torch.Tensor | None) -> None:
         if digest is not None:
@@ -207,7 +208,7 @@ class _Ring(BucketSink):
         for b in range(self.published + 1, last + 1):
             if b not in self.asked:
                 self.buffer(b)  # never handed out (nothing to write): still claim the buffer
-            k, n = b % s.nbuf, s.ctx.plan.buckets[b].nbytes
+            k, n = b % s.nbuf, self.plan.buckets[b].nbytes
             if s.digest_kind:
                 # a device digest was queued behind the copies: reading it costs no extra wait
                 d = self.digests.pop(b, None)
@@ -306,7 +307,7 @@ class IpcReceiver(ReceiverTransport):
         self._check_member(version)
         w = self.control.words
         mine = slot_word(self.slot)
-        for b, bucket in enumerate(self.ctx.plan.buckets):
+        for b, bucket in enumerate(self.plan_of(info).buckets):
             k = b % self.nbuf
             want = tag(version, b)
             word = ready_word(k)

@@ -22,6 +22,7 @@ import typing
 from collections.abc import Mapping
 from typing import Any, ClassVar, TypeVar
 
+from ..delta import FULL, KINDS, SKIP
 from ..errors import ProtocolError
 
 DIGEST_KINDS = (None, "xxh3", "torch")
@@ -141,6 +142,31 @@ class SessionRecord(Record):
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
+class DeltaRecord(Record):
+    """A delta version's wire plan (weightsync/delta.py): per bucket its encoding and the bytes
+    that move, and the digest of the whole bucket as the sender packed it, which the bucket a
+    receiver rebuilds must match. ``base``: the committed version the deltas apply to (None:
+    every bucket is full; receivers keep the version as the base of the next delta)."""
+
+    transport: ClassVar[str] = "delta"
+    base: int | None
+    kinds: list[str]
+    lengths: list[int]
+    digests: list[int]  # xxh3 per bucket, unsigned 64-bit
+
+    def __post_init__(self) -> None:
+        n = len(self.kinds)
+        self._check("lengths", len(self.lengths) == n and all(x >= 0 for x in self.lengths),
+                    f"{n} lengths >= 0")
+        self._check("digests", len(self.digests) == n and all(0 <= d < 1 << 64 for d in self.digests),
+                    f"{n} unsigned 64-bit digests")
+        self._check("kinds", all(k in KINDS for k in self.kinds), " / ".join(KINDS) + " per bucket")
+        self._check("kinds", self.base is not None or all(k == FULL for k in self.kinds), "full without a base")
+        self._check("lengths", all(x == 0 for k, x in zip(self.kinds, self.lengths) if k == SKIP),
+                    "0 for a skipped bucket")
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
 class VersionRecord(Record):
     """Published per version (stage(): early through ``announce``, whole when staged); the
     coordinator merges the parts, so a field a later part brings has a default."""
@@ -148,6 +174,8 @@ class VersionRecord(Record):
     # the coordinator notes a broadcast version's group here for metrics (coordinator_broadcast.py)
     foreign: ClassVar[frozenset[str]] = frozenset({"group"})
     digest: str | None = None  # of the whole version (digest.version_digest), once packed
+    # a delta version's wire plan (the sender's delta: auto / on); None: the session plan
+    delta: DeltaRecord | None = None
 
 
 # -- shm: whole versions in segments ------------------------------------------------------------

@@ -139,10 +139,10 @@ class ShmSender(SenderTransport):
         early = ShmVersion(segment=seg.ref, size=self.size)
         announce(early)
         sums: list[int] = []
-        sink = _SegmentSink(seg, self.bases, self.ctx.plan)
+        sink = _SegmentSink(seg, self.bases, packing.plan)  # a delta version's encoded lengths
         packed, ready = 0, np.uint64(version + 1)
         for b in packing.into(sink, self.digest_kind):
-            n = self.ctx.plan.buckets[b].nbytes
+            n = packing.plan.buckets[b].nbytes
             word = _ready_word(b)
             if self.digest_kind:  # pack_stream digested the bucket while packing it
                 sums.append(as_int(sink.digests.pop(b)))
@@ -214,7 +214,7 @@ class ShmReceiver(ReceiverTransport):
         head = seg.header
         ready = version + 1
         sums = info.checksums or None
-        for b, bucket in enumerate(self.ctx.plan.buckets):
+        for b, bucket in enumerate(self.plan_of(info).buckets):
             word = _ready_word(b)
             self._wait_ready(head, word, ready, version, b, deadline, check)
             expected = int(head[word + 1]) if self.kind else None
@@ -261,13 +261,13 @@ class ShmReceiver(ReceiverTransport):
         return True
 
     def span(self, version: int, info: VersionRecord) -> Callable[[int, int, int], torch.Tensor | None] | None:
-        if not isinstance(info, ShmVersion):
-            return None  # receive() says why
+        if not isinstance(info, ShmVersion) or info.delta is not None:
+            return None  # receive() says why; a delta version's segment holds encoded buckets
         return spans(self._attach(info.segment).bytes, self.bases, self.ctx.plan)
 
     def can_replay(self, version: int, info: VersionRecord) -> bool:
-        if not isinstance(info, ShmVersion):
-            return False
+        if not isinstance(info, ShmVersion) or info.delta is not None:
+            return False  # a delta version's segment holds encoded buckets, not the version
         try:
             seg = self._attach(info.segment)
         except ProtocolError:

@@ -32,6 +32,7 @@ from collections.abc import Callable, Iterator, Mapping
 from typing import Any, ClassVar
 
 from ..config import MiB, SyncConfig
+from ..delta import snapshot_bytes, wanted
 from ..errors import CapacityError, ProtocolError
 from ..plan import BucketPlan, align_up
 from .base import Received, ReceiverTransport, SenderTransport, TransportContext
@@ -69,16 +70,21 @@ def node_capacity(config: SyncConfig) -> int:
     return can
 
 
-def budget(config: SyncConfig, capacity: Callable[[SyncConfig], int] = node_capacity) -> tuple[int, str]:
-    """(budget in bytes, where it comes from)."""
+def budget(config: SyncConfig, capacity: Callable[[SyncConfig], int] = node_capacity,
+           reserve: int = 0) -> tuple[int, str]:
+    """(budget in bytes, where it comes from). ``reserve``: host memory the trainer holds
+    beside the segments (delta sync's snapshot), taken from what the node can give first."""
     if config.shm_budget_mb > 0:
         return int(config.shm_budget_mb * MiB), f"shm_budget_mb={config.shm_budget_mb:g}"
-    can = capacity(config)
-    return int(can * AUTO_FRACTION), f"auto: {AUTO_FRACTION:g} x {size_text(can)} the node can give"
+    can = max(0, capacity(config) - reserve)
+    beside = f" beside delta sync's {size_text(reserve)} host snapshot" if reserve else ""
+    return int(can * AUTO_FRACTION), f"auto: {AUTO_FRACTION:g} x {size_text(can)} the node can give{beside}"
 
 
 def choose_mode(plan: BucketPlan, config: SyncConfig, capacity: Callable[[SyncConfig], int] = node_capacity) -> ShmMode:
-    limit, source = budget(config, capacity)
+    # delta sync's snapshot lives in the trainer's host memory on this node (docs/delta.md)
+    reserve = snapshot_bytes(plan.bucket_count, plan.bucket_bytes) if wanted(config.delta, "shm") else 0
+    limit, source = budget(config, capacity, reserve)
     segment = layout(plan)[0]
     slots = config.shm_max_segments
     whole = slots * segment

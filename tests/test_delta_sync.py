@@ -1,0 +1,174 @@
+"""Delta sync (config ``delta: on``) in real jobs: real Ray actors, every transport. Each version
+moves a few percent of the elements (``drift``), as an RL step moves bf16 weights; each test
+asserts one outcome: bit-exact weights and the sender's whole-version digest at every version,
+a corrupted delta bucket rolled back on every transport, a receiver killed mid-delta, a
+restarted receiver that holds no base getting a full version."""
+
+from __future__ import annotations
+
+import pytest
+import ray
+import torch
+from faultjob import DEADLINE_S, RECEIVERS, Job, apply_fails, sync_failed, wait_until
+
+from weightsync import transports
+from weightsync.digest import version_digest
+from weightsync.model_layouts import layout, materialize
+from weightsync.plan import Buffers, pack_stream, plan_buckets
+from weightsync.testing import check_serves
+
+ALL = [t for t in ("shm", "ipc", "broadcast") if t in transports.names()]
+MANIFEST = layout("tiny")  # 7 buckets of 64 KiB
+BUCKET = 1 << 16
+CHANGED = 0.01  # of the elements per version: about 2 % differ between two versions
+PLAN = plan_buckets(MANIFEST, BUCKET, 256)
+FULL = sum(b.nbytes for b in PLAN.buckets)  # bytes a full version moves (alignment gaps included)
+
+
+def drift(version: int) -> dict[str, torch.Tensor]:
+    """Version ``version``'s weights: one base, ``CHANGED`` of each tensor's elements (chosen
+    by the version) replaced by the version's own values."""
+    out = materialize(MANIFEST, seed=0)
+    other = materialize(MANIFEST, seed=1000 + version)
+    g = torch.Generator().manual_seed(version)
+    for name, t in out.items():
+        flat = t.view(-1)
+        mask = torch.rand(flat.numel(), generator=g) < CHANGED
+        flat[mask] = other[name].view(-1)[mask]
+    return out
+
+
+def full_digest(version: int) -> str:
+    """The whole version's xxh3 digest as a full sync packs it."""
+    plan = PLAN
+    bufs = [torch.zeros(BUCKET, dtype=torch.uint8) for _ in plan.buckets]
+    sink = Buffers(lambda b: bufs[b])
+    for _ in pack_stream(plan, MANIFEST, drift(version), sink, "xxh3"):
+        pass
+    return version_digest("xxh3", [sink.digests[b] for b in range(plan.bucket_count)])
+
+
+@pytest.fixture(scope="module")
+def transport(request):
+    return request.param
+
+
+@pytest.fixture(scope="module")
+def job(ray_cluster, transport):
+    j = Job(transport, MANIFEST, bucket_mb=BUCKET / 2**20, delta="on")
+    yield j
+    j.close()
+
+
+def stage(job: Job, v: int):
+    ray.get(job.trainer.stage.remote(v, None, 0.0, list(drift(v).items())), timeout=120)
+    return job.trainer.sync.remote(v)
+
+
+def step(job: Job, v: int, names=RECEIVERS) -> dict[str, int]:
+    applied = {n: job.rollouts[n].apply.remote(v) for n in names}
+    ray.get(stage(job, v), timeout=120)
+    return {n: ray.get(ref, timeout=60) for n, ref in applied.items()}
+
+
+def serves(job: Job, name: str) -> int | None:
+    """The version ``name`` serves, once its weights are shown to be that version's, bit for bit."""
+    rollout = job.rollouts[name]
+    served = ray.get(rollout.version.remote())
+    if served is None:
+        return None
+    got, bad = check_serves(rollout, drift(served))
+    assert not bad, f"{name} claims version {got} but {len(bad)} tensors differ, e.g. {bad[:3]}"
+    return served
+
+
+def wire_bytes(job: Job, name: str) -> int:
+    return ray.get(job.rollouts[name].counters.remote())["metrics"]["bytes"]
+
+
+def fresh(job: Job) -> int:
+    """Every receiver alive (restarted where killed) and serving a new version bit-exactly."""
+    for name in sorted(job.dead):
+        job.restart(name)
+    v = job.next()
+    assert step(job, v) == {n: v for n in RECEIVERS}
+    assert [serves(job, n) for n in RECEIVERS] == [v, v]
+    return v
+
+
+@pytest.mark.parametrize("transport", ALL, indirect=True)
+def test_corrupted_delta_bucket_rolls_back(job, transport):
+    """A delta bucket corrupted in transit: both receivers raise ChecksumError naming the
+    bucket and roll back to v-1 from their shadow (on every transport, ipc and broadcast
+    included); SyncFailed names both; the next two versions are deltas (against v-1, then
+    against the first) and every receiver ends bit-exact with the full-version digest."""
+    base = fresh(job)
+    v, k = job.next(), 3
+    ray.get(job.trainer.tamper.remote(v, k, "corrupt"))
+    applied = [r.apply.remote(v) for r in job.rollouts.values()]
+    err = sync_failed(stage(job, v))
+    assert set(err.failed) == set(RECEIVERS) and err.committed == [], err
+    for why in err.failed.values():
+        assert "ChecksumError" in why and f"bucket {k} of version {v}" in why, why
+        assert f"rolled back to version {base} from the delta shadow" in why, why
+    for ref in applied:
+        apply_fails(ref, "ChecksumError", f"bucket {k} of version {v}")
+    assert [serves(job, n) for n in RECEIVERS] == [base, base]
+    ray.get(job.trainer.tamper.remote(-1, -1, "corrupt"))  # off
+    for _ in range(2):
+        assert_delta_version(job, job.next())
+
+
+def assert_delta_version(job: Job, v: int) -> None:
+    """``v`` commits on both receivers as a delta: a few percent of the bytes moved, the
+    weights bit-exact, the rebuilt version's digest the full sync's."""
+    assert step(job, v) == {n: v for n in RECEIVERS}
+    for name in RECEIVERS:
+        assert serves(job, name) == v
+        m = ray.get(job.rollouts[name].counters.remote())["metrics"]
+        assert m["bytes"] < FULL / 4, (name, m["bytes"], FULL)
+        assert m["digest"] == full_digest(v), name
+
+
+@pytest.mark.parametrize("transport", [t for t in ALL if t != "broadcast"], indirect=True)
+def test_receiver_killed_mid_delta(job, transport):
+    """rollout-1 killed after loading the middle bucket of a delta version: the sender's
+    SyncFailed names only rollout-1; rollout-0 commits v. The restarted rollout-1 holds no
+    base: catching up finds a committed delta and loads nothing (shm keeps v, as encoded
+    buckets only); the next version goes full (the coordinator reports rollout-1 serving
+    nothing) and both end bit-exact; the one after is a delta again. (broadcast: a member
+    killed mid-collective is test_broadcast.py's; its restart is the test below.)"""
+    fresh(job)
+    v = job.next()
+    ray.get([r.hold_at.remote(v, 3) for r in job.rollouts.values()])
+    applied = {n: r.apply.remote(v) for n, r in job.rollouts.items()}
+    sync = stage(job, v)
+    assert all(ray.get([r.reached.remote(DEADLINE_S) for r in job.rollouts.values()]))
+    job.kill("rollout-1")
+    wait_until("rollout-1 is failed in v", lambda: "rollout-1" in job.metrics(v)["failed"])
+    ray.get(job.rollouts["rollout-0"].release.remote())
+    err = sync_failed(sync)
+    assert set(err.failed) == {"rollout-1"} and err.committed == ["rollout-0"], err
+    assert ray.get(applied["rollout-0"]) == v and serves(job, "rollout-0") == v
+    restarted = job.restart("rollout-1")
+    assert ray.get(restarted.apply.remote(None, None, False)) is None
+    _full_then_delta(job)
+
+
+def _full_then_delta(job: Job) -> None:
+    v = job.next()
+    assert step(job, v) == {n: v for n in RECEIVERS}
+    assert [serves(job, n) for n in RECEIVERS] == [v, v]
+    assert [wire_bytes(job, n) for n in RECEIVERS] == [FULL, FULL]
+    assert_delta_version(job, job.next())
+
+
+@pytest.mark.parametrize("transport", ["broadcast"] if "broadcast" in ALL else [], indirect=True)
+def test_restarted_receiver_gets_a_full_version(job, transport):
+    """broadcast: rollout-1 restarted with an empty model between delta versions: the next
+    version goes full, both end bit-exact, the one after is a delta again."""
+    fresh(job)
+    job.kill("rollout-1")
+    restarted = job.restart("rollout-1")
+    assert ray.get(restarted.apply.remote(None, None, False)) is None
+    _full_then_delta(job)

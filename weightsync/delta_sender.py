@@ -1,0 +1,159 @@
+"""Trainer side of delta sync: a host snapshot of the last committed version, and each new
+version diffed against it bucket by bucket (weightsync/delta.py).
+
+Memory: the snapshot holds every bucket at ``bucket_bytes`` stride (``bucket_count x
+bucket_bytes``, the payload plus the plan's padding), plus one scratch bucket, plus per version
+the sparse encodings and their undo records (each as large as the delta). Full buckets are
+sent straight from the snapshot, so a full version costs no second copy.
+
+The snapshot takes the new version as it is staged, keeping undo records, because only the
+outcome of ``sync()`` says whether it became the committed version: on a failure the undo
+records put the last committed version back. A full bucket written over a base has no undo
+record (it would be a second copy of the model): a failed version that wrote one leaves no
+base, and the next version goes full.
+
+A version goes as a delta only when every receiver the coordinator knows serves the
+snapshot's version; otherwise (a receiver that missed a version, a late joiner, a restarted
+one) it goes full, which every receiver applies whatever it held.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Iterable, Mapping
+
+import torch
+
+from . import delta
+from .delta_packing import EncodedPacking, wire_plan
+from .digest import version_digest
+from .manifest import Manifest
+from .plan import BucketPlan, BucketSink, pack_stream
+from .transports.records import DeltaRecord
+
+NamedTensors = Mapping[str, torch.Tensor] | Iterable[tuple[str, torch.Tensor]]
+
+
+@dataclasses.dataclass
+class _Pending:
+    version: int
+    undo: list[delta.Undo | None]
+    lost_base: bool  # a full bucket overwrote the base without an undo record
+
+
+class _Diff(BucketSink):
+    """pack_stream's sink: each bucket lands in one scratch buffer, is diffed against the
+    snapshot when complete, then written into the snapshot."""
+
+    def __init__(self, owner: DeltaSender, base: bool):
+        self.owner, self.base = owner, base
+        n = owner.plan.bucket_count
+        self.kinds: list[str] = [delta.FULL] * n
+        self.payloads: list[torch.Tensor | None] = [None] * n
+        self.digests: list[int] = [0] * n
+        self.undo: list[delta.Undo | None] = [None] * n
+        self.lost_base = False
+
+    def buffer(self, b: int) -> torch.Tensor:
+        scratch = self.owner.scratch
+        # the alignment gaps hold the previous bucket's bytes: zero them, so a bucket's digest
+        # and its diff depend on the tensors only (and equal a full sync's into fresh memory)
+        for start, end in self.owner.gaps[b]:
+            scratch[start:end].zero_()
+        return scratch[: self.owner.plan.buckets[b].nbytes]
+
+    def done(self, b: int, digest: int | torch.Tensor | None) -> None:
+        new = self.owner.scratch[: self.owner.plan.buckets[b].nbytes]
+        snap = self.owner.bucket(b)
+        self.digests[b] = int(digest)
+        if not self.base:
+            snap.copy_(new)
+            self.payloads[b] = snap
+            return
+        self.kinds[b], self.payloads[b], self.undo[b] = delta.advance(snap, new)
+        self.lost_base |= self.kinds[b] == delta.FULL
+
+
+def _gaps(slices) -> list[tuple[int, int]]:
+    out, end = [], 0
+    for s in sorted(slices, key=lambda s: s.offset):
+        if s.offset > end:
+            out.append((end, s.offset))
+        end = max(end, s.offset + s.nbytes)
+    return out
+
+
+class DeltaSender:
+    """The snapshot and the per-version diff of one session's sender (rank 0).
+
+    Args:
+        plan: The session's bucket plan.
+        manifest: The session's manifest.
+        mode: ``auto`` or ``on`` (config ``delta``).
+    """
+
+    def __init__(self, plan: BucketPlan, manifest: Manifest, mode: str):
+        self.plan, self.manifest, self.mode = plan, manifest, mode
+        self.snapshot = torch.empty(plan.bucket_count * plan.bucket_bytes, dtype=torch.uint8)
+        self.scratch = torch.empty(plan.bucket_bytes, dtype=torch.uint8)
+        self.gaps = [_gaps(b.slices) for b in plan.buckets]
+        self.base: int | None = None  # the committed version the snapshot holds
+        self.pending: _Pending | None = None
+        self.last: dict[str, int] = {}  # the last prepared version's sizes, for metrics
+
+    @staticmethod
+    def memory_bytes(plan: BucketPlan) -> int:
+        """Host bytes the trainer keeps for delta sync, besides the per-version deltas."""
+        return delta.snapshot_bytes(plan.bucket_count, plan.bucket_bytes)
+
+    def bucket(self, b: int) -> torch.Tensor:
+        start = b * self.plan.bucket_bytes
+        return self.snapshot[start: start + self.plan.buckets[b].nbytes]
+
+    def prepare(self, version: int, named: NamedTensors,
+                serving: list[int | None]) -> tuple[EncodedPacking, DeltaRecord, str]:
+        """Pack ``version`` into the snapshot and encode it; (the packing for the transport, its
+        delta record, the whole version's xxh3 digest). ``serving``: what each receiver serves."""
+        if self.pending is not None:
+            # the previous version's outcome is not known yet: the snapshot is no base
+            self.pending, self.base = None, None
+        base = self.base is not None and bool(serving) and all(s == self.base for s in serving)
+        sink = _Diff(self, base)
+        try:
+            for _ in pack_stream(self.plan, self.manifest, named, sink, "xxh3"):
+                pass
+        except BaseException:
+            self._put_back(_Pending(version, sink.undo, sink.lost_base or not base))
+            raise
+        kinds, payloads = sink.kinds, sink.payloads
+        lengths = [0 if k == delta.SKIP else int(p.numel()) for k, p in zip(kinds, payloads)]
+        if base and not delta.pays(sum(lengths), self.plan.payload_bytes, self.mode):
+            kinds = [delta.FULL] * self.plan.bucket_count  # auto: the delta would not pay
+            payloads = [self.bucket(b) for b in range(self.plan.bucket_count)]
+            lengths = [b.nbytes for b in self.plan.buckets]
+        full = all(k == delta.FULL for k in kinds)
+        self.pending = _Pending(version, sink.undo, sink.lost_base or not base)
+        record = DeltaRecord(base=None if full else self.base, kinds=kinds, lengths=lengths, digests=sink.digests)
+        self.last = {"delta_bytes": sum(lengths), "payload_bytes": self.plan.payload_bytes,
+                     "delta_buckets": sum(k != delta.FULL for k in kinds)}
+        packing = EncodedPacking(wire_plan(self.plan, lengths), self.manifest, (), tuple(payloads))
+        return packing, record, version_digest("xxh3", sink.digests)
+
+    def resolved(self, version: int, committed: bool) -> None:
+        """``version``'s sync() returned (``committed``) or raised: the snapshot becomes the
+        base, or the last committed version is put back."""
+        p = self.pending
+        if p is None or p.version != version:
+            return  # superseded by a later prepare(), which dropped the base
+        self.pending = None
+        if committed:
+            self.base = version
+        else:
+            self._put_back(p)
+
+    def _put_back(self, p: _Pending) -> None:
+        if p.lost_base:
+            self.base = None
+            return
+        for b in reversed(range(self.plan.bucket_count)):
+            delta.revert(self.bucket(b), p.undo[b])
