@@ -69,7 +69,6 @@ class SyncConfig:
     # its kind: xxh3 on the host, torch ops on the bucket's device, "auto" (xxh3 for host
     # buckets, torch for device ones: NCCL/HCCL broadcast, device ipc), or off (docs/digest.md)
     digest: str = "auto"
-    delta: str = "off"
     # keep the previous version's data until every receiver committed the new one,
     # so a receiver that fails part-way can roll back instead of going stale
     keep_previous: bool = True
@@ -100,7 +99,7 @@ class SyncConfig:
     # address the broadcast rendezvous store binds to ("auto": this node's Ray address)
     rendezvous_host: str = "auto"
     rendezvous_port: int = 0
-    # send per bucket only what changed since the last committed version (docs/delta.md):
+    # send per bucket only what changed since the last committed version (docs/delta_sync.md):
     # "auto" per version when the delta is under half the payload, "on" always, "off" never
     delta: str = "off"
 
