@@ -50,6 +50,9 @@ class CoordinatorActor:
         self.signals = Signals()
         self.broadcast = BroadcastMembership(self.table, self.parties, self.bcast, self.signals, self.session)
         self._monitor: asyncio.Task | None = None
+        # control-plane calls served, by op: status() shows them, so the calls one version
+        # costs can be counted (docs/benchmarks.md)
+        self.calls: dict[str, int] = {}
 
     # -- the one entry point -------------------------------------------------------------
 
@@ -65,6 +68,7 @@ class CoordinatorActor:
             handler = getattr(self, "op_" + msg["op"], None)
             if handler is None:
                 raise ProtocolError(f"unknown op {msg['op']!r}")
+            self.calls[msg["op"]] = self.calls.get(msg["op"], 0) + 1
             args = msg.get("args") or {}
             if not isinstance(args, dict):
                 raise ProtocolError("'args' must be a map")
@@ -348,6 +352,7 @@ class CoordinatorActor:
             "parties": self.parties.public(now),
             "versions": [v.public(self.payload_bytes) for v in self.table.recent(20)],
             "resources": dict(self.resources),
+            "calls": dict(self.calls),
             "config": self.config.to_dict(),
         }
 

@@ -38,6 +38,7 @@ from ..digest import as_int, compute, kind_of
 from ..errors import CapacityError, DeadlineExceeded, ProtocolError, VersionError
 from ..plan import BucketSink, Packing, align_up
 from ..versions import State
+from . import notify
 from .base import Aborted, Received, ReceiverTransport, SenderTransport, TransportContext, poll_until
 from .ipc_wire import (
     BUCKET_BITS,
@@ -47,6 +48,7 @@ from .ipc_wire import (
     MAX_BUFFERS,
     MAX_RECEIVERS,
     NBUF,
+    RELEASED,
     Watch,
     check_nd,
     export_handle,
@@ -155,6 +157,7 @@ class IpcSender(SenderTransport):
             lambda: DeadlineExceeded(
                 f"{self.name}: receiver(s) {', '.join(watch.pending(w, need, k))} did not finish bucket {b} of version "
                 f"{version} before the deadline (stalled in load_weights, or never called apply?)"),
+            waiter=notify.Waiter(w, RELEASED),  # receivers ring it after each release
         )
 
     def close(self) -> None:
@@ -216,6 +219,7 @@ class _Ring(BucketSink):
             if s.on_packed is not None:
                 s.on_packed(self.version, b, s.buffers[k][:n])
             w[ready_word(k)] = tag(self.version, b)
+            notify.wake(w, ready_word(k))  # receivers sleeping on the word (transports/notify.py)
             self.published = b
 
 
@@ -319,6 +323,10 @@ class IpcReceiver(ReceiverTransport):
                 raise ProtocolError(f"{self.name}: bucket {b} of version {version} was overwritten while it was loaded "
                                     f"(the sender gave up waiting for receiver '{self.ctx.name}')")
             w[mine + 2 + k] = want
+            # ring the sender's doorbell: any change of the word wakes it (notify.py), so racing
+            # receivers need no atomic increment
+            w[RELEASED] = int(w[RELEASED]) + 1
+            notify.wake(w, RELEASED)
 
     def _check_member(self, version: int) -> None:
         """Refuse a version whose sender does not wait for us, before touching the model: it
@@ -344,8 +352,8 @@ class IpcReceiver(ReceiverTransport):
             return got == want
 
         poll_until(arrived, deadline, check,
-                      lambda: DeadlineExceeded(f"ipc: bucket {b} of version {version} was not written "
-                                               f"before the deadline"))
+                   lambda: DeadlineExceeded(f"ipc: bucket {b} of version {version} was not written "
+                                            f"before the deadline"), waiter=notify.Waiter(w, word))
 
     def close(self) -> None:
         if self.slot is not None and getattr(self, "control", None) is not None:
