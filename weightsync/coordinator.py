@@ -307,7 +307,10 @@ class CoordinatorActor:
         self._poke()
         return {}
 
-    async def op_wait_outcome(self, party: int, version: int, timeout: float) -> dict[str, Any]:
+    async def op_wait_outcome(self, party: int, version: int, timeout: float,
+                              info: dict | None = None) -> dict[str, Any]:
+        """Wait until ``version`` committed or failed; ``info``: a sender's late stage_info
+        (the digest of a transport that packs at the barrier), folded into this call."""
         self._party(party)
         deadline = time.monotonic() + timeout
         # trainer ranks other than 0 may get here before rank 0 began the version
@@ -317,6 +320,9 @@ class CoordinatorActor:
             self._party(party, seen=False)
             await self.signals.wait(self.signals.any, deadline)
         v = self.table[version]
+        if info:
+            v.info.update(info)
+            self._poke(v)
         while v.in_flight:
             self._party(party, seen=False)
             if time.monotonic() >= deadline:

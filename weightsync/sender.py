@@ -281,14 +281,16 @@ class WeightSender(Party):
         t0 = time.perf_counter()
         transport = self.transport.name if self.transport is not None else None
         try:
+            late = None
             if self.sends:
                 self.control.begin_sync(version)
                 self.transport.send(version, time.monotonic() + timeout)
-                # transports that pack at the barrier know the version's digest only now
+                # transports that pack at the barrier know the version's digest only now: it
+                # rides with the wait for the outcome (one call less per version)
                 digest = self.transport.version_digests.get(version)
                 if digest is not None and digest != self._staged_digest.pop(version, None):
-                    self.control.stage_info(version, VersionRecord(digest=digest).to_wire())
-            outcome = self.control.wait_outcome(version, timeout)
+                    late = VersionRecord(digest=digest).to_wire()
+            outcome = self.control.wait_outcome(version, timeout, info=late)
         except Exception as exc:
             if self.sends:
                 events.send_failed(self.name, version, transport, time.perf_counter() - t0, f"{type(exc).__name__}: {exc}")
