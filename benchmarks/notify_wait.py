@@ -41,8 +41,8 @@ def waiter(fd: int, buckets: int, futex: bool) -> dict:
     cpu0 = resource.getrusage(resource.RUSAGE_SELF)
     for b in range(buckets):
         word = 2 * b
-        poll_until(lambda: int(w[word]) == b + 1, time.monotonic() + 60, lambda: None,
-                   lambda: TimeoutError(f"bucket {b}"), waiter=notify.Waiter(w, word) if futex else None)
+        poll_until(lambda word=word, b=b: int(w[word]) == b + 1, time.monotonic() + 60, lambda: None,
+                   lambda b=b: TimeoutError(f"bucket {b}"), waiter=notify.Waiter(w, word) if futex else None)
         late.append(time.monotonic_ns() - int(w[word + 1]))
     cpu1 = resource.getrusage(resource.RUSAGE_SELF)
     cpu = (cpu1.ru_utime - cpu0.ru_utime) + (cpu1.ru_stime - cpu0.ru_stime)
