@@ -41,10 +41,26 @@ def _reference(buf: torch.Tensor) -> int:
     return total & D.MASK
 
 
+# the host's row sums and the device's (one read of the bytes), both run here on CPU tensors:
+# a device and the host must agree on every bucket
+ROW_SUMS = pytest.mark.parametrize("row_sums", [D._row_sums_swap, D._row_sums_pairs], ids=["host-swap", "device-pairs"])
+
+
+@ROW_SUMS
 @pytest.mark.parametrize("nbytes", [0, 1, 3, 4, 6, 1000, 4 * D.COLS, 4 * D.COLS + 2, 2 * 4 * D.COLS + 7])
-def test_torch_digest_matches_its_definition(nbytes):
+def test_torch_digest_matches_its_definition(nbytes, row_sums, monkeypatch):
+    monkeypatch.setitem(D.ROW_SUMS, "cpu", row_sums)
     buf = torch.randint(0, 256, (nbytes,), dtype=torch.uint8, generator=torch.Generator().manual_seed(nbytes))
     assert D.as_int(D.torch_digest(buf)) == _reference(buf)
+
+
+@ROW_SUMS
+def test_torch_digest_of_a_large_odd_bucket_is_the_same_either_way(row_sums, monkeypatch):
+    buf = torch.randint(0, 256, (3 * (1 << 22) + 6,), dtype=torch.uint8, generator=torch.Generator().manual_seed(7))
+    want = D.as_int(D.torch_digest(buf[1:]))  # an odd start: the words are copied first
+    monkeypatch.setitem(D.ROW_SUMS, "cpu", row_sums)
+    monkeypatch.setitem(D.CHUNK_WORDS, "cpu", D.DEVICE_CHUNK_WORDS)  # a device's step
+    assert D.as_int(D.torch_digest(buf[1:])) == want
 
 
 def test_torch_digest_does_not_depend_on_the_chunking(monkeypatch):

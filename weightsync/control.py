@@ -128,9 +128,12 @@ class ControlPlane:
         """The barrier; returns the participants of ``version``."""
         return self._send("begin_sync", version=version)["participants"]
 
-    def wait_outcome(self, version: int, timeout: float) -> dict[str, Any]:
-        """The committed version's metrics; raises SyncFailed naming each failed party."""
-        return self._send("wait_outcome", version=version, timeout=timeout)
+    def wait_outcome(self, version: int, timeout: float, info: dict[str, Any] | None = None) -> dict[str, Any]:
+        """The committed version's metrics; raises SyncFailed naming each failed party.
+        ``info``: more of the version's info first (as stage_info), in the same call."""
+        if info is None:
+            return self._send("wait_outcome", version=version, timeout=timeout)
+        return self._send("wait_outcome", version=version, timeout=timeout, info=info)
 
     # -- receiver ------------------------------------------------------------------------
 

@@ -50,6 +50,9 @@ class CoordinatorActor:
         self.signals = Signals()
         self.broadcast = BroadcastMembership(self.table, self.parties, self.bcast, self.signals, self.session)
         self._monitor: asyncio.Task | None = None
+        # control-plane calls served, by op: status() shows them, so the calls one version
+        # costs can be counted (docs/benchmarks.md)
+        self.calls: dict[str, int] = {}
 
     # -- the one entry point -------------------------------------------------------------
 
@@ -65,6 +68,7 @@ class CoordinatorActor:
             handler = getattr(self, "op_" + msg["op"], None)
             if handler is None:
                 raise ProtocolError(f"unknown op {msg['op']!r}")
+            self.calls[msg["op"]] = self.calls.get(msg["op"], 0) + 1
             args = msg.get("args") or {}
             if not isinstance(args, dict):
                 raise ProtocolError("'args' must be a map")
@@ -304,7 +308,10 @@ class CoordinatorActor:
         self._poke()
         return {}
 
-    async def op_wait_outcome(self, party: int, version: int, timeout: float) -> dict[str, Any]:
+    async def op_wait_outcome(self, party: int, version: int, timeout: float,
+                              info: dict | None = None) -> dict[str, Any]:
+        """Wait until ``version`` committed or failed; ``info``: a sender's late stage_info
+        (the digest of a transport that packs at the barrier), folded into this call."""
         self._party(party)
         deadline = time.monotonic() + timeout
         # trainer ranks other than 0 may get here before rank 0 began the version
@@ -314,6 +321,9 @@ class CoordinatorActor:
             self._party(party, seen=False)
             await self.signals.wait(self.signals.any, deadline)
         v = self.table[version]
+        if info:
+            v.info.update(info)
+            self._poke(v)
         while v.in_flight:
             self._party(party, seen=False)
             if time.monotonic() >= deadline:
@@ -349,6 +359,7 @@ class CoordinatorActor:
             "parties": self.parties.public(now),
             "versions": [v.public(self.payload_bytes) for v in self.table.recent(20)],
             "resources": dict(self.resources),
+            "calls": dict(self.calls),
             "config": self.config.to_dict(),
         }
 

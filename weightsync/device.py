@@ -3,6 +3,7 @@ and which physical device it holds. Kept in one place so the rest stays device-a
 
 from __future__ import annotations
 
+import collections
 import ctypes
 import importlib.util
 import logging
@@ -210,3 +211,42 @@ def device_count(kind: str) -> int:
 
 def describe(device: torch.device) -> dict[str, Any]:
     return {"type": device.type, "index": device.index, "physical": physical_index(device)}
+
+
+class Fences:
+    """Which numbered items (buckets, in order) a stream has finished: an event recorded after
+    the work queued for items up to ``last`` (:meth:`mark`), instead of a synchronize per item.
+    The host keeps queueing the next item's copies while an earlier one lands. On the CPU work
+    is done when queued: every item is done at once, nothing is recorded."""
+
+    def __init__(self, device: torch.device):
+        self.device = device
+        self.events: collections.deque[tuple[int, Any]] = collections.deque()
+
+    def mark(self, last: int) -> None:
+        """The work queued so far completes items up to ``last``."""
+        if self.device.type != "cpu":
+            self.events.append((last, record_event(self.device)))
+
+    def done(self, item: int, block: bool) -> bool:
+        """True once the work for ``item`` has landed; with ``block``, wait for it (on that
+        item's event only, not the whole stream)."""
+        while self.events and self.events[0][0] < item:
+            self.events.popleft()
+        if not self.events:
+            return True  # CPU, or marked by nobody: nothing queued for it
+        event = self.events[0][1]
+        if event.query():
+            return True
+        if block:
+            event.synchronize()
+        return block
+
+    def host_copy(self, value: torch.Tensor) -> torch.Tensor:
+        """``value`` (a device scalar, e.g. a digest) copied into pinned host memory behind the
+        work queued so far: readable without a synchronize once a later :meth:`mark` is done."""
+        if self.device.type == "cpu":
+            return value
+        host = torch.empty(value.shape, dtype=value.dtype, pin_memory=True)
+        host.copy_(value, non_blocking=True)
+        return host

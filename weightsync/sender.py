@@ -297,16 +297,18 @@ class WeightSender(Party):
         t0 = time.perf_counter()
         transport = self.transport.name if self.transport is not None else None
         try:
+            late = None
             if self.sends:
                 self.control.begin_sync(version)
                 self.transport.send(version, time.monotonic() + timeout)
-                # transports that pack at the barrier know the version's digest only now
+                # transports that pack at the barrier know the version's digest only now: it
+                # rides with the wait for the outcome (one call less per version)
                 digest = self.transport.version_digests.get(version)
                 if version in self._delta_versions:
                     digest = None  # the transport's is of the encoded buckets; the record has the version's
                 if digest is not None and digest != self._staged_digest.pop(version, None):
-                    self.control.stage_info(version, VersionRecord(digest=digest).to_wire())
-            outcome = self.control.wait_outcome(version, timeout)
+                    late = VersionRecord(digest=digest).to_wire()
+            outcome = self.control.wait_outcome(version, timeout, info=late)
             if self._delta is not None:
                 self._delta.resolved(version, committed=True)
         except Exception as exc:

@@ -21,6 +21,7 @@ from ..delta_packing import wire_plan
 from ..errors import VersionError
 from ..manifest import Manifest
 from ..plan import BucketPlan, Packing
+from .notify import POLL_FIRST_S, Waiter, poll_sleep
 from .records import SessionRecord, VersionRecord
 
 if TYPE_CHECKING:
@@ -34,26 +35,27 @@ class Aborted(VersionError):
     """The coordinator already aborted the version; its reason names the fault."""
 
 
-# polling a word in shared memory: the first waits are short (a device bucket lands in tens of
-# microseconds), later ones stay short too, since a pause overshoots the event by up to its
-# own length on every bucket; 250 us costs a waiting process ~4000 wake-ups a second
-POLL_FIRST_S, POLL_GROWTH, POLL_MAX_S = 10e-6, 1.5, 250e-6
-
-
 def poll_until(done: Callable[[], bool], deadline: float, on_tick: Callable[[], None],
-               timeout: Callable[[], Exception], tick_s: float = 0.2) -> None:
-    """Wait for ``done()`` with short sleeps; ``on_tick()`` (e.g. ask the coordinator whether
-    the version was aborted) every ``tick_s``; ``timeout()`` is raised at ``deadline``."""
+               timeout: Callable[[], Exception], tick_s: float = 0.2, waiter: Waiter | None = None) -> None:
+    """Wait for ``done()``; ``on_tick()`` (e.g. ask the coordinator whether the version was
+    aborted) every ``tick_s``; ``timeout()`` is raised at ``deadline``. With a ``waiter`` on the
+    word ``done()`` reads, sleep until that word changes (notify.py: futex, or its polling
+    fallback), never past the next tick or the deadline; without one, poll with short sleeps."""
     pause, next_tick = POLL_FIRST_S, time.monotonic() + tick_s
-    while not done():
+    while True:
+        seen = waiter.look() if waiter is not None else 0  # before done(): no lost wake-up
+        if done():
+            return
         now = time.monotonic()
         if now >= deadline:
             raise timeout()
         if now >= next_tick:
             on_tick()
             next_tick = now + tick_s
-        time.sleep(pause)
-        pause = min(pause * POLL_GROWTH, POLL_MAX_S)
+        if waiter is not None:
+            waiter.sleep(seen, min(next_tick, deadline) - now)
+        else:
+            pause = poll_sleep(pause)
 
 
 @dataclasses.dataclass

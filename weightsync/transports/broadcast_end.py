@@ -14,10 +14,12 @@ from ..digest import compute, kind_of
 from ..errors import ConfigError, ProtocolError, WeightSyncError
 from .base import Aborted, TransportContext
 from .communicators import choose_communicator, comm_device
+from .depth import in_flight
 from .groups import Group, retire
 
 TRAILER = 8  # bytes of the digest that follows a bucket's payload
-BUFFERS = 2  # per side: one bucket in flight while the other is packed (or loaded)
+# per side: one bucket in flight while the other is packed (or loaded); see transports/depth.py
+BUFFERS = in_flight(2)
 
 
 def put_checksum(buf: torch.Tensor, n: int, value: int | torch.Tensor | None = None,

@@ -34,11 +34,13 @@ import numpy as np
 import torch
 
 from .. import device as devices
-from ..digest import as_int, compute, kind_of
+from ..digest import kind_of
 from ..errors import CapacityError, DeadlineExceeded, ProtocolError, VersionError
-from ..plan import BucketPlan, BucketSink, Packing, align_up
+from ..plan import Packing, align_up
 from ..versions import State
+from . import notify
 from .base import Aborted, Received, ReceiverTransport, SenderTransport, TransportContext, poll_until
+from .ipc_ring import Ring
 from .ipc_wire import (
     BUCKET_BITS,
     CONTROL_BYTES,
@@ -47,6 +49,7 @@ from .ipc_wire import (
     MAX_BUFFERS,
     MAX_RECEIVERS,
     NBUF,
+    RELEASED,
     Watch,
     check_nd,
     export_handle,
@@ -138,7 +141,7 @@ class IpcSender(SenderTransport):
             raise VersionError(f"{self.name}: version {version} was not staged on this transport (superseded?)")
         devices.set_current(self.ctx.device)
         try:
-            ring = _Ring(self, version, Watch(self.ctx, version), deadline, packing.plan)
+            ring = Ring(self, version, Watch(self.ctx, version), deadline, packing.plan)
             for b in packing.into(ring, self.digest_kind):
                 ring.publish_through(b)
             ring.publish_through(packing.plan.bucket_count - 1)
@@ -155,6 +158,7 @@ class IpcSender(SenderTransport):
             lambda: DeadlineExceeded(
                 f"{self.name}: receiver(s) {', '.join(watch.pending(w, need, k))} did not finish bucket {b} of version "
                 f"{version} before the deadline (stalled in load_weights, or never called apply?)"),
+            waiter=notify.Waiter(w, RELEASED),  # receivers ring it after each release
         )
 
     def close(self) -> None:
@@ -169,55 +173,6 @@ class IpcSender(SenderTransport):
             self.ctx.account(f"{self.resource}_control" if seg is getattr(self, "control", None)
                              else f"{self.resource}_handles", -1)
         self.segments.clear()
-
-
-class _Ring(BucketSink):
-    """One version packed into the sender's ring: bucket b goes to buffer b % nbuf once every
-    receiver released the bucket it held there; a bucket is published (digest, then ready
-    word) once it is complete."""
-
-    def __init__(self, sender: IpcSender, version: int, watch: Watch, deadline: float, plan: BucketPlan):
-        self.sender, self.version, self.watch, self.deadline = sender, version, watch, deadline
-        self.plan = plan  # the session plan, or a delta version's encoded lengths
-        self.published = -1
-        self.asked: set[int] = set()
-        self.digests: dict[int, Any] = {}  # from pack_stream, by bucket, until published
-        self.sums: list[int] = []
-
-    def buffer(self, b: int) -> torch.Tensor:
-        # plan order is monotonic: when bucket b is asked for, every bucket before it is full
-        # (a tensor split over several buckets would otherwise hold them all unpublished)
-        s = self.sender
-        self.publish_through(b - 1)
-        self.asked.add(b)
-        k = b % s.nbuf
-        if b >= s.nbuf:
-            s._wait_released(self.version, b - s.nbuf, k, self.watch, self.deadline)
-        s.control.words[ready_word(k)] = 0  # receivers that outlived their turn see the overwrite
-        return s.buffers[k][: self.plan.buckets[b].nbytes]
-
-    def done(self, b: int, digest: int | torch.Tensor | None) -> None:
-        if digest is not None:
-            self.digests[b] = digest
-
-    def publish_through(self, last: int) -> None:
-        if last <= self.published:
-            return
-        s, w = self.sender, self.sender.control.words
-        devices.synchronize(s.ctx.device)  # the copies into the buffer have landed
-        for b in range(self.published + 1, last + 1):
-            if b not in self.asked:
-                self.buffer(b)  # never handed out (nothing to write): still claim the buffer
-            k, n = b % s.nbuf, self.plan.buckets[b].nbytes
-            if s.digest_kind:
-                # a device digest was queued behind the copies: reading it costs no extra wait
-                d = self.digests.pop(b, None)
-                self.sums.append(as_int(compute(s.digest_kind, s.buffers[k][:n]) if d is None else d))
-                w[ready_word(k) + 1] = self.sums[-1]
-            if s.on_packed is not None:
-                s.on_packed(self.version, b, s.buffers[k][:n])
-            w[ready_word(k)] = tag(self.version, b)
-            self.published = b
 
 
 class IpcReceiver(ReceiverTransport):
@@ -306,20 +261,37 @@ class IpcReceiver(ReceiverTransport):
         self._follow(info.session)
         self._check_member(version)
         w = self.control.words
-        mine = slot_word(self.slot)
+        loaded = devices.Fences(self.ctx.device)  # the engine's copies out of each bucket
+        held: list[int] = []  # buckets loaded from and not yet released
         for b, bucket in enumerate(self.plan_of(info).buckets):
             k = b % self.nbuf
             want = tag(version, b)
             word = ready_word(k)
+            self._release(version, held, loaded, need=b - self.nbuf)  # the sender writes b there
             if int(w[word]) != want:
                 self._wait(w, word, want, version, b, deadline, check)
             expected = int(w[word + 1]) if self.kind else None
             yield b, self.buffers[k][: bucket.nbytes], expected
-            devices.synchronize(self.ctx.device)  # the engine's copies out of the buffer are done
-            if int(w[word]) != want:
+            loaded.mark(b)
+            held.append(b)
+        self._release(version, held, loaded, need=self.ctx.plan.bucket_count - 1)
+
+    def _release(self, version: int, held: list[int], loaded: devices.Fences, need: int) -> None:
+        """Hand buckets back to the sender once the engine's copies out of them landed: those
+        up to ``need`` waiting for that (the sender needs their buffers next), later ones only
+        if they already did (on a device, an event per bucket instead of a synchronize)."""
+        w, mine = self.control.words, slot_word(self.slot)
+        while held and loaded.done(held[0], block=held[0] <= need):
+            b = held.pop(0)
+            k, want = b % self.nbuf, tag(version, b)
+            if int(w[ready_word(k)]) != want:
                 raise ProtocolError(f"{self.name}: bucket {b} of version {version} was overwritten while it was loaded "
                                     f"(the sender gave up waiting for receiver '{self.ctx.name}')")
             w[mine + 2 + k] = want
+            # ring the sender's doorbell: any change of the word wakes it (notify.py), so racing
+            # receivers need no atomic increment
+            w[RELEASED] = int(w[RELEASED]) + 1
+            notify.wake(w, RELEASED)
 
     def _check_member(self, version: int) -> None:
         """Refuse a version whose sender does not wait for us, before touching the model: it
@@ -345,8 +317,8 @@ class IpcReceiver(ReceiverTransport):
             return got == want
 
         poll_until(arrived, deadline, check,
-                      lambda: DeadlineExceeded(f"ipc: bucket {b} of version {version} was not written "
-                                               f"before the deadline"))
+                   lambda: DeadlineExceeded(f"ipc: bucket {b} of version {version} was not written "
+                                            f"before the deadline"), waiter=notify.Waiter(w, word))
 
     def close(self) -> None:
         if self.slot is not None and getattr(self, "control", None) is not None:

@@ -11,6 +11,8 @@ numbering (Ray actors see renumbered devices through *_VISIBLE_DEVICES).
 Handshakes run through a small host control segment (uint64 words), no
 coordinator round trip per bucket:
   [0] magic [1] layout digest [2] buffer count [3] receiver slots [4] sender pid [5] digest kind
+  [6] release doorbell: a receiver bumps it after every release word it writes and wakes the
+      sender sleeping on it (transports/notify.py)
   [16 + 4k] ready word of buffer k: tag(version, bucket) once written, 0 while being written
   [17 + 4k] digest of the bucket in buffer k: xxh3 for host buffers, the torch digest computed
             on the device for device buffers (digest: auto), so device ipc is verified too
@@ -33,6 +35,8 @@ from ..errors import CapacityError, ProtocolError
 from ..manifest import dtype_name, dtype_of
 from ..versions import State
 from .base import Aborted, TransportContext
+from .depth import LIMIT as DEPTH_LIMIT
+from .depth import in_flight
 
 # rebuild functions a receiver may call, by device type; nothing else is ever invoked
 _REBUILD = {
@@ -117,8 +121,9 @@ def check_nd(t: torch.Tensor) -> None:
 # -- the control block ------------------------------------------------------------------------
 
 MAGIC = 0x5753594E43495043  # "WSYNCIPC"
-NBUF = 2
-MAX_BUFFERS = 8
+NBUF = in_flight(2)  # ring depth (transports/depth.py)
+RELEASED = 6
+MAX_BUFFERS = DEPTH_LIMIT
 MAX_RECEIVERS = 256
 BUF0, BUF_WORDS = 16, 4
 SLOT0, SLOT_WORDS = BUF0 + MAX_BUFFERS * BUF_WORDS, 16

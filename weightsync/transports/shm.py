@@ -34,6 +34,7 @@ import torch
 from ..digest import as_int, verify
 from ..errors import DeadlineExceeded, ProtocolError
 from ..plan import BucketPlan, BucketSink, Packing, align_up
+from . import notify
 from .base import Received, ReceiverTransport, SenderTransport, TransportContext, poll_until
 from .records import ShmSession, ShmStreamVersion, ShmVersion, VersionRecord, shm_version
 from .segment import PAGE, Segment, attach, create, digest_word
@@ -150,6 +151,7 @@ class ShmSender(SenderTransport):
             if self.on_packed is not None:
                 self.on_packed(version, b, seg.bytes[self.bases[b]: self.bases[b] + n])
             head[word] = ready
+            notify.wake(head, word)  # receivers sleeping on the word (transports/notify.py)
             packed += n
             self.packed_bytes += n
         return dataclasses.replace(early, checksums=sums, packed_bytes=packed, digest=self._record(version, sums))
@@ -231,7 +233,8 @@ class ShmReceiver(ReceiverTransport):
             return
         # check() raises if the coordinator aborted the version (sender died, ...)
         poll_until(lambda: int(head[word]) == ready, deadline, check,
-                   lambda: DeadlineExceeded(f"bucket {b} of version {version} was not written before the deadline"))
+                   lambda: DeadlineExceeded(f"bucket {b} of version {version} was not written before the deadline"),
+                   waiter=notify.Waiter(head, word))
 
     def verify_bucket(self, version: int, info: ShmVersion, b: int, buf: torch.Tensor, expected: int | None) -> bool:
         """Verify bucket b unless another receiver on the node already did (see module doc).

@@ -36,6 +36,7 @@ from ..delta import snapshot_bytes, wanted
 from ..errors import CapacityError, ProtocolError
 from ..plan import BucketPlan, align_up
 from .base import Received, ReceiverTransport, SenderTransport, TransportContext
+from .depth import in_flight
 from .ipc import IpcReceiver, IpcSender
 from .ipc_wire import CONTROL_BYTES, MAX_BUFFERS
 from .node_memory import memory_available
@@ -102,7 +103,7 @@ def choose_mode(plan: BucketPlan, config: SyncConfig, capacity: Callable[[SyncCo
             f"plus a {size_text(control)} control block: set shm_budget_mb >= {math.ceil(least * 100 / MiB) / 100:g}, "
             f"or a smaller "
             f"bucket_mb{', or free memory / grow ' + config.shm_dir if config.shm_budget_mb == 0 else ''}")
-    k = max(1, min(fits, MAX_BUFFERS, plan.bucket_count))
+    k = max(1, min(fits, in_flight(MAX_BUFFERS), plan.bucket_count))  # depth.py may cap it to measure
     return ShmMode(True, k, k * buffer + control,
                    f"shm streaming: whole versions need {size_text(whole)} ({slots} x {size_text(segment)}), budget "
                    f"{size_text(limit)} ({source}); ring of {k} x {size_text(buffer)}; keeps no version (no "

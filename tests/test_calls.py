@@ -1,0 +1,54 @@
+"""Control-plane calls per version (issue 27): the coordinator counts the calls it serves
+(status()["calls"]), so a version's cost in round trips is measured, not guessed. Steady-state
+versions (after warm-up ones, which open the session and allocate segments) on each transport,
+one receiver."""
+
+from __future__ import annotations
+
+import pytest
+import ray
+
+# the calls one steady-state version makes, by op, sender and receiver together.
+# Before issue 27, ipc and broadcast made one more: stage_info with the version digest after
+# send(), now folded into wait_outcome (docs/benchmarks.md, "Coordinator calls per version").
+PER_VERSION = {
+    "shm": {"begin_stage": 1, "stage_info": 1, "staged": 1, "begin_sync": 1, "wait_outcome": 1,
+            "wait_version": 1, "report": 1},
+    # metrics: the sender's view of the participants when send() starts, the receiver's
+    # membership check before it loads
+    "ipc": {"begin_stage": 1, "staged": 1, "begin_sync": 1, "metrics": 2, "wait_outcome": 1,
+            "wait_version": 1, "report": 1},
+    "broadcast": {"begin_stage": 1, "staged": 1, "begin_sync": 1, "bcast_form": 1, "wait_outcome": 1,
+                  "wait_version": 1, "bcast_group": 1, "report": 1},
+}
+# calls made on a timer, not per version: heartbeats, and the abort checks of a party that
+# waits longer than a tick (0.2 s) for a bucket or a release (state, metrics), which a loaded
+# machine adds; for these only the untimed floor is compared
+TIMED = {"heartbeat", "status", "state", "metrics"}
+WARMUP, VERSIONS = 3, 3
+
+
+def _calls(coord) -> dict[str, int]:
+    return dict(coord.status()["calls"])
+
+
+@pytest.mark.parametrize("transport", list(PER_VERSION))
+def test_calls_per_version(start_job, transport):
+    config = {"transport": transport, "bucket_mb": 1 / 16, "device": "cpu"}
+    coord, rs, trainer = start_job(config, 1)
+
+    def version(v: int) -> None:
+        applied = rs[0].apply.remote(v)
+        ray.get(trainer.step.remote(v))
+        assert ray.get(applied) == v
+
+    for v in range(1, 1 + WARMUP):
+        version(v)
+    before = _calls(coord)
+    for v in range(1 + WARMUP, 1 + WARMUP + VERSIONS):
+        version(v)
+    after = _calls(coord)
+    made = {op: (n - before.get(op, 0)) / VERSIONS for op, n in after.items() if n != before.get(op, 0)}
+    expected = PER_VERSION[transport]
+    seen = {op: min(n, expected.get(op, 0)) if op in TIMED else n for op, n in made.items()}
+    assert {op: n for op, n in seen.items() if n} == expected
