@@ -60,8 +60,10 @@ def _transports():
 
 @pytest.mark.parametrize("transport, delta", _transports())
 def test_manager_transfer_is_bit_exact(worker_groups, transport, delta):
-    """Three steps through verl's manager; with ``delta: on`` (passed through engine_kwargs)
-    steps 2 and 3 go as deltas against the step before, through the same verl code."""
+    """Three steps through verl's manager, bit-exact. ``delta: on`` reaches our engine through
+    verl's engine_kwargs and the delta path runs (snapshot, diff, shadow); the test weights are
+    new random bits each step, so every bucket is encoded full: sparse buckets are proven in
+    tests/test_delta_sync.py."""
     import ray
     from verl.checkpoint_engine import CheckpointEngineManager
     from weightsync_verl.testing import ReplicaGates, hf_weights
