@@ -90,6 +90,23 @@ def attach(model: torch.nn.Module, parallel_config: Any, init_info: WeightsyncIn
     return receiver, target
 
 
+def stage_version(receiver: WeightReceiver, target: StagingTarget, v: int, timeout: float | None,
+                  published: int | None) -> list[tuple[str, torch.Tensor]]:
+    """Receive and verify version ``v`` into ``target`` (the model untouched); its staged pairs.
+    On any failure the staging is dropped and the error says vLLM keeps ``published``."""
+    try:
+        got = receiver.apply(v, timeout=timeout)
+    except BaseException as exc:
+        target.drop()
+        raise RuntimeError(f"weightsync receiver '{receiver.name}' failed version {v}: {type(exc).__name__}: "
+                           f"{exc}; vLLM keeps serving version {published}") from exc
+    if got != v or target.sealed is None:
+        target.drop()
+        raise RuntimeError(f"weightsync receiver '{receiver.name}' asked for version {v} and got {got}; "
+                           f"vLLM keeps serving version {published}")
+    return target.sealed
+
+
 class WeightsyncWeightTransferEngine(WeightTransferEngine[WeightsyncInitInfo, WeightsyncUpdateInfo]):
     init_info_cls = WeightsyncInitInfo
     update_info_cls = WeightsyncUpdateInfo
@@ -127,16 +144,7 @@ class WeightsyncWeightTransferEngine(WeightTransferEngine[WeightsyncInitInfo, We
         if self._verified is not None:
             raise RuntimeError(f"weightsync receiver '{receiver.name}': version {self._verified} is already staged "
                                f"in this update; one version per start / finish")
-        try:
-            got = receiver.apply(v, timeout=update_info.timeout_s)
-        except BaseException as exc:
-            target.drop()
-            raise RuntimeError(f"weightsync receiver '{receiver.name}' failed version {v}: {type(exc).__name__}: "
-                               f"{exc}; vLLM keeps serving version {self.published}") from exc
-        if got != v or target.sealed is None:
-            target.drop()
-            raise RuntimeError(f"weightsync receiver '{receiver.name}' asked for version {v} and got {got}; "
-                               f"vLLM keeps serving version {self.published}")
+        stage_version(receiver, target, v, update_info.timeout_s, self.published)
         self._verified = v
 
     def finish_weight_update(self) -> None:

@@ -34,7 +34,7 @@ from weightsync.errors import SyncFailed
 from weightsync.receiver import WeightReceiver
 
 from .info import WeightsyncInitInfo, WeightsyncUpdateInfo
-from .worker import StagingTarget, attach
+from .worker import StagingTarget, attach, stage_version
 
 log = logging.getLogger("weightsync.vllm")
 
@@ -63,17 +63,8 @@ class WeightsyncReceiveEngine(WeightTransferEngine[WeightsyncInitInfo, Weightsyn
             raise RuntimeError(f"weightsync receiver '{receiver.name}': version {v} needs "
                                f"start_weight_update(is_checkpoint_format=True) (weightsync sends checkpoint names)")
         target.drop()
-        try:
-            got = receiver.apply(v, timeout=update_info.timeout_s)
-        except BaseException as exc:
-            target.drop()
-            raise RuntimeError(f"weightsync receiver '{receiver.name}' failed version {v}: {type(exc).__name__}: "
-                               f"{exc}; vLLM keeps serving version {self.published}") from exc
-        sealed = target.sealed
+        sealed = stage_version(receiver, target, v, update_info.timeout_s, self.published)
         target.drop()
-        if got != v or sealed is None:
-            raise RuntimeError(f"weightsync receiver '{receiver.name}' asked for version {v} and got {got}; "
-                               f"vLLM keeps serving version {self.published}")
         timeout = update_info.timeout_s or receiver.config.sync_timeout_s
         try:
             receiver.control.wait_outcome(v, timeout)
