@@ -119,7 +119,7 @@ def advance(base: torch.Tensor, new: torch.Tensor) -> tuple[str, torch.Tensor | 
     payload = encode_sparse(new, pos)
     words = _words(base)
     undo = Undo(pos, words[pos])
-    words[pos] = _words(new)[pos]
+    words[pos] = payload.numpy()[HEADER + 4 * pos.size:].view(words.dtype)  # the new words, gathered once
     return kind, payload, undo
 
 
