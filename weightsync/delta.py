@@ -59,10 +59,10 @@ def _words(buf: torch.Tensor) -> np.ndarray:
 
 
 def changed(old: torch.Tensor, new: torch.Tensor) -> np.ndarray:
-    """Word positions (int32, increasing) where the uint8 host buckets ``old`` and ``new`` differ."""
+    """Word positions (increasing) where the uint8 host buckets ``old`` and ``new`` differ."""
     if old.numel() != new.numel():
         raise ValueError(f"buckets of {old.numel()} and {new.numel()} bytes cannot be compared")
-    return np.flatnonzero(_words(old) != _words(new)).astype(np.int32)
+    return np.flatnonzero(_words(old) != _words(new))
 
 
 def sparse_bytes(count: int, nbytes: int) -> int:
@@ -80,15 +80,16 @@ def choose(count: int, nbytes: int) -> str:
 
 
 def encode_sparse(new: torch.Tensor, positions: np.ndarray) -> torch.Tensor:
-    """The sparse wire form of the words of ``new`` at ``positions`` (int32)."""
+    """The sparse wire form of the words of ``new`` at ``positions`` (increasing word indices)."""
     w = word_dtype(new.numel())
     count = positions.size
     out = torch.empty(sparse_bytes(count, new.numel()), dtype=torch.uint8)
     raw = out.numpy()
     raw[:HEADER].view(np.int64)[:] = (count, w.itemsize)
     pos_end = HEADER + 4 * count
-    raw[HEADER:pos_end].view(np.int32)[:] = positions
-    raw[pos_end:].view(w)[:] = _words(new)[positions]
+    # written in place: the positions narrowed and the words gathered straight into the payload
+    np.copyto(raw[HEADER:pos_end].view(np.int32), positions, casting="unsafe")
+    np.take(_words(new), positions, out=raw[pos_end:].view(w))
     return out
 
 
@@ -104,23 +105,19 @@ def encode(old: torch.Tensor | None, new: torch.Tensor) -> tuple[str, torch.Tens
     return kind, (new if kind == FULL else None)
 
 
-def advance(base: torch.Tensor, new: torch.Tensor) -> tuple[str, torch.Tensor | None, Undo | None]:
-    """The sender's step: encode bucket ``new`` against ``base``, then write it into ``base``
-    (kind, payload, undo record). A SPARSE bucket writes only its changed words and keeps
-    them as the undo record; a FULL one is copied, without an undo record (it would be a copy
-    of the bucket; the caller drops its base when such a version fails)."""
+def diff(base: torch.Tensor, new: torch.Tensor) -> tuple[str, torch.Tensor | None]:
+    """The sender's step: (kind, payload) of bucket ``new`` against ``base``. A FULL bucket is
+    copied into ``base`` (its payload; ``base`` then no longer holds the old version); a SPARSE
+    one leaves ``base`` as it is: ``apply(base, SPARSE, payload)`` once the version commits
+    brings it up to date, and a failed version has nothing to undo."""
     pos = changed(base, new)
     kind = choose(pos.size, new.numel())
     if kind == SKIP:
-        return kind, None, None
+        return kind, None
     if kind == FULL:
         base.copy_(new)
-        return kind, base, None
-    payload = encode_sparse(new, pos)
-    words = _words(base)
-    undo = Undo(pos, words[pos])
-    words[pos] = payload.numpy()[HEADER + 4 * pos.size:].view(words.dtype)  # the new words, gathered once
-    return kind, payload, undo
+        return kind, base
+    return kind, encode_sparse(new, pos)
 
 
 def _parse(payload: torch.Tensor, nbytes: int, where: str) -> tuple[np.ndarray, np.ndarray, np.dtype]:
@@ -152,9 +149,10 @@ class Undo:
         return self.values.nbytes + (0 if self.positions is None else self.positions.nbytes)
 
 
-def apply(bucket: torch.Tensor, kind: str, payload: torch.Tensor | None, where: str = "bucket") -> Undo | None:
-    """Apply one bucket's delta to ``bucket`` (uint8, host) in place; the undo record, or
-    None when nothing was written (SKIP)."""
+def apply(bucket: torch.Tensor, kind: str, payload: torch.Tensor | None, where: str = "bucket",
+          keep_undo: bool = True) -> Undo | None:
+    """Apply one bucket's delta to ``bucket`` (uint8, host) in place; the undo record (None
+    when nothing was written, SKIP, or ``keep_undo`` is false)."""
     if kind == SKIP:
         if payload is not None and payload.numel():
             raise DeltaError(f"{where}: a skipped bucket carries {payload.numel()} bytes")
@@ -164,14 +162,14 @@ def apply(bucket: torch.Tensor, kind: str, payload: torch.Tensor | None, where: 
     if kind == FULL:
         if payload.numel() != bucket.numel():
             raise DeltaError(f"{where}: full bucket of {payload.numel()} bytes, the plan says {bucket.numel()}")
-        undo = Undo(None, bucket.clone())
+        undo = Undo(None, bucket.clone()) if keep_undo else None
         bucket.copy_(payload)
         return undo
     if kind != SPARSE:
         raise DeltaError(f"{where}: unknown delta kind {kind!r}")
     pos, values, _ = _parse(payload, bucket.numel(), where)
     words = _words(bucket)
-    undo = Undo(pos.copy(), words[pos])  # fancy indexing copies
+    undo = Undo(pos.copy(), words[pos]) if keep_undo else None  # fancy indexing copies
     words[pos] = values
     return undo
 

@@ -3,13 +3,14 @@ version diffed against it bucket by bucket (weightsync/delta.py).
 
 Memory: the snapshot holds every bucket at ``bucket_bytes`` stride (``bucket_count x
 bucket_bytes``, the payload plus the plan's padding), plus one scratch bucket, plus per version
-the sparse encodings and their undo records (each as large as the delta). Full buckets are
-sent straight from the snapshot, so a full version costs no second copy.
+the sparse encodings (as large as the delta). Full buckets are sent straight from the
+snapshot, so a full version costs no second copy.
 
-The snapshot takes the new version as it is staged, keeping undo records, because only the
-outcome of ``sync()`` says whether it became the committed version: on a failure the undo
-records put the last committed version back. A full bucket written over a base has no undo
-record (it would be a second copy of the model): a failed version that wrote one leaves no
+Only the outcome of ``sync()`` says whether a version became the committed one, so the
+snapshot keeps the last committed version while a version is out: its sparse encodings are
+written into the snapshot when it commits (before the next version is diffed), and a failed
+one leaves nothing to undo. A full bucket is written over the base as it is staged (keeping
+the old bytes would be a second copy of the model): a failed version that wrote one leaves no
 base, and the next version goes full.
 
 A version goes as a delta only when every receiver the coordinator knows serves the
@@ -25,6 +26,7 @@ from collections.abc import Iterable, Mapping
 import torch
 
 from . import delta
+from .delta_policy import DELTA, FULL, PRIME, AutoPolicy
 from .delta_packing import EncodedPacking, wire_plan
 from .digest import version_digest
 from .manifest import Manifest
@@ -37,13 +39,15 @@ NamedTensors = Mapping[str, torch.Tensor] | Iterable[tuple[str, torch.Tensor]]
 @dataclasses.dataclass
 class _Pending:
     version: int
-    undo: list[delta.Undo | None]
-    lost_base: bool  # a full bucket overwrote the base without an undo record
+    kinds: list[str]
+    payloads: list[torch.Tensor | None]
+    lost_base: bool  # a full bucket overwrote the base
+    way: str = PRIME  # delta_policy: DELTA, PRIME or FULL
 
 
 class _Diff(BucketSink):
-    """pack_stream's sink: each bucket lands in one scratch buffer, is diffed against the
-    snapshot when complete, then written into the snapshot."""
+    """pack_stream's sink: each bucket lands in one scratch buffer and is diffed against the
+    snapshot when complete (a full bucket is written into the snapshot there and then)."""
 
     def __init__(self, owner: DeltaSender, base: bool):
         self.owner, self.base = owner, base
@@ -51,7 +55,6 @@ class _Diff(BucketSink):
         self.kinds: list[str] = [delta.FULL] * n
         self.payloads: list[torch.Tensor | None] = [None] * n
         self.digests: list[int] = [0] * n
-        self.undo: list[delta.Undo | None] = [None] * n
         self.lost_base = False
 
     def buffer(self, b: int) -> torch.Tensor:
@@ -70,7 +73,7 @@ class _Diff(BucketSink):
             snap.copy_(new)
             self.payloads[b] = snap
             return
-        self.kinds[b], self.payloads[b], self.undo[b] = delta.advance(snap, new)
+        self.kinds[b], self.payloads[b] = delta.diff(snap, new)
         self.lost_base |= self.kinds[b] == delta.FULL
 
 
@@ -99,7 +102,9 @@ class DeltaSender:
         self.gaps = [_gaps(b.slices) for b in plan.buckets]
         self.base: int | None = None  # the committed version the snapshot holds
         self.pending: _Pending | None = None
+        self.unwritten: _Pending | None = None  # committed, its sparse buckets not yet in the snapshot
         self.last: dict[str, int] = {}  # the last prepared version's sizes, for metrics
+        self.policy = AutoPolicy() if mode == "auto" else None  # "on": a delta whenever there is a base
 
     @staticmethod
     def memory_bytes(plan: BucketPlan) -> int:
@@ -110,6 +115,20 @@ class DeltaSender:
         start = b * self.plan.bucket_bytes
         return self.snapshot[start: start + self.plan.buckets[b].nbytes]
 
+    def way(self, serving: list[int | None]) -> str:
+        """How the next version goes (delta_policy): DELTA, PRIME or, with ``auto``, FULL.
+        ``serving``: what each receiver serves."""
+        has_base = (self.pending is None and self.base is not None and bool(serving)
+                    and all(s == self.base for s in serving))
+        if self.policy is None:
+            return DELTA if has_base else PRIME
+        return self.policy.next(has_base)
+
+    def skip(self, version: int) -> None:
+        """``version`` goes whole, past the snapshot (``auto`` chose FULL): the snapshot is no
+        base after it, and the receivers' shadows are no base either."""
+        self.pending, self.unwritten, self.base = _Pending(version, [], [], True, FULL), None, None
+
     def prepare(self, version: int, named: NamedTensors,
                 serving: list[int | None]) -> tuple[EncodedPacking, DeltaRecord, str]:
         """Pack ``version`` into the snapshot and encode it; (the packing for the transport, its
@@ -117,43 +136,56 @@ class DeltaSender:
         if self.pending is not None:
             # the previous version's outcome is not known yet: the snapshot is no base
             self.pending, self.base = None, None
+        self._write_committed()
         base = self.base is not None and bool(serving) and all(s == self.base for s in serving)
         sink = _Diff(self, base)
         try:
             for _ in pack_stream(self.plan, self.manifest, named, sink, "xxh3"):
                 pass
         except BaseException:
-            self._put_back(_Pending(version, sink.undo, sink.lost_base or not base))
+            if sink.lost_base or not base:
+                self.base = None
             raise
         kinds, payloads = sink.kinds, sink.payloads
         lengths = [0 if k == delta.SKIP else int(p.numel()) for k, p in zip(kinds, payloads)]
+        lost_base = sink.lost_base or not base
         if base and not delta.pays(sum(lengths), self.plan.payload_bytes, self.mode):
-            kinds = [delta.FULL] * self.plan.bucket_count  # auto: the delta would not pay
+            # auto: the delta would not pay; the snapshot becomes the new version, sent whole
+            self.unwritten = _Pending(version, kinds, payloads, True)
+            self._write_committed()
+            kinds = [delta.FULL] * self.plan.bucket_count
             payloads = [self.bucket(b) for b in range(self.plan.bucket_count)]
             lengths = [b.nbytes for b in self.plan.buckets]
+            lost_base = True
         full = all(k == delta.FULL for k in kinds)
-        self.pending = _Pending(version, sink.undo, sink.lost_base or not base)
+        self.pending = _Pending(version, kinds, payloads, lost_base, PRIME if full else DELTA)
         record = DeltaRecord(base=None if full else self.base, kinds=kinds, lengths=lengths, digests=sink.digests)
         self.last = {"delta_bytes": sum(lengths), "payload_bytes": self.plan.payload_bytes,
                      "delta_buckets": sum(k != delta.FULL for k in kinds)}
         packing = EncodedPacking(wire_plan(self.plan, lengths), self.manifest, (), tuple(payloads))
         return packing, record, version_digest("xxh3", sink.digests)
 
-    def resolved(self, version: int, committed: bool) -> None:
-        """``version``'s sync() returned (``committed``) or raised: the snapshot becomes the
-        base, or the last committed version is put back."""
+    def resolved(self, version: int, committed: bool, seconds: float | None = None) -> None:
+        """``version``'s sync() returned (``committed``, after ``seconds`` of stage and barrier)
+        or raised: the snapshot becomes the base (its sparse buckets written before the next
+        diff), or stays the last committed version (none, if a full bucket overwrote it)."""
         p = self.pending
         if p is None or p.version != version:
             return  # superseded by a later prepare(), which dropped the base
         self.pending = None
-        if committed:
-            self.base = version
-        else:
-            self._put_back(p)
-
-    def _put_back(self, p: _Pending) -> None:
-        if p.lost_base:
+        if self.policy is not None and seconds is not None:
+            self.policy.record(p.way, seconds, committed)
+        if p.way == FULL:
             self.base = None
+        elif committed:
+            self.base, self.unwritten = version, p
+        elif p.lost_base:
+            self.base = None
+
+    def _write_committed(self) -> None:
+        p, self.unwritten = self.unwritten, None
+        if p is None:
             return
-        for b in reversed(range(self.plan.bucket_count)):
-            delta.revert(self.bucket(b), p.undo[b])
+        for b, (kind, payload) in enumerate(zip(p.kinds, p.payloads)):
+            if kind == delta.SPARSE:
+                delta.apply(self.bucket(b), kind, payload, f"snapshot bucket {b}", keep_undo=False)
