@@ -82,7 +82,7 @@ class DeltaReceiver:
         bucket's digest). Raises DeltaError naming this receiver and the bucket."""
         where = f"receiver '{self.name}': bucket {b} of version {version}"
         shadow = self.bucket(b)
-        undo = delta.apply(shadow, record.kinds[b], buf.cpu() if buf.numel() else None, where)
+        undo = delta.apply(shadow, record.kinds[b], buf.cpu() if buf.numel() else None, where, self._keep_undo)
         if self._keep_undo:
             self._undo.append((b, undo))
         got = xxh3(shadow)

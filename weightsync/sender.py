@@ -19,7 +19,7 @@ from typing import Any
 
 import torch
 
-from . import delta, events, transports
+from . import delta, delta_policy, events, transports
 from .capabilities import ipc_support
 from .client import Coordinator
 from .config import SyncConfig
@@ -249,10 +249,13 @@ class WeightSender(Party):
             packing, extra = Packing(self.plan, self.manifest, named), {}
             if self._delta is not None:
                 serving = [r.get("serving") for r in self.control.receivers(0, self.config.connect_timeout_s)]
-                packing, record, digest = self._delta.prepare(version, named, serving)
-                # receivers read a delta version by its wire plan from the first record on
-                extra = {"delta": record, "digest": digest}
-                self._delta_versions = {v for v in self._delta_versions if v > version - 8} | {version}
+                if self._delta.way(serving) == delta_policy.FULL:
+                    self._delta.skip(version)  # auto measured full versions faster: sent as delta: off does
+                else:
+                    packing, record, digest = self._delta.prepare(version, named, serving)
+                    # receivers read a delta version by its wire plan from the first record on
+                    extra = {"delta": record, "digest": digest}
+                    self._delta_versions = {v for v in self._delta_versions if v > version - 8} | {version}
             record = self.transport.stage(
                 version, slot, packing,
                 announce=lambda early: self.control.stage_info(
@@ -310,7 +313,7 @@ class WeightSender(Party):
                     late = VersionRecord(digest=digest).to_wire()
             outcome = self.control.wait_outcome(version, timeout, info=late)
             if self._delta is not None:
-                self._delta.resolved(version, committed=True)
+                self._delta.resolved(version, committed=True, seconds=stage_s + time.perf_counter() - t0)
         except Exception as exc:
             if self._delta is not None:
                 self._delta.resolved(version, committed=False)
