@@ -99,7 +99,7 @@ class SyncConfig:
     # address the broadcast rendezvous store binds to ("auto": this node's Ray address)
     rendezvous_host: str = "auto"
     rendezvous_port: int = 0
-    # send per bucket only what changed since the last committed version (docs/delta_sync.md):
+    # send per bucket only what changed since the last committed version (docs/delta.md):
     # "auto" per version when the delta is under half the payload, "on" always, "off" never
     delta: str = "off"
 
