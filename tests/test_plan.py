@@ -8,7 +8,8 @@ from hypothesis import strategies as st
 from weightsync import ManifestError
 from weightsync.digest import xxh3 as checksum
 from weightsync.manifest import DTYPES, Manifest, TensorSpec, build_manifest, check_manifest
-from weightsync.plan import Buffers, Unpacker, pack_stream, plan_buckets
+from weightsync.model_layouts import layout, materialize
+from weightsync.plan import Buffers, Unpacker, gaps, pack_stream, plan_buckets
 from weightsync.testing import same_bits
 
 
@@ -261,3 +262,21 @@ def test_split_tensors_are_rebuilt_in_two_arenas_not_one_buffer_each():
             out.update({n: t.clone() for n, t in unpacker.unpack(b, storage[b * 1024:(b + 1) * 1024])})
         assert all(same_bits(out[n], named[n]) for n in named), version
     assert unpacker.assembly_bytes() == 2 * 3000 + 2 * 900, "a, c, e share one arena; b, d the other"
+
+
+def test_a_bucket_digest_ignores_what_a_recycled_buffer_held_in_its_padding():
+    """Packed into a buffer full of another bucket's bytes or into zeroed memory, a bucket
+    hashes the same: pack_stream zeroes the alignment gaps (a version's digest depends on its
+    weights only, whichever transport, mode or buffer carried it)."""
+    manifest = layout("tiny")
+    plan = plan_buckets(manifest, 1 << 16, 256)
+    assert any(gaps(b) for b in plan.buckets), "the layout must have padding for this test to mean anything"
+    tensors = materialize(manifest, seed=3)
+    digests = []
+    for fill in (0, 0xA5):
+        bufs = [torch.full((1 << 16,), fill, dtype=torch.uint8) for _ in plan.buckets]
+        sink = Buffers(bufs.__getitem__)
+        for _ in pack_stream(plan, manifest, tensors, sink, "xxh3"):
+            pass
+        digests.append([sink.digests[b] for b in range(plan.bucket_count)])
+    assert digests[0] == digests[1]

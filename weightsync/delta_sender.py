@@ -21,17 +21,21 @@ one) it goes full, which every receiver applies whatever it held.
 from __future__ import annotations
 
 import dataclasses
+import logging
+import statistics
 from collections.abc import Iterable, Mapping
 
 import torch
 
 from . import delta
-from .delta_policy import DELTA, FULL, PRIME, AutoPolicy
 from .delta_packing import EncodedPacking, wire_plan
+from .delta_policy import DELTA, FULL, PRIME, AutoPolicy
 from .digest import version_digest
 from .manifest import Manifest
 from .plan import BucketPlan, BucketSink, pack_stream
 from .transports.records import DeltaRecord
+
+log = logging.getLogger("weightsync")
 
 NamedTensors = Mapping[str, torch.Tensor] | Iterable[tuple[str, torch.Tensor]]
 
@@ -58,12 +62,9 @@ class _Diff(BucketSink):
         self.lost_base = False
 
     def buffer(self, b: int) -> torch.Tensor:
-        scratch = self.owner.scratch
-        # the alignment gaps hold the previous bucket's bytes: zero them, so a bucket's digest
-        # and its diff depend on the tensors only (and equal a full sync's into fresh memory)
-        for start, end in self.owner.gaps[b]:
-            scratch[start:end].zero_()
-        return scratch[: self.owner.plan.buckets[b].nbytes]
+        # pack_stream zeroes the alignment gaps (the previous bucket's bytes): the diff and the
+        # digest depend on the tensors only
+        return self.owner.scratch[: self.owner.plan.buckets[b].nbytes]
 
     def done(self, b: int, digest: int | torch.Tensor | None) -> None:
         new = self.owner.scratch[: self.owner.plan.buckets[b].nbytes]
@@ -77,13 +78,8 @@ class _Diff(BucketSink):
         self.lost_base |= self.kinds[b] == delta.FULL
 
 
-def _gaps(slices) -> list[tuple[int, int]]:
-    out, end = [], 0
-    for s in sorted(slices, key=lambda s: s.offset):
-        if s.offset > end:
-            out.append((end, s.offset))
-        end = max(end, s.offset + s.nbytes)
-    return out
+def _median(xs: list[float]) -> str:
+    return f"{statistics.median(xs):.3f}" if xs else "-"
 
 
 class DeltaSender:
@@ -99,7 +95,6 @@ class DeltaSender:
         self.plan, self.manifest, self.mode = plan, manifest, mode
         self.snapshot = torch.empty(plan.bucket_count * plan.bucket_bytes, dtype=torch.uint8)
         self.scratch = torch.empty(plan.bucket_bytes, dtype=torch.uint8)
-        self.gaps = [_gaps(b.slices) for b in plan.buckets]
         self.base: int | None = None  # the committed version the snapshot holds
         self.pending: _Pending | None = None
         self.unwritten: _Pending | None = None  # committed, its sparse buckets not yet in the snapshot
@@ -122,7 +117,14 @@ class DeltaSender:
                     and all(s == self.base for s in serving))
         if self.policy is None:
             return DELTA if has_base else PRIME
-        return self.policy.next(has_base)
+        before = self.policy.chosen
+        way = self.policy.next(has_base)
+        if self.policy.chosen is not None and self.policy.chosen != before:
+            d = self.policy.describe()
+            log.info("weightsync delta auto: sending %s versions (median s: delta %s, full %s); "
+                     "the other way is timed again in %d versions", self.policy.chosen,
+                     _median(d["delta_s"]), _median(d["full_s"]), self.policy.retry_every)
+        return way
 
     def skip(self, version: int) -> None:
         """``version`` goes whole, past the snapshot (``auto`` chose FULL): the snapshot is no

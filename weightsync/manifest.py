@@ -244,3 +244,46 @@ def check_manifest(manifest: Manifest, expected: Expected, strict: bool = True) 
         shown = "; ".join(problems[:10])
         more = f" (+{len(problems) - 10} more)" if len(problems) > 10 else ""
         raise ManifestError(f"manifest rejected: {shown}{more}")
+
+
+def check_names(manifest: Manifest, named: Mapping[str, Any]) -> None:
+    """Whole-version check for a mapping, so nothing is written when any name is off."""
+    want = manifest.index()
+    unknown = [n for n in named if n not in want]
+    if unknown:
+        raise ManifestError(f"unknown tensor {unknown[0]!r}: not in the session's manifest")
+    missing = [s.name for s in manifest if s.name not in named]
+    if missing:
+        shown = ", ".join(repr(n) for n in missing[:5])
+        raise ManifestError(f"missing tensor(s) {shown}: {len(missing)} of {len(manifest)} were not given")
+    for i, (name, t) in enumerate(named.items()):
+        if manifest[i].name != name:
+            raise ManifestError(
+                f"tensor {name!r} is out of order: position {i} of the manifest is {manifest[i].name!r}"
+            )
+        check_spec(manifest, i, name, t)
+
+
+def check_one(manifest: Manifest, i: int, name: str, tensor: Any, seen: set[str]) -> None:
+    """The ``i``-th tensor of a version given as pairs, as it arrives (``seen``: names so far)."""
+    if name in seen:
+        raise ManifestError(f"duplicate tensor name {name!r} in one version")
+    seen.add(name)
+    if i >= len(manifest):
+        raise ManifestError(f"unknown tensor {name!r}: not in the session's manifest ({len(manifest)} tensors)")
+    if manifest[i].name != name:
+        if name in manifest.index():
+            raise ManifestError(
+                f"tensor {name!r} is out of order: position {i} of the manifest is {manifest[i].name!r}"
+            )
+        raise ManifestError(f"unknown tensor {name!r}: not in the session's manifest")
+    check_spec(manifest, i, name, tensor)
+
+
+def check_spec(manifest: Manifest, i: int, name: str, tensor: Any) -> None:
+    """Tensor ``name`` has the dtype and shape of the manifest's ``i``-th entry."""
+    got, want = spec_of(name, tensor), manifest[i]
+    if got.dtype != want.dtype:
+        raise ManifestError(f"tensor {name!r} has dtype {got.dtype}, the manifest says {want.dtype}")
+    if got.shape != want.shape:
+        raise ManifestError(f"tensor {name!r} has shape {list(got.shape)}, the manifest says {list(want.shape)}")

@@ -18,7 +18,7 @@ import xxhash
 
 from . import digest as digests
 from .errors import ManifestError
-from .manifest import Manifest, spec_of
+from .manifest import Manifest, check_names, check_one
 
 
 @dataclasses.dataclass(frozen=True)
@@ -97,6 +97,18 @@ def plan_buckets(manifest: Manifest, bucket_bytes: int, align: int = 256) -> Buc
     if built and not built[-1].slices:
         built = built[:-1]
     return BucketPlan(bucket_bytes, align, built, tuple(per_tensor))
+
+
+def gaps(bucket: Bucket) -> list[tuple[int, int]]:
+    """The byte ranges of ``bucket`` no tensor covers (alignment padding), in order."""
+    out, end = [], 0
+    for s in sorted(bucket.slices, key=lambda s: s.offset):
+        if s.offset > end:
+            out.append((end, s.offset))
+        end = max(end, s.offset + s.nbytes)
+    if bucket.nbytes > end:
+        out.append((end, bucket.nbytes))
+    return out
 
 
 def _flat_bytes(t: torch.Tensor) -> torch.Tensor:
@@ -226,7 +238,7 @@ def pack_stream(plan: BucketPlan, manifest: Manifest,
     bucket is asked for.
     """
     if isinstance(named, Mapping):
-        _check_names(manifest, named)
+        check_names(manifest, named)
         named = named.items()
     last_of_bucket = {b.index: max((s.tensor for s in b.slices), default=-1) for b in plan.buckets}
     ready_after: dict[int, list[int]] = {}
@@ -241,7 +253,7 @@ def pack_stream(plan: BucketPlan, manifest: Manifest,
     seen: set[str] = set()
     i = -1
     for i, (name, tensor) in enumerate(named):
-        _check_one(manifest, i, name, tensor, seen)
+        check_one(manifest, i, name, tensor, seen)
         pieces = plan.tensor_slices[i]
         # a non-contiguous tensor split over k buckets is flattened once, not once per piece;
         # whole, it is copied strided straight into its bucket
@@ -251,6 +263,11 @@ def pack_stream(plan: BucketPlan, manifest: Manifest,
             if dst is None:
                 batch.flush()  # every earlier bucket is complete when this one is asked for
                 dst = buffers[piece.bucket] = sink.buffer(piece.bucket)
+                if kind is not None:
+                    # a recycled buffer's padding holds an older bucket's bytes: zeroed, the
+                    # digest depends on the weights only, whichever transport or buffer carried them
+                    for start, end in gaps(plan.buckets[piece.bucket]):
+                        dst[start:end].zero_()
                 if kind == "xxh3" and dst.device.type == "cpu":
                     hashes[piece.bucket] = _StreamHash(dst)
             hashed = hashes.get(piece.bucket)
@@ -276,47 +293,6 @@ def pack_stream(plan: BucketPlan, manifest: Manifest,
         missing = [s.name for s in manifest.specs[i + 1 :]]
         shown = ", ".join(repr(n) for n in missing[:5])
         raise ManifestError(f"missing tensor(s) {shown}: {len(missing)} of {len(manifest)} were not given")
-
-
-def _check_names(manifest: Manifest, named: Mapping[str, Any]) -> None:
-    """Whole-version check for a mapping, so nothing is written when any name is off."""
-    want = manifest.index()
-    unknown = [n for n in named if n not in want]
-    if unknown:
-        raise ManifestError(f"unknown tensor {unknown[0]!r}: not in the session's manifest")
-    missing = [s.name for s in manifest if s.name not in named]
-    if missing:
-        shown = ", ".join(repr(n) for n in missing[:5])
-        raise ManifestError(f"missing tensor(s) {shown}: {len(missing)} of {len(manifest)} were not given")
-    for i, (name, t) in enumerate(named.items()):
-        if manifest[i].name != name:
-            raise ManifestError(
-                f"tensor {name!r} is out of order: position {i} of the manifest is {manifest[i].name!r}"
-            )
-        _check_spec(manifest, i, name, t)
-
-
-def _check_one(manifest: Manifest, i: int, name: str, tensor: Any, seen: set[str]) -> None:
-    if name in seen:
-        raise ManifestError(f"duplicate tensor name {name!r} in one version")
-    seen.add(name)
-    if i >= len(manifest):
-        raise ManifestError(f"unknown tensor {name!r}: not in the session's manifest ({len(manifest)} tensors)")
-    if manifest[i].name != name:
-        if name in manifest.index():
-            raise ManifestError(
-                f"tensor {name!r} is out of order: position {i} of the manifest is {manifest[i].name!r}"
-            )
-        raise ManifestError(f"unknown tensor {name!r}: not in the session's manifest")
-    _check_spec(manifest, i, name, tensor)
-
-
-def _check_spec(manifest: Manifest, i: int, name: str, tensor: Any) -> None:
-    got, want = spec_of(name, tensor), manifest[i]
-    if got.dtype != want.dtype:
-        raise ManifestError(f"tensor {name!r} has dtype {got.dtype}, the manifest says {want.dtype}")
-    if got.shape != want.shape:
-        raise ManifestError(f"tensor {name!r} has shape {list(got.shape)}, the manifest says {list(want.shape)}")
 
 
 class Unpacker:

@@ -329,6 +329,14 @@ class WeightSender(Party):
             events.sent(self.name, version, transport, result.bytes, stage_s, barrier_s, outcome.get("committed", []))
         return result
 
+    def delta_state(self) -> dict[str, Any] | None:
+        """Delta sync at this sender: the snapshot's base version and, with ``delta: auto``,
+        the way chosen and the seconds it was chosen on (None without delta)."""
+        if self._delta is None:
+            return None
+        policy = self._delta.policy
+        return {"base": self._delta.base, **({"auto": policy.describe()} if policy is not None else {})}
+
     def _close_transport(self) -> None:
         self._pool.shutdown(wait=True)
         if self.transport is not None:

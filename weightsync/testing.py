@@ -199,6 +199,9 @@ class TrainerWorker(_Party):
         self.stage(version, seed)
         return self.sync(version)
 
+    def delta_state(self) -> dict[str, Any] | None:
+        return self.sender.delta_state()
+
     def _party(self) -> WeightSender:
         return self.sender
 

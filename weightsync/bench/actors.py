@@ -153,7 +153,8 @@ class BenchTrainer:
 
     def close_session(self) -> dict[str, Any]:
         out = {"peak_extra": self.peak.extra(), "shm_bytes": self.shm_bytes(),
-               "transport": self.sender.transport_name if self.sender else None}
+               "transport": self.sender.transport_name if self.sender else None,
+               "delta_state": self.sender.delta_state() if self.sender else None}
         if self.sender is not None:
             self.sender.close()
             self.sender = None

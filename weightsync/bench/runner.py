@@ -298,7 +298,8 @@ class Bench:
         out: dict[str, Any] = {}
         try:
             t = ray.get(trainer.close_session.remote(), timeout=ROW_TIMEOUT_S)
-            out.update(sender_peak_extra_bytes=t["peak_extra"], shm_bytes=t["shm_bytes"], chosen=t["transport"])
+            out.update(sender_peak_extra_bytes=t["peak_extra"], shm_bytes=t["shm_bytes"], chosen=t["transport"],
+                       delta_state=t.get("delta_state"))
         except Exception as exc:
             out["error_close"] = "trainer: " + describe_error(exc)
         try:
