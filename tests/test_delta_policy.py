@@ -65,3 +65,19 @@ def test_an_unknown_way_is_refused():
     p.record(PRIME, 1.0, True)
     with pytest.raises(ValueError, match="unknown way"):
         p.record("sideways", 1.0, True)
+
+
+def test_one_slow_version_does_not_decide():
+    """By default three versions of each way are timed and their medians compared: one full
+    version slowed by its set-up (2.3 s) does not make 1.3 s deltas look faster than 0.7 s
+    full versions."""
+    p = AutoPolicy(retry_every=100)
+    assert p.next(has_base=False) == PRIME
+    p.record(PRIME, 5.0, True)
+    for s in (1.3, 1.3, 1.3):
+        assert p.next(has_base=True) == DELTA
+        p.record(DELTA, s, True)
+    for s in (2.3, 0.7, 0.7):
+        assert p.next(has_base=False) == FULL
+        p.record(FULL, s, True)
+    assert p.next(has_base=False) == FULL and p.describe()["chosen"] == FULL
