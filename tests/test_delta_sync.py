@@ -230,8 +230,8 @@ def test_receiver_killed_mid_delta(job, transport):
     SyncFailed names only rollout-1; rollout-0 commits v. The restarted rollout-1 holds no
     base: catching up finds a committed delta and loads nothing (shm keeps v, as encoded
     buckets only); the next version goes full (the coordinator reports rollout-1 serving
-    nothing) and both end bit-exact; the one after is a delta again. (broadcast: a member
-    killed mid-collective is test_broadcast.py's; its restart is the test below.)"""
+    nothing) and both end bit-exact; the one after is a delta again. (broadcast: the test
+    below.)"""
     fresh(job)
     v = job.next()
     ray.get([r.hold_at.remote(v, 3) for r in job.rollouts.values()])
@@ -244,6 +244,40 @@ def test_receiver_killed_mid_delta(job, transport):
     err = sync_failed(sync)
     assert set(err.failed) == {"rollout-1"} and err.committed == ["rollout-0"], err
     assert ray.get(applied["rollout-0"]) == v and serves(job, "rollout-0") == v
+    restarted = job.restart("rollout-1")
+    assert ray.get(restarted.apply.remote(None, None, False)) is None
+    _full_then_delta(job)
+
+
+@pytest.mark.parametrize("transport", ["broadcast"] if "broadcast" in ALL else [], indirect=True)
+def test_receiver_killed_mid_delta_aborts_the_collective(job, transport):
+    """broadcast: rollout-1 killed after loading the middle bucket of a delta version, where
+    both receivers stand (a fault point). However small the delta's buckets, the sender
+    cannot run ahead of a member by more than the two buckets it asked for (gloo sends only
+    into a posted receive; NCCL / HCCL are collectives too): it is stuck on rollout-1 and,
+    once the coordinator has seen rollout-1 silent, aborts v for the whole group, as for a
+    full version killed mid-collective (test_broadcast.py). So SyncFailed names both,
+    rollout-1 silent and rollout-0 for the lost member, nobody commits (nothing of v is served
+    anywhere); but unlike a full version, rollout-0 rolls back to v-1 from its shadow and
+    serves it bit-exact. The restarted rollout-1 holds no base: catching up loads nothing, the
+    next version goes full, both end bit-exact, and the one after is a delta again."""
+    base = fresh(job)
+    v = job.next()
+    ray.get([r.hold_at.remote(v, 3) for r in job.rollouts.values()])
+    applied = {n: r.apply.remote(v) for n, r in job.rollouts.items()}
+    sync = stage(job, v)
+    assert all(ray.get([r.reached.remote(DEADLINE_S) for r in job.rollouts.values()]))
+    job.kill("rollout-1")
+    wait_until("the sender aborted v", lambda: job.metrics(v)["state"] == "ABORTED")
+    ray.get(job.rollouts["rollout-0"].release.remote())
+    err = sync_failed(sync)
+    assert set(err.failed) == set(RECEIVERS) and err.committed == [], err
+    assert "silent" in err.failed["rollout-1"], err.failed["rollout-1"]
+    assert "lost receiver 'rollout-1'" in err.failed["rollout-0"], err.failed["rollout-0"]
+    apply_fails(applied["rollout-0"], "lost receiver 'rollout-1'")
+    why = job.metrics(v)["failed"]["rollout-0"]  # its own report
+    assert f"rolled back to version {base} from the delta shadow" in why, why
+    assert serves(job, "rollout-0") == base
     restarted = job.restart("rollout-1")
     assert ray.get(restarted.apply.remote(None, None, False)) is None
     _full_then_delta(job)
