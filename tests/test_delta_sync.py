@@ -2,8 +2,9 @@
 moves a few percent of the elements (``drift``), as an RL step moves bf16 weights; each test
 asserts one outcome: bit-exact weights and the sender's whole-version digest at every version,
 a corrupted delta bucket rolled back on every transport, a receiver whose shadow drifted from
-the sender's, a receiver killed mid-delta, a restarted receiver that holds no base getting a
-full version."""
+the sender's serving nothing until a full version, a receiver killed mid-delta (on broadcast
+the group aborts and the survivor rolls back from its shadow) whose replacement, holding no
+base, gets a full version."""
 
 from __future__ import annotations
 
@@ -289,14 +290,3 @@ def _full_then_delta(job: Job) -> None:
     assert [serves(job, n) for n in RECEIVERS] == [v, v]
     assert [wire_bytes(job, n) for n in RECEIVERS] == [FULL, FULL]
     assert_delta_version(job, job.next())
-
-
-@pytest.mark.parametrize("transport", ["broadcast"] if "broadcast" in ALL else [], indirect=True)
-def test_restarted_receiver_gets_a_full_version(job, transport):
-    """broadcast: rollout-1 restarted with an empty model between delta versions: the next
-    version goes full, both end bit-exact, the one after is a delta again."""
-    fresh(job)
-    job.kill("rollout-1")
-    restarted = job.restart("rollout-1")
-    assert ray.get(restarted.apply.remote(None, None, False)) is None
-    _full_then_delta(job)
