@@ -70,15 +70,20 @@ def test_bench_tiny_shm_end_to_end(ray_cluster, tmp_path):
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
-def test_bench_tiny_broadcast_and_collective_baselines(ray_cluster, tmp_path):
+def test_bench_tiny_broadcast_collective_baselines_and_delta_rows(ray_cluster, tmp_path):
+    """One bench run for two sets of outcomes (a bench run costs seconds of its own): the
+    broadcast row and the collective baselines, and a delta row beside the full row of its
+    configuration on an AdamW update (the update model: weightsync.bench.updates)."""
     out = tmp_path / "bench.json"
     rc = main(["bench", "--device", "cpu", "--model", "tiny", "--transport", "broadcast", "--backend", "gloo", "--receivers", "1",
                "--bucket-mb", "0.25", "--versions", "2", "--rounds", "1", "--warmup", "1", "--checksum", "on", "--baselines",
                "bcast-per-tensor", "bcast-flat", "bcast-flat-load", "--ceiling-repeats", "1", "--no-progress",
-               "--json", str(out)])
+               "--update", "adamw-1e-6", "--delta", "off", "on", "--json", str(out)])
     assert rc == 0
-    rows = {r["name"]: r for r in json.loads(out.read_text())["sizes"][0]["rows"]}
-    assert set(rows) == {"broadcast", "bcast-per-tensor", "bcast-flat", "bcast-flat-load"}
+    top = json.loads(out.read_text())
+    (size,) = top["sizes"]
+    rows = {r["name"]: r for r in size["rows"]}
+    assert set(rows) == {"broadcast", "broadcast (delta on)", "bcast-per-tensor", "bcast-flat", "bcast-flat-load"}
     for name, r in rows.items():
         assert r["error"] is None, r
         # the raw flat broadcast is the wire limit only: nothing is unpacked, so nothing to check
@@ -87,6 +92,17 @@ def test_bench_tiny_broadcast_and_collective_baselines(ray_cluster, tmp_path):
     assert set(rows["broadcast"]["speedup_vs"]) == {"bcast-per-tensor", "bcast-flat", "bcast-flat-load"}
     # the baselines' own actors report their CPU seconds
     assert rows["bcast-flat-load"]["cpu_s_per_version"] > 0
+
+    # delta rows (--update / --delta): the schema, the update model's fraction, the pairing
+    assert top["schema"] == results.SCHEMA == "weightsync.bench/5"
+    assert top["args"]["update"] == "adamw-1e-6" and top["args"]["delta"] == ["off", "on"]
+    assert size["update"]["model"] == "adamw-1e-6" and 0 < size["update"]["changed_fraction"] < 1
+    for r in (rows["broadcast"], rows["broadcast (delta on)"]):
+        assert r["changed_fraction"] == [size["update"]["changed_fraction"]] * 2  # one per timed version
+    assert rows["broadcast"]["delta"] == "off" and rows["broadcast (delta on)"]["delta"] == "on"
+    (entry,) = size["delta"]
+    assert entry["full_name"] == "broadcast" and entry["x_full"] == pytest.approx(
+        rows["broadcast"]["median_s"] / rows["broadcast (delta on)"]["median_s"])
 
 
 def test_bench_growth_over_sizes_and_a_size_that_cannot_fit(ray_cluster, tmp_path, capsys):

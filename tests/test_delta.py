@@ -253,6 +253,29 @@ def test_misapplied_delta_fails_naming_receiver_and_bucket():
         rx.apply(1, record, 1, wire[1])
 
 
+def test_a_diverged_shadow_reloads_nothing_and_is_no_base():
+    """After a rebuilt bucket differed from the sender's, failed() neither reverts nor reloads
+    (the bad bytes would go back into the model) and the receiver holds no base."""
+    m = build_manifest({f"w{i}": torch.zeros(2000, dtype=torch.bfloat16) for i in range(3)})
+    plan = plan_buckets(m, 4096)
+    sender, rx, model = DeltaSender(plan, m, "on"), DeltaReceiver(plan, m, "rollout-0"), _Model(m)
+    versions = _versions(m, 2, 0.01)
+    _run(sender, rx, model, 0, dict(versions[0]), [None])
+    rx.bucket(1)[10] ^= 1
+    packing, record, _ = sender.prepare(1, dict(versions[1]), [0])
+    wire = [None] * plan.bucket_count
+    for _ in packing.into(_Capture(wire, packing.plan), None):
+        pass
+    rx.begin(1, record)
+    model.load(rx.apply(1, record, 0, wire[0])[0])
+    with pytest.raises(delta.DeltaError):
+        rx.apply(1, record, 1, wire[1])
+    reloaded = []
+    why = rx.failed(0, reloaded.extend)
+    assert (why, reloaded, rx.version) == (
+        "; the delta shadow differs from the sender's: serves no version until a full one", [], None)
+
+
 def test_auto_falls_back_to_full_when_most_words_change():
     m = build_manifest({"w": torch.zeros(4000, dtype=torch.bfloat16)})
     plan = plan_buckets(m, 8192)

@@ -1,8 +1,10 @@
 """Delta sync (config ``delta: on``) in real jobs: real Ray actors, every transport. Each version
 moves a few percent of the elements (``drift``), as an RL step moves bf16 weights; each test
 asserts one outcome: bit-exact weights and the sender's whole-version digest at every version,
-a corrupted delta bucket rolled back on every transport, a receiver killed mid-delta, a
-restarted receiver that holds no base getting a full version."""
+a corrupted delta bucket rolled back on every transport, a receiver whose shadow drifted from
+the sender's serving nothing until a full version, a receiver killed mid-delta (on broadcast
+the group aborts and the survivor rolls back from its shadow) whose replacement, holding no
+base, gets a full version."""
 
 from __future__ import annotations
 
@@ -38,14 +40,19 @@ def drift(version: int) -> dict[str, torch.Tensor]:
     return out
 
 
+def packed(version: int) -> tuple[list[torch.Tensor], str]:
+    """Version ``version`` as a full sync packs it: (its buckets, the whole version's xxh3 digest)."""
+    bufs = [torch.zeros(BUCKET, dtype=torch.uint8) for _ in PLAN.buckets]
+    sink = Buffers(lambda b: bufs[b])
+    for _ in pack_stream(PLAN, MANIFEST, drift(version), sink, "xxh3"):
+        pass
+    buckets = [bufs[b.index][: b.nbytes] for b in PLAN.buckets]
+    return buckets, version_digest("xxh3", [sink.digests[b] for b in range(PLAN.bucket_count)])
+
+
 def full_digest(version: int) -> str:
     """The whole version's xxh3 digest as a full sync packs it."""
-    plan = PLAN
-    bufs = [torch.zeros(BUCKET, dtype=torch.uint8) for _ in plan.buckets]
-    sink = Buffers(lambda b: bufs[b])
-    for _ in pack_stream(plan, MANIFEST, drift(version), sink, "xxh3"):
-        pass
-    return version_digest("xxh3", [sink.digests[b] for b in range(plan.bucket_count)])
+    return packed(version)[1]
 
 
 @pytest.fixture(scope="module")
@@ -130,14 +137,102 @@ def assert_delta_version(job: Job, v: int) -> None:
         assert m["digest"] == full_digest(v), name
 
 
+def kept_word(base: int, v: int, k: int) -> int:
+    """A byte offset in bucket ``k`` inside a tensor whose 2-byte word ``v`` leaves as ``base``
+    had it: a bit flipped there in a shadow of ``base`` stays flipped after ``v``'s delta."""
+    old, new = packed(base)[0][k], packed(v)[0][k]
+    first = PLAN.buckets[k].slices[0]
+    for offset in range(first.offset, first.offset + first.nbytes, 2):
+        if torch.equal(old[offset: offset + 2], new[offset: offset + 2]):
+            return offset
+    raise AssertionError(f"every word of bucket {k}'s first tensor changes from version {base} to {v}")
+
+
+def diverge(job: Job, names, k: int) -> tuple[int, int]:
+    """A committed delta version ``base``, then one bit flipped in bucket ``k`` of the shadow
+    of each of ``names``, in a word version ``v`` leaves alone; returns (base, v)."""
+    fresh(job)
+    base = job.next()
+    assert_delta_version(job, base)
+    v = job.next()
+    ray.get([job.rollouts[n].corrupt_shadow.remote(k, kept_word(base, v, k)) for n in names])
+    return base, v
+
+
+DIVERGED = "the delta shadow differs from the sender's: serves no version until a full one"
+
+
+def assert_diverged(job: Job, name: str, v: int, k: int, applied) -> None:
+    """``name``'s apply of ``v`` raised the DeltaError of bucket ``k``; its own report says it
+    trusts its shadow no more; it serves nothing, and the coordinator shows it serving nothing."""
+    apply_fails(applied, "DeltaError", f"receiver '{name}': bucket {k} of version {v}: the rebuilt bucket differs")
+    why = job.metrics(v)["failed"][name]  # the receiver's own report, whoever aborted v first
+    assert f"DeltaError: receiver '{name}': bucket {k} of version {v}" in why and DIVERGED in why, why
+    assert serves(job, name) is None and job.party(name)["serving"] is None
+
+
+@pytest.mark.parametrize("transport", ALL, indirect=True)
+def test_diverged_shadow_serves_nothing_until_a_full_version(job, transport):
+    """After a committed delta version, one bit of rollout-1's shadow flipped in bucket k (a
+    word the next version leaves alone); rollout-0 stands after bucket k-1 (a fault point)
+    until rollout-1 failed. v fails naming rollout-1 with the DeltaError of bucket k;
+    rollout-1 no longer trusts its shadow: it reloads nothing from it and serves no version
+    (its reason says so; the coordinator shows it serving nothing). rollout-0, whose shadow
+    matches: on shm / ipc it commits v (each receiver reads alone); on broadcast the version
+    aborts for it too (the sender cannot run more than two buckets ahead of a member, so it
+    is stuck on rollout-1 and aborts the group, naming it) and it rolls back to v-1 from its
+    shadow, bit-exact. The next version goes full to both and ends bit-exact with the
+    full-version digest; the one after is a delta again."""
+    k = 3
+    base, v = diverge(job, ["rollout-1"], k)
+    ray.get(job.rollouts["rollout-0"].hold_at.remote(v, k - 1))
+    applied = {n: r.apply.remote(v) for n, r in job.rollouts.items()}
+    sync = stage(job, v)
+    assert ray.get(job.rollouts["rollout-0"].reached.remote(DEADLINE_S))
+    wait_until("rollout-1 is failed in v", lambda: "rollout-1" in job.metrics(v)["failed"])
+    if transport == "broadcast":
+        wait_until("the sender aborted v", lambda: job.metrics(v)["state"] == "ABORTED")
+    ray.get(job.rollouts["rollout-0"].release.remote())
+    err = sync_failed(sync)
+    assert "rollout-1" in err.failed
+    assert_diverged(job, "rollout-1", v, k, applied["rollout-1"])
+    if transport == "broadcast":
+        assert set(err.failed) == set(RECEIVERS) and err.committed == [], err
+        assert "lost receiver 'rollout-1'" in err.failed["rollout-0"], err.failed["rollout-0"]
+        apply_fails(applied["rollout-0"], "lost receiver 'rollout-1'")
+        why = job.metrics(v)["failed"]["rollout-0"]
+        assert f"rolled back to version {base} from the delta shadow" in why, why
+        assert serves(job, "rollout-0") == base
+    else:
+        assert set(err.failed) == {"rollout-1"} and err.committed == ["rollout-0"], err
+        assert ray.get(applied["rollout-0"], timeout=60) == v and serves(job, "rollout-0") == v
+    _full_then_delta(job)
+
+
+@pytest.mark.parametrize("transport", ALL, indirect=True)
+def test_every_shadow_diverged_the_next_version_goes_full(job, transport):
+    """Both receivers' shadows flipped in bucket k after a committed delta version: v fails
+    on both with the DeltaError of bucket k; neither serves a version (before the fix both
+    reloaded the bad bytes, claimed v-1 and kept being sent deltas that failed again); so
+    the next version goes full to both, bit-exact, and the one after is a delta again."""
+    k = 3
+    _, v = diverge(job, RECEIVERS, k)
+    applied = {n: r.apply.remote(v) for n, r in job.rollouts.items()}
+    err = sync_failed(stage(job, v))
+    assert set(err.failed) == set(RECEIVERS) and err.committed == [], err
+    for name in RECEIVERS:
+        assert_diverged(job, name, v, k, applied[name])
+    _full_then_delta(job)
+
+
 @pytest.mark.parametrize("transport", [t for t in ALL if t != "broadcast"], indirect=True)
 def test_receiver_killed_mid_delta(job, transport):
     """rollout-1 killed after loading the middle bucket of a delta version: the sender's
     SyncFailed names only rollout-1; rollout-0 commits v. The restarted rollout-1 holds no
     base: catching up finds a committed delta and loads nothing (shm keeps v, as encoded
     buckets only); the next version goes full (the coordinator reports rollout-1 serving
-    nothing) and both end bit-exact; the one after is a delta again. (broadcast: a member
-    killed mid-collective is test_broadcast.py's; its restart is the test below.)"""
+    nothing) and both end bit-exact; the one after is a delta again. (broadcast: the test
+    below.)"""
     fresh(job)
     v = job.next()
     ray.get([r.hold_at.remote(v, 3) for r in job.rollouts.values()])
@@ -155,20 +250,43 @@ def test_receiver_killed_mid_delta(job, transport):
     _full_then_delta(job)
 
 
+@pytest.mark.parametrize("transport", ["broadcast"] if "broadcast" in ALL else [], indirect=True)
+def test_receiver_killed_mid_delta_aborts_the_collective(job, transport):
+    """broadcast: rollout-1 killed after loading the middle bucket of a delta version, where
+    both receivers stand (a fault point). However small the delta's buckets, the sender
+    cannot run ahead of a member by more than the two buckets it asked for (gloo sends only
+    into a posted receive; NCCL / HCCL are collectives too): it is stuck on rollout-1 and,
+    once the coordinator has seen rollout-1 silent, aborts v for the whole group, as for a
+    full version killed mid-collective (test_broadcast.py). So SyncFailed names both,
+    rollout-1 silent and rollout-0 for the lost member, nobody commits (nothing of v is served
+    anywhere); but unlike a full version, rollout-0 rolls back to v-1 from its shadow and
+    serves it bit-exact. The restarted rollout-1 holds no base: catching up loads nothing, the
+    next version goes full, both end bit-exact, and the one after is a delta again."""
+    base = fresh(job)
+    v = job.next()
+    ray.get([r.hold_at.remote(v, 3) for r in job.rollouts.values()])
+    applied = {n: r.apply.remote(v) for n, r in job.rollouts.items()}
+    sync = stage(job, v)
+    assert all(ray.get([r.reached.remote(DEADLINE_S) for r in job.rollouts.values()]))
+    job.kill("rollout-1")
+    wait_until("the sender aborted v", lambda: job.metrics(v)["state"] == "ABORTED")
+    ray.get(job.rollouts["rollout-0"].release.remote())
+    err = sync_failed(sync)
+    assert set(err.failed) == set(RECEIVERS) and err.committed == [], err
+    assert "silent" in err.failed["rollout-1"], err.failed["rollout-1"]
+    assert "lost receiver 'rollout-1'" in err.failed["rollout-0"], err.failed["rollout-0"]
+    apply_fails(applied["rollout-0"], "lost receiver 'rollout-1'")
+    why = job.metrics(v)["failed"]["rollout-0"]  # its own report
+    assert f"rolled back to version {base} from the delta shadow" in why, why
+    assert serves(job, "rollout-0") == base
+    restarted = job.restart("rollout-1")
+    assert ray.get(restarted.apply.remote(None, None, False)) is None
+    _full_then_delta(job)
+
+
 def _full_then_delta(job: Job) -> None:
     v = job.next()
     assert step(job, v) == {n: v for n in RECEIVERS}
     assert [serves(job, n) for n in RECEIVERS] == [v, v]
     assert [wire_bytes(job, n) for n in RECEIVERS] == [FULL, FULL]
     assert_delta_version(job, job.next())
-
-
-@pytest.mark.parametrize("transport", ["broadcast"] if "broadcast" in ALL else [], indirect=True)
-def test_restarted_receiver_gets_a_full_version(job, transport):
-    """broadcast: rollout-1 restarted with an empty model between delta versions: the next
-    version goes full, both end bit-exact, the one after is a delta again."""
-    fresh(job)
-    job.kill("rollout-1")
-    restarted = job.restart("rollout-1")
-    assert ray.get(restarted.apply.remote(None, None, False)) is None
-    _full_then_delta(job)

@@ -11,6 +11,11 @@ Tensors only in skipped buckets are not loaded: the model holds them already.
 On a failure the undo records restore the shadow and the tensors loaded so far are loaded
 again from it: rollback on every transport. A full version (no base) keeps no undo records (a
 second copy of the model): when one fails, this receiver serves nothing until the next version.
+A rebuilt bucket that differs from the sender's is the exception: the shadow itself is no
+longer the base (a bit flip, a stray write, a misapplied delta), so undoing the version would
+only bring back the bad bytes and reloading them would put them in the model. Nothing is
+reloaded; the shadow is dropped as a base and the receiver serves no version, so the sender's
+next version goes full (it sends a delta only when every receiver serves its base).
 
 Memory: the shadow, ``bucket_count x bucket_bytes`` of host memory (the payload plus the
 plan's padding), allocated at the first delta-mode version, plus the undo records of the
@@ -50,6 +55,7 @@ class DeltaReceiver:
         self._keep_undo = False
         self._active = False  # a version is being applied to the shadow
         self._touched: set[int] = set()
+        self.diverged = False  # a rebuilt bucket of the version being applied differed from the sender's
 
     @staticmethod
     def memory_bytes(plan: BucketPlan) -> int:
@@ -75,7 +81,7 @@ class DeltaReceiver:
         self._undo, self._keep_undo = [], record.base is not None
         self._touched = {s.tensor for b, k in zip(self.plan.buckets, record.kinds) if k != delta.SKIP
                          for s in b.slices}
-        self.version, self._active = None, True  # the shadow holds a mix until the version commits
+        self.version, self._active, self.diverged = None, True, False  # a mix until the version commits
 
     def apply(self, version: int, record: DeltaRecord, b: int, buf: torch.Tensor) -> tuple[list, int]:
         """Apply bucket ``b``'s encoding; (the (name, tensor) pairs to load, the rebuilt
@@ -87,6 +93,7 @@ class DeltaReceiver:
             self._undo.append((b, undo))
         got = xxh3(shadow)
         if got != record.digests[b]:
+            self.diverged = True
             raise delta.DeltaError(f"{where}: the rebuilt bucket differs from the sender's (xxh3 {got:016x}, "
                                    f"sender {record.digests[b]:016x}): a lost, reordered or misapplied delta")
         pairs = self.unpacker.unpack(b, shadow, self.span)
@@ -100,10 +107,14 @@ class DeltaReceiver:
 
     def failed(self, prev: int | None, reload: Callable[[list], Any] | None) -> str:
         """Put the shadow back to ``prev`` and, with ``reload``, load the tensors the failed
-        version touched from it again; a reason suffix for the report."""
+        version touched from it again; a reason suffix for the report. A shadow that diverged
+        is no base: nothing is put back nor reloaded, and ``version`` becomes None."""
         if not self._active:
             return ""  # refused before the shadow changed
         self._active = False
+        if self.diverged:
+            self.version, self._undo = None, []
+            return "; the delta shadow differs from the sender's: serves no version until a full one"
         if not self._keep_undo:
             self.version, self._undo = None, []
             return "; serves no version until the next sync (a failed full version keeps no undo records)"

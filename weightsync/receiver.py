@@ -209,9 +209,12 @@ class WeightReceiver(Party):
             self._delta.version = None
             self._version = None
             return why + f"; rollback to version {prev} failed too ({type(exc).__name__}: {exc}); serves no version"
-        if touched:
+        if touched or self._delta.diverged:
+            # a diverged shadow is no base even when nothing of the version reached the model:
+            # serving prev without it, this receiver would be sent deltas it must refuse
             self._version = self._delta.version
-        return why if touched else ""
+            return why
+        return ""
 
     def _rejoin_state(self) -> dict[str, Any]:
         served = getattr(self, "_version", None)

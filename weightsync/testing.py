@@ -6,7 +6,8 @@ worker stops after loading bucket k of a version (``hold_at``), a trainer stops 
 handing over tensor i (``stage(..., hold_at=i)``), and the test kills, stops or releases the
 process from there (``reached`` / ``release``; the actor needs ``max_concurrency`` >= 2 so
 those calls run beside the held one). A trainer can also corrupt or cut a bucket after it
-was packed and checksummed, before receivers may read it (``tamper``).
+was packed and checksummed, before receivers may read it (``tamper``), and a rollout can
+flip a bit of its delta shadow (``corrupt_shadow``).
 """
 
 from __future__ import annotations
@@ -124,6 +125,12 @@ class RolloutWorker(_Party):
         """Fault point: once bucket ``bucket`` of ``version`` is loaded, apply() waits for release()."""
         self.gate = Gate(version, bucket)
         self.receiver.on_bucket = lambda v, b: self.gate.pass_((v, b))
+
+    def corrupt_shadow(self, bucket: int, offset: int) -> None:
+        """Fault in host memory: flip one bit of byte ``offset`` of bucket ``bucket`` in the
+        receiver's delta shadow (a bit flip, a stray write), where nothing checks it until
+        the next delta version rebuilds that bucket."""
+        self.receiver._delta.bucket(bucket)[offset] ^= 0x40
 
     def prefetch(self, version: int | None = None) -> int | None:
         return self.receiver.prefetch(version)
