@@ -330,8 +330,13 @@ class WeightSender(Party):
         return result
 
     def delta_state(self) -> dict[str, Any] | None:
-        """Delta sync at this sender: the snapshot's base version and, with ``delta: auto``,
-        the way chosen and the seconds it was chosen on (None without delta)."""
+        """Delta sync at this sender, for logs and benchmarks.
+
+        Returns:
+            None without delta; else ``base`` (the committed version the snapshot holds, or
+            None) and, with ``delta: auto``, ``auto``: ``chosen`` (``delta``, ``full``, or None
+            while a way is being timed) and ``delta_s`` / ``full_s``, the seconds it chose on.
+        """
         if self._delta is None:
             return None
         policy = self._delta.policy
