@@ -4,9 +4,9 @@ next to the result; the test asserts exactly that: who raises, naming whom, whic
 each receiver serves after (bit-exact), the coordinator's record, and what the next version
 does. Faults land at fault points the parties signal (tests/faultjob.py), never after a sleep.
 
-Receiver and sender deaths in the middle of a broadcast live in test_broadcast.py: whether
-a gloo survivor completes depends on how far the sender can run ahead of a dead member,
-which needs a model larger than the socket buffers to be decided by design.
+Receiver and sender deaths in the middle of a broadcast live in test_broadcast.py (and, for
+delta versions, test_delta_sync.py): gloo sends only into a receive the peer has posted, so the
+sender runs at most the posted buckets ahead of a dead member, whatever the bucket size.
 """
 
 from __future__ import annotations

@@ -62,6 +62,12 @@ class SyncResult:
         total = self.stage_s + self.barrier_s
         return self.bytes / total / 1e9 if total > 0 else float("inf")
 
+    @property
+    def wire_bytes(self) -> int:
+        """Bytes the version moved to the receiver that got the most, as receivers report them:
+        the payload for a full version, the encoded buckets for a delta (0 when none reported)."""
+        return max((int(m.get("bytes", 0)) for m in self.metrics.get("receivers", {}).values()), default=0)
+
 
 class StagedVersion:
     """Handle of a staged (or staging) version; ``wait()`` re-raises a staging error.

@@ -131,7 +131,7 @@ class WeightSyncCheckpointEngine(CheckpointEngine):
             return {}  # walked in lockstep; rank 0 reports (see recipe._ActorSide.sync_rollout_weights)
         result = await asyncio.to_thread(_on_device, sender.device, sender.sync, version)
         return {"weightsync/version": version, "weightsync/gbps": result.gbps, "weightsync/stage_s": result.stage_s,
-                "weightsync/barrier_s": result.barrier_s}
+                "weightsync/barrier_s": result.barrier_s, "weightsync/wire_bytes": result.wire_bytes}
 
     async def receive_weights(self, global_steps: int | None = None) -> AsyncGenerator[tuple[str, torch.Tensor], None]:
         """Yield (name, tensor) of the next version. The tensors are views of the transport's

@@ -40,13 +40,21 @@ def hf_specs() -> list[tuple[str, tuple[int, ...], torch.dtype]]:
     return specs + [("model.norm.weight", (HIDDEN,), torch.float32), ("lm_head.weight", (VOCAB, HIDDEN), torch.bfloat16)]
 
 
+CHANGED = 0.01  # of the bytes a version rewrites: an RL step changes a few percent of the elements
+
+
 def hf_weights(version: int) -> dict[str, torch.Tensor]:
-    """The trainer's weights at ``version``: random bits (NaN payloads and -0.0 included)."""
-    g = torch.Generator().manual_seed(1000 + version)
+    """The trainer's weights at ``version``: random bits (NaN payloads and -0.0 included), one
+    base for every version with ``CHANGED`` of each tensor's bytes, chosen and drawn by the
+    version, rewritten: two versions differ in about 2 % of their bytes, as two RL steps do in a
+    few percent of their elements, so a delta between them is sparse."""
+    base, g = torch.Generator().manual_seed(1000), torch.Generator().manual_seed(2000 + version)
     out = {}
     for name, shape, dtype in hf_specs():
         n = torch.Size(shape).numel() * dtype.itemsize
-        raw = torch.randint(0, 256, (n,), dtype=torch.uint8, generator=g)
+        raw = torch.randint(0, 256, (n,), dtype=torch.uint8, generator=base)
+        at = torch.randint(0, n, (max(1, int(n * CHANGED)),), generator=g)
+        raw[at] = torch.randint(0, 256, (at.numel(),), dtype=torch.uint8, generator=g)
         out[name] = raw.view(dtype).reshape(shape)
     return out
 
