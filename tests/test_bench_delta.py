@@ -115,7 +115,12 @@ def test_ctrl_c_stops_a_running_bench_and_leaves_nothing_behind(tmp_path):
         assert any(line.startswith("  shm") for line in seen), "".join(seen)
         os.killpg(proc.pid, signal.SIGINT)
         t0 = time.monotonic()
-        proc.communicate(timeout=240)
+        try:
+            proc.communicate(timeout=240)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            _, after = proc.communicate()  # what the bench did after Ctrl-C says where it stayed
+            raise AssertionError(f"the bench outlived Ctrl-C by 240 s; its stderr after it:\n{after[-3000:]}") from None
         took = time.monotonic() - t0
     finally:
         if proc.poll() is None:

@@ -18,7 +18,7 @@ from ..model_layouts import LAYOUTS
 from . import memory_fit
 from .delta_rows import DELTA_MODES, delta_suffix
 from .expect import KEYS, evaluate, fastest, parse_expectation
-from .interrupt import INTERRUPTED
+from .interrupt import INTERRUPTED, remember_ctrl_c
 from .updates import UPDATES
 
 TRANSPORTS = ("shm", "ipc", "broadcast", "auto")
@@ -186,7 +186,8 @@ def _size_refusal(label: str, manifest: Any, plan: list, receivers: int) -> str 
 
 def run_bench(args: argparse.Namespace) -> int:
     try:
-        return _run_bench(args)
+        with remember_ctrl_c():
+            return _run_bench(args)
     except KeyboardInterrupt:
         # the rows' actors are killed and their segment files reaped on the way out (interrupt.py)
         print("weightsync bench: interrupted; nothing written", file=sys.stderr)

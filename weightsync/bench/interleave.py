@@ -20,6 +20,7 @@ import psutil
 import ray
 
 from . import rounds
+from .interrupt import check
 
 # (kind, name, receivers, bucket MiB, checksum, delta), as cli._plan makes them, plus the side
 Item = tuple[str, str, int, float | None, bool, str]
@@ -151,6 +152,7 @@ def run_rounds(plan: list[tuple[str, Item]], benches: dict[str, Any], run_row: C
         order = rounds.round_order(list(enumerate(plan)), k)
         print(f"weightsync bench: round {k + 1}/{n_rounds}", file=sys.stderr)
         for position, (index, (side, item)) in enumerate(order):
+            check()  # a Ctrl-C that a row's error handling swallowed stops the bench here
             n = item[2]
             bench = benches[side]
             why = refusal(item)

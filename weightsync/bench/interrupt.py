@@ -11,6 +11,7 @@ them anything, waits for their processes, and unlinks the segment files they lef
 from __future__ import annotations
 
 import contextlib
+import signal
 import sys
 import threading
 from collections.abc import Iterator
@@ -24,6 +25,45 @@ from ..transports.segment_scan import reap_stale
 
 # the exit status of a process stopped by SIGINT, as a shell reports it
 INTERRUPTED = 130
+
+
+_asked = threading.Event()
+
+
+@contextlib.contextmanager
+def remember_ctrl_c() -> Iterator[None]:
+    """While the bench runs, Ctrl-C is remembered as well as raised. The same Ctrl-C reaches the
+    actors, whose calls then fail in the driver's ``ray.get`` as task errors, and a row records
+    those as its error and goes on: the KeyboardInterrupt can be lost there, and the bench ran
+    on (rounds of failing rows). ``check()`` at each row and version stops it all the same."""
+    _asked.clear()
+    if threading.current_thread() is not threading.main_thread():
+        yield  # signal handlers belong to the main thread
+        return
+    previous = signal.getsignal(signal.SIGINT)
+
+    def handler(signum: int, frame: Any) -> None:
+        _asked.set()
+        if callable(previous):
+            previous(signum, frame)
+        raise KeyboardInterrupt
+
+    signal.signal(signal.SIGINT, handler)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, previous)
+
+
+def asked() -> bool:
+    """Whether Ctrl-C came (since ``remember_ctrl_c``)."""
+    return _asked.is_set()
+
+
+def check() -> None:
+    """Raise KeyboardInterrupt if Ctrl-C came, even if the first one was swallowed."""
+    if _asked.is_set():
+        raise KeyboardInterrupt
 
 
 def interrupt_close(actors: list[Any], pids: list[int]) -> None:

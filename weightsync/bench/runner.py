@@ -29,7 +29,7 @@ from ..device import RAY_RESOURCE, ray_options
 from ..manifest import Manifest
 from .actors import BenchRollout, BenchTrainer
 from .delta_rows import delta_suffix
-from .interrupt import Progress, interrupt_close, tick
+from .interrupt import Progress, asked, check, interrupt_close, tick
 
 # generous: a row on a loaded 2-core machine can be slow, but never hangs the benchmark
 ROW_TIMEOUT_S = 600.0
@@ -198,7 +198,7 @@ class Bench:
 
         spread = [self._spread[0], *self._spread[1]] if self._spread else []
         procs = []
-        if self.interrupted:  # busy actors answer nothing: kill them, then reap their segment files
+        if self.interrupted or asked():  # busy actors answer nothing: kill them, then reap their segment files
             interrupt_close([self.trainer, *self.rollouts, *spread], self.pids)
             return
         for actor in [self.trainer, *self.rollouts, *spread]:
@@ -243,6 +243,7 @@ class Bench:
             label = f"{transport} {bucket_mb:g}MiB x{receivers}"
             with self.progress.bar(self.warmup + 3 * self.versions, label) as bar:
                 for i in range(self.warmup + self.versions):
+                    check()
                     v = next(self._version)
                     applied = [r.apply.remote(v) for r in rx]  # receivers wait before the trainer stages
                     out = ray.get(trainer.step.remote(v), timeout=ROW_TIMEOUT_S)
@@ -254,6 +255,7 @@ class Bench:
                         recv_metrics.extend(e["metrics"] for e in ends)
                     tick(bar)
                 for i in range(2 * self.versions):
+                    check()
                     v = next(self._version)
                     ray.get(trainer.stage.remote(v), timeout=ROW_TIMEOUT_S)
                     ahead = i % 2 == 1  # every other version as if the rollout prefetched while generating
@@ -278,7 +280,7 @@ class Bench:
             self.interrupted = True
             raise
         finally:
-            closed = {} if self.interrupted else self._close_sessions(rx, trainer)
+            closed = {} if self.interrupted or asked() else self._close_sessions(rx, trainer)
             coord.shutdown()
         row.update(closed)
         if row["transport"] == "auto" and closed.get("chosen"):
