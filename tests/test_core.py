@@ -1,6 +1,7 @@
 """The version protocol over the shm transport, with real Ray actors in separate processes."""
 
 import threading
+import time
 
 import pytest
 import ray
@@ -174,6 +175,42 @@ def test_in_process_api_and_resources_return_to_zero(coordinator_factory):
         receiver.close()
         sender.close()
     assert all(n == 0 for n in coord.status()["resources"].values())
+
+
+def test_a_manifest_rejected_after_the_barrier_began_fails_the_version_at_once(coordinator_factory):
+    """The receiver checks the manifest only after the sender's barrier counted it in (a busy
+    rollout opens its session late): the version fails naming the rejection, not after
+    sync_timeout_s as a silent receiver (a CI run under load waited 300 s here)."""
+    coord = coordinator_factory(CFG)
+    engine = ToyEngine(MANIFEST)
+    receiver = WeightReceiver(coord, engine.load_weights, name="late", expected=engine.params)
+    wider = Manifest(tuple(TensorSpec(s.name, s.dtype, (s.shape[0] + 1,) + s.shape[1:]) if i == 1 else s
+                           for i, s in enumerate(MANIFEST)))
+    sender = WeightSender(coord, expected_receivers=1)
+    outcome: list[BaseException] = []
+
+    def sync():
+        try:
+            sender.sync(1, timeout=600)
+        except BaseException as exc:  # the failure under test
+            outcome.append(exc)
+
+    try:
+        sender.stage(1, materialize(wider, seed=1))
+        t = threading.Thread(target=sync)
+        t.start()
+        deadline = time.monotonic() + 60
+        while coord.metrics(1)["participants"] != ["late"]:
+            assert time.monotonic() < deadline, "the barrier never began"
+            time.sleep(0.05)
+        with pytest.raises(ManifestError, match="has shape"):
+            receiver.apply(1)
+        t.join(120)
+        assert not t.is_alive(), "sync() still waits for a receiver that rejected the manifest"
+        assert isinstance(outcome[0], SyncFailed) and "has shape" in outcome[0].failed["late"], outcome
+    finally:
+        receiver.close()
+        sender.close()
 
 
 def test_a_loader_that_fails_again_during_rollback_is_reported_not_silent(coordinator_factory):

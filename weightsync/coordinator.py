@@ -205,6 +205,10 @@ class CoordinatorActor:
         p.verdict = "" if accepted else (why or "rejected")
         if not accepted:
             p.why = f"rejected the manifest: {why}"
+            # a barrier that began before the check came back counted this receiver in: fail
+            # those versions now, naming it, instead of waiting for a report that never comes
+            for v in self.table.receiver_lost(p.name, f"{p.label} {p.why}", time.monotonic()):
+                self._poke(v)
         self._poke()
         return {}
 
