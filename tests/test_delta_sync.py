@@ -225,6 +225,17 @@ def test_every_shadow_diverged_the_next_version_goes_full(job, transport):
     _full_then_delta(job)
 
 
+def _kill_mid_version(job: Job, v: int) -> tuple[dict, object]:
+    """Both rollouts stop after loading bucket 3 of ``v`` (a fault point), then rollout-1 is
+    killed there; (each rollout's apply ref, the sender's sync ref)."""
+    ray.get([r.hold_at.remote(v, 3) for r in job.rollouts.values()])
+    applied = {n: r.apply.remote(v) for n, r in job.rollouts.items()}
+    sync = stage(job, v)
+    assert all(ray.get([r.reached.remote(DEADLINE_S) for r in job.rollouts.values()]))
+    job.kill("rollout-1")
+    return applied, sync
+
+
 @pytest.mark.parametrize("transport", [t for t in ALL if t != "broadcast"], indirect=True)
 def test_receiver_killed_mid_delta(job, transport):
     """rollout-1 killed after loading the middle bucket of a delta version: the sender's
@@ -235,11 +246,7 @@ def test_receiver_killed_mid_delta(job, transport):
     below.)"""
     fresh(job)
     v = job.next()
-    ray.get([r.hold_at.remote(v, 3) for r in job.rollouts.values()])
-    applied = {n: r.apply.remote(v) for n, r in job.rollouts.items()}
-    sync = stage(job, v)
-    assert all(ray.get([r.reached.remote(DEADLINE_S) for r in job.rollouts.values()]))
-    job.kill("rollout-1")
+    applied, sync = _kill_mid_version(job, v)
     wait_until("rollout-1 is failed in v", lambda: "rollout-1" in job.metrics(v)["failed"])
     ray.get(job.rollouts["rollout-0"].release.remote())
     err = sync_failed(sync)
@@ -264,11 +271,7 @@ def test_receiver_killed_mid_delta_aborts_the_collective(job, transport):
     next version goes full, both end bit-exact, and the one after is a delta again."""
     base = fresh(job)
     v = job.next()
-    ray.get([r.hold_at.remote(v, 3) for r in job.rollouts.values()])
-    applied = {n: r.apply.remote(v) for n, r in job.rollouts.items()}
-    sync = stage(job, v)
-    assert all(ray.get([r.reached.remote(DEADLINE_S) for r in job.rollouts.values()]))
-    job.kill("rollout-1")
+    applied, sync = _kill_mid_version(job, v)
     wait_until("the sender aborted v", lambda: job.metrics(v)["state"] == "ABORTED")
     ray.get(job.rollouts["rollout-0"].release.remote())
     err = sync_failed(sync)
