@@ -228,4 +228,6 @@ def ipc_support(device_type: str, shm_dir: str = "/dev/shm", environ: Mapping[st
         hdk, _ = driver_version()
         cann, _ = cann_version(env)
         return npu_ipc_support(hdk, cann, package_version("torch_npu", "torch-npu"), env.get("VLLM_ASCEND_ENABLE_NZ"))
+    if device_type == "sim":
+        return Capability(True, "the tests' simulated accelerator: memfd-backed device memory shared by handle")
     return Capability(False, f"no ipc for device type {device_type!r}")

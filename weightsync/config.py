@@ -15,9 +15,9 @@ from typing import Any
 from . import registry
 from .errors import ConfigError
 
-BACKENDS = ("auto", "gloo", "nccl", "hccl")
-COMMUNICATORS = ("auto", "torch", "torch_npu", "pyhccl", "pynccl")
-DEVICES = ("auto", "cpu", "cuda", "npu")
+BACKENDS = ("auto", "gloo", "nccl", "hccl", "simccl")  # simccl: the sim device's (tests)
+COMMUNICATORS = ("auto", "torch", "torch_npu", "pyhccl", "pynccl", "sim")
+DEVICES = ("auto", "cpu", "cuda", "npu", "sim")  # sim: the tests' simulated accelerator
 DIGESTS = ("auto", "xxh3", "torch", "off")
 SHM_BACKINGS = ("auto", "memfd", "files")
 DELTAS = ("off", "auto", "on")
@@ -30,7 +30,8 @@ NON_CONFIG_ENV = frozenset({
     "WEIGHTSYNC_CONFORMANCE_DIR", "WEIGHTSYNC_DISABLE_IPC", "WEIGHTSYNC_SOAK_VERSIONS", "WEIGHTSYNC_TIERS",
     "WEIGHTSYNC_TORCH", "WEIGHTSYNC_VERL_E2E_TORCH", "WEIGHTSYNC_VERL_E2E_VENV", "WEIGHTSYNC_VERL_SRC",
     "WEIGHTSYNC_VERL_VLLM", "WEIGHTSYNC_VLLM_CPU", "WEIGHTSYNC_VLLM_TIER", "WEIGHTSYNC_VLLM_VENV",
-    "WEIGHTSYNC_VLLM_VERSION", "WEIGHTSYNC_NOTIFY", "WEIGHTSYNC_RING_BUFFERS",
+    "WEIGHTSYNC_VLLM_VERSION", "WEIGHTSYNC_NOTIFY", "WEIGHTSYNC_RING_BUFFERS", "WEIGHTSYNC_SIM_LAG_MS", "WEIGHTSYNC_SIM_SEED",
+    "WEIGHTSYNC_SIM_VISIBLE_DEVICES",
 })
 MiB = 1 << 20
 

@@ -34,11 +34,19 @@ def platform() -> str:
     return "cpu"
 
 
+SIM = "sim"  # the simulated asynchronous accelerator of the tests (sim_device.py); never auto
+
+
 def resolve(device: str = "auto") -> torch.device:
     """The torch device for a config value; 'auto' is the current device of the platform."""
     kind = platform() if device == "auto" else device
     if kind == "cpu":
         return torch.device("cpu")
+    if kind == SIM:
+        from . import sim_device
+
+        sim_device.enable()
+        return torch.device(SIM, 0)
     if kind == "cuda":
         return torch.device("cuda", torch.cuda.current_device())
     if kind == "npu":
@@ -57,7 +65,9 @@ def set_current(device: torch.device) -> None:
 
 
 def visible_devices_var(kind: str) -> str | None:
-    return {"cuda": "CUDA_VISIBLE_DEVICES", "npu": "ASCEND_RT_VISIBLE_DEVICES"}.get(kind)
+    # the sim device's is the tests' way to put parties on distinct "physical" devices
+    return {"cuda": "CUDA_VISIBLE_DEVICES", "npu": "ASCEND_RT_VISIBLE_DEVICES",
+            SIM: "WEIGHTSYNC_SIM_VISIBLE_DEVICES"}.get(kind)
 
 
 def physical_index(device: torch.device) -> int | None:
@@ -83,7 +93,7 @@ def local_index(kind: str, physical: int) -> int | None:
 
 
 # the collective backend that moves bytes between devices of each kind
-BACKENDS = {"npu": "hccl", "cuda": "nccl", "cpu": "gloo"}
+BACKENDS = {"npu": "hccl", "cuda": "nccl", "cpu": "gloo", "sim": "simccl"}
 
 
 def backend_for(kind: str) -> str:
@@ -91,43 +101,40 @@ def backend_for(kind: str) -> str:
     return BACKENDS.get(kind, "gloo")
 
 
+def _module(device: torch.device) -> Any:
+    """``torch.cuda``, ``torch.npu`` or ``torch.sim``: the stream and event API of ``device``."""
+    return getattr(torch, device.type)
+
+
 def current_stream(device: torch.device) -> Any:
     """The calling thread's current stream on an accelerator ``device``."""
-    if device.type == "cuda":
-        return torch.cuda.current_stream(device)
-    if device.type == "npu":
-        return torch.npu.current_stream(device)
+    if device.type in ("cuda", "npu", SIM):
+        return _module(device).current_stream(device)
     raise ValueError(f"no streams on {device}")
 
 
 def synchronize(device: torch.device) -> None:
     """Wait for the work queued on ``device``'s current stream (no-op on CPU): what a
     bucket's copies wrote is visible to another process only after this."""
-    if device.type == "cuda":
-        torch.cuda.current_stream(device).synchronize()
-    elif device.type == "npu":
-        torch.npu.current_stream(device).synchronize()
+    if device.type in ("cuda", "npu", SIM):
+        _module(device).current_stream(device).synchronize()
 
 
 def synchronize_device(device: torch.device) -> None:
     """Wait for every stream of ``device`` (no-op on CPU)."""
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-    elif device.type == "npu":
-        torch.npu.synchronize(device)
+    if device.type in ("cuda", "npu", SIM):
+        _module(device).synchronize(device)
 
 
-def record_event(device: torch.device) -> torch.cuda.Event | torch.npu.Event:
-    """An event recorded on ``device``'s current stream: done once the work queued before it is."""
-    if device.type == "cuda":
-        cuda_event = torch.cuda.Event()
-        cuda_event.record(torch.cuda.current_stream(device))
-        return cuda_event
-    if device.type == "npu":
-        npu_event = torch.npu.Event()
-        npu_event.record(torch.npu.current_stream(device))
-        return npu_event
-    raise ValueError(f"no events on {device}")
+def record_event(device: torch.device) -> Any:
+    """An event recorded on ``device``'s current stream: done once the work queued before it is
+    (a torch.cuda.Event, torch.npu.Event, or the sim device's)."""
+    if device.type not in ("cuda", "npu", SIM):
+        raise ValueError(f"no events on {device}")
+    module = _module(device)
+    event = module.Event()
+    event.record(module.current_stream(device))
+    return event
 
 
 class EventWork:
@@ -202,6 +209,8 @@ def ray_options(kind: str, amount: float) -> dict[str, Any]:
 
 
 def device_count(kind: str) -> int:
+    if kind == SIM:
+        return 1
     if kind == "cuda":
         return torch.cuda.device_count() if torch.cuda.is_available() else 0
     if kind == "npu":
@@ -247,6 +256,7 @@ class Fences:
         work queued so far: readable without a synchronize once a later :meth:`mark` is done."""
         if self.device.type == "cpu":
             return value
-        host = torch.empty(value.shape, dtype=value.dtype, pin_memory=True)
+        # pinned, so the copy is asynchronous on CUDA / NPU (the sim device copies late anyway)
+        host = torch.empty(value.shape, dtype=value.dtype, pin_memory=self.device.type != SIM)
         host.copy_(value, non_blocking=True)
         return host

@@ -21,6 +21,7 @@ from typing import Any, NamedTuple
 
 import torch
 
+from . import device as devices
 from .client import Coordinator
 from .config import SyncConfig
 from .manifest import Manifest
@@ -33,7 +34,8 @@ class ToyEngine:
     """A model as a dict of tensors with vLLM's ``load_weights`` contract (copy in place)."""
 
     def __init__(self, manifest: Manifest, device: str = "cpu", load_delay_s: float = 0.0):
-        self.params = {s.name: torch.zeros(s.shape, dtype=s.torch_dtype, device=device) for s in manifest}
+        where = devices.resolve(device)  # the sim device registers itself here
+        self.params = {s.name: torch.zeros(s.shape, dtype=s.torch_dtype, device=where) for s in manifest}
         self.loads = 0
         self.post_loads = 0
         self.load_delay_s = load_delay_s  # a slow engine, so faults can land mid-transfer
@@ -154,7 +156,7 @@ class TrainerWorker(_Party):
 
     def __init__(self, coordinator: Coordinator, manifest_wire: list, rank: int = 0,
                  config: dict | None = None, expected_receivers: int | None = None, device: str = "cpu"):
-        self.manifest, self.device = Manifest.from_wire(manifest_wire), device
+        self.manifest, self.device = Manifest.from_wire(manifest_wire), str(devices.resolve(device))
         cfg = SyncConfig.load(config) if config is not None else None
         self.sender = WeightSender(coordinator, rank=rank, config=cfg, expected_receivers=expected_receivers)
         self.gate = Gate()

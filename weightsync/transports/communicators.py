@@ -39,7 +39,7 @@ if TYPE_CHECKING:  # the types below let tests/conformance check each use agains
 
 DEVICE_OF_BACKEND = {b: kind for kind, b in devices.BACKENDS.items() if b != "gloo"}
 # the constructions each backend has, preferred first
-CONSTRUCTIONS = {"gloo": ("torch",), "nccl": ("torch", "pynccl"), "hccl": ("pyhccl", "torch_npu")}
+CONSTRUCTIONS = {"gloo": ("torch",), "nccl": ("torch", "pynccl"), "hccl": ("pyhccl", "torch_npu"), "simccl": ("sim",)}
 _STATELESS = {  # construction -> (module, class) of its communicator
     "pyhccl": ("vllm_ascend.distributed.device_communicators.pyhccl", "PyHcclCommunicator"),
     "pynccl": ("vllm.distributed.device_communicators.pynccl", "PyNcclCommunicator"),
@@ -49,12 +49,14 @@ AUTO_WHY = {
     ("nccl", "torch"): "auto on CUDA: torch ProcessGroupNCCL, which has timeouts and abort of its own; pynccl on request",
     ("hccl", "pyhccl"): "auto on NPU: pyhccl, the construction verl >= 0.7 and vllm-ascend run on the user's stack",
     ("hccl", "torch_npu"): "auto on NPU: torch_npu ProcessGroupHCCL",
+    ("simccl", "sim"): "auto on the tests' simulated accelerator: gloo queued on its stream, as pynccl queues NCCL",
 }
 WHAT = {
     "torch": "torch ProcessGroup (gloo / NCCL) on the session's store",
     "torch_npu": "torch_npu ProcessGroupHCCL on the session's store",
     "pyhccl": "vLLM StatelessProcessGroup + vllm-ascend PyHcclCommunicator (as verl >= 0.7 and vllm-ascend build it)",
     "pynccl": "vLLM StatelessProcessGroup + vLLM PyNcclCommunicator",
+    "sim": "the sim device's collective (tests): gloo under the device tensors, on the device stream",
 }
 
 
@@ -217,8 +219,13 @@ class _StatelessComm:
 
 
 def make_comm(communicator: str, backend: str, store: Any, rank: int, size: int, device: torch.device,
-              timeout: float) -> _TorchComm | _StatelessComm:
+              timeout: float) -> Any:
     """The communicator ``communicator`` of ``backend`` on ``store``; blocks until every rank is in it."""
+    if communicator == "sim":
+        from ..sim_device import Communicator
+
+        return Communicator(new_process_group("gloo", store, rank, size, datetime.timedelta(seconds=timeout)),
+                            device)
     if communicator in _STATELESS:
         return _StatelessComm(communicator, store, rank, size, device)
     return _TorchComm(new_process_group(backend, store, rank, size, datetime.timedelta(seconds=timeout)))
