@@ -149,10 +149,17 @@ class IpcSender(SenderTransport):
         except Aborted:
             pass  # the coordinator has the reason; sync() reports it through wait_outcome
 
-    def _wait_released(self, version: int, b: int, k: int, watch: Watch, deadline: float) -> None:
+    def _wait_released(self, version: int, b: int, k: int, watch: Watch, deadline: float,
+                       owed: Callable[[], None] | None = None) -> None:
+        """Wait until every receiver released bucket ``b`` of ``version`` from buffer ``k``;
+        ``owed`` runs first if it has to wait: what the receivers may be waiting for."""
         need, w = tag(version, b), self.control.words
         if not watch.pending(w, need, k):
             return
+        if owed is not None:
+            owed()
+            if not watch.pending(w, need, k):
+                return
         poll_until(
             lambda: not watch.pending(w, need, k), deadline, watch.refresh,
             lambda: DeadlineExceeded(
@@ -269,6 +276,9 @@ class IpcReceiver(ReceiverTransport):
             word = ready_word(k)
             self._release(version, held, loaded, need=b - self.nbuf)  # the sender writes b there
             if int(w[word]) != want:
+                # the sender may be waiting for a bucket we hold before it publishes b: hand
+                # every one back (their loads land on their own) before waiting on the sender
+                self._release(version, held, loaded, need=b - 1)
                 self._wait(w, word, want, version, b, deadline, check)
             expected = int(w[word + 1]) if self.kind else None
             yield b, self.buffers[k][: bucket.nbytes], expected

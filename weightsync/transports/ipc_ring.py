@@ -40,7 +40,10 @@ class Ring(BucketSink):
         k = b % s.nbuf
         if b >= s.nbuf:
             self.publish_through(b - s.nbuf)  # receivers release only what they saw published
-            s._wait_released(self.version, b - s.nbuf, k, self.watch, self.deadline)
+            # a receiver may be waiting for bucket b - 1 before it releases anything (its own
+            # loads land late too): publish every full bucket before waiting on the receivers
+            s._wait_released(self.version, b - s.nbuf, k, self.watch, self.deadline,
+                             owed=lambda: self.publish_through(b - 1))
         s.control.words[ready_word(k)] = 0  # receivers that outlived their turn see the overwrite
         return s.buffers[k][: self.plan.buckets[b].nbytes]
 
