@@ -18,6 +18,7 @@ import pytest
 import ray
 
 from weightsync import SyncFailed
+from weightsync.device import ray_options
 from weightsync.manifest import Manifest
 from weightsync.plan import plan_buckets
 from weightsync.testing import JOB_DEFAULTS, new_coordinator, rollout_actor, serves, stop_actors, trainer_actor
@@ -42,12 +43,21 @@ def wait_until(what: str, cond, timeout: float = DEADLINE_S) -> Any:
         time.sleep(0.05)
 
 
+def sim_env(physical: int, lag_ms: float = 20.0, seed: int = 1) -> dict:
+    """Ray options for a party on the simulated accelerator (weightsync/sim_device.py): its
+    events complete up to ``lag_ms`` late; ``physical``: which simulated device it holds."""
+    return {"runtime_env": {"env_vars": {"WEIGHTSYNC_SIM_LAG_MS": str(lag_ms), "WEIGHTSYNC_SIM_SEED": str(seed),
+                                         "WEIGHTSYNC_SIM_VISIBLE_DEVICES": str(physical)}}}
+
+
 class Job:
     def __init__(self, transport: str, manifest: Manifest, bucket_mb: float, *,
-                 coordinator_options: dict | None = None, **extra: Any):
-        self.transport, self.manifest = transport, manifest
+                 coordinator_options: dict | None = None, device: str = "cpu", **extra: Any):
+        """``device="sim"``: every party on the simulated accelerator, one device for all (ipc,
+        shm) or one each (broadcast: a device collective holds a device once)."""
+        self.transport, self.manifest, self.device = transport, manifest, device
         self.cfg = {**JOB_DEFAULTS, "transport": transport, "bucket_mb": bucket_mb, "sync_timeout_s": DEADLINE_S,
-                    **extra}
+                    "device": device, **extra}
         self.coord = new_coordinator(self.cfg, "ws-faults", actor_options=coordinator_options)
         self.buckets = plan_buckets(manifest, int(bucket_mb * 2**20), 256).bucket_count
         self.actors: list[Any] = []
@@ -62,13 +72,24 @@ class Job:
 
     # -- parties ----------------------------------------------------------------------
 
+    def _options(self, physical: int) -> tuple[dict, dict]:
+        """(Ray options, actor arguments) of a party."""
+        if self.device == "cpu":
+            return THREADED, {}
+        if self.device == "sim":
+            return {**THREADED, **sim_env(physical if self.transport == "broadcast" else 0)}, {"device": "sim"}
+        # a real accelerator: every party on one device (fractions of it), the colocated case
+        return {**THREADED, **ray_options(self.device, 1 / (len(RECEIVERS) + 1))}, {"device": self.device}
+
     def _start_rollout(self, name: str, rank: int) -> Any:
-        actor = rollout_actor(self.coord, self.manifest, name, rank, self.cfg, THREADED)
+        options, kwargs = self._options(rank + 1)
+        actor = rollout_actor(self.coord, self.manifest, name, rank, self.cfg, options, **kwargs)
         self.actors.append(actor)
         return actor
 
     def _start_trainer(self) -> Any:
-        actor = trainer_actor(self.coord, self.manifest, self.cfg, len(RECEIVERS), THREADED)
+        options, kwargs = self._options(0)
+        actor = trainer_actor(self.coord, self.manifest, self.cfg, len(RECEIVERS), options, **kwargs)
         self.actors.append(actor)
         return actor
 

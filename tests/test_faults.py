@@ -194,7 +194,7 @@ def _tampered(job: Job, transport: str, how: str, k: int) -> None:
     ray.get(job.trainer.tamper.remote(v, k, how))
     applied = [r.apply.remote(v) for r in job.rollouts.values()]
     err = sync_failed(job.trainer.step.remote(v))
-    assert set(err.failed) == set(RECEIVERS) and err.committed == [], err
+    assert set(err.failed) == set(RECEIVERS) and err.committed == [], (err.committed, err.failed)
     for why in err.failed.values():
         assert "ChecksumError" in why and f"bucket {k} of version {v}" in why, why
     for ref in applied:

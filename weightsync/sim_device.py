@@ -436,6 +436,15 @@ def _empty_strided(size: Any, stride: Any, dtype: Any = None, layout: Any = None
     return SimTensor(_empty_host(size, stride, dtype))
 
 
+def _copy_from(self: Any, dst: Any, non_blocking: bool = False) -> Any:
+    """Copies torch makes below the Python dispatch (``torch.tensor(data, device="sim")``)."""
+    return _copy(dst, self, non_blocking)
+
+
+def _copy_from_and_resize(self: Any, dst: Any) -> Any:
+    return _copy(dst, self, False)
+
+
 # -- sharing by handle (the arguments of torch's rebuild_cuda_tensor) ---------------------------
 
 
@@ -535,6 +544,8 @@ def enable() -> None:
         _library = torch.library.Library("aten", "IMPL")
         _library.impl("empty.memory_format", _empty, "PrivateUse1")
         _library.impl("empty_strided", _empty_strided, "PrivateUse1")
+        _library.impl("_copy_from", _copy_from, "PrivateUse1")
+        _library.impl("_copy_from_and_resize", _copy_from_and_resize, "PrivateUse1")
         _enabled = True
 
 

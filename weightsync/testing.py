@@ -196,6 +196,9 @@ class TrainerWorker(_Party):
                 tail.zero_()
             else:
                 raise ValueError(f"unknown tampering {how!r}")
+            # on a device the edit is queued on the stream: it must land before the bucket is
+            # published, as the packed bytes did (a receiver could verify clean bytes, then load torn ones)
+            devices.synchronize(payload.device)
 
         self.sender.transport.on_packed = hook
 
