@@ -1,0 +1,59 @@
+#!/usr/bin/env bash
+# One command on a GPU or NPU node: the device tests, then a short device benchmark, each step
+# under a deadline, every log and the JSON in one folder. About 6 minutes on one device.
+#
+#   bash scripts/device_check.sh [--device cuda|npu] [--out DIR] [--steps tests,bench]
+#
+# It uses the node's own torch (CUDA build, or torch + torch_npu) and Ray. Where Ray is not
+# installed (an offline node), the trimmed Ray that `bash ../shared/tools/gpu-kit.sh` packs into
+# .gpu/ is unpacked and used. Deadlines: T_TESTS (240 s) and T_BENCH (120 s), in seconds.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+kind="" out="" steps="tests,bench"
+while [ $# -gt 0 ]; do
+    case "$1" in
+        --device) kind="$2"; shift 2 ;;
+        --out) out="$2"; shift 2 ;;
+        --steps) steps="$2"; shift 2 ;;
+        *) echo "device_check: unknown argument '$1' (--device cuda|npu, --out DIR, --steps tests,bench)" >&2; exit 2 ;;
+    esac
+done
+py=python3
+[ -x .venv/bin/python ] && py=.venv/bin/python
+export PYTHONUNBUFFERED=1 PYTHONPATH="$PWD:$PWD/integrations/verl:$PWD/integrations/vllm${PYTHONPATH:+:$PYTHONPATH}"
+if ! "$py" -c "import ray" 2>/dev/null && [ -f .gpu/site.tar.xz ]; then
+    site=/tmp/weightsync-gpu-site
+    [ -d "$site/ray" ] || { mkdir -p "$site" && tar -xJf .gpu/site.tar.xz -C "$site"; }
+    export PYTHONPATH="$site:$PYTHONPATH" PATH="$site/bin:$PATH"
+fi
+if [ -z "$kind" ]; then
+    kind=$("$py" -c "from weightsync.device import platform; print(platform())" 2>/dev/null || echo cpu)
+fi
+if [ "$kind" != "cuda" ] && [ "$kind" != "npu" ]; then
+    echo "device_check: no accelerator here (platform: $kind); nothing to check. On CPU the device branches run" \
+         "on the simulated accelerator: bash scripts/tiers/sim.sh" >&2
+    exit 2
+fi
+out="${out:-results/device-check-$(date -u +%Y%m%dT%H%M%SZ)}"
+mkdir -p "$out"
+{
+    date -u; uname -a; nproc; free -g
+    if [ "$kind" = "cuda" ]; then nvidia-smi; else npu-smi info; fi
+    "$py" -c "import ray, torch; print('ray', ray.__version__, 'torch', torch.__version__)"
+    "$py" -m weightsync.cli doctor
+} > "$out/env.txt" 2>&1
+rc=0
+if [[ $steps == *tests* ]]; then
+    timeout "${T_TESTS:-240}" "$py" -m pytest -m "$kind" -p no:cacheprovider -rs --timeout=90 \
+        -o faulthandler_timeout=80 tests > "$out/tests.log" 2>&1
+    t=$?; echo "device_check: tests rc=$t (log: $out/tests.log)"; tail -5 "$out/tests.log"; [ $t -eq 0 ] || rc=1
+fi
+if [[ $steps == *bench* ]]; then
+    plot=(); "$py" -c "import matplotlib" 2>/dev/null && plot=(--plot "$out/bench.png")
+    timeout "${T_BENCH:-120}" "$py" -m weightsync.cli bench --device "$kind" --transport ipc shm --bucket-mb 64 256 \
+        --receivers 1 4 --checksum on off --baselines ray-numpy --rounds 2 --versions 3 --warmup 1 --no-progress \
+        --note "scripts/device_check.sh" --json "$out/bench.json" "${plot[@]}" > "$out/bench.log" 2>&1
+    b=$?; echo "device_check: bench rc=$b (log: $out/bench.log)"; tail -25 "$out/bench.log"; [ $b -eq 0 ] || rc=1
+fi
+echo "device_check: everything is in $out"
+exit $rc
