@@ -44,7 +44,7 @@ def wait_until(what: str, cond, timeout: float = DEADLINE_S) -> Any:
 
 
 def sim_env(physical: int, lag_ms: float = 20.0, seed: int = 1) -> dict:
-    """Ray options for a party on the simulated accelerator (weightsync/sim_device.py): its
+    """Ray options for a party on the simulated accelerator (weightsync/sim): its
     events complete up to ``lag_ms`` late; ``physical``: which simulated device it holds."""
     return {"runtime_env": {"env_vars": {"WEIGHTSYNC_SIM_LAG_MS": str(lag_ms), "WEIGHTSYNC_SIM_SEED": str(seed),
                                          "WEIGHTSYNC_SIM_VISIBLE_DEVICES": str(physical)}}}

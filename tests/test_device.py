@@ -3,7 +3,7 @@ every party on the same device (the colocated case of verl's hybrid engine), dig
 off, several versions and two receivers bit-exact, a corrupted bucket and a killed receiver.
 Skipped without the hardware; on a node with it: ``bash scripts/device_check.sh`` (or
 ``bash scripts/test.sh -m cuda`` / ``-m npu``). CI runs the same matrix on the simulated
-accelerator (tests/test_sim_device.py, test_sim_faults.py)."""
+accelerator (the sim tier: this matrix, test_sim_faults.py, test_sim_ring.py)."""
 
 from __future__ import annotations
 
@@ -15,7 +15,7 @@ from weightsync.model_layouts import layout
 
 # 30 KiB buckets: the 125 KiB embedding of "tiny" is split over five of them
 CFG = {"bucket_mb": 0.03}
-# sim: the simulated asynchronous accelerator (weightsync/sim_device.py), in CI's sim tier
+# sim: the simulated asynchronous accelerator (weightsync/sim), in CI's sim tier
 KINDS = [pytest.param("cuda", marks=pytest.mark.cuda), pytest.param("npu", marks=pytest.mark.npu),
          pytest.param("sim", marks=pytest.mark.sim)]
 

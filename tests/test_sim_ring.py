@@ -14,7 +14,7 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 import torch
 
-from weightsync import sim_device as sim
+from weightsync import sim
 from weightsync.config import SyncConfig
 from weightsync.device import resolve
 from weightsync.digest import verify

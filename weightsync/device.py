@@ -34,7 +34,7 @@ def platform() -> str:
     return "cpu"
 
 
-SIM = "sim"  # the simulated asynchronous accelerator of the tests (sim_device.py); never auto
+SIM = "sim"  # the simulated asynchronous accelerator of the tests (weightsync/sim); never auto
 
 
 def resolve(device: str = "auto") -> torch.device:
@@ -43,9 +43,9 @@ def resolve(device: str = "auto") -> torch.device:
     if kind == "cpu":
         return torch.device("cpu")
     if kind == SIM:
-        from . import sim_device
+        from . import sim
 
-        sim_device.enable()
+        sim.enable()
         return torch.device(SIM, 0)
     if kind == "cuda":
         return torch.device("cuda", torch.cuda.current_device())

@@ -27,7 +27,7 @@ from typing import Any
 from .errors import ConfigError
 
 COLOCATED, SAME_NODE, REMOTE = "colocated", "same node", "remote"
-ACCELERATORS = ("cuda", "npu", "sim")  # sim: the tests' simulated accelerator (sim_device.py)
+ACCELERATORS = ("cuda", "npu", "sim")  # sim: the tests' simulated accelerator (weightsync/sim)
 
 
 def node_key(party: dict[str, Any]) -> str | None:

@@ -218,14 +218,33 @@ class _StatelessComm:
         self.comm.comm = None
 
 
+class _SimComm:
+    """The sim device's collective (tests; weightsync/sim): a broadcast queued on the device's
+    current stream and seen through an event, as ``_StatelessComm``'s pynccl / pyhccl ones; gloo
+    moves the host bytes behind the device tensor when the stream gets there."""
+
+    def __init__(self, pg: Any, device: torch.device):
+        self.pg, self.device = pg, device
+
+    def broadcast(self, tensor: torch.Tensor, timeout: float) -> devices.EventWork:
+        from .. import sim
+
+        opts = dist.BroadcastOptions()
+        opts.rootRank, opts.rootTensor = 0, 0
+        opts.timeout = datetime.timedelta(seconds=max(timeout, 0.001))
+        host, pg = sim.host_of(tensor), self.pg
+        sim.enqueue(lambda: pg.broadcast([host], opts).wait())
+        return devices.EventWork(self.device)
+
+    def abort(self) -> None:
+        self.pg.abort()
+
+
 def make_comm(communicator: str, backend: str, store: Any, rank: int, size: int, device: torch.device,
               timeout: float) -> Any:
     """The communicator ``communicator`` of ``backend`` on ``store``; blocks until every rank is in it."""
     if communicator == "sim":
-        from ..sim_device import Communicator
-
-        return Communicator(new_process_group("gloo", store, rank, size, datetime.timedelta(seconds=timeout)),
-                            device)
+        return _SimComm(new_process_group("gloo", store, rank, size, datetime.timedelta(seconds=timeout)), device)
     if communicator in _STATELESS:
         return _StatelessComm(communicator, store, rank, size, device)
     return _TorchComm(new_process_group(backend, store, rank, size, datetime.timedelta(seconds=timeout)))

@@ -42,7 +42,7 @@ from .depth import in_flight
 _REBUILD = {
     "cuda": ("torch.multiprocessing.reductions", "rebuild_cuda_tensor"),
     "npu": ("torch_npu.multiprocessing.reductions", "rebuild_npu_tensor"),
-    "sim": ("weightsync.sim_device", "rebuild_sim_tensor"),  # the tests' simulated accelerator
+    "sim": ("weightsync.sim", "rebuild_sim_tensor"),  # the tests' simulated accelerator
 }
 
 # what reduce_tensor returns for a device tensor: the arguments of torch's rebuild_cuda_tensor
@@ -58,9 +58,9 @@ def export_handle(t: torch.Tensor) -> dict[str, Any]:
 
     kind = t.device.type
     if kind == devices.SIM:
-        from .. import sim_device
+        from .. import sim
 
-        rebuild, args = sim_device.reduce_tensor(t)  # rebuild_cuda_tensor's arguments, for host memory
+        rebuild, args = sim.reduce_tensor(t)  # rebuild_cuda_tensor's arguments, for host memory
     else:
         rebuild, args = reductions.reduce_tensor(t)
     if (getattr(rebuild, "__module__", ""), getattr(rebuild, "__name__", "")) != _REBUILD.get(kind):
