@@ -175,8 +175,10 @@ def pytest_sessionfinish(session, exitstatus):
     root = Path(session.config.rootpath)
     out = root / "results"
     out.mkdir(exist_ok=True)
-    (out / "reliability.json").write_text(json.dumps(_scenarios, indent=1))
+    # the sim tier's scenarios (-m sim) are the same ones on the simulated accelerator: kept apart
+    name = "reliability-sim" if session.config.option.markexpr == "sim" else "reliability"
+    (out / f"{name}.json").write_text(json.dumps(_scenarios, indent=1))
     spec = importlib.util.spec_from_file_location("reliability_table", root / "scripts" / "reliability_table.py")
     table = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(table)
-    (out / "reliability.md").write_text(table.render(_scenarios))
+    (out / f"{name}.md").write_text(table.render(_scenarios))
