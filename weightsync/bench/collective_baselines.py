@@ -55,6 +55,7 @@ class Peer:
         self.tensors: dict[str, torch.Tensor] = {}
         self.flat: torch.Tensor | None = None
         self.engine: ToyEngine | None = None
+        self.want: str | None = None  # the sender's digest of the version (model_digest)
 
     def host(self, port: int = 0, host: str = "auto") -> tuple[str, int]:
         address = store_host(host)
@@ -71,6 +72,12 @@ class Peer:
         """What ``method`` needs, made before any timing: for ``raw`` the flat buffer (the
         sender's filled with the version), for ``per_tensor`` the tensors or the model."""
         tensors = materialize(self.manifest, seed=seed) if self.rank == 0 else {}
+        if self.rank == 0:
+            # what every receiver's model must hold afterwards, hashed now (outside the timing):
+            # hashing is cheaper than making the random bits a second time to compare against
+            from .actors import digest
+
+            self.want = digest(tensors)
         if method in ("raw", "raw_load"):
             self.flat = torch.empty(self.manifest.total_bytes, dtype=torch.uint8, device=self.device)
             if self.rank == 0:
@@ -130,13 +137,14 @@ class Peer:
         _sync(self.device)
         return t0, time.monotonic()
 
-    def checksum_ok(self) -> bool:
-        """Receivers: the model holds the sender's bytes (the baselines must move real data)."""
+    def model_digest(self) -> str:
+        """The sender's: the digest of what it sent; a receiver's: of the model it loaded (the
+        baselines must move real data). Equal digests: bit-exact models (actors.digest)."""
         if self.rank == 0:
-            return True
-        want = materialize(self.manifest, seed=1)
-        return all(torch.equal(self.engine.params[k].cpu().view(torch.uint8), want[k].view(torch.uint8))
-                   for k in want)
+            return self.want
+        from .actors import digest
+
+        return digest(self.engine.params)
 
     def close(self) -> None:
         self.group = self.store = None
@@ -181,8 +189,10 @@ def _timed(peers: list[Any], method: str, repeats: int, cpu: dict | None = None)
         out.append(max(e for _, e in spans) - min(s for s, _ in spans))
     if cpu is not None:
         cpu["cpu_s"] = sum(ray.get([p.cpu_s.remote() for p in peers], timeout=TIMEOUT_S)) - cpu0
-    if method in ("per_tensor", "raw_load") and not all(ray.get([p.checksum_ok.remote() for p in peers])):
-        raise RuntimeError(f"{method} baseline delivered wrong bytes")
+    if method in ("per_tensor", "raw_load"):
+        want, *got = ray.get([p.model_digest.remote() for p in peers], timeout=TIMEOUT_S)
+        if any(g != want for g in got):
+            raise RuntimeError(f"{method} baseline delivered wrong bytes")
     return out
 
 
