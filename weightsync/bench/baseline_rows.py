@@ -26,7 +26,9 @@ def _module():
         return None, f"weightsync.bench.collective_baselines is not part of this build ({exc})"
 
 
-def unavailable(kind: str, backend: str, device: str, payload: int, receivers: int) -> str | None:
+def unavailable(kind: str, backend: str, device: str, payload: int, receivers: int, made: bool = False) -> str | None:
+    """Why the baseline cannot run here, or None. ``made``: its group was kept from an earlier
+    round (run's ``keep``), so its memory is in use already and is not asked for again."""
     mod, why = _module()
     if mod is None:
         return why
@@ -36,7 +38,7 @@ def unavailable(kind: str, backend: str, device: str, payload: int, receivers: i
     want = backend_for(device)
     if backend != want and not (backend == "gloo" and device == "cpu"):
         return f"backend {backend} does not match device {device} (expected {want})"
-    if device == "cpu":
+    if device == "cpu" and not made:
         # these actors hold their own copies: the sender's tensors plus a flat buffer, and per
         # receiver a model plus a flat buffer, beside the benchmark's actors
         need = 2 * payload * (receivers + 1)
@@ -51,9 +53,10 @@ def unavailable(kind: str, backend: str, device: str, payload: int, receivers: i
 
 
 def run(manifest: Any, kind: str, receivers: int, backend: str, device: str, repeats: int,
-        cpu: dict | None = None) -> tuple[list[float], bool | None]:
+        cpu: dict | None = None, keep: dict | None = None) -> tuple[list[float], bool | None]:
     """(seconds per repetition, bytes verified or None) of one collective baseline; ``cpu``
-    gets ``cpu_s``, the CPU seconds its actors spent over the repetitions."""
+    gets ``cpu_s``, the CPU seconds its actors spent over the repetitions; ``keep``: where its
+    group of actors stays for the next round (collective_baselines._baseline)."""
     mod, why = _module()
     if mod is None:
         raise RuntimeError(why)
@@ -61,6 +64,19 @@ def run(manifest: Any, kind: str, receivers: int, backend: str, device: str, rep
     # a device collective takes one whole device per rank (the runner checked there are enough)
     resources = ray_options(device, 1) or None
     seconds = getattr(mod, fn)(manifest, receivers, backend=backend, device=device, repeats=repeats,
-                               resources=resources, cpu=cpu)
+                               resources=resources, cpu=cpu, keep=keep)
     # per_tensor_broadcast raises when a receiver's model differs from the sender's tensors
     return list(seconds), (True if verifies else None)
+
+
+def made(keep: dict, kind: str, receivers: int) -> bool:
+    """Whether ``keep`` holds this baseline's group from an earlier round."""
+    method = {"per_tensor_broadcast": "per_tensor", "raw_broadcast": "raw", "raw_broadcast_load": "raw_load"}[
+        FUNCTIONS[kind][0]]
+    return any(k[0] == method and k[1] == receivers for k in keep)
+
+
+def close(keep: dict) -> None:
+    mod, _ = _module()
+    if mod is not None:
+        mod.close_kept(keep)

@@ -206,30 +206,53 @@ def _kill(actors: list[Any]) -> None:
 
 
 def _baseline(method: str, manifest: Manifest, receivers: int, backend: str, device: str, repeats: int,
-              resources: dict | None, cpu: dict | None) -> list[float]:
-    peers = _peers(manifest, receivers, backend, device, resources, method)
+              resources: dict | None, cpu: dict | None, keep: dict | None = None) -> list[float]:
+    """``keep``: a dict the caller owns (and empties with :func:`close_kept`) in which the group
+    stays between calls, so that a benchmark's rounds reuse one group instead of making the
+    version's random bits again each round; without it the group goes after this call."""
+    key = (method, receivers, backend, device)
+    peers = keep.get(key) if keep is not None else None
+    if peers is None:
+        peers = _peers(manifest, receivers, backend, device, resources, method)
+        if keep is not None:
+            keep[key] = peers
     try:
         return _timed(peers, method, repeats, cpu)
+    except BaseException:
+        if keep is not None:
+            keep.pop(key, None)
+        _kill(peers)  # a failed group is not reused
+        raise
     finally:
-        _kill(peers)
+        if keep is None:
+            _kill(peers)
+
+
+def close_kept(keep: dict) -> None:
+    """Kill every group a :func:`_baseline` caller kept."""
+    while keep:
+        _kill(keep.popitem()[1])
 
 
 def raw_broadcast(manifest: Manifest, receivers: int, *, backend: str = "gloo", device: str = "cpu",
-                  repeats: int = 3, resources: dict | None = None, cpu: dict | None = None) -> list[float]:
+                  repeats: int = 3, resources: dict | None = None, cpu: dict | None = None,
+                  keep: dict | None = None) -> list[float]:
     """Seconds of one broadcast of ``manifest.total_bytes`` pre-packed in a flat buffer."""
-    return _baseline("raw", manifest, receivers, backend, device, repeats, resources, cpu)
+    return _baseline("raw", manifest, receivers, backend, device, repeats, resources, cpu, keep)
 
 
 def raw_broadcast_load(manifest: Manifest, receivers: int, *, backend: str = "gloo", device: str = "cpu",
-                       repeats: int = 3, resources: dict | None = None, cpu: dict | None = None) -> list[float]:
+                       repeats: int = 3, resources: dict | None = None, cpu: dict | None = None,
+                       keep: dict | None = None) -> list[float]:
     """Seconds of one flat broadcast plus every receiver's load of the tensors into its model."""
-    return _baseline("raw_load", manifest, receivers, backend, device, repeats, resources, cpu)
+    return _baseline("raw_load", manifest, receivers, backend, device, repeats, resources, cpu, keep)
 
 
 def per_tensor_broadcast(manifest: Manifest, receivers: int, *, backend: str = "gloo", device: str = "cpu",
-                         repeats: int = 3, resources: dict | None = None, cpu: dict | None = None) -> list[float]:
+                         repeats: int = 3, resources: dict | None = None, cpu: dict | None = None,
+                         keep: dict | None = None) -> list[float]:
     """Seconds of one broadcast per tensor, each handed to load_weights on arrival."""
-    return _baseline("per_tensor", manifest, receivers, backend, device, repeats, resources, cpu)
+    return _baseline("per_tensor", manifest, receivers, backend, device, repeats, resources, cpu, keep)
 
 
 class _BenchTrainer:

@@ -34,10 +34,11 @@ def models_bytes(payload: int, receivers: int) -> int:
 
 
 def row_bytes(name: str, payload: int, bucket_bytes: int, receivers: int, shm_segments: int,
-              shm_need: int | None = None) -> tuple[int, int]:
+              shm_need: int | None = None, first_use: bool = True) -> tuple[int, int]:
     """(node bytes, of which in the shm directory) that one row adds over the models.
     ``shm_need``: what shm holds in the mode its transport picks (shm_stream.choose_mode);
-    None: ``shm_segments`` whole versions."""
+    None: ``shm_segments`` whole versions. ``first_use``: a row with actors of its own
+    (ray-rdt-*) makes them now, so their models count too."""
     parties = receivers + 1
     slack = parties * min(PARTY_SLACK, payload // 2)
     if name in ("shm", "auto"):  # auto on one host picks shm
@@ -51,6 +52,10 @@ def row_bytes(name: str, payload: int, bucket_bytes: int, receivers: int, shm_se
         return payload + slack, payload
     if name == "ray-user":
         return (2 + receivers) * payload + slack, payload
+    if name.startswith("ray-rdt"):
+        # each rollout's receive buffers (Ray allocates them, the load copies out of them); on
+        # the row's first round also the pair's own trainer and engine copies (rdt_rows.RdtPair)
+        return receivers * payload + (models_bytes(payload, receivers) if first_use else 0) + slack, 0
     return 0, 0  # the collective baselines check their own memory (baseline_rows)
 
 
@@ -89,4 +94,6 @@ def describe_row(name: str, payload: int, bucket_bytes: int, receivers: int, shm
         return f"the object of {gib:.1f} GiB, the pickle and one copy per receiver"
     if name == "ray-numpy":
         return f"the object of {gib:.1f} GiB in the store"
+    if name.startswith("ray-rdt"):
+        return f"{receivers} receive cop{'y' if receivers == 1 else 'ies'} of {gib:.1f} GiB (and its actors' models on first use)"
     return f"{bucket_bytes / 2**20:g} MiB buckets"

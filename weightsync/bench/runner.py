@@ -94,9 +94,12 @@ class Bench:
     """Owns the actors for one benchmark run; each ``*_row`` method returns one result row."""
 
     def __init__(self, manifest: Manifest, *, receivers: int, device: str = "cpu", weights_path: str | None = None,
-                 versions: int = 5, warmup: int = 1, progress: bool = True, check: bool = True,
+                 versions: int = 5, warmup: int = 1, barrier_versions: int | None = None, progress: bool = True,
+                 check: bool = True,
                  runtime_env: dict[str, Any] | None = None, classes: tuple[type, type] | None = None,
-                 update: str = "random"):
+                 update: str = "random", rdt: tuple[str, ...] = ()):
+        """``rdt``: Ray Direct Transport baselines whose actors start now, beside this bench's own
+        (rdt_rows.RdtPair); the others are made on their row's first round."""
         self.manifest = manifest
         # only passed when not the default: an --against side's older BenchTrainer has no such argument
         self._update = {"update": update} if update != "random" else {}
@@ -104,6 +107,8 @@ class Bench:
         self.payload = manifest.total_bytes
         self.device = device
         self.versions, self.warmup = versions, warmup
+        # pre-staged barriers per sync row (every other one after prefetch()); 2 x versions before presets
+        self.barrier_versions = 2 * versions if barrier_versions is None else barrier_versions
         self.check = check
         self.progress = Progress(progress)
         self._version = itertools.count(1)
@@ -113,12 +118,26 @@ class Bench:
         self._classes = classes or (BenchTrainer, BenchRollout)
         self._base: dict[str, Any] = {"num_cpus": 0, "max_concurrency": 1,
                                       **({"runtime_env": runtime_env} if runtime_env else {})}
-        # colocated on one device, like the ipc case
-        self._opts, self._weights_path = {**self._base, **ray_options(device, 1.0 / parties)}, weights_path
+        # colocated on one device, like the ipc case; half of it, so that the Ray Direct Transport
+        # rows' own colocated actors (rdt_rows: CUDA_IPC) fit on the same device beside them
+        self._share = 0.5 / parties
+        self._opts, self._weights_path = {**self._base, **ray_options(device, self._share)}, weights_path
         self._spread: tuple[Any, list[Any]] | None = None  # one device per party, made when needed
+        self._rdt: dict[str, Any] = {}  # RDT baseline name -> its RdtPair, made on its first row
+        # the collective baselines' groups, kept from their first round to the last (baseline_rows.run)
+        self._groups: dict[tuple, list[Any]] = {}
+        for name in rdt:
+            self._rdt[name] = self._new_rdt(name, receivers)
         self.trainer = self._new_trainer()
         self.rollouts = [self._new_rollout(i) for i in range(receivers)]
         self.pids = ray.get([self.trainer.pid.remote()] + [r.pid.remote() for r in self.rollouts])
+
+    def _new_rdt(self, name: str, receivers: int) -> Any:
+        from .rdt_rows import RdtPair
+
+        opts = {k: v for k, v in self._base.items() if k != "runtime_env"}
+        return RdtPair(name, self.manifest.to_wire(), self.device, receivers, self._update, opts,
+                       ray_options(self.device, self._share), ray_options(self.device, 1))
 
     def _new_trainer(self, opts: dict[str, Any] | None = None) -> Any:
         return ray.remote(self._classes[0]).options(**(opts or self._opts)).remote(self.manifest.to_wire(), self.device,
@@ -193,14 +212,26 @@ class Bench:
         got = ray.get([r.digest.remote() for r in rollouts])
         return all(g == want for g in got)
 
+    @property
+    def rdt_made(self) -> set[str]:
+        """The RDT baselines whose actors exist (their models are already in the node's memory)."""
+        return set(self._rdt)
+
     def close(self) -> None:
         import psutil
 
         spread = [self._spread[0], *self._spread[1]] if self._spread else []
         procs = []
         if self.interrupted or asked():  # busy actors answer nothing: kill them, then reap their segment files
-            interrupt_close([self.trainer, *self.rollouts, *spread], self.pids)
+            interrupt_close([self.trainer, *self.rollouts, *spread, *(a for p in self._rdt.values() for a in p.actors),
+                             *(a for g in self._groups.values() for a in g)],
+                            self.pids + [pid for p in self._rdt.values() for pid in p.pids])
             return
+        for pair in self._rdt.values():
+            pair.close()
+        from . import baseline_rows
+
+        baseline_rows.close(self._groups)
         for actor in [self.trainer, *self.rollouts, *spread]:
             with contextlib.suppress(Exception):
                 procs.append(psutil.Process(ray.get(actor.pid.remote(), timeout=30)))
@@ -241,7 +272,7 @@ class Bench:
             ray.get([r.open.remote(coord, cfg) for r in rx], timeout=ROW_TIMEOUT_S)
             ray.get(trainer.open.remote(coord, cfg, receivers), timeout=ROW_TIMEOUT_S)
             label = f"{transport} {bucket_mb:g}MiB x{receivers}"
-            with self.progress.bar(self.warmup + 3 * self.versions, label) as bar:
+            with self.progress.bar(self.warmup + self.versions + self.barrier_versions, label) as bar:
                 for i in range(self.warmup + self.versions):
                     check()
                     v = next(self._version)
@@ -254,7 +285,7 @@ class Bench:
                         changed.append(out.get("changed_fraction"))
                         recv_metrics.extend(e["metrics"] for e in ends)
                     tick(bar)
-                for i in range(2 * self.versions):
+                for i in range(self.barrier_versions):
                     check()
                     v = next(self._version)
                     ray.get(trainer.stage.remote(v), timeout=ROW_TIMEOUT_S)
@@ -342,15 +373,63 @@ class Bench:
         row["changed_fraction"] = changed
         return self._finish(row, seconds)
 
+    # -- Ray Direct Transport (weightsync.bench.rdt_rows) ------------------------------------
+
+    def rdt_row(self, kind: str, receivers: int) -> dict[str, Any]:
+        """``ray-rdt-*``: the trainer's method returns the tensors over Ray Direct Transport,
+        each rollout takes the ref as an argument and loads them (rdt_rows says what Ray needs)."""
+        from . import rdt_rows
+
+        transport, _, backend = rdt_rows.TRANSPORTS[kind]
+        row = self._row(kind="baseline", name=kind, receivers=receivers, backend=backend, transport=transport)
+        why = rdt_rows.unavailable(kind, self.device)
+        if why is None and kind == "ray-rdt-nccl" and kind not in self._rdt:
+            why = devices_short(self.device, "nccl", len(self.rollouts) + 1)
+        if why:
+            row.update(kind="unavailable", error=why)
+            return row
+        seconds, changed = [], []
+        try:
+            pair = self._rdt.get(kind)
+            if pair is None:  # kept for the run: made once, before the first timed version
+                pair = self._rdt[kind] = self._new_rdt(kind, len(self.rollouts))
+            if not pair.pids:
+                pair.ready(ROW_TIMEOUT_S)
+                self.pids += pair.pids
+            rx = pair.rollouts[:receivers]
+            ray.get([a.start_peak.remote() for a in [pair.trainer, *rx]], timeout=ROW_TIMEOUT_S)
+            with self.progress.bar(self.warmup + self.versions, f"{kind} x{receivers}") as bar:
+                for i in range(self.warmup + self.versions):
+                    check()
+                    out = pair.version(next(self._version), receivers, ROW_TIMEOUT_S)
+                    if i >= self.warmup:
+                        seconds.append(out["seconds"])
+                        changed.append(out["changed_fraction"])
+                    tick(bar)
+            row["verified"] = self._verify(rx, pair.trainer)
+            row["sender_peak_extra_bytes"] = ray.get(pair.trainer.peak_extra.remote(), timeout=ROW_TIMEOUT_S)
+            row["receivers_peak_extra_bytes"] = ray.get([r.peak_extra.remote() for r in rx], timeout=ROW_TIMEOUT_S)
+            row["receiver_peak_extra_bytes"] = max(row["receivers_peak_extra_bytes"])
+        except Exception as exc:
+            row["error"] = describe_error(exc)
+            # Ray kills both actors when a transfer fails: the next round makes a new pair
+            dead = self._rdt.pop(kind, None)
+            if dead is not None:
+                dead.close()
+        row["changed_fraction"] = changed
+        return self._finish(row, seconds)
+
     # -- collective broadcast baselines (weightsync.bench.collective_baselines) -----------------------
 
     def collective_row(self, kind: str, receivers: int, backend: str) -> dict[str, Any]:
         """``bcast-per-tensor`` / ``bcast-flat`` from weightsync.bench.collective_baselines: its own
-        group of actors (same layout, device and receiver count); peak memory is not tracked."""
+        group of actors (same layout, device and receiver count), made in its first round and kept
+        for the others, as the bench's own actors are; peak memory is not tracked."""
         from . import baseline_rows
         row = self._row(kind="baseline", name=kind, receivers=receivers, backend=backend)
-        why = baseline_rows.unavailable(kind, backend, self.device, self.payload, receivers) or (
-            devices_short(self.device, backend, receivers + 1) if one_device_per_rank(backend, self.device)
+        made = baseline_rows.made(self._groups, kind, receivers)
+        why = baseline_rows.unavailable(kind, backend, self.device, self.payload, receivers, made) or (
+            devices_short(self.device, backend, receivers + 1) if one_device_per_rank(backend, self.device) and not made
             else None)
         if why:
             row.update(kind="unavailable", error=why)
@@ -360,8 +439,8 @@ class Bench:
             cpu: dict[str, float] = {}  # its actors' CPU seconds over every repetition
             with self.progress.bar(1, f"{kind} x{receivers} ({self.warmup + self.versions} versions)") as bar:
                 timed, verified = baseline_rows.run(self.manifest, kind, receivers, backend, self.device,
-                                                      self.warmup + self.versions, cpu)
-                tick(bar)
+                                                      self.warmup + self.versions, cpu, self._groups)
+                tick(bar, self.warmup + self.versions)
             row["parties_cpu_s"] = cpu.get("cpu_s")
             seconds = timed[self.warmup:]  # the first ones fault in the engine's pages
             row["verified"] = verified
