@@ -405,7 +405,10 @@ def _run_size(args: argparse.Namespace, label: str, manifest: Any, weights_path:
               "barrier_versions": args.barrier_versions,
               "weights_path": weights_path if args.real_weights else None, "progress": not args.no_progress,
               "check": not args.no_verify}
-    benches = {"this": Bench(manifest, **common, update=args.update, rdt=_rdt_early(args, manifest, device, receivers))}
+    keep = _keep_baselines(manifest, device, receivers)
+    size["baseline_actors_kept"] = sorted(keep)  # the others' rows made theirs each round
+    benches = {"this": Bench(manifest, **common, update=args.update, keep_baselines=keep,
+                             rdt=_rdt_early(args, device) if "rdt" in keep else ())}
     size["update"] = ray.get(benches["this"].trainer.update_info.remote())
     sided = _sided(plan, against)
 
@@ -446,22 +449,38 @@ def _run_size(args: argparse.Namespace, label: str, manifest: Any, weights_path:
     return size
 
 
-def _rdt_early(args: argparse.Namespace, manifest: Any, device: str, receivers: list[int]) -> tuple[str, ...]:
-    """The Ray Direct Transport rows whose actors can start beside the bench's own: those that
-    can run here and ask for no whole device (NCCL's wait for theirs on the row), when the node
-    holds both sets of models now; the others are made on their row's first round."""
+def _keep_baselines(manifest: Any, device: str, receivers: list[int]) -> frozenset[str]:
+    """Which baselines' own actors may stay for the whole run, saving their set-up each round
+    (~15 s each on the 0.5B layout on the shared 2-core VM): "rdt" (RDT pairs, which then start
+    beside the bench's actors) and "groups" (collective baseline groups). Only where the node
+    holds them beside the bench's models and still twice what shm's whole versions need, so the
+    shm rows keep their mode (shm_stream.choose_mode takes half of what the node can give and
+    streams through a ring when whole versions do not fit: another mode, measured as shm)."""
     import psutil
 
-    from . import rdt_rows
-
-    names = [b for b in args.baselines if b in rdt_rows.TRANSPORTS and b != "ray-rdt-nccl"
-             and rdt_rows.unavailable(b, device) is None]
-    if not names or device != "cpu":
-        return tuple(names)
+    if device != "cpu":
+        return frozenset({"rdt", "groups"})  # their models live on the devices, not in host memory
     vm = psutil.virtual_memory()
     n, payload = max(receivers), manifest.total_bytes
-    need = 2 * memory_fit.models_bytes(payload, n) + n * payload  # both sets of models, the receive buffers
-    return tuple(names) if need + memory_fit.reserve(vm.total) <= vm.available else ()
+    base = (memory_fit.models_bytes(payload, n) + 2 * SyncConfig.from_env().shm_max_segments * payload
+            + memory_fit.reserve(vm.total))
+    rdt = memory_fit.models_bytes(payload, n)  # the pair's trainer and engine copies
+    group = (1 + 2 * n) * payload  # a flat broadcast group: the sender's buffer, per receiver a model and a buffer
+    keep = set()
+    if base + rdt <= vm.available:
+        keep.add("rdt")
+        if base + rdt + group <= vm.available:
+            keep.add("groups")
+    return frozenset(keep)
+
+
+def _rdt_early(args: argparse.Namespace, device: str) -> tuple[str, ...]:
+    """The Ray Direct Transport rows whose actors can start beside the bench's own: those that
+    can run here and ask for no whole device (NCCL's wait for theirs on their row)."""
+    from . import rdt_rows
+
+    return tuple(b for b in args.baselines if b in rdt_rows.TRANSPORTS and b != "ray-rdt-nccl"
+                 and rdt_rows.unavailable(b, device) is None)
 
 
 def exit_status(result: dict[str, Any]) -> int:

@@ -157,6 +157,8 @@ def run_rounds(plan: list[tuple[str, Item]], benches: dict[str, Any], run_row: C
     pids = {side: {"trainer": ray.get(b.trainer.pid.remote()), "rollouts": ray.get([r.pid.remote() for r in b.rollouts])}
             for side, b in benches.items()}
     done: list[dict[str, Any]] = []
+    if eta is not None:
+        eta.begin()
     for k in range(n_rounds):
         order = rounds.round_order(list(enumerate(plan)), k)
         print(f"weightsync bench: round {k + 1}/{n_rounds}", file=sys.stderr)

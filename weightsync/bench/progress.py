@@ -57,6 +57,13 @@ class Eta:
 
     def __init__(self, total: int):
         self.total, self.done, self.t0 = total, 0, time.monotonic()
+        self._begun = False
+
+    def begin(self) -> None:
+        """The clock starts at the first row: set-up (Ray, the actors' models, the copy ceiling)
+        takes no versions and would inflate the rate."""
+        if not self._begun:
+            self._begun, self.t0 = True, time.monotonic()
 
     def add(self, versions: int) -> None:
         self.done += versions

@@ -97,9 +97,12 @@ class Bench:
                  versions: int = 5, warmup: int = 1, barrier_versions: int | None = None, progress: bool = True,
                  check: bool = True,
                  runtime_env: dict[str, Any] | None = None, classes: tuple[type, type] | None = None,
-                 update: str = "random", rdt: tuple[str, ...] = ()):
+                 update: str = "random", rdt: tuple[str, ...] = (), keep_baselines: frozenset[str] = frozenset()):
         """``rdt``: Ray Direct Transport baselines whose actors start now, beside this bench's own
-        (rdt_rows.RdtPair); the others are made on their row's first round."""
+        (rdt_rows.RdtPair). ``keep_baselines``: whose own actors ("rdt": RDT pairs, "groups":
+        collective groups) stay from their first round to the last; the others' rows make and end their own,
+        so the memory they hold never shrinks what the shm rows may use (shm_stream.budget
+        picks a streaming ring, another mode, when the node has too little free)."""
         self.manifest = manifest
         # only passed when not the default: an --against side's older BenchTrainer has no such argument
         self._update = {"update": update} if update != "random" else {}
@@ -126,6 +129,7 @@ class Bench:
         self._rdt: dict[str, Any] = {}  # RDT baseline name -> its RdtPair, made on its first row
         # the collective baselines' groups, kept from their first round to the last (baseline_rows.run)
         self._groups: dict[tuple, list[Any]] = {}
+        self.keep_baselines = keep_baselines
         for name in rdt:
             self._rdt[name] = self._new_rdt(name, receivers)
         self.trainer = self._new_trainer()
@@ -391,7 +395,7 @@ class Bench:
         seconds, changed = [], []
         try:
             pair = self._rdt.get(kind)
-            if pair is None:  # kept for the run: made once, before the first timed version
+            if pair is None:  # made before the first timed version (and kept with keep_baselines)
                 pair = self._rdt[kind] = self._new_rdt(kind, len(self.rollouts))
             if not pair.pids:
                 pair.ready(ROW_TIMEOUT_S)
@@ -416,6 +420,8 @@ class Bench:
             dead = self._rdt.pop(kind, None)
             if dead is not None:
                 dead.close()
+        if "rdt" not in self.keep_baselines and kind in self._rdt:
+            self._rdt.pop(kind).close()
         row["changed_fraction"] = changed
         return self._finish(row, seconds)
 
@@ -439,7 +445,8 @@ class Bench:
             cpu: dict[str, float] = {}  # its actors' CPU seconds over every repetition
             with self.progress.bar(1, f"{kind} x{receivers} ({self.warmup + self.versions} versions)") as bar:
                 timed, verified = baseline_rows.run(self.manifest, kind, receivers, backend, self.device,
-                                                      self.warmup + self.versions, cpu, self._groups)
+                                                      self.warmup + self.versions, cpu,
+                                                      self._groups if "groups" in self.keep_baselines else None)
                 tick(bar, self.warmup + self.versions)
             row["parties_cpu_s"] = cpu.get("cpu_s")
             seconds = timed[self.warmup:]  # the first ones fault in the engine's pages

@@ -43,8 +43,18 @@ def barrier_lines(size: dict[str, Any]) -> list[str]:
         q = _quartiles(r.get("prestaged_s") or [])
         spread = f" (IQR {_s(q)})" if q is not None else ""
         lines.append(f"  {r['name']} x{r['receivers']}: {_s(r['barrier_s'])}{spread} = "
-                     f"{r['barrier_s'] / one:.2f}x one copy{ahead}")
+                     f"{r['barrier_s'] / one:.2f}x one copy{ahead}{_mode(r)}")
     return lines
+
+
+def _mode(row: dict[str, Any]) -> str:
+    """shm holding less than one version streamed through its ring of bucket buffers: the node
+    had too little memory free for whole versions (shm_stream.choose_mode), so the trainer could
+    not stage ahead and there was nothing to prefetch. Said, since it is another mode than shm's."""
+    if row.get("transport") in ("shm", "auto") and row.get("shm_bytes") is not None \
+            and row["shm_bytes"] < row.get("payload_bytes", 0):
+        return " [streamed through a ring: too little memory free for whole versions]"
+    return ""
 
 
 def _quartiles(values: list[float]) -> float | None:
