@@ -8,7 +8,7 @@ import argparse
 import json
 
 from weightsync.bench import rdt_rows, summary
-from weightsync.bench.cli import PRESETS, add_bench_arguments, apply_preset
+from weightsync.bench.options import PRESETS, add_bench_arguments, apply_preset
 from weightsync.cli import main
 
 

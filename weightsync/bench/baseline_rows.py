@@ -80,3 +80,33 @@ def close(keep: dict) -> None:
     mod, _ = _module()
     if mod is not None:
         mod.close_kept(keep)
+
+
+def row(bench: Any, kind: str, receivers: int, backend: str) -> dict[str, Any]:
+    """``bcast-per-tensor`` / ``bcast-flat`` from weightsync.bench.collective_baselines: its own
+    group of actors (same layout, device and receiver count), made in its first round and kept
+    for the others, as the bench's own actors are; peak memory is not tracked."""
+    from .interrupt import tick
+    from .rowkit import describe_error, devices_short, one_device_per_rank
+
+    row = bench._row(kind="baseline", name=kind, receivers=receivers, backend=backend)
+    kept = made(bench._groups, kind, receivers)
+    why = unavailable(kind, backend, bench.device, bench.payload, receivers, kept) or (
+        devices_short(bench.device, backend, receivers + 1) if one_device_per_rank(backend, bench.device) and not kept
+        else None)
+    if why:
+        row.update(kind="unavailable", error=why)
+        return row
+    seconds: list[float] = []
+    try:
+        cpu: dict[str, float] = {}  # its actors' CPU seconds over every repetition
+        with bench.progress.bar(1, f"{kind} x{receivers} ({bench.warmup + bench.versions} versions)") as bar:
+            timed, verified = run(bench.manifest, kind, receivers, backend, bench.device, bench.warmup + bench.versions,
+                                  cpu, bench._groups if "groups" in bench.keep_baselines else None)
+            tick(bar, bench.warmup + bench.versions)
+        row["parties_cpu_s"] = cpu.get("cpu_s")
+        seconds = timed[bench.warmup:]  # the first ones fault in the engine's pages
+        row["verified"] = verified
+    except Exception as exc:
+        row["error"] = describe_error(exc)
+    return bench._finish(row, seconds)

@@ -75,7 +75,7 @@ class Peer:
         if self.rank == 0:
             # what every receiver's model must hold afterwards, hashed now (outside the timing):
             # hashing is cheaper than making the random bits a second time to compare against
-            from .actors import digest
+            from .bits import digest
 
             self.want = digest(tensors)
         if method in ("raw", "raw_load"):
@@ -139,10 +139,10 @@ class Peer:
 
     def model_digest(self) -> str:
         """The sender's: the digest of what it sent; a receiver's: of the model it loaded (the
-        baselines must move real data). Equal digests: bit-exact models (actors.digest)."""
+        baselines must move real data). Equal digests: bit-exact models (bits.digest)."""
         if self.rank == 0:
             return self.want
-        from .actors import digest
+        from .bits import digest
 
         return digest(self.engine.params)
 

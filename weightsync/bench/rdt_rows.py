@@ -180,3 +180,62 @@ class RdtPair:
             with contextlib.suppress(Exception):
                 ray.kill(a)
         psutil.wait_procs(procs, timeout=60)
+
+
+def pair_for(bench: Any, name: str, receivers: int) -> RdtPair:
+    """The actors of RDT row ``name`` for the runner's Bench: its layout, device and update
+    model, ``receivers`` rollouts; on the bench's device share when colocated (CUDA_IPC)."""
+    from ..device import ray_options
+
+    opts = {k: v for k, v in bench._base.items() if k != "runtime_env"}
+    return RdtPair(name, bench.manifest.to_wire(), bench.device, receivers, bench._update, opts,
+                   ray_options(bench.device, bench._share), ray_options(bench.device, 1))
+
+
+def row(bench: Any, kind: str, receivers: int) -> dict[str, Any]:
+    """``ray-rdt-*``: the trainer's method returns the tensors over Ray Direct Transport,
+    each rollout takes the ref as an argument and loads them (the module docstring says what
+    Ray needs). ``bench``: the runner's Bench, whose version numbers, settings and bit check it uses."""
+    from .interrupt import check, tick
+    from .rowkit import ROW_TIMEOUT_S, describe_error, devices_short
+
+    transport, _, backend = TRANSPORTS[kind]
+    row = bench._row(kind="baseline", name=kind, receivers=receivers, backend=backend, transport=transport)
+    why = unavailable(kind, bench.device)
+    if why is None and kind == "ray-rdt-nccl" and kind not in bench._rdt:
+        why = devices_short(bench.device, "nccl", len(bench.rollouts) + 1)
+    if why:
+        row.update(kind="unavailable", error=why)
+        return row
+    seconds, changed = [], []
+    try:
+        pair = bench._rdt.get(kind)
+        if pair is None:  # made before the first timed version (and kept with keep_baselines)
+            pair = bench._rdt[kind] = pair_for(bench, kind, len(bench.rollouts))
+        if not pair.pids:
+            pair.ready(ROW_TIMEOUT_S)
+            bench.pids += pair.pids
+        rx = pair.rollouts[:receivers]
+        ray.get([a.start_peak.remote() for a in [pair.trainer, *rx]], timeout=ROW_TIMEOUT_S)
+        with bench.progress.bar(bench.warmup + bench.versions, f"{kind} x{receivers}") as bar:
+            for i in range(bench.warmup + bench.versions):
+                check()
+                out = pair.version(next(bench._version), receivers, ROW_TIMEOUT_S)
+                if i >= bench.warmup:
+                    seconds.append(out["seconds"])
+                    changed.append(out["changed_fraction"])
+                tick(bar)
+        row["verified"] = bench._verify(rx, pair.trainer)
+        row["sender_peak_extra_bytes"] = ray.get(pair.trainer.peak_extra.remote(), timeout=ROW_TIMEOUT_S)
+        row["receivers_peak_extra_bytes"] = ray.get([r.peak_extra.remote() for r in rx], timeout=ROW_TIMEOUT_S)
+        row["receiver_peak_extra_bytes"] = max(row["receivers_peak_extra_bytes"])
+    except Exception as exc:
+        row["error"] = describe_error(exc)
+        # Ray kills both actors when a transfer fails: the next round makes a new pair
+        dead = bench._rdt.pop(kind, None)
+        if dead is not None:
+            dead.close()
+    if "rdt" not in bench.keep_baselines and kind in bench._rdt:
+        bench._rdt.pop(kind).close()
+    row["changed_fraction"] = changed
+    return bench._finish(row, seconds)

@@ -15,7 +15,6 @@ import importlib
 import importlib.util
 import itertools
 import os
-import re
 import statistics
 import time
 from typing import Any
@@ -25,24 +24,14 @@ import ray
 
 from .. import transports as transport_registry
 from ..client import Coordinator
-from ..device import RAY_RESOURCE, ray_options
+from ..device import ray_options
 from ..manifest import Manifest
 from .actors import BenchRollout, BenchTrainer
 from .delta_rows import delta_suffix
 from .interrupt import Progress, asked, check, interrupt_close, tick
+from .rowkit import ROW_TIMEOUT_S, describe_error, devices_short, one_device_per_rank
 
-# generous: a row on a loaded 2-core machine can be slow, but never hangs the benchmark
-ROW_TIMEOUT_S = 600.0
-
-
-def describe_error(exc: BaseException) -> str:
-    """The remote exception's own type and message, not Ray's wrapper header."""
-    cause = getattr(exc, "cause", None)
-    if isinstance(exc, ray.exceptions.RayTaskError) and cause is not None:
-        exc = cause
-    text = re.sub(r"\x1b\[[0-9;]*m", "", f"{type(exc).__name__}: {exc}")
-    return " ".join(text.split())[:600]
-
+__all__ = ["ROW_TIMEOUT_S", "Bench", "describe_error", "devices_short", "one_device_per_rank", "transport_unavailable"]
 
 def stats(seconds: list[float]) -> dict[str, float]:
     if not seconds:
@@ -54,20 +43,6 @@ def stats(seconds: list[float]) -> dict[str, float]:
 def _median_of(dicts: list[dict[str, Any]], key: str) -> float | None:
     values = [d[key] for d in dicts if isinstance(d.get(key), (int, float))]
     return statistics.median(values) if values else None
-
-
-def one_device_per_rank(backend: str, device: str) -> bool:
-    """A device collective cannot hold one device twice: its rows need a device per party."""
-    return device in RAY_RESOURCE and backend in ("nccl", "hccl")
-
-
-def devices_short(device: str, backend: str, ranks: int) -> str | None:
-    """Why ``ranks`` parties cannot each get a whole ``device`` now, or None."""
-    free = ray.available_resources().get(RAY_RESOURCE[device], 0.0)
-    if free >= ranks:
-        return None
-    return (f"backend {backend} needs one {device} device per rank ({ranks} ranks) and {int(free)} are free "
-            f"in the Ray cluster (the colocated rows hold one); a communicator cannot hold one device twice")
 
 
 def transport_unavailable(name: str, backend: str, device: str) -> str | None:
@@ -130,18 +105,13 @@ class Bench:
         # the collective baselines' groups, kept from their first round to the last (baseline_rows.run)
         self._groups: dict[tuple, list[Any]] = {}
         self.keep_baselines = keep_baselines
+        from . import rdt_rows
+
         for name in rdt:
-            self._rdt[name] = self._new_rdt(name, receivers)
+            self._rdt[name] = rdt_rows.pair_for(self, name, receivers)
         self.trainer = self._new_trainer()
         self.rollouts = [self._new_rollout(i) for i in range(receivers)]
         self.pids = ray.get([self.trainer.pid.remote()] + [r.pid.remote() for r in self.rollouts])
-
-    def _new_rdt(self, name: str, receivers: int) -> Any:
-        from .rdt_rows import RdtPair
-
-        opts = {k: v for k, v in self._base.items() if k != "runtime_env"}
-        return RdtPair(name, self.manifest.to_wire(), self.device, receivers, self._update, opts,
-                       ray_options(self.device, self._share), ray_options(self.device, 1))
 
     def _new_trainer(self, opts: dict[str, Any] | None = None) -> Any:
         return ray.remote(self._classes[0]).options(**(opts or self._opts)).remote(self.manifest.to_wire(), self.device,
@@ -377,83 +347,17 @@ class Bench:
         row["changed_fraction"] = changed
         return self._finish(row, seconds)
 
-    # -- Ray Direct Transport (weightsync.bench.rdt_rows) ------------------------------------
+    # -- baselines with actors of their own: rdt_rows (Ray Direct Transport), baseline_rows ----
 
     def rdt_row(self, kind: str, receivers: int) -> dict[str, Any]:
-        """``ray-rdt-*``: the trainer's method returns the tensors over Ray Direct Transport,
-        each rollout takes the ref as an argument and loads them (rdt_rows says what Ray needs)."""
         from . import rdt_rows
 
-        transport, _, backend = rdt_rows.TRANSPORTS[kind]
-        row = self._row(kind="baseline", name=kind, receivers=receivers, backend=backend, transport=transport)
-        why = rdt_rows.unavailable(kind, self.device)
-        if why is None and kind == "ray-rdt-nccl" and kind not in self._rdt:
-            why = devices_short(self.device, "nccl", len(self.rollouts) + 1)
-        if why:
-            row.update(kind="unavailable", error=why)
-            return row
-        seconds, changed = [], []
-        try:
-            pair = self._rdt.get(kind)
-            if pair is None:  # made before the first timed version (and kept with keep_baselines)
-                pair = self._rdt[kind] = self._new_rdt(kind, len(self.rollouts))
-            if not pair.pids:
-                pair.ready(ROW_TIMEOUT_S)
-                self.pids += pair.pids
-            rx = pair.rollouts[:receivers]
-            ray.get([a.start_peak.remote() for a in [pair.trainer, *rx]], timeout=ROW_TIMEOUT_S)
-            with self.progress.bar(self.warmup + self.versions, f"{kind} x{receivers}") as bar:
-                for i in range(self.warmup + self.versions):
-                    check()
-                    out = pair.version(next(self._version), receivers, ROW_TIMEOUT_S)
-                    if i >= self.warmup:
-                        seconds.append(out["seconds"])
-                        changed.append(out["changed_fraction"])
-                    tick(bar)
-            row["verified"] = self._verify(rx, pair.trainer)
-            row["sender_peak_extra_bytes"] = ray.get(pair.trainer.peak_extra.remote(), timeout=ROW_TIMEOUT_S)
-            row["receivers_peak_extra_bytes"] = ray.get([r.peak_extra.remote() for r in rx], timeout=ROW_TIMEOUT_S)
-            row["receiver_peak_extra_bytes"] = max(row["receivers_peak_extra_bytes"])
-        except Exception as exc:
-            row["error"] = describe_error(exc)
-            # Ray kills both actors when a transfer fails: the next round makes a new pair
-            dead = self._rdt.pop(kind, None)
-            if dead is not None:
-                dead.close()
-        if "rdt" not in self.keep_baselines and kind in self._rdt:
-            self._rdt.pop(kind).close()
-        row["changed_fraction"] = changed
-        return self._finish(row, seconds)
-
-    # -- collective broadcast baselines (weightsync.bench.collective_baselines) -----------------------
+        return rdt_rows.row(self, kind, receivers)
 
     def collective_row(self, kind: str, receivers: int, backend: str) -> dict[str, Any]:
-        """``bcast-per-tensor`` / ``bcast-flat`` from weightsync.bench.collective_baselines: its own
-        group of actors (same layout, device and receiver count), made in its first round and kept
-        for the others, as the bench's own actors are; peak memory is not tracked."""
         from . import baseline_rows
-        row = self._row(kind="baseline", name=kind, receivers=receivers, backend=backend)
-        made = baseline_rows.made(self._groups, kind, receivers)
-        why = baseline_rows.unavailable(kind, backend, self.device, self.payload, receivers, made) or (
-            devices_short(self.device, backend, receivers + 1) if one_device_per_rank(backend, self.device) and not made
-            else None)
-        if why:
-            row.update(kind="unavailable", error=why)
-            return row
-        seconds: list[float] = []
-        try:
-            cpu: dict[str, float] = {}  # its actors' CPU seconds over every repetition
-            with self.progress.bar(1, f"{kind} x{receivers} ({self.warmup + self.versions} versions)") as bar:
-                timed, verified = baseline_rows.run(self.manifest, kind, receivers, backend, self.device,
-                                                      self.warmup + self.versions, cpu,
-                                                      self._groups if "groups" in self.keep_baselines else None)
-                tick(bar, self.warmup + self.versions)
-            row["parties_cpu_s"] = cpu.get("cpu_s")
-            seconds = timed[self.warmup:]  # the first ones fault in the engine's pages
-            row["verified"] = verified
-        except Exception as exc:
-            row["error"] = describe_error(exc)
-        return self._finish(row, seconds)
+
+        return baseline_rows.row(self, kind, receivers, backend)
 
 
 def module_available(name: str) -> bool:
