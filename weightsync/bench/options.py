@@ -24,7 +24,7 @@ BASELINE_CHOICES = ("ray-user", "ray-numpy", "ray-rdt", "ray-rdt-gloo", "ray-rdt
 # An option given on the command line wins over its preset.
 PRESETS: dict[str, dict[str, Any]] = {
     "quick": {"transport": ["shm", "ipc", "broadcast"], "checksum": ["on"],
-              "baselines": ["ray-numpy", "ray-rdt", "bcast-flat-load"], "rounds": 2, "versions": 4, "warmup": 2,
+              "baselines": ["ray-numpy", "ray-rdt", "bcast-flat-load"], "rounds": 2, "versions": 3, "warmup": 2,
               "barrier_versions": 1, "ceiling_repeats": 3},
     "full": {"transport": ["shm", "ipc", "broadcast"], "checksum": ["on", "off"],
              "baselines": ["ray-user", "ray-numpy", "ray-rdt", "bcast-per-tensor", "bcast-flat", "bcast-flat-load"],
@@ -60,7 +60,7 @@ def add_bench_arguments(p: argparse.ArgumentParser) -> None:
     preset = argparse.SUPPRESS
     p.add_argument("--preset", choices=tuple(PRESETS), default="quick",
                    help="quick: shm, ipc and broadcast with digests on against ray-numpy, ray-rdt and "
-                        "bcast-flat-load, 2 rounds x 4 versions (about 2.5 minutes for the 0.5B layout on a shared "
+                        "bcast-flat-load, 2 rounds x 3 versions (about 2.5 minutes for the 0.5B layout on a shared "
                         "2-core VM); full: every baseline, digests on and off, 3 rounds x 5 versions")
     p.add_argument("--full", action="store_true", help="the same as --preset full: the thorough matrix")
     p.add_argument("--model", "--layout", nargs="+", default=["qwen2.5-0.5b"], metavar="MODEL",
