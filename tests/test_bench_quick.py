@@ -95,3 +95,13 @@ def test_the_closing_summary_puts_each_barrier_against_one_copy_and_the_fastest_
     assert lines[-1] == ("shm, the fastest transport with 1 receiver, moves a version in 0.400 s (median, IQR 0.010 s, "
                          "load average 2.0): 3.00x faster than ray-rdt-gloo (1.200 s, IQR 0.100 s), 2.00x slower than "
                          "ray-numpy (0.200 s, IQR 0.010 s); ray-rdt-nccl did not run (see its row).")
+
+
+def test_baselines_keep_their_actors_for_the_run_only_where_shm_keeps_room_for_whole_versions():
+    from weightsync.bench import memory_fit
+
+    gib = memory_fit.GiB
+    # 1 GiB payload, 1 receiver, one flat group, 3 shm segments: models 2 + shm 6 + reserve 1.6 (of 32 GiB total)
+    assert memory_fit.keep_baselines(gib, 1, 1, 3, available=20 * gib, total=32 * gib) == {"rdt", "groups"}
+    assert memory_fit.keep_baselines(gib, 1, 1, 3, available=12 * gib, total=32 * gib) == {"rdt"}
+    assert memory_fit.keep_baselines(gib, 1, 1, 3, available=9 * gib, total=32 * gib) == set()

@@ -5,7 +5,9 @@ baseline row says why when it cannot run here."""
 
 from __future__ import annotations
 
+import contextlib
 import importlib
+import threading
 from typing import Any
 
 import psutil
@@ -69,11 +71,28 @@ def run(manifest: Any, kind: str, receivers: int, backend: str, device: str, rep
     return list(seconds), (True if verifies else None)
 
 
+# the Peer method each baseline times (collective_baselines keys kept groups by it)
+METHODS = {"bcast-per-tensor": "per_tensor", "bcast-flat": "raw", "bcast-flat-load": "raw_load"}
+
+
 def made(keep: dict, kind: str, receivers: int) -> bool:
     """Whether ``keep`` holds this baseline's group from an earlier round."""
-    method = {"per_tensor_broadcast": "per_tensor", "raw_broadcast": "raw", "raw_broadcast_load": "raw_load"}[
-        FUNCTIONS[kind][0]]
-    return any(k[0] == method and k[1] == receivers for k in keep)
+    return any(k[0] == METHODS[kind] and k[1] == receivers for k in keep)
+
+
+def start(keep: dict, manifest: Any, kind: str, receivers: int, backend: str, device: str) -> threading.Thread:
+    """Make this baseline's group into ``keep`` in a thread, so that its actors start and make
+    their version while the bench's own actors make their models (join it before any timing).
+    A group that fails here is simply absent: its row makes one and reports what goes wrong."""
+    mod, _ = _module()
+
+    def make() -> None:
+        with contextlib.suppress(Exception):
+            mod.open_kept(keep, METHODS[kind], manifest, receivers, backend, device, ray_options(device, 1) or None)
+
+    thread = threading.Thread(target=make, name=f"weightsync-bench-{kind}", daemon=True)
+    thread.start()
+    return thread
 
 
 def close(keep: dict) -> None:

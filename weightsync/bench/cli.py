@@ -285,10 +285,12 @@ def _run_size(args: argparse.Namespace, label: str, manifest: Any, weights_path:
               "barrier_versions": args.barrier_versions,
               "weights_path": weights_path if args.real_weights else None, "progress": not args.no_progress,
               "check": not args.no_verify}
-    keep = _keep_baselines(manifest, device, receivers)
+    keep = memory_fit.keep_baselines(manifest.total_bytes, max(receivers), sum(b.startswith("bcast-") for b in args.baselines),
+                                     SyncConfig.from_env().shm_max_segments) if device == "cpu" else frozenset({"rdt", "groups"})
     size["baseline_actors_kept"] = sorted(keep)  # the others' rows made theirs each round
     benches = {"this": Bench(manifest, **common, update=args.update, keep_baselines=keep,
-                             rdt=_rdt_early(args, device) if "rdt" in keep else ())}
+                             rdt=_rdt_early(args, device) if "rdt" in keep else (),
+                             groups=_groups_early(args, manifest, device, backend, receivers) if "groups" in keep else ())}
     size["update"] = ray.get(benches["this"].trainer.update_info.remote())
     sided = _sided(plan, against)
 
@@ -329,29 +331,18 @@ def _run_size(args: argparse.Namespace, label: str, manifest: Any, weights_path:
     return size
 
 
-def _keep_baselines(manifest: Any, device: str, receivers: list[int]) -> frozenset[str]:
-    """Which baselines' own actors may stay for the whole run, saving their set-up each round
-    (~15 s each on the 0.5B layout on the shared 2-core VM): "rdt" (RDT pairs, which then start
-    beside the bench's actors) and "groups" (collective baseline groups). Only where the node
-    holds them beside the bench's models and still twice what shm's whole versions need, so the
-    shm rows keep their mode (shm_stream.choose_mode takes half of what the node can give and
-    streams through a ring when whole versions do not fit: another mode, measured as shm)."""
-    import psutil
+def _groups_early(args: argparse.Namespace, manifest: Any, device: str, backend: str,
+                  receivers: list[int]) -> tuple[tuple[str, str], ...]:
+    """The collective baselines whose group can start beside the bench's actors: on the host
+    (a device group waits for whole devices on its row), and where baseline_rows finds the
+    memory for it now."""
+    from . import baseline_rows
 
     if device != "cpu":
-        return frozenset({"rdt", "groups"})  # their models live on the devices, not in host memory
-    vm = psutil.virtual_memory()
-    n, payload = max(receivers), manifest.total_bytes
-    base = (memory_fit.models_bytes(payload, n) + 2 * SyncConfig.from_env().shm_max_segments * payload
-            + memory_fit.reserve(vm.total))
-    rdt = memory_fit.models_bytes(payload, n)  # the pair's trainer and engine copies
-    group = (1 + 2 * n) * payload  # a flat broadcast group: the sender's buffer, per receiver a model and a buffer
-    keep = set()
-    if base + rdt <= vm.available:
-        keep.add("rdt")
-        if base + rdt + group <= vm.available:
-            keep.add("groups")
-    return frozenset(keep)
+        return ()
+    n = max(receivers)
+    return tuple((b, backend) for b in args.baselines if b in baseline_rows.METHODS
+                 and baseline_rows.unavailable(b, backend, device, manifest.total_bytes, n) is None)
 
 
 def _rdt_early(args: argparse.Namespace, device: str) -> tuple[str, ...]:

@@ -228,6 +228,12 @@ def _baseline(method: str, manifest: Manifest, receivers: int, backend: str, dev
             _kill(peers)
 
 
+def open_kept(keep: dict, method: str, manifest: Manifest, receivers: int, backend: str, device: str,
+              resources: dict | None) -> None:
+    """Make the group ``_baseline(..., keep=keep)`` will find, ahead of its first call."""
+    keep[(method, receivers, backend, device)] = _peers(manifest, receivers, backend, device, resources, method)
+
+
 def close_kept(keep: dict) -> None:
     """Kill every group a :func:`_baseline` caller kept."""
     while keep:

@@ -97,3 +97,29 @@ def describe_row(name: str, payload: int, bucket_bytes: int, receivers: int, shm
     if name.startswith("ray-rdt"):
         return f"{receivers} receive cop{'y' if receivers == 1 else 'ies'} of {gib:.1f} GiB (and its actors' models on first use)"
     return f"{bucket_bytes / 2**20:g} MiB buckets"
+
+
+def keep_baselines(payload: int, receivers: int, groups: int, shm_segments: int, available: int | None = None,
+                   total: int | None = None) -> frozenset[str]:
+    """Which baselines' own actors may stay for the whole run, saving their set-up each round
+    (~15 s each on the 0.5B layout on the shared 2-core VM): "rdt" (RDT pairs, which then start
+    beside the bench's actors) and "groups" (the ``groups`` collective baselines' groups). Only
+    where the node holds them beside the bench's models and still twice what shm's whole
+    versions need, so the shm rows keep their mode (shm_stream.choose_mode takes half of what
+    the node can give and streams through a ring when whole versions do not fit: another mode,
+    measured as shm). ``available`` / ``total``: the node's, now (default: psutil's)."""
+    if available is None or total is None:
+        import psutil
+
+        vm = psutil.virtual_memory()
+        available, total = vm.available, vm.total
+    base = models_bytes(payload, receivers) + 2 * shm_segments * payload + reserve(total)
+    rdt = models_bytes(payload, receivers)  # the pair's trainer and engine copies
+    # a flat broadcast group: the sender's buffer, per receiver a model and a buffer
+    group = groups * (1 + 2 * receivers) * payload
+    keep = set()
+    if base + rdt <= available:
+        keep.add("rdt")
+        if base + rdt + group <= available:
+            keep.add("groups")
+    return frozenset(keep)

@@ -72,12 +72,14 @@ class Bench:
                  versions: int = 5, warmup: int = 1, barrier_versions: int | None = None, progress: bool = True,
                  check: bool = True,
                  runtime_env: dict[str, Any] | None = None, classes: tuple[type, type] | None = None,
-                 update: str = "random", rdt: tuple[str, ...] = (), keep_baselines: frozenset[str] = frozenset()):
+                 update: str = "random", rdt: tuple[str, ...] = (), keep_baselines: frozenset[str] = frozenset(),
+                 groups: tuple[tuple[str, str], ...] = ()):
         """``rdt``: Ray Direct Transport baselines whose actors start now, beside this bench's own
         (rdt_rows.RdtPair). ``keep_baselines``: whose own actors ("rdt": RDT pairs, "groups":
         collective groups) stay from their first round to the last; the others' rows make and end their own,
         so the memory they hold never shrinks what the shm rows may use (shm_stream.budget
-        picks a streaming ring, another mode, when the node has too little free)."""
+        picks a streaming ring, another mode, when the node has too little free). ``groups``:
+        (collective baseline, backend) whose kept group starts now too (baseline_rows.start)."""
         self.manifest = manifest
         # only passed when not the default: an --against side's older BenchTrainer has no such argument
         self._update = {"update": update} if update != "random" else {}
@@ -105,13 +107,16 @@ class Bench:
         # the collective baselines' groups, kept from their first round to the last (baseline_rows.run)
         self._groups: dict[tuple, list[Any]] = {}
         self.keep_baselines = keep_baselines
-        from . import rdt_rows
+        from . import baseline_rows, rdt_rows
 
         for name in rdt:
             self._rdt[name] = rdt_rows.pair_for(self, name, receivers)
+        early = [baseline_rows.start(self._groups, manifest, kind, receivers, backend, device) for kind, backend in groups]
         self.trainer = self._new_trainer()
         self.rollouts = [self._new_rollout(i) for i in range(receivers)]
         self.pids = ray.get([self.trainer.pid.remote()] + [r.pid.remote() for r in self.rollouts])
+        for thread in early:  # nothing is timed while they make their version
+            thread.join()
 
     def _new_trainer(self, opts: dict[str, Any] | None = None) -> Any:
         return ray.remote(self._classes[0]).options(**(opts or self._opts)).remote(self.manifest.to_wire(), self.device,
