@@ -286,7 +286,9 @@ def _run_size(args: argparse.Namespace, label: str, manifest: Any, weights_path:
               "weights_path": weights_path if args.real_weights else None, "progress": not args.no_progress,
               "check": not args.no_verify}
     keep = memory_fit.keep_baselines(manifest.total_bytes, max(receivers), sum(b.startswith("bcast-") for b in args.baselines),
-                                     SyncConfig.from_env().shm_max_segments) if device == "cpu" else frozenset({"rdt", "groups"})
+                                     SyncConfig.from_env().shm_max_segments,
+                                     store=any(b in ("ray-user", "ray-numpy") for b in args.baselines)
+                                     ) if device == "cpu" else frozenset({"rdt", "groups"})
     size["baseline_actors_kept"] = sorted(keep)  # the others' rows made theirs each round
     benches = {"this": Bench(manifest, **common, update=args.update, keep_baselines=keep,
                              rdt=_rdt_early(args, device) if "rdt" in keep else (),

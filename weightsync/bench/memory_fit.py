@@ -100,20 +100,22 @@ def describe_row(name: str, payload: int, bucket_bytes: int, receivers: int, shm
 
 
 def keep_baselines(payload: int, receivers: int, groups: int, shm_segments: int, available: int | None = None,
-                   total: int | None = None) -> frozenset[str]:
+                   total: int | None = None, store: bool = True) -> frozenset[str]:
     """Which baselines' own actors may stay for the whole run, saving their set-up each round
     (~15 s each on the 0.5B layout on the shared 2-core VM): "rdt" (RDT pairs, which then start
     beside the bench's actors) and "groups" (the ``groups`` collective baselines' groups). Only
     where the node holds them beside the bench's models and still twice what shm's whole
     versions need, so the shm rows keep their mode (shm_stream.choose_mode takes half of what
     the node can give and streams through a ring when whole versions do not fit: another mode,
-    measured as shm). ``available`` / ``total``: the node's, now (default: psutil's)."""
+    measured as shm). ``available`` / ``total``: the node's, now (default: psutil's). ``store``:
+    the object store baselines run, whose pages stay resident in /dev/shm once written (about
+    two versions' worth): on the shared VM, counting them is what kept shm out of its ring."""
     if available is None or total is None:
         import psutil
 
         vm = psutil.virtual_memory()
         available, total = vm.available, vm.total
-    base = models_bytes(payload, receivers) + 2 * shm_segments * payload + reserve(total)
+    base = models_bytes(payload, receivers) + 2 * shm_segments * payload + reserve(total) + (2 * payload if store else 0)
     rdt = models_bytes(payload, receivers)  # the pair's trainer and engine copies
     # a flat broadcast group: the sender's buffer, per receiver a model and a buffer
     group = groups * (1 + 2 * receivers) * payload
