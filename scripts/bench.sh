@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # The main job on a fresh machine: set-up, then the sync-throughput benchmark on CPU over the
-# built-in Qwen2.5-0.5B layout (no download). Extra arguments go to `weightsync bench`.
+# built-in Qwen2.5-0.5B layout (no download): the quick default (about 2.5 min on a shared
+# 2-core VM). Extra arguments go to `weightsync bench`, e.g. --full for the thorough matrix.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh plot

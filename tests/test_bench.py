@@ -17,7 +17,8 @@ from weightsync.cli import main
 
 def test_bench_tiny_shm_end_to_end(ray_cluster, tmp_path):
     out, png = tmp_path / "bench.json", tmp_path / "bench.png"
-    rc = main(["bench", "--device", "cpu", "--model", "tiny", "--transport", "shm", "--receivers", "1", "2", "--bucket-mb", "0.25",
+    # --full: its pre-staged barriers (2 x versions per round), the rest as given here
+    rc = main(["bench", "--full", "--device", "cpu", "--model", "tiny", "--transport", "shm", "--receivers", "1", "2", "--bucket-mb", "0.25",
                "--versions", "2", "--rounds", "2", "--warmup", "1", "--baselines", "ray-user", "ray-numpy", "--ceiling-repeats", "2",
                "--checksum", "on", "off", "--no-progress", "--note", "pytest smoke", "--expect", "x_ray-user>=0", "--json", str(out), "--plot", str(png)])
     assert rc == 0

@@ -13,7 +13,6 @@ import warnings
 from typing import Any
 
 import torch
-import xxhash
 
 from ..client import Coordinator
 from ..config import SyncConfig
@@ -21,22 +20,10 @@ from ..manifest import Manifest
 from ..model_layouts import materialize
 from ..receiver import WeightReceiver
 from ..sender import WeightSender
+from .bits import digest
+from .bits import flat_bytes as _flat
 from .peak_memory import PeakTracker
 from .updates import Versions
-
-
-def _flat(t: torch.Tensor) -> torch.Tensor:
-    return t.reshape(-1).view(torch.uint8)
-
-
-def digest(tensors: dict[str, torch.Tensor]) -> str:
-    """xxh3 over every tensor's bytes, in order: equal digests mean bit-exact weights."""
-    h = xxhash.xxh3_64()
-    for name, t in tensors.items():
-        h.update(name.encode())
-        if t.numel():
-            h.update(memoryview(_flat(t.detach().cpu().contiguous()).numpy()))
-    return h.hexdigest()
 
 
 def _collective():

@@ -14,80 +14,13 @@ from typing import Any
 
 from ..config import SyncConfig
 from ..device import backend_for
-from ..model_layouts import LAYOUTS
 from . import memory_fit
-from .delta_rows import DELTA_MODES, delta_suffix
-from .expect import KEYS, evaluate, fastest, parse_expectation
+from .delta_rows import delta_suffix
+from .expect import evaluate, fastest
 from .interrupt import INTERRUPTED, remember_ctrl_c
-from .updates import UPDATES
+from .options import BASELINE_CHOICES, PRESETS, TRANSPORTS, add_bench_arguments, apply_preset
 
-TRANSPORTS = ("shm", "ipc", "broadcast", "auto")
-BASELINE_CHOICES = ("ray-user", "ray-numpy", "bcast-per-tensor", "bcast-flat", "bcast-flat-load")
-
-
-def add_bench_arguments(p: argparse.ArgumentParser) -> None:
-    p.formatter_class = argparse.ArgumentDefaultsHelpFormatter
-    p.add_argument("--model", "--layout", nargs="+", default=["qwen2.5-0.5b"], metavar="MODEL",
-                   help=f"built-in layout ({', '.join(LAYOUTS)}) or a safetensors file/folder; several "
-                        "(the two spellings are one option) run every row per size and print a growth table")
-    p.add_argument("--real-weights", action="store_true",
-                   help="with --model PATH: send the file's tensors instead of random bits")
-    p.add_argument("--dtype", default=None, help="dtype of a built-in layout (default bfloat16), or the "
-                   "floating-point dtype a safetensors layout is cast to")
-    p.add_argument("--transport", nargs="+", default=["shm", "ipc", "broadcast"], choices=TRANSPORTS,
-                   metavar="T", help=f"one or several of {', '.join(TRANSPORTS)}")
-    p.add_argument("--backend", default="auto", choices=("auto", "gloo", "nccl", "hccl"),
-                   help="collective backend of broadcast (and the collective baselines)")
-    p.add_argument("--receivers", nargs="+", type=int, default=[1], metavar="N", help="receiver counts to run")
-    p.add_argument("--bucket-mb", nargs="+", type=float, default=[SyncConfig().bucket_mb], metavar="MB",
-                   help="bucket sizes to sweep")
-    p.add_argument("--checksum", nargs="+", default=["on", "off"], choices=("on", "off"),
-                   help="per-bucket digest on or off (the config's checksum), on every transport, device "
-                        "links included; both (the default) show what it costs, interleaved in one run")
-    p.add_argument("--digest", default="auto", choices=("auto", "xxh3", "torch"),
-                   help="digest kind when on: auto = xxh3 for host buckets, torch ops on device buckets")
-    p.add_argument("--update", default="random", choices=UPDATES,
-                   help="how each version differs from the one before: random = every byte (what a full sync "
-                        "moves anyway); adamw-LR = one torch.optim.AdamW step at that lr on an fp32 master, sent "
-                        "as bf16 (a few percent of elements change; docs/delta.md). The fraction changed is in "
-                        "the JSON")
-    p.add_argument("--delta", nargs="+", default=["off"], choices=DELTA_MODES,
-                   help="the config's delta mode of the transport rows; several run side by side in the same "
-                        "rounds, delta rows named e.g. 'broadcast (delta on)' and compared to the full row")
-    p.add_argument("--versions", type=int, default=5, help="timed versions per row and round")
-    p.add_argument("--rounds", type=int, default=3, help="rounds over every row, the order rotated each round, "
-                   "so a neighbour's load drifting during the run lands on every row alike")
-    p.add_argument("--against", metavar="GIT_REV", default=None,
-                   help="A/B: also run the transports of this git rev of the repo (extracted with git archive, "
-                        "imported by its own actors), interleaved with this checkout's in the same rounds")
-    p.add_argument("--warmup", type=int, default=2, help="untimed versions first: they allocate the transport's reusable buffers (shm alternates two segments) and fault their pages in")
-    p.add_argument("--device", default="auto", choices=("auto", "cpu", "cuda", "npu"),
-                   help="where trainer tensors and engine weights live")
-    p.add_argument("--baselines", nargs="*", default=list(BASELINE_CHOICES), choices=BASELINE_CHOICES, metavar="B",
-                   help=f"baselines to run, any of {', '.join(BASELINE_CHOICES)} (none: no baselines)")
-    p.add_argument("--ceiling-repeats", type=int, default=5, help="repeats of each copy for the ceiling")
-    p.add_argument("--object-store-gb", type=float, default=None,
-                   help="Ray object store size (default: enough for the baselines, 3.5x the largest payload, "
-                        "but at most half of the free space of /dev/shm, where Ray keeps the store)")
-    p.add_argument("--address", default=None, help="Ray cluster to join (default: start a local one)")
-    p.add_argument("--no-verify", action="store_true", help="skip the bit-exact check after each row")
-    p.add_argument("--no-progress", action="store_true", help="no progress bars")
-    p.add_argument("--note", default="", help="free text stored in the JSON (e.g. 'machine shared')")
-    p.add_argument("--expect", action="append", default=[], type=_expectation, metavar="KEY>=VALUE",
-                   help="assert your own goal on the fastest matching row, e.g. x_ceiling>=0.25, "
-                   "shm:x_ray-numpy>=1, growth_x@4<=2.5 ([TRANSPORT:]KEY[@RECEIVERS], >= or <=); repeatable; "
-                   f"exit status 1 on a miss. Keys: {', '.join(KEYS)}")
-    p.add_argument("--json", metavar="PATH", help="write every figure as JSON (schema: docs/benchmarks.md)")
-    p.add_argument("--plot", metavar="PATH.png", help="write a PNG of GB/s per transport and bucket size; with "
-                   "several sizes, time per version and per GB against size")
-
-
-def _expectation(text: str):
-    try:
-        return parse_expectation(text)
-    except ValueError as exc:
-        raise argparse.ArgumentTypeError(str(exc)) from None
-
+__all__ = ["BASELINE_CHOICES", "PRESETS", "TRANSPORTS", "add_bench_arguments", "apply_preset", "run_bench"]
 
 def machine_info() -> dict[str, Any]:
     import psutil
@@ -137,7 +70,7 @@ def _skipped(item: Item, payload: int, why: str) -> dict[str, Any]:
             "payload_bytes": payload, "seconds": [], "median_s": None, "gbps": None, "error": why}
 
 
-def _row_need(item: Item, manifest: Any) -> tuple[int, int, str]:
+def _row_need(item: Item, manifest: Any, first_use: bool = True) -> tuple[int, int, str]:
     import dataclasses
 
     from ..errors import CapacityError
@@ -154,15 +87,16 @@ def _row_need(item: Item, manifest: Any) -> tuple[int, int, str]:
             mode = choose_mode(plan_buckets(manifest, bucket, config.align_bytes), config)
         except CapacityError:
             pass  # no mode fits: the row fails with the transport's own message
-    need, shm = memory_fit.row_bytes(name, payload, bucket, n, segs, mode.need_bytes if mode else None)
+    need, shm = memory_fit.row_bytes(name, payload, bucket, n, segs, mode.need_bytes if mode else None, first_use)
     return need, shm, memory_fit.describe_row(name, payload, bucket, n, segs, mode.buffers if mode else 0)
 
 
-def _row_refusal(item: Item, manifest: Any) -> str | None:
-    """Whether a row's buffers fit now, beside the models the actors already hold."""
+def _row_refusal(item: Item, manifest: Any, first_use: bool = True) -> str | None:
+    """Whether a row's buffers fit now, beside the models the actors already hold (``first_use``:
+    a row with actors of its own has not made them yet)."""
     import psutil
 
-    need, shm, detail = _row_need(item, manifest)
+    need, shm, detail = _row_need(item, manifest, first_use)
     if not need:
         return None
     vm = psutil.virtual_memory()
@@ -198,17 +132,19 @@ def _run_bench(args: argparse.Namespace) -> int:
     import ray
 
     from ..device import platform as detect_platform
-    from . import delta_rows, growth, interleave, layout_source, results, rounds
+    from . import delta_rows, growth, interleave, layout_source, progress, rdt_rows, results, rounds, summary
 
+    apply_preset(args)
     device = detect_platform() if args.device == "auto" else args.device
+    args.baselines = rdt_rows.expand(args.baselines, device)  # ray-rdt -> the RDT rows this device can run
     # smallest first: a size that fails or is skipped leaves the smaller ones measured
     sizes_in = sorted((layout_source.resolve(m, args.dtype) for m in dict.fromkeys(args.model)),
                       key=lambda s: s[1].total_bytes)
     receivers = sorted(set(args.receivers))
     if min(receivers) < 1:
         raise SystemExit("weightsync bench: --receivers must be >= 1")
-    if args.versions < 1 or args.warmup < 0 or args.rounds < 1:
-        raise SystemExit("weightsync bench: --versions and --rounds must be >= 1 and --warmup >= 0")
+    if args.versions < 1 or args.warmup < 0 or args.rounds < 1 or (args.barrier_versions or 0) < 0:
+        raise SystemExit("weightsync bench: --versions and --rounds must be >= 1, --warmup and --barrier-versions >= 0")
     if args.against and args.update != "random":
         raise SystemExit("weightsync bench: --against runs with --update random only (the other rev's trainer "
                          "knows no update model)")
@@ -220,7 +156,7 @@ def _run_bench(args: argparse.Namespace) -> int:
     own_ray = not ray.is_initialized()
     if own_ray:
         # the Ray baselines put a whole version in the store; without them it holds small control objects
-        want = 3.5 * largest / 1e9 + 0.5 if any(b.startswith("ray-") for b in args.baselines) else 1.0
+        want = 3.5 * largest / 1e9 + 0.5 if any(b in ("ray-user", "ray-numpy") for b in args.baselines) else 1.0
         store = int(min(args.object_store_gb or default_store_gb(want), _total_gb() / 2) * 1e9)
         # "local": start one as documented, even where another process left a cluster address in /tmp/ray
         ray.init(address=args.address or "local", num_cpus=None if args.address else max(8, 2 * max(receivers) + 4),
@@ -232,8 +168,13 @@ def _run_bench(args: argparse.Namespace) -> int:
         if args.against:
             tree, short = interleave.extract_rev(args.against)
             against = {"rev": short, "tree": tree, "asked": args.against}
-        for label, manifest, weights_path in sizes_in:
-            sizes.append(_run_size(args, label, manifest, weights_path, device, backend, receivers, against))
+        plan = _sided(_plan(args, receivers), against)
+        total = len(sizes_in) * args.rounds * sum(
+            interleave.planned_versions(item, args.warmup, args.versions, args.barrier_versions) for _, item in plan)
+        eta = progress.Eta(total)
+        with progress.overall(total, not args.no_progress):
+            for label, manifest, weights_path in sizes_in:
+                sizes.append(_run_size(args, label, manifest, weights_path, device, backend, receivers, against, eta))
     finally:
         if own_ray:
             ray.shutdown()
@@ -249,7 +190,8 @@ def _run_bench(args: argparse.Namespace) -> int:
         "args": {"model": list(dict.fromkeys(args.model)), "dtype": args.dtype, "transport": args.transport,
                  "backend": backend, "receivers": receivers, "bucket_mb": args.bucket_mb, "checksum": args.checksum,
                  "digest": args.digest, "versions": args.versions, "warmup": args.warmup, "device": device,
-                 "rounds": args.rounds, "against": {k: against[k] for k in ("rev", "asked")} if against else None,
+                 "rounds": args.rounds, "preset": args.preset, "barrier_versions": args.barrier_versions,
+                 "against": {k: against[k] for k in ("rev", "asked")} if against else None,
                  "update": args.update, "delta": args.delta,
                  "baselines": args.baselines, "real_weights": bool(args.real_weights and any(w for *_, w in sizes_in)),
                  "expect": [e.text for e in args.expect]},
@@ -268,7 +210,13 @@ def _run_bench(args: argparse.Namespace) -> int:
     result["skipped"] = growth.skipped(sizes)
     for size in sizes:
         print(results.format_table({**result, **size}) + "\n")
-    print(growth.format_table(result))
+    grown = growth.format_table(result)
+    if grown:
+        print(grown)
+    for size in sizes:  # last: the answer to "is this faster than what I would do?"
+        lines = summary.closing_lines(size, len(sizes) > 1)
+        if lines:
+            print("\n".join(lines))
     if args.json:
         results.write_json(result, args.json)
         print(f"wrote {args.json}", file=sys.stderr)
@@ -294,8 +242,17 @@ def default_store_gb(want_gb: float, shm_dir: str = "/dev/shm") -> float:
     return want_gb if free is None else max(0.1, min(want_gb, free / 1e9 / 2))
 
 
+def _sided(plan: list[Item], against: dict[str, str] | None) -> list[tuple[str, Item]]:
+    """The plan's items as (side, item): this checkout's, and with --against the other rev's full
+    transport rows, which take their turns with ours (baselines and delta rows run on this side)."""
+    sided = [("this", item) for item in plan]
+    if against:
+        sided += [("against", item) for item in plan if item[0] == "transport" and item[5] == "off"]
+    return sided
+
+
 def _run_size(args: argparse.Namespace, label: str, manifest: Any, weights_path: str | None, device: str,
-              backend: str, receivers: list[int], against: dict[str, str] | None) -> dict[str, Any]:
+              backend: str, receivers: list[int], against: dict[str, str] | None, eta: Any = None) -> dict[str, Any]:
     """Every row of one model size, between actors that hold that model (made, then closed)."""
     import ray
     import torch
@@ -325,13 +282,19 @@ def _run_size(args: argparse.Namespace, label: str, manifest: Any, weights_path:
     if device != "cpu":
         size["device_ceilings"] = device_ceilings(payload, torch.device(device), args.ceiling_repeats)
     common = {"receivers": max(receivers), "device": device, "versions": args.versions, "warmup": args.warmup,
+              "barrier_versions": args.barrier_versions,
               "weights_path": weights_path if args.real_weights else None, "progress": not args.no_progress,
               "check": not args.no_verify}
-    benches = {"this": Bench(manifest, **common, update=args.update)}
+    keep = memory_fit.keep_baselines(manifest.total_bytes, max(receivers), sum(b.startswith("bcast-") for b in args.baselines),
+                                     SyncConfig.from_env().shm_max_segments,
+                                     store=any(b in ("ray-user", "ray-numpy") for b in args.baselines)
+                                     ) if device == "cpu" else frozenset({"rdt", "groups"})
+    size["baseline_actors_kept"] = sorted(keep)  # the others' rows made theirs each round
+    benches = {"this": Bench(manifest, **common, update=args.update, keep_baselines=keep,
+                             rdt=_rdt_early(args, device) if "rdt" in keep else (),
+                             groups=_groups_early(args, manifest, device, backend, receivers) if "groups" in keep else ())}
     size["update"] = ray.get(benches["this"].trainer.update_info.remote())
-    sided = [("this", item) for item in plan]
-    if against:  # its full transport rows take turns with ours; baselines and delta rows run on this side
-        sided += [("against", item) for item in plan if item[0] == "transport" and item[5] == "off"]
+    sided = _sided(plan, against)
 
     def run_row(bench: Any, item: Item) -> dict[str, Any]:
         kind, name, n, mb, ck, delta = item
@@ -339,6 +302,8 @@ def _run_size(args: argparse.Namespace, label: str, manifest: Any, weights_path:
             if kind == "transport":
                 row = bench.sync_row(name, mb, n, backend=backend if name == "broadcast" else "auto",
                                      checksum=ck, digest=args.digest, delta=delta)
+            elif name.startswith("ray-rdt"):
+                row = bench.rdt_row(name, n)
             elif name.startswith("ray-"):
                 row = bench.ray_row(name, n)
             else:
@@ -354,9 +319,10 @@ def _run_size(args: argparse.Namespace, label: str, manifest: Any, weights_path:
                                                 interleave.side_class(tree, BenchRollout)))
             interleave.check_side(benches["against"], tree)
         size["rows"] = interleave.run_rounds(
-            sided, benches, run_row, lambda item: _row_refusal(item, manifest),
+            sided, benches, run_row, lambda item: _row_refusal(item, manifest, item[1] not in benches["this"].rdt_made),
             lambda item, why: _skipped(item, payload, why), _echo, n_rounds=args.rounds, warmup=args.warmup,
-            versions=args.versions, payload=payload, rev=against["rev"] if against else None)
+            versions=args.versions, payload=payload, rev=against["rev"] if against else None,
+            barrier_versions=args.barrier_versions, eta=eta)
     except KeyboardInterrupt:
         for b in benches.values():
             b.interrupted = True
@@ -365,6 +331,29 @@ def _run_size(args: argparse.Namespace, label: str, manifest: Any, weights_path:
         for b in benches.values():
             b.close()
     return size
+
+
+def _groups_early(args: argparse.Namespace, manifest: Any, device: str, backend: str,
+                  receivers: list[int]) -> tuple[tuple[str, str], ...]:
+    """The collective baselines whose group can start beside the bench's actors: on the host
+    (a device group waits for whole devices on its row), and where baseline_rows finds the
+    memory for it now."""
+    from . import baseline_rows
+
+    if device != "cpu":
+        return ()
+    n = max(receivers)
+    return tuple((b, backend) for b in args.baselines if b in baseline_rows.METHODS
+                 and baseline_rows.unavailable(b, backend, device, manifest.total_bytes, n) is None)
+
+
+def _rdt_early(args: argparse.Namespace, device: str) -> tuple[str, ...]:
+    """The Ray Direct Transport rows whose actors can start beside the bench's own: those that
+    can run here and ask for no whole device (NCCL's wait for theirs on their row)."""
+    from . import rdt_rows
+
+    return tuple(b for b in args.baselines if b in rdt_rows.TRANSPORTS and b != "ray-rdt-nccl"
+                 and rdt_rows.unavailable(b, device) is None)
 
 
 def exit_status(result: dict[str, Any]) -> int:
@@ -383,7 +372,7 @@ def _echo(row: dict[str, Any], bench: Any = None) -> None:
     else:
         msg = f"median {row['median_s']:.3f}s, {row['gbps']:.2f} GB/s"
     bucket = f" {row['bucket_mb']:g}MiB" if row.get("bucket_mb") else ""
-    print(f"  {row['name']}{bucket} x{row['receivers']}: {msg}", file=sys.stderr)
+    print(f"  {row['name']}{bucket} x{row['receivers']}: {msg}{row.get('eta_text', '')}", file=sys.stderr)
     if bench is not None and row.get("error") and row["kind"] != "unavailable":
         replaced = bench.revive()
         if replaced:

@@ -55,6 +55,7 @@ class Peer:
         self.tensors: dict[str, torch.Tensor] = {}
         self.flat: torch.Tensor | None = None
         self.engine: ToyEngine | None = None
+        self.want: str | None = None  # the sender's digest of the version (model_digest)
 
     def host(self, port: int = 0, host: str = "auto") -> tuple[str, int]:
         address = store_host(host)
@@ -71,6 +72,12 @@ class Peer:
         """What ``method`` needs, made before any timing: for ``raw`` the flat buffer (the
         sender's filled with the version), for ``per_tensor`` the tensors or the model."""
         tensors = materialize(self.manifest, seed=seed) if self.rank == 0 else {}
+        if self.rank == 0:
+            # what every receiver's model must hold afterwards, hashed now (outside the timing):
+            # hashing is cheaper than making the random bits a second time to compare against
+            from .bits import digest
+
+            self.want = digest(tensors)
         if method in ("raw", "raw_load"):
             self.flat = torch.empty(self.manifest.total_bytes, dtype=torch.uint8, device=self.device)
             if self.rank == 0:
@@ -130,13 +137,14 @@ class Peer:
         _sync(self.device)
         return t0, time.monotonic()
 
-    def checksum_ok(self) -> bool:
-        """Receivers: the model holds the sender's bytes (the baselines must move real data)."""
+    def model_digest(self) -> str:
+        """The sender's: the digest of what it sent; a receiver's: of the model it loaded (the
+        baselines must move real data). Equal digests: bit-exact models (bits.digest)."""
         if self.rank == 0:
-            return True
-        want = materialize(self.manifest, seed=1)
-        return all(torch.equal(self.engine.params[k].cpu().view(torch.uint8), want[k].view(torch.uint8))
-                   for k in want)
+            return self.want
+        from .bits import digest
+
+        return digest(self.engine.params)
 
     def close(self) -> None:
         self.group = self.store = None
@@ -181,8 +189,10 @@ def _timed(peers: list[Any], method: str, repeats: int, cpu: dict | None = None)
         out.append(max(e for _, e in spans) - min(s for s, _ in spans))
     if cpu is not None:
         cpu["cpu_s"] = sum(ray.get([p.cpu_s.remote() for p in peers], timeout=TIMEOUT_S)) - cpu0
-    if method in ("per_tensor", "raw_load") and not all(ray.get([p.checksum_ok.remote() for p in peers])):
-        raise RuntimeError(f"{method} baseline delivered wrong bytes")
+    if method in ("per_tensor", "raw_load"):
+        want, *got = ray.get([p.model_digest.remote() for p in peers], timeout=TIMEOUT_S)
+        if any(g != want for g in got):
+            raise RuntimeError(f"{method} baseline delivered wrong bytes")
     return out
 
 
@@ -196,30 +206,59 @@ def _kill(actors: list[Any]) -> None:
 
 
 def _baseline(method: str, manifest: Manifest, receivers: int, backend: str, device: str, repeats: int,
-              resources: dict | None, cpu: dict | None) -> list[float]:
-    peers = _peers(manifest, receivers, backend, device, resources, method)
+              resources: dict | None, cpu: dict | None, keep: dict | None = None) -> list[float]:
+    """``keep``: a dict the caller owns (and empties with :func:`close_kept`) in which the group
+    stays between calls, so that a benchmark's rounds reuse one group instead of making the
+    version's random bits again each round; without it the group goes after this call."""
+    key = (method, receivers, backend, device)
+    peers = keep.get(key) if keep is not None else None
+    if peers is None:
+        peers = _peers(manifest, receivers, backend, device, resources, method)
+        if keep is not None:
+            keep[key] = peers
     try:
         return _timed(peers, method, repeats, cpu)
+    except BaseException:
+        if keep is not None:
+            keep.pop(key, None)
+        _kill(peers)  # a failed group is not reused
+        raise
     finally:
-        _kill(peers)
+        if keep is None:
+            _kill(peers)
+
+
+def open_kept(keep: dict, method: str, manifest: Manifest, receivers: int, backend: str, device: str,
+              resources: dict | None) -> None:
+    """Make the group ``_baseline(..., keep=keep)`` will find, ahead of its first call."""
+    keep[(method, receivers, backend, device)] = _peers(manifest, receivers, backend, device, resources, method)
+
+
+def close_kept(keep: dict) -> None:
+    """Kill every group a :func:`_baseline` caller kept."""
+    while keep:
+        _kill(keep.popitem()[1])
 
 
 def raw_broadcast(manifest: Manifest, receivers: int, *, backend: str = "gloo", device: str = "cpu",
-                  repeats: int = 3, resources: dict | None = None, cpu: dict | None = None) -> list[float]:
+                  repeats: int = 3, resources: dict | None = None, cpu: dict | None = None,
+                  keep: dict | None = None) -> list[float]:
     """Seconds of one broadcast of ``manifest.total_bytes`` pre-packed in a flat buffer."""
-    return _baseline("raw", manifest, receivers, backend, device, repeats, resources, cpu)
+    return _baseline("raw", manifest, receivers, backend, device, repeats, resources, cpu, keep)
 
 
 def raw_broadcast_load(manifest: Manifest, receivers: int, *, backend: str = "gloo", device: str = "cpu",
-                       repeats: int = 3, resources: dict | None = None, cpu: dict | None = None) -> list[float]:
+                       repeats: int = 3, resources: dict | None = None, cpu: dict | None = None,
+                       keep: dict | None = None) -> list[float]:
     """Seconds of one flat broadcast plus every receiver's load of the tensors into its model."""
-    return _baseline("raw_load", manifest, receivers, backend, device, repeats, resources, cpu)
+    return _baseline("raw_load", manifest, receivers, backend, device, repeats, resources, cpu, keep)
 
 
 def per_tensor_broadcast(manifest: Manifest, receivers: int, *, backend: str = "gloo", device: str = "cpu",
-                         repeats: int = 3, resources: dict | None = None, cpu: dict | None = None) -> list[float]:
+                         repeats: int = 3, resources: dict | None = None, cpu: dict | None = None,
+                         keep: dict | None = None) -> list[float]:
     """Seconds of one broadcast per tensor, each handed to load_weights on arrival."""
-    return _baseline("per_tensor", manifest, receivers, backend, device, repeats, resources, cpu)
+    return _baseline("per_tensor", manifest, receivers, backend, device, repeats, resources, cpu, keep)
 
 
 class _BenchTrainer:

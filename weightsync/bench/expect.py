@@ -19,6 +19,10 @@ from dataclasses import dataclass
 from typing import Any
 
 BASELINES = ("ray-user", "ray-numpy", "bcast-per-tensor", "bcast-flat", "bcast-flat-load")
+# Ray Direct Transport rows (rdt_rows): columns of the table and ratios in the JSON's comparisons;
+# their x_ keys join KEYS once docs/benchmarks.md explains them (tests/test_docs.py checks each key)
+RDT_BASELINES = ("ray-rdt-gloo", "ray-rdt-cuda-ipc", "ray-rdt-nccl")
+ALL_BASELINES = BASELINES[:2] + RDT_BASELINES + BASELINES[2:]
 
 # key -> what it is (shown by --help and in the docs)
 KEYS = {
@@ -136,7 +140,7 @@ def comparison_lines(result: dict[str, Any]) -> list[str]:
         f = fastest(result, n)
         if f is None:
             continue
-        vs = [f"{_x(f.get(f'x_{b}'))} {b}" for b in BASELINES if f.get(f"x_{b}") is not None]
+        vs = [f"{_x(f.get(f'x_{b}'))} {b}" for b in ALL_BASELINES if f.get(f"x_{b}") is not None]
         lines.append(f"fastest with {n} receiver{'s' if n != 1 else ''}: {f['row']}: {f['gbps']:.2f} GB/s = "
                      f"{_x(f['x_ceiling'])} the copy ceiling" + (f", {', '.join(vs)}" if vs else ""))
         more = []

@@ -19,7 +19,7 @@ from typing import Any
 import psutil
 import ray
 
-from . import rounds
+from . import progress, rounds
 from .interrupt import check
 
 # (kind, name, receivers, bucket MiB, checksum, delta), as cli._plan makes them, plus the side
@@ -59,9 +59,16 @@ class Probe:
                 "others_cpu_s": max(0.0, busy - party), "load_avg_1m": (self.load0 + os.getloadavg()[0]) / 2}
 
 
-def versions_run(kind: str, warmup: int, versions: int) -> int:
-    """Versions a row call moves in all: a sync row adds 2 x versions pre-staged / prefetched."""
-    return warmup + (3 * versions if kind == "transport" else versions)
+def planned_versions(item: Item, warmup: int, versions: int, barrier_versions: int | None = None) -> int:
+    """What a plan item (cli._plan) will move when it runs: the unit of the run's progress."""
+    return versions_run("transport" if item[0] == "transport" else "baseline", warmup, versions, barrier_versions)
+
+
+def versions_run(kind: str, warmup: int, versions: int, barrier_versions: int | None = None) -> int:
+    """Versions a row call moves in all: a sync row adds its pre-staged / prefetched barriers
+    (``barrier_versions``, 2 x versions unless a preset says otherwise)."""
+    barriers = 2 * versions if barrier_versions is None else barrier_versions
+    return warmup + versions + (barriers if kind == "transport" else 0)
 
 
 # -- the other side of an A/B run -------------------------------------------------------------
@@ -142,12 +149,16 @@ def check_side(bench: Any, tree: str) -> str:
 def run_rounds(plan: list[tuple[str, Item]], benches: dict[str, Any], run_row: Callable[[Any, Item], dict],
                refusal: Callable[[Item], str | None], skipped: Callable[[Item, str], dict],
                echo: Callable[[dict, Any], None], *, n_rounds: int, warmup: int, versions: int,
-               payload: int, rev: str | None) -> list[dict[str, Any]]:
+               payload: int, rev: str | None, barrier_versions: int | None = None,
+               eta: progress.Eta | None = None) -> list[dict[str, Any]]:
     """Every (side, item) of ``plan`` once per round, the order rotated each round; returns
-    one merged row per (side, item) with the statistics over every round's versions."""
+    one merged row per (side, item) with the statistics over every round's versions.
+    ``eta``: the run's estimate, advanced by each row's planned versions as it ends."""
     pids = {side: {"trainer": ray.get(b.trainer.pid.remote()), "rollouts": ray.get([r.pid.remote() for r in b.rollouts])}
             for side, b in benches.items()}
     done: list[dict[str, Any]] = []
+    if eta is not None:
+        eta.begin()
     for k in range(n_rounds):
         order = rounds.round_order(list(enumerate(plan)), k)
         print(f"weightsync bench: round {k + 1}/{n_rounds}", file=sys.stderr)
@@ -155,6 +166,8 @@ def run_rounds(plan: list[tuple[str, Item]], benches: dict[str, Any], run_row: C
             check()  # a Ctrl-C that a row's error handling swallowed stops the bench here
             n = item[2]
             bench = benches[side]
+            planned = planned_versions(item, warmup, versions, barrier_versions)
+            before = progress.ticked()
             why = refusal(item)
             if why:
                 row = skipped(item, why)
@@ -164,12 +177,18 @@ def run_rounds(plan: list[tuple[str, Item]], benches: dict[str, Any], run_row: C
                 # collective baselines run in their own actors, which report their own CPU time
                 probe_out = probe.done(row.pop("parties_cpu_s", 0.0) or 0.0)
                 row.update(probe_out)
-                ran = versions_run(row["kind"], warmup, versions) if row.get("seconds") else 0
+                ran = versions_run(row["kind"], warmup, versions, barrier_versions) if row.get("seconds") else 0
                 row["cpu_s_per_version"] = probe_out["parties_cpu_s"] / ran if ran else None
             row.update(round=k, position=position, plan_index=index)
             rounds.tag_side(row, side, rev if side == "against" else None)
             done.append(row)
+            # a row skipped or failed part-way ticked less than planned: the bar stays true to the plan
+            progress.advance(planned - (progress.ticked() - before))
+            if eta is not None:
+                eta.add(planned)
+                row["eta_text"] = eta.text()
             echo(row, bench)
+            row.pop("eta_text", None)
             if row.get("replaced_actors"):  # new actors, new pids
                 b = benches[side]
                 pids[side] = {"trainer": ray.get(b.trainer.pid.remote()),

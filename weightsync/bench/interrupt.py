@@ -111,10 +111,15 @@ class Progress:
         except ImportError:
             yield None
             return
-        with tqdm(total=total, desc=desc, file=sys.stderr, leave=False, dynamic_ncols=True) as bar:
+        # position 1: below the run's overall bar (weightsync.bench.progress)
+        with tqdm(total=total, desc=desc, file=sys.stderr, leave=False, dynamic_ncols=True, position=1) as bar:
             yield bar
 
 
-def tick(bar: Any) -> None:
+def tick(bar: Any, versions: int = 1) -> None:
+    """One step of a row's bar, which moved ``versions`` versions (the run's bar counts those)."""
+    from .progress import advance
+
+    advance(versions)
     if bar is not None:
         bar.update(1)

@@ -34,10 +34,11 @@ def models_bytes(payload: int, receivers: int) -> int:
 
 
 def row_bytes(name: str, payload: int, bucket_bytes: int, receivers: int, shm_segments: int,
-              shm_need: int | None = None) -> tuple[int, int]:
+              shm_need: int | None = None, first_use: bool = True) -> tuple[int, int]:
     """(node bytes, of which in the shm directory) that one row adds over the models.
     ``shm_need``: what shm holds in the mode its transport picks (shm_stream.choose_mode);
-    None: ``shm_segments`` whole versions."""
+    None: ``shm_segments`` whole versions. ``first_use``: a row with actors of its own
+    (ray-rdt-*) makes them now, so their models count too."""
     parties = receivers + 1
     slack = parties * min(PARTY_SLACK, payload // 2)
     if name in ("shm", "auto"):  # auto on one host picks shm
@@ -51,6 +52,10 @@ def row_bytes(name: str, payload: int, bucket_bytes: int, receivers: int, shm_se
         return payload + slack, payload
     if name == "ray-user":
         return (2 + receivers) * payload + slack, payload
+    if name.startswith("ray-rdt"):
+        # each rollout's receive buffers (Ray allocates them, the load copies out of them); on
+        # the row's first round also the pair's own trainer and engine copies (rdt_rows.RdtPair)
+        return receivers * payload + (models_bytes(payload, receivers) if first_use else 0) + slack, 0
     return 0, 0  # the collective baselines check their own memory (baseline_rows)
 
 
@@ -89,4 +94,34 @@ def describe_row(name: str, payload: int, bucket_bytes: int, receivers: int, shm
         return f"the object of {gib:.1f} GiB, the pickle and one copy per receiver"
     if name == "ray-numpy":
         return f"the object of {gib:.1f} GiB in the store"
+    if name.startswith("ray-rdt"):
+        return f"{receivers} receive cop{'y' if receivers == 1 else 'ies'} of {gib:.1f} GiB (and its actors' models on first use)"
     return f"{bucket_bytes / 2**20:g} MiB buckets"
+
+
+def keep_baselines(payload: int, receivers: int, groups: int, shm_segments: int, available: int | None = None,
+                   total: int | None = None, store: bool = True) -> frozenset[str]:
+    """Which baselines' own actors may stay for the whole run, saving their set-up each round
+    (~15 s each on the 0.5B layout on the shared 2-core VM): "rdt" (RDT pairs, which then start
+    beside the bench's actors) and "groups" (the ``groups`` collective baselines' groups). Only
+    where the node holds them beside the bench's models and still twice what shm's whole
+    versions need, so the shm rows keep their mode (shm_stream.choose_mode takes half of what
+    the node can give and streams through a ring when whole versions do not fit: another mode,
+    measured as shm). ``available`` / ``total``: the node's, now (default: psutil's). ``store``:
+    the object store baselines run, whose pages stay resident in /dev/shm once written (about
+    two versions' worth): on the shared VM, counting them is what kept shm out of its ring."""
+    if available is None or total is None:
+        import psutil
+
+        vm = psutil.virtual_memory()
+        available, total = vm.available, vm.total
+    base = models_bytes(payload, receivers) + 2 * shm_segments * payload + reserve(total) + (2 * payload if store else 0)
+    rdt = models_bytes(payload, receivers)  # the pair's trainer and engine copies
+    # a flat broadcast group: the sender's buffer, per receiver a model and a buffer
+    group = groups * (1 + 2 * receivers) * payload
+    keep = set()
+    if base + rdt <= available:
+        keep.add("rdt")
+        if base + rdt + group <= available:
+            keep.add("groups")
+    return frozenset(keep)

@@ -8,7 +8,7 @@ import math
 from typing import Any
 
 from .delta_rows import format_lines as delta_lines
-from .expect import BASELINES, comparison_lines, expectation_lines
+from .expect import ALL_BASELINES, comparison_lines, expectation_lines
 from .rounds import format_ab
 
 # /2: "checks" against built-in targets gave way to "comparisons" and the user's "expectations"
@@ -71,7 +71,7 @@ def format_table(result: dict[str, Any]) -> str:
     ]
     for k, v in (result.get("device_ceilings") or {}).items():
         head.append(f"  {k}: {v['gbps']:.1f} GB/s")
-    bases = [b for b in BASELINES if any(r["name"] == b and _ok(r) for r in result["rows"])]
+    bases = [b for b in ALL_BASELINES if any(r["name"] == b and _ok(r) for r in result["rows"])]
     cols = ["row", "rcv", "bucket", "median s", "min s", "IQR s", "GB/s", "x ceil"] + [f"x {b}" for b in bases] + [
         "cpu s/v", "load", "stage s", "barrier s", "snd+MiB", "rcv+MiB", "shm+MiB", "bits"]
     lines = []
@@ -162,7 +162,7 @@ def write_plot(result: dict[str, Any], path: str) -> str | None:
     fig, axes = plt.subplots(1, len(counts), figsize=(max(7, 5.5 * len(counts)), 4.8), squeeze=False, sharey=True)
     ceiling = result["ceiling"]["gbps"]
     palette = plt.rcParams["axes.prop_cycle"].by_key()["color"]
-    names = sorted({r["name"] for r in rows}, key=lambda n: (n in BASELINES, n))
+    names = sorted({r["name"] for r in rows}, key=lambda n: (n in ALL_BASELINES, n))
     color = {n: palette[i % len(palette)] for i, n in enumerate(names)}
     for ax, n in zip(axes[0], counts, strict=False):
         mine = [r for r in rows if r["receivers"] == n]

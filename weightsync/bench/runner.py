@@ -15,7 +15,6 @@ import importlib
 import importlib.util
 import itertools
 import os
-import re
 import statistics
 import time
 from typing import Any
@@ -25,24 +24,14 @@ import ray
 
 from .. import transports as transport_registry
 from ..client import Coordinator
-from ..device import RAY_RESOURCE, ray_options
+from ..device import ray_options
 from ..manifest import Manifest
 from .actors import BenchRollout, BenchTrainer
 from .delta_rows import delta_suffix
 from .interrupt import Progress, asked, check, interrupt_close, tick
+from .rowkit import ROW_TIMEOUT_S, describe_error, devices_short, one_device_per_rank
 
-# generous: a row on a loaded 2-core machine can be slow, but never hangs the benchmark
-ROW_TIMEOUT_S = 600.0
-
-
-def describe_error(exc: BaseException) -> str:
-    """The remote exception's own type and message, not Ray's wrapper header."""
-    cause = getattr(exc, "cause", None)
-    if isinstance(exc, ray.exceptions.RayTaskError) and cause is not None:
-        exc = cause
-    text = re.sub(r"\x1b\[[0-9;]*m", "", f"{type(exc).__name__}: {exc}")
-    return " ".join(text.split())[:600]
-
+__all__ = ["ROW_TIMEOUT_S", "Bench", "describe_error", "devices_short", "one_device_per_rank", "transport_unavailable"]
 
 def stats(seconds: list[float]) -> dict[str, float]:
     if not seconds:
@@ -54,20 +43,6 @@ def stats(seconds: list[float]) -> dict[str, float]:
 def _median_of(dicts: list[dict[str, Any]], key: str) -> float | None:
     values = [d[key] for d in dicts if isinstance(d.get(key), (int, float))]
     return statistics.median(values) if values else None
-
-
-def one_device_per_rank(backend: str, device: str) -> bool:
-    """A device collective cannot hold one device twice: its rows need a device per party."""
-    return device in RAY_RESOURCE and backend in ("nccl", "hccl")
-
-
-def devices_short(device: str, backend: str, ranks: int) -> str | None:
-    """Why ``ranks`` parties cannot each get a whole ``device`` now, or None."""
-    free = ray.available_resources().get(RAY_RESOURCE[device], 0.0)
-    if free >= ranks:
-        return None
-    return (f"backend {backend} needs one {device} device per rank ({ranks} ranks) and {int(free)} are free "
-            f"in the Ray cluster (the colocated rows hold one); a communicator cannot hold one device twice")
 
 
 def transport_unavailable(name: str, backend: str, device: str) -> str | None:
@@ -94,9 +69,17 @@ class Bench:
     """Owns the actors for one benchmark run; each ``*_row`` method returns one result row."""
 
     def __init__(self, manifest: Manifest, *, receivers: int, device: str = "cpu", weights_path: str | None = None,
-                 versions: int = 5, warmup: int = 1, progress: bool = True, check: bool = True,
+                 versions: int = 5, warmup: int = 1, barrier_versions: int | None = None, progress: bool = True,
+                 check: bool = True,
                  runtime_env: dict[str, Any] | None = None, classes: tuple[type, type] | None = None,
-                 update: str = "random"):
+                 update: str = "random", rdt: tuple[str, ...] = (), keep_baselines: frozenset[str] = frozenset(),
+                 groups: tuple[tuple[str, str], ...] = ()):
+        """``rdt``: Ray Direct Transport baselines whose actors start now, beside this bench's own
+        (rdt_rows.RdtPair). ``keep_baselines``: whose own actors ("rdt": RDT pairs, "groups":
+        collective groups) stay from their first round to the last; the others' rows make and end their own,
+        so the memory they hold never shrinks what the shm rows may use (shm_stream.budget
+        picks a streaming ring, another mode, when the node has too little free). ``groups``:
+        (collective baseline, backend) whose kept group starts now too (baseline_rows.start)."""
         self.manifest = manifest
         # only passed when not the default: an --against side's older BenchTrainer has no such argument
         self._update = {"update": update} if update != "random" else {}
@@ -104,6 +87,8 @@ class Bench:
         self.payload = manifest.total_bytes
         self.device = device
         self.versions, self.warmup = versions, warmup
+        # pre-staged barriers per sync row (every other one after prefetch()); 2 x versions before presets
+        self.barrier_versions = 2 * versions if barrier_versions is None else barrier_versions
         self.check = check
         self.progress = Progress(progress)
         self._version = itertools.count(1)
@@ -113,12 +98,25 @@ class Bench:
         self._classes = classes or (BenchTrainer, BenchRollout)
         self._base: dict[str, Any] = {"num_cpus": 0, "max_concurrency": 1,
                                       **({"runtime_env": runtime_env} if runtime_env else {})}
-        # colocated on one device, like the ipc case
-        self._opts, self._weights_path = {**self._base, **ray_options(device, 1.0 / parties)}, weights_path
+        # colocated on one device, like the ipc case; half of it, so that the Ray Direct Transport
+        # rows' own colocated actors (rdt_rows: CUDA_IPC) fit on the same device beside them
+        self._share = 0.5 / parties
+        self._opts, self._weights_path = {**self._base, **ray_options(device, self._share)}, weights_path
         self._spread: tuple[Any, list[Any]] | None = None  # one device per party, made when needed
+        self._rdt: dict[str, Any] = {}  # RDT baseline name -> its RdtPair, made on its first row
+        # the collective baselines' groups, kept from their first round to the last (baseline_rows.run)
+        self._groups: dict[tuple, list[Any]] = {}
+        self.keep_baselines = keep_baselines
+        from . import baseline_rows, rdt_rows
+
+        for name in rdt:
+            self._rdt[name] = rdt_rows.pair_for(self, name, receivers)
+        early = [baseline_rows.start(self._groups, manifest, kind, receivers, backend, device) for kind, backend in groups]
         self.trainer = self._new_trainer()
         self.rollouts = [self._new_rollout(i) for i in range(receivers)]
         self.pids = ray.get([self.trainer.pid.remote()] + [r.pid.remote() for r in self.rollouts])
+        for thread in early:  # nothing is timed while they make their version
+            thread.join()
 
     def _new_trainer(self, opts: dict[str, Any] | None = None) -> Any:
         return ray.remote(self._classes[0]).options(**(opts or self._opts)).remote(self.manifest.to_wire(), self.device,
@@ -193,14 +191,26 @@ class Bench:
         got = ray.get([r.digest.remote() for r in rollouts])
         return all(g == want for g in got)
 
+    @property
+    def rdt_made(self) -> set[str]:
+        """The RDT baselines whose actors exist (their models are already in the node's memory)."""
+        return set(self._rdt)
+
     def close(self) -> None:
         import psutil
 
         spread = [self._spread[0], *self._spread[1]] if self._spread else []
         procs = []
         if self.interrupted or asked():  # busy actors answer nothing: kill them, then reap their segment files
-            interrupt_close([self.trainer, *self.rollouts, *spread], self.pids)
+            interrupt_close([self.trainer, *self.rollouts, *spread, *(a for p in self._rdt.values() for a in p.actors),
+                             *(a for g in self._groups.values() for a in g)],
+                            self.pids + [pid for p in self._rdt.values() for pid in p.pids])
             return
+        for pair in self._rdt.values():
+            pair.close()
+        from . import baseline_rows
+
+        baseline_rows.close(self._groups)
         for actor in [self.trainer, *self.rollouts, *spread]:
             with contextlib.suppress(Exception):
                 procs.append(psutil.Process(ray.get(actor.pid.remote(), timeout=30)))
@@ -241,7 +251,7 @@ class Bench:
             ray.get([r.open.remote(coord, cfg) for r in rx], timeout=ROW_TIMEOUT_S)
             ray.get(trainer.open.remote(coord, cfg, receivers), timeout=ROW_TIMEOUT_S)
             label = f"{transport} {bucket_mb:g}MiB x{receivers}"
-            with self.progress.bar(self.warmup + 3 * self.versions, label) as bar:
+            with self.progress.bar(self.warmup + self.versions + self.barrier_versions, label) as bar:
                 for i in range(self.warmup + self.versions):
                     check()
                     v = next(self._version)
@@ -254,7 +264,7 @@ class Bench:
                         changed.append(out.get("changed_fraction"))
                         recv_metrics.extend(e["metrics"] for e in ends)
                     tick(bar)
-                for i in range(2 * self.versions):
+                for i in range(self.barrier_versions):
                     check()
                     v = next(self._version)
                     ray.get(trainer.stage.remote(v), timeout=ROW_TIMEOUT_S)
@@ -342,32 +352,17 @@ class Bench:
         row["changed_fraction"] = changed
         return self._finish(row, seconds)
 
-    # -- collective broadcast baselines (weightsync.bench.collective_baselines) -----------------------
+    # -- baselines with actors of their own: rdt_rows (Ray Direct Transport), baseline_rows ----
+
+    def rdt_row(self, kind: str, receivers: int) -> dict[str, Any]:
+        from . import rdt_rows
+
+        return rdt_rows.row(self, kind, receivers)
 
     def collective_row(self, kind: str, receivers: int, backend: str) -> dict[str, Any]:
-        """``bcast-per-tensor`` / ``bcast-flat`` from weightsync.bench.collective_baselines: its own
-        group of actors (same layout, device and receiver count); peak memory is not tracked."""
         from . import baseline_rows
-        row = self._row(kind="baseline", name=kind, receivers=receivers, backend=backend)
-        why = baseline_rows.unavailable(kind, backend, self.device, self.payload, receivers) or (
-            devices_short(self.device, backend, receivers + 1) if one_device_per_rank(backend, self.device)
-            else None)
-        if why:
-            row.update(kind="unavailable", error=why)
-            return row
-        seconds: list[float] = []
-        try:
-            cpu: dict[str, float] = {}  # its actors' CPU seconds over every repetition
-            with self.progress.bar(1, f"{kind} x{receivers} ({self.warmup + self.versions} versions)") as bar:
-                timed, verified = baseline_rows.run(self.manifest, kind, receivers, backend, self.device,
-                                                      self.warmup + self.versions, cpu)
-                tick(bar)
-            row["parties_cpu_s"] = cpu.get("cpu_s")
-            seconds = timed[self.warmup:]  # the first ones fault in the engine's pages
-            row["verified"] = verified
-        except Exception as exc:
-            row["error"] = describe_error(exc)
-        return self._finish(row, seconds)
+
+        return baseline_rows.row(self, kind, receivers, backend)
 
 
 def module_available(name: str) -> bool:
