@@ -27,6 +27,7 @@ from .errors import ManifestError, VersionError, WeightSyncError
 from .manifest import Expected, Manifest, check_manifest
 from .party import Party
 from .plan import Unpacker
+from .receive_ahead import AheadThread
 from .transports.records import VersionRecord
 from .versions import State
 
@@ -99,6 +100,7 @@ class WeightReceiver(Party):
         self._served: VersionRecord | None = None
         self._delta: DeltaReceiver | None = None  # the shadow of delta versions (delta_receiver.py)
         self._session_lock = threading.Lock()  # prefetch() may run in a thread beside apply()
+        self._ahead: AheadThread | None = None  # receive_ahead: takes versions before the barrier
         self.last_metrics: dict[str, Any] = {}
         # a test's fault point (weightsync.testing): called as (version, bucket) once bucket b
         # is verified and loaded, before the next one is read
@@ -127,8 +129,14 @@ class WeightReceiver(Party):
                 raise
         self.control.verdict(True)
         ctx = self._context(manifest, session.digest)
-        self.transport = transports.receiver_class(session.transport)(ctx, session.info)
-        self.unpacker = Unpacker(ctx.plan, manifest)
+        transport = transports.receiver_class(session.transport)(ctx, session.info)
+        self.transport, self.unpacker = transport, Unpacker(ctx.plan, manifest)
+        try:
+            self._ahead = AheadThread.start(self)
+        except BaseException:
+            self.transport = None
+            transport.close()
+            raise
 
     def apply(self, version: int | None = None, timeout: float | None = None, wait: bool = True) -> int | None:
         """Receive, verify and load a version, run the post-load hook, reset the cache, commit.
@@ -245,6 +253,8 @@ class WeightReceiver(Party):
         """
         timeout = self.config.sync_timeout_s if timeout is None else timeout
         self._ensure_session(self.config.connect_timeout_s)
+        if self._ahead is not None:
+            return self._ahead.wait(version, timeout)  # the thread reads ahead; never a second reader
         if self.transport.kind is None or (version is not None and self._version is not None
                                            and version <= self._version):
             return None
@@ -339,6 +349,7 @@ class WeightReceiver(Party):
         return {"wait_s": wait_s, "verify_s": verify_s, "load_s": load_s, "post_load_s": post_s,
                 "reset_cache_s": reset_s, "total_s": total, "bytes": nbytes, "peer_verified_buckets": peer_verified,
                 "gbps": nbytes / total / 1e9 if total > 0 else 0.0,
+                "received_ahead": self.transport.received_ahead(version, info),
                 # the whole version's digest, from the bucket digests it verified: equal to the
                 # sender's when both hold the same bytes (status() shows both)
                 "digest": version_digest("xxh3", rebuilt) if record is not None else version_digest(kind, verified)}
@@ -370,5 +381,7 @@ class WeightReceiver(Party):
                 raise
 
     def _close_transport(self) -> None:
+        if self._ahead is not None:
+            self._ahead.stop()
         if self.transport is not None:
             self.transport.close()

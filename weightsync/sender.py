@@ -26,7 +26,7 @@ from .config import SyncConfig
 from .control import Publication
 from .delta_sender import DeltaSender
 from .device import describe
-from .errors import VersionError
+from .errors import ConfigError, VersionError
 from .manifest import Manifest, build_manifest
 from .party import Party
 from .plan import Packing
@@ -178,6 +178,10 @@ class WeightSender(Party):
               "ipc": ipc_support(self.device.type, self.config.shm_dir).to_dict()}
         name, reason = choose_transport(self.config.transport, me, receivers, self.config.backend)
         transport = transports.sender_class(name)(ctx)
+        if self.config.receive_ahead == "on" and not transport.ahead_capable:
+            transport.close()
+            raise ConfigError(f"receive_ahead: on, but transport {name} ({transport.mode_reason or reason}) takes "
+                              f"versions at the barrier only; use broadcast or whole-version shm, or receive_ahead: auto")
         if transport.mode_reason:
             reason = f"{reason}; {transport.mode_reason}"
         log.info("weightsync session %s: transport %s (%s)", self.session, name, reason)

@@ -103,6 +103,7 @@ class ShmSender(SenderTransport):
     pipelined = True
     # versions stay in their segments: late or restarted receivers catch up without the trainer
     keeps_versions = True
+    ahead_capable = True  # receivers verify the segment ahead (prefetch); nothing else to send
 
     def __init__(self, ctx: TransportContext, mode_reason: str = "shm whole versions"):
         super().__init__(ctx)
@@ -256,6 +257,10 @@ class ShmReceiver(ReceiverTransport):
                 return True
             finally:
                 fcntl.lockf(seg.fd, fcntl.LOCK_UN, 8, 8 * word)
+
+    def open_ahead(self) -> int | None:
+        # the segment holds the whole version already: ahead is verifying it (prefetch)
+        return 0 if self.ctx.config.receive_ahead != "off" and self.kind is not None else None
 
     def prefetch(self, version: int, info: ShmVersion, deadline: float, check: Callable[[], None]) -> bool:
         """Verify (and mark for the node) each bucket as soon as the sender wrote it."""
