@@ -367,6 +367,8 @@ class CoordinatorActor:
         return {
             "session": self.session,
             "transport": self.transport, "transport_reason": self.transport_reason,
+            # the transport reads a version's tensors in stage(): staging early frees the barrier
+            "pipelined": self.pipelined,
             "group": {k: self.transport_info[k] for k in ("backend", "communicator", "communicator_reason")
                       if k in self.transport_info},
             "manifest_tensors": len(self.manifest or ()), "payload_bytes": self.payload_bytes,

@@ -236,6 +236,33 @@ class WeightSender(Party):
         handle = self._staged[version] = StagedVersion(version, future)
         return handle
 
+    def withdraw(self, version: int, why: str) -> bool:
+        """Give up a staged version whose bytes would move only at the barrier (broadcast when
+        not every receiver takes it ahead, ipc, streaming shm): for a caller that staged it in
+        a call of its own, right after the optimizer step, whose other trainer ranks walked
+        their tensors in that call already. The version is aborted with ``why``; the next
+        sync stages a newer one. False (nothing changes) where stage() moved the bytes.
+
+        Args:
+            version: A version this sender staged and did not sync.
+            why: The abort reason the coordinator records.
+
+        Returns:
+            True if the version was given up.
+        """
+        handle = self._staged.get(version)
+        if handle is None or not self.sends or self.transport is None:
+            return False
+        handle.wait()
+        if not self.transport.give_back(version):
+            return False
+        del self._staged[version]
+        try:
+            self.control.abort(version, why)
+        except Exception:
+            pass  # aborted already, or the coordinator is gone: the version cannot commit either way
+        return True
+
     def _rejoin_state(self) -> dict[str, Any]:
         return {"last_version": getattr(self, "_last_version", None)}
 

@@ -133,6 +133,12 @@ class SenderTransport(abc.ABC):
     def send(self, version: int, deadline: float) -> None:
         """The barrier part of a transfer (collectives); nothing for storage transports."""
 
+    def give_back(self, version: int) -> bool:
+        """A staged version whose tensors are still to be read at the barrier is given up: they
+        are walked once now (the walk may be a collective the other trainer ranks are in) and
+        nothing is sent. False where stage() read them already."""
+        return False
+
     def close(self) -> None:
         pass
 

@@ -125,6 +125,12 @@ class BroadcastSender(BroadcastEnd, SenderTransport):
         self.sent_ahead.add(version)
         return True
 
+    def give_back(self, version: int) -> bool:
+        packing = self.packings.pop(version, None)
+        if packing is not None:
+            self._drain(packing)
+        return packing is not None
+
     def send(self, version: int, deadline: float) -> None:
         if version in self.sent_ahead:
             return  # its bytes moved in stage(); the receivers only load at the barrier
