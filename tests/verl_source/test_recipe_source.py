@@ -62,11 +62,11 @@ def tiny_qwen2(path: str) -> str:
 CPU_V05 = ["+actor_rollout_ref.model.override_config._attn_implementation=eager"]
 
 
-def compose(mode: str, model: str, name: str, extra: list[str], transport: str = "shm") -> object:
+def compose(mode: str, model: str, name: str, extra: list[str]) -> object:
     from hydra import compose as hydra_compose
     from hydra import initialize_config_dir
 
-    overrides = USER + CPU + extra + WEIGHTSYNC + [f"+weightsync.transport={transport}",f"actor_rollout_ref.rollout.mode={mode}",
+    overrides = USER + CPU + extra + WEIGHTSYNC + ["+weightsync.transport=shm",f"actor_rollout_ref.rollout.mode={mode}",
                                            f"actor_rollout_ref.model.path={model}", f"+weightsync.coordinator_name={name}"]
     with initialize_config_dir(config_dir=os.path.join(SRC, "recipe/one_step_off_policy/config"), version_base=None):
         return hydra_compose(config_name="one_step_off_ppo_trainer", overrides=overrides)
@@ -129,12 +129,12 @@ def _generation(trainer_cls: type) -> str:
     return "v0.6" if has_method else "inline"
 
 
-@pytest.mark.parametrize("transport", ["shm", "broadcast"])
-def test_recipe_init_workers_and_fit_syncs_bit_exactly(tmp_path, ray_cluster, recipe_modules, no_ray_collective,
-                                                      transport):
+def test_recipe_init_workers_and_fit_syncs_bit_exactly(tmp_path, ray_cluster, recipe_modules, no_ray_collective):
     """As fit() drives it; every other step stages the next version the way the adapter does
     it right after update_actor (weightsync_stage_ahead), so the sync only completes the
-    barrier (on broadcast: the bytes are in the rollouts' shadows by then)."""
+    barrier (on broadcast: the bytes are in the rollouts' shadows by then). shm unless
+    WEIGHTSYNC_TRANSPORT says otherwise (one run per transport: verl's placement groups keep
+    their names for the life of a Ray cluster)."""
     import ray
     from verl.single_controller.ray import RayWorkerGroup
     from verl.trainer.ppo.ray_trainer import ResourcePoolManager
@@ -155,7 +155,7 @@ def test_recipe_init_workers_and_fit_syncs_bit_exactly(tmp_path, ray_cluster, re
     gen = _generation(trainer_module.OneStepOffRayTrainer)
     mode = "async" if gen == "split" else "sync"
     config = compose(mode, tiny_qwen2(str(tmp_path / "qwen2-tiny")), f"ws-verl-src-{os.getpid()}",
-                     CPU_V05 if gen == "inline" else [], transport)
+                     CPU_V05 if gen == "inline" else [])
 
     # the classes the recipe's main_ppo maps Role.Actor / Role.Rollout to, patched on import
     if gen == "split":
@@ -209,6 +209,7 @@ def test_recipe_init_workers_and_fit_syncs_bit_exactly(tmp_path, ray_cluster, re
         before = trainer.actor_wg.full_weights()[0]
         # the adapter hooks the group fit() calls update_actor on, at the first sync
         assert getattr(trainer.actor_rollout_wg, "_ws_hooked", False) is (trainer.actor_rollout_wg is trainer.actor_wg)
+        transport = trainer._ws_coordinator.status()["transport"]
         timings = {True: [], False: []}
         for step in range(1, VERSIONS + 1):
             trainer.actor_wg.train_step(step)
