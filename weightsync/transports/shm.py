@@ -266,7 +266,11 @@ class ShmReceiver(ReceiverTransport):
         """Verify (and mark for the node) each bucket as soon as the sender wrote it."""
         for b, buf, expected in self.receive(version, info, deadline, check):
             self.verify_bucket(version, info, b, buf, expected)
+        self.verified_ahead = version
         return True
+
+    def received_ahead(self, version: int, info: VersionRecord) -> bool:
+        return getattr(self, "verified_ahead", None) == version
 
     def span(self, version: int, info: VersionRecord) -> Callable[[int, int, int], torch.Tensor | None] | None:
         if not isinstance(info, ShmVersion) or info.delta is not None:
