@@ -106,6 +106,25 @@ def test_sender_killed_ahead_leaves_the_engine_untouched(job):
     assert job.next_serves_all(restart="trainer")
 
 
+def test_shm_versions_are_verified_ahead_and_the_barrier_hashes_nothing(ray_cluster):
+    """shm: the segment is the shadow; each receiver's ahead thread verifies a staged version
+    before the barrier, so apply() only loads: every bucket's digest was checked already."""
+    j = Job("shm", TINY, bucket_mb=BUCKET_MB, receive_ahead="on")
+    try:
+        j.fresh()
+        ahead_ready(j)
+        v = j.next()
+        ray.get(j.trainer.stage.remote(v), timeout=60)
+        assert [ray.get(j.rollouts[n].prefetch.remote(v), timeout=60) for n in RECEIVERS] == [v, v]
+        applied = [j.rollouts[n].apply.remote(v) for n in RECEIVERS]
+        ray.get(j.trainer.sync.remote(v), timeout=60)
+        assert ray.get(applied, timeout=60) == [v, v] and [j.serves(n) for n in RECEIVERS] == [v, v]
+        m = j.metrics(v)["receivers"]
+        assert all(m[n]["received_ahead"] and m[n]["peer_verified_buckets"] == j.buckets for n in RECEIVERS), m
+    finally:
+        j.close()
+
+
 def test_shadow_that_does_not_fit_is_refused_with_its_sizes():
     plan = plan_buckets(TINY, SyncConfig(bucket_mb=BUCKET_MB).bucket_bytes)
     cfg = SyncConfig(bucket_mb=BUCKET_MB, receive_ahead="on", receive_ahead_max_mb=0.1)
