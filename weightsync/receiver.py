@@ -7,6 +7,7 @@ One version, end to end:  apply(v)
   -> post_load() once -> reset_cache() -> coordinator.report(ok) ... now serving v
 On a failure after the first bucket was loaded, the previous version is loaded again when
 the transport still has it (rollback), else the receiver serves nothing until it catches up.
+With receive_ahead, an ahead thread (receive_ahead.py) takes each version before apply() does.
 """
 
 from __future__ import annotations
@@ -237,7 +238,8 @@ class WeightReceiver(Party):
         a thread while the engine generates. On shm the checksums are then checked and marked
         for every receiver of the node as the sender writes the buckets, so the barrier only
         loads. Loads nothing and raises nothing about the version: whatever is wrong with it,
-        ``apply()`` finds and reports. Returns the version read ahead, or None (nothing
+        ``apply()`` finds and reports. With an ahead thread running (``receive_ahead``), waits
+        for the thread to be done with the version instead of reading it a second time. Returns the version read ahead, or None (nothing
         newer, checksums off, or a transport that keeps nothing to read ahead).
 
         Args:
