@@ -20,7 +20,7 @@ import threading
 import time
 from typing import Any
 
-from .errors import CapacityError, DeadlineExceeded, WeightSyncError
+from .errors import CapacityError, DeadlineExceeded
 
 log = logging.getLogger("weightsync")
 
@@ -67,8 +67,9 @@ class AheadThread:
                 target = r.control.wait_version(None, WAIT_S, prefetch=True, after=self.taken, ahead=True)
             except DeadlineExceeded:
                 continue  # nothing new yet
-            except WeightSyncError:
-                if self._stop.wait(0.2):  # left the session, or the coordinator restarts
+            except Exception:  # left the session, the coordinator restarts: the thread must live on,
+                # since the coordinator counts it ready and a collective would wait for it
+                if self._stop.wait(0.2):
                     return
                 continue
             v = target.version
