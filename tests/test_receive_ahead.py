@@ -125,6 +125,20 @@ def test_shm_versions_are_verified_ahead_and_the_barrier_hashes_nothing(ray_clus
         j.close()
 
 
+def test_receive_ahead_on_a_transport_that_moves_bytes_at_the_barrier_is_refused(coordinator_factory):
+    """Streaming shm (a ring, as ipc) moves a version in sync(): `on` there fails the first
+    stage, saying why and what works."""
+    from weightsync import WeightSender
+    from weightsync.model_layouts import materialize
+
+    coord = coordinator_factory({"transport": "shm", "shm_budget_mb": 0.25, "receive_ahead": "on",
+                                 "bucket_mb": BUCKET_MB})
+    with WeightSender(coord) as sender:
+        with pytest.raises(ConfigError, match="receive_ahead: on, but transport shm \\(shm streaming.* takes versions at the barrier "
+                                              "only; use broadcast or whole-version shm, or receive_ahead: auto"):
+            sender.stage(1, materialize(TINY, seed=1))
+
+
 def test_shadow_that_does_not_fit_is_refused_with_its_sizes():
     plan = plan_buckets(TINY, SyncConfig(bucket_mb=BUCKET_MB).bucket_bytes)
     cfg = SyncConfig(bucket_mb=BUCKET_MB, receive_ahead="on", receive_ahead_max_mb=0.1)
