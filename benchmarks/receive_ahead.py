@@ -12,7 +12,8 @@ the shm version is pre-staged and nothing verified ahead), then the barrier: the
 rollouts apply it while the trainer syncs. The stall is what the rollout's ``apply()`` spent
 from its first bucket to the reset cache (``total_s`` of its metrics, the slower rollout);
 ``barrier_s`` is the trainer's ``sync()``. One copy: ``copy_`` of a payload-sized buffer into
-another in a rollout-like process, median of 5. The goal (issue 37): stall <= 1.2x one copy.
+another in a rollout-like process, median of 5; and the same in two processes at once, as
+the two rollouts load at the barrier at once on this host (the slower one's median). The goal (issue 37): stall <= 1.2x one copy.
 """
 
 from __future__ import annotations
@@ -95,6 +96,10 @@ def main() -> int:
     try:
         copy_s = ray.get(one_copy.remote(payload))
         out["one_copy_s"] = copy_s
+        # both rollouts load at the barrier at once, on the same cores and memory: the same copy
+        # made by two processes at once is the like-for-like floor of that stall
+        both = max(ray.get([one_copy.remote(payload, 9), one_copy.remote(payload, 9)]))
+        out["one_copy_two_at_once_s"] = both
         for transport in args.transports.split(","):
             pairs = {"off": Pair(transport, "off"), "on": Pair(transport, "on")}
             try:
@@ -110,18 +115,21 @@ def main() -> int:
                     barrier = statistics.median(x["barrier_s"] for x in rows)
                     row = {"transport": transport, "receive_ahead": mode, "stall_s": stall, "barrier_s": barrier,
                            "stall_x_copy": stall / copy_s, "barrier_x_copy": barrier / copy_s,
+                           "stall_x_two_copies_at_once": stall / both,
                            "received_ahead": all(x["ahead"] for x in rows), "stalls_s": [x["stall_s"] for x in rows],
                            "parts_s": {k: statistics.median(x["parts_s"][k] for x in rows) for k in rows[0]["parts_s"]}}
                     out["rows"].append(row)
                     print(f"{transport:9s} receive_ahead {mode:3s}: rollout stall {stall * 1e3:7.1f} ms "
                           f"({row['stall_x_copy']:.2f}x one copy), trainer barrier {barrier * 1e3:7.1f} ms "
-                          f"({row['barrier_x_copy']:.2f}x), received ahead: {row['received_ahead']}; stall: "
+                          f"({row['barrier_x_copy']:.2f}x), {stall / both:.2f}x two copies at once; "
+                          f"received ahead: {row['received_ahead']}; stall: "
                           + ", ".join(f"{k} {t * 1e3:.1f}" for k, t in row["parts_s"].items()), flush=True)
             finally:
                 for p in pairs.values():
                     p.close()
         out["load_average_after"] = os.getloadavg()[0]
-        print(f"payload {payload / 2**20:.0f} MiB, one copy {copy_s * 1e3:.1f} ms; load average "
+        print(f"payload {payload / 2**20:.0f} MiB, one copy {copy_s * 1e3:.1f} ms, two processes copying at once "
+              f"{both * 1e3:.1f} ms; load average "
               f"{out['load_average']:.2f} -> {out['load_average_after']:.2f} on {out['cores']} cores")
     finally:
         ray.shutdown()

@@ -164,6 +164,9 @@ class ShmSender(SenderTransport):
         self.slots.clear()
 
 
+PAGE_BYTES = 4096
+
+
 class ShmReceiver(ReceiverTransport):
     name = "shm"
     session_record = ShmSession
@@ -263,9 +266,15 @@ class ShmReceiver(ReceiverTransport):
         return 0 if self.ctx.config.receive_ahead != "off" and self.kind is not None else None
 
     def prefetch(self, version: int, info: ShmVersion, deadline: float, check: Callable[[], None]) -> bool:
-        """Verify (and mark for the node) each bucket as soon as the sender wrote it."""
+        """Verify (and mark for the node) each bucket as soon as the sender wrote it. With
+        receive_ahead, also map every page of it into this process (one byte read per page):
+        the receiver that did not hash a bucket would otherwise take its page faults in the
+        barrier's load."""
+        touch = self.ctx.config.receive_ahead != "off"
         for b, buf, expected in self.receive(version, info, deadline, check):
             self.verify_bucket(version, info, b, buf, expected)
+            if touch and buf.numel():
+                buf[::PAGE_BYTES].max()
         self.verified_ahead = version
         return True
 
