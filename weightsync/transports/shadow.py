@@ -86,7 +86,8 @@ class Shadow:
                     check()  # the coordinator: aborted already? (outside the lock: it is a call)
                 finally:
                     self._cond.acquire()
-                self._cond.wait(min(tick_s, max(0.0, deadline - now)))
+                if not (self.version == version and self.done):  # a finish() during check() woke no one
+                    self._cond.wait(min(tick_s, max(0.0, deadline - now)))
             if self.error is not None:
                 raise self.error
 
