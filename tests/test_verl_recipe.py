@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import sys
 import textwrap
+import time
 
 import pytest
 
@@ -121,6 +122,47 @@ def test_recipe_syncs_versions_bit_exactly_and_bounds_staleness(groups):
     finally:
         actor_wg.close()
         rollout_wg.close()
+        trainer._ws_coordinator.shutdown()
+
+
+def test_next_version_travels_as_soon_as_update_actor_returns(groups):
+    """broadcast, receive_ahead auto (the adapter's default): the hooked update_actor stages
+    the next version on both actor ranks (FSDP gathers in lockstep) and sends it into the
+    rollout's shadow at once; the step's sync then only completes the barrier. Bit-exact,
+    and every such version is marked staged ahead and received ahead."""
+    import ray
+    from weightsync_verl.testing import hf_weights
+
+    from weightsync.testing import assert_same_weights
+
+    trainer = make_trainer(groups, trainer_config("ws-verl-ahead", weightsync={
+        **SETTINGS, "transport": "broadcast", "coordinator_name": "ws-verl-ahead"}))
+    trainer.actor_rollout_wg = trainer.actor_wg  # as the recipe names the group fit() trains
+    trainer._init_models()
+    trainer._init_async_rollout_manager()
+    try:
+        trainer.global_steps = 0
+        trainer.actor_wg.set_version(0)
+        assert trainer.sync_rollout_weights()["weightsync/staged_ahead"] == 0.0
+        parties = trainer._ws_coordinator.status
+        deadline = time.monotonic() + 30
+        while not all(p["ahead"] for p in parties()["parties"] if p["role"] == "receiver"):
+            assert time.monotonic() < deadline, "the rollout's ahead thread never came up"
+            time.sleep(0.05)
+        for step in range(1, 4):
+            trainer.actor_rollout_wg.update_actor(step)  # fit(): the update of step - 1 ...
+            assert trainer._ws_ahead is not None and trainer._ws_ahead[0] == step
+            trainer.global_steps = step  # ... then the next step's sync
+            out = trainer.sync_rollout_weights()
+            assert out["weightsync/version"] == step and out["weightsync/staged_ahead"] == 1.0, out
+            m = trainer._ws_coordinator.metrics(step)
+            assert m["info"]["ahead"] is True and all(r["received_ahead"] for r in m["receivers"].values()), m
+            for got in trainer.rollout_wg.weights():
+                assert_same_weights(got["weights"], hf_weights(step), f"version {step}")
+            assert ray.get(trainer.rollout_wg.workers[0].weightsync_version.remote()) == step
+    finally:
+        trainer.actor_wg.close()
+        trainer.rollout_wg.close()
         trainer._ws_coordinator.shutdown()
 
 

@@ -21,6 +21,7 @@ DEVICES = ("auto", "cpu", "cuda", "npu", "sim")  # sim: the tests' simulated acc
 DIGESTS = ("auto", "xxh3", "torch", "off")
 SHM_BACKINGS = ("auto", "memfd", "files")
 DELTAS = ("off", "auto", "on")
+RECEIVE_AHEADS = ("off", "auto", "on")
 ENV_PREFIX = "WEIGHTSYNC_"
 # WEIGHTSYNC_ variables that are not config fields: read by the scripts, the test tiers and
 # the capability probe; every other WEIGHTSYNC_ variable must name a field (typos fail loudly)
@@ -103,6 +104,14 @@ class SyncConfig:
     # send per bucket only what changed since the last committed version (docs/delta.md):
     # "auto": the faster way as timed on this link (delta_policy.py), "on" always, "off" never
     delta: str = "off"
+    # move a version's bytes to the receivers before the barrier, while the engine still serves
+    # the one before (docs/one-step-off.md): broadcast sends at stage() into a host / device
+    # shadow of one copy of the payload per receiver, which the barrier only loads; shm verifies
+    # ahead in its segment. "on": every version it can (a receiver whose shadow does not fit
+    # fails the session, named); "auto": where the shadow fits, else at the barrier; "off": never
+    receive_ahead: str = "off"
+    # the shadow's bound per receiver, in MiB; 0 = auto (half of what the node can give now)
+    receive_ahead_max_mb: float = 0.0
 
     def __post_init__(self) -> None:
         _check_choice("transport", self.transport, ("auto", *registry.names()))
@@ -112,6 +121,7 @@ class SyncConfig:
         _check_choice("digest", self.digest, DIGESTS)
         _check_choice("shm_backing", self.shm_backing, SHM_BACKINGS)
         _check_choice("delta", self.delta, DELTAS)
+        _check_choice("receive_ahead", self.receive_ahead, RECEIVE_AHEADS)
         if not self.bucket_mb > 0:
             raise ConfigError(f"bucket_mb must be > 0, got {self.bucket_mb!r}")
         a = self.align_bytes
@@ -137,6 +147,8 @@ class SyncConfig:
             raise ConfigError(f"shm_max_segments must be >= 2, got {self.shm_max_segments!r}")
         if not self.shm_budget_mb >= 0:
             raise ConfigError(f"shm_budget_mb must be >= 0 (0: auto), got {self.shm_budget_mb!r}")
+        if not self.receive_ahead_max_mb >= 0:
+            raise ConfigError(f"receive_ahead_max_mb must be >= 0 (0: auto), got {self.receive_ahead_max_mb!r}")
         if not 0 <= self.rendezvous_port < 65536:
             raise ConfigError(f"rendezvous_port must be in 0..65535, got {self.rendezvous_port!r}")
         if not self.coordinator_name:

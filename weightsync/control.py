@@ -145,8 +145,12 @@ class ControlPlane:
         self._send("verdict", accepted=accepted, why=why)
 
     def wait_version(self, version: int | None, timeout: float, wait: bool = True,
-                     prefetch: bool = False) -> Target:
-        return Target(**self._send("wait_version", version=version, timeout=timeout, wait=wait, prefetch=prefetch))
+                     prefetch: bool = False, after: int | None = None, ahead: bool = False) -> Target:
+        """``after``: only a version newer than it (and than the one served); ``ahead``: the
+        caller is a receiver's ahead thread, ready to take versions before their barrier."""
+        extra = {"after": after, "ahead": True} if ahead else {}
+        return Target(**self._send("wait_version", version=version, timeout=timeout, wait=wait, prefetch=prefetch,
+                                   **extra))
 
     def state(self, version: int) -> VersionState:
         return VersionState(**self._send("state", version=version))
@@ -161,8 +165,10 @@ class ControlPlane:
 
     # -- broadcast transport: group membership (broadcast_groups.py) ---------------------------
 
-    def bcast_form(self, version: int) -> dict[str, Any]:
-        return self._send("bcast_form", version=version)
+    def bcast_form(self, version: int, ahead: bool = False) -> dict[str, Any]:
+        """The group of ``version``; ``ahead``: formed in stage(), or ``{"ahead": False}`` where
+        some live receiver is not ready to take it before the barrier."""
+        return self._send("bcast_form", version=version, **({"ahead": True} if ahead else {}))
 
     def bcast_group(self, version: int, timeout: float) -> dict[str, Any]:
         return self._send("bcast_group", version=version, timeout=timeout)

@@ -111,8 +111,8 @@ class CoordinatorActor:
 
     # -- broadcast membership (coordinator_broadcast.py) -----------------------------------------
 
-    async def op_bcast_form(self, party: int, version: int) -> dict[str, Any]:
-        return await self.broadcast.form(self._party(party), version)
+    async def op_bcast_form(self, party: int, version: int, ahead: bool = False) -> dict[str, Any]:
+        return await self.broadcast.form(self._party(party), version, ahead)
 
     async def op_bcast_group(self, party: int, version: int, timeout: float) -> dict[str, Any]:
         return await self.broadcast.group(self._party(party), version, timeout)
@@ -259,6 +259,11 @@ class CoordinatorActor:
     async def op_begin_sync(self, party: int, version: int) -> dict[str, Any]:
         self._party(party)
         eligible = self.parties.at_barrier()
+        ahead = self.bcast.get(version) if self.table.get(version) is not None else None
+        if ahead is not None and self.table[version].state in (State.STAGING, State.STAGED):
+            # its bytes moved before the barrier, to this group: a receiver that joined since
+            # takes the next version (as one that joins after a barrier does)
+            eligible = [p for p in eligible if p.name in ahead["members"]]
         offered = [Candidate(p.name, f"{p.label} {p.why}" if not p.alive or p.rejected else None) for p in eligible]
         before = self.table.get(version)
         opening = before is not None and before.state in (State.STAGING, State.STAGED)
@@ -270,15 +275,21 @@ class CoordinatorActor:
         return {"participants": v.participants}
 
     async def op_wait_version(self, party: int, version: int | None, timeout: float, wait: bool = True,
-                              prefetch: bool = False) -> dict[str, Any]:
+                              prefetch: bool = False, after: int | None = None,
+                              ahead: bool = False) -> dict[str, Any]:
         """Receivers: wait until ``version`` (or, for None, anything newer than what they
         serve) can be read; returns where its bytes are. ``prefetch``: only to read ahead,
-        the receiver is not applying it yet."""
-        self._party(party)
+        the receiver is not applying it yet. ``after``: nothing at or below it (what an ahead
+        thread took already); ``ahead``: the caller is an ahead thread (receive_ahead.py)."""
+        p = self._party(party)
+        if ahead and not p.ahead:
+            p.ahead = True
+            self._poke()
         deadline = time.monotonic() + timeout
         while True:
             p = self._party(party, seen=False)
-            target = self.table.target_for(p.serving, version, pipelined=self.pipelined,
+            floor = p.serving if after is None else after if p.serving is None else max(after, p.serving)
+            target = self.table.target_for(floor, version, pipelined=self.pipelined,
                                            keeps_versions=self.keeps_versions)
             if target is not None:
                 v = self.table[target]
@@ -356,6 +367,8 @@ class CoordinatorActor:
         return {
             "session": self.session,
             "transport": self.transport, "transport_reason": self.transport_reason,
+            # the transport reads a version's tensors in stage(): staging early frees the barrier
+            "pipelined": self.pipelined,
             "group": {k: self.transport_info[k] for k in ("backend", "communicator", "communicator_reason")
                       if k in self.transport_info},
             "manifest_tensors": len(self.manifest or ()), "payload_bytes": self.payload_bytes,

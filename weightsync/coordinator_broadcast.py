@@ -23,13 +23,21 @@ class BroadcastMembership:
                  session: str):
         self.table, self.parties, self.bcast, self.signals, self.session = table, parties, bcast, signals, session
 
-    async def form(self, sender: PartyRecord, version: int) -> dict[str, Any]:
-        """Sender rank 0, right after begin_sync: fix the group of ``version``."""
+    async def form(self, sender: PartyRecord, version: int, ahead: bool = False) -> dict[str, Any]:
+        """Sender rank 0, right after begin_sync: fix the group of ``version``. ``ahead``: in
+        stage() instead, with every live receiver, if each one's ahead thread is ready to take
+        the version into its shadow; else ``{"ahead": False}`` and the version goes at the barrier."""
         v = self.table[version]
         if v.state == State.ABORTED:
             raise VersionError(f"version {version} was aborted: {v.reason}")
-        members = [Member(p.name, p.pid, p.rank) for p in self.parties.receivers()
-                   if p.name in v.participants and p.name not in v.failed]
+        if ahead:
+            live = [p for p in self.parties.receivers() if not p.rejected]
+            if not live or not all(p.ahead and p.verdict == "" for p in live):
+                return {"ahead": False}
+            members = [Member(p.name, p.pid, p.rank) for p in live]
+        else:
+            members = [Member(p.name, p.pid, p.rank) for p in self.parties.receivers()
+                       if p.name in v.participants and p.name not in v.failed]
         last = self.table.get(self.bcast.last) if self.bcast.last is not None else None
         group = self.bcast.form(version, Member(sender.name, sender.pid), members,
                                 last_failed=last is not None and last.state == State.ABORTED, nonce=self.session)

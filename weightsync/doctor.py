@@ -156,9 +156,24 @@ def collect(shm_dir: str = "/dev/shm", shm_backing: str | None = None) -> dict[s
         "broadcast_group": _groups(kind),
         "vllm_weight_transfer": vllm_engines(),
         "verl_entry_points": verl_entry_points(),
+        "receive_ahead": _receive_ahead(),
         "auto": ("auto picks ipc for receivers on the sender's device, shm (CPU) or broadcast (accelerators) "
                  "for receivers on other devices of the node, broadcast across nodes"),
     }
+
+
+def _receive_ahead() -> dict[str, Any]:
+    """The receive_ahead setting from the environment and what a shadow may take on this node."""
+    from .config import SyncConfig
+    from .errors import ConfigError
+    from .transports.shadow import bound
+
+    try:
+        cfg = SyncConfig.from_env()
+    except ConfigError as exc:
+        return {"setting": None, "error": str(exc)}
+    limit, source = bound(cfg)
+    return {"setting": cfg.receive_ahead, "shadow_limit_mib": round(limit / 2**20), "source": source}
 
 
 def format_report(r: dict[str, Any]) -> str:
@@ -188,6 +203,10 @@ def format_report(r: dict[str, Any]) -> str:
         for name, c in options.items():
             lines.append(f"  {backend:<5} {name:<10} {'yes' if c['available'] else 'no '}  "
                          + (c["what"] if c["available"] else f"{c['what']}; {c['reason']}"))
+    ahead = r["receive_ahead"]
+    lines += ["", f"receive_ahead: {ahead['setting']} (environment); a receiver's shadow (one copy of the payload) "
+                  f"may take up to {ahead['shadow_limit_mib']} MiB here ({ahead['source']})"
+              if "error" not in ahead else f"receive_ahead: {ahead['error']}"]
     lines += format_entry_points(r["vllm_weight_transfer"], r["verl_entry_points"])
     lines += ["", r["auto"]]
     return "\n".join(lines)

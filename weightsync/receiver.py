@@ -7,6 +7,7 @@ One version, end to end:  apply(v)
   -> post_load() once -> reset_cache() -> coordinator.report(ok) ... now serving v
 On a failure after the first bucket was loaded, the previous version is loaded again when
 the transport still has it (rollback), else the receiver serves nothing until it catches up.
+With receive_ahead, an ahead thread (receive_ahead.py) takes each version before apply() does.
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ from .errors import ManifestError, VersionError, WeightSyncError
 from .manifest import Expected, Manifest, check_manifest
 from .party import Party
 from .plan import Unpacker
+from .receive_ahead import AheadThread
 from .transports.records import VersionRecord
 from .versions import State
 
@@ -99,6 +101,7 @@ class WeightReceiver(Party):
         self._served: VersionRecord | None = None
         self._delta: DeltaReceiver | None = None  # the shadow of delta versions (delta_receiver.py)
         self._session_lock = threading.Lock()  # prefetch() may run in a thread beside apply()
+        self._ahead: AheadThread | None = None  # receive_ahead: takes versions before the barrier
         self.last_metrics: dict[str, Any] = {}
         # a test's fault point (weightsync.testing): called as (version, bucket) once bucket b
         # is verified and loaded, before the next one is read
@@ -127,8 +130,14 @@ class WeightReceiver(Party):
                 raise
         self.control.verdict(True)
         ctx = self._context(manifest, session.digest)
-        self.transport = transports.receiver_class(session.transport)(ctx, session.info)
-        self.unpacker = Unpacker(ctx.plan, manifest)
+        transport = transports.receiver_class(session.transport)(ctx, session.info)
+        self.transport, self.unpacker = transport, Unpacker(ctx.plan, manifest)
+        try:
+            self._ahead = AheadThread.start(self)
+        except BaseException:
+            self.transport = None
+            transport.close()
+            raise
 
     def apply(self, version: int | None = None, timeout: float | None = None, wait: bool = True) -> int | None:
         """Receive, verify and load a version, run the post-load hook, reset the cache, commit.
@@ -229,7 +238,8 @@ class WeightReceiver(Party):
         a thread while the engine generates. On shm the checksums are then checked and marked
         for every receiver of the node as the sender writes the buckets, so the barrier only
         loads. Loads nothing and raises nothing about the version: whatever is wrong with it,
-        ``apply()`` finds and reports. Returns the version read ahead, or None (nothing
+        ``apply()`` finds and reports. With an ahead thread running (``receive_ahead``), waits
+        for the thread to be done with the version instead of reading it a second time. Returns the version read ahead, or None (nothing
         newer, checksums off, or a transport that keeps nothing to read ahead).
 
         Args:
@@ -245,6 +255,8 @@ class WeightReceiver(Party):
         """
         timeout = self.config.sync_timeout_s if timeout is None else timeout
         self._ensure_session(self.config.connect_timeout_s)
+        if self._ahead is not None:
+            return self._ahead.wait(version, timeout)  # the thread reads ahead; never a second reader
         if self.transport.kind is None or (version is not None and self._version is not None
                                            and version <= self._version):
             return None
@@ -339,6 +351,7 @@ class WeightReceiver(Party):
         return {"wait_s": wait_s, "verify_s": verify_s, "load_s": load_s, "post_load_s": post_s,
                 "reset_cache_s": reset_s, "total_s": total, "bytes": nbytes, "peer_verified_buckets": peer_verified,
                 "gbps": nbytes / total / 1e9 if total > 0 else 0.0,
+                "received_ahead": self.transport.received_ahead(version, info),
                 # the whole version's digest, from the bucket digests it verified: equal to the
                 # sender's when both hold the same bytes (status() shows both)
                 "digest": version_digest("xxh3", rebuilt) if record is not None else version_digest(kind, verified)}
@@ -370,5 +383,7 @@ class WeightReceiver(Party):
                 raise
 
     def _close_transport(self) -> None:
+        if self._ahead is not None:
+            self._ahead.stop()
         if self.transport is not None:
             self.transport.close()

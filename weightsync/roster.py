@@ -32,6 +32,8 @@ class PartyRecord:
     # a dead party is named in the first version it fails; later versions go on without it
     # (until it comes back or is replaced) instead of failing again for the same reason
     reported_dead: bool = False
+    # receivers: an ahead thread waits for versions (config receive_ahead), with its shadow ready
+    ahead: bool = False
 
     @property
     def present(self) -> bool:
@@ -51,7 +53,7 @@ class PartyRecord:
             "pid": self.os_pid, "alive": self.present, "left": self.left, "serving": self.serving,
             "applying": self.applying, "silent_s": round(now - self.last_seen, 3),
             "manifest": "pending" if self.verdict is None else ("accepted" if self.verdict == "" else "rejected"),
-            "why": self.why,
+            "why": self.why, "ahead": self.ahead,
         }
 
 

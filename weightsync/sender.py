@@ -26,7 +26,7 @@ from .config import SyncConfig
 from .control import Publication
 from .delta_sender import DeltaSender
 from .device import describe
-from .errors import VersionError
+from .errors import ConfigError, VersionError
 from .manifest import Manifest, build_manifest
 from .party import Party
 from .plan import Packing
@@ -178,6 +178,10 @@ class WeightSender(Party):
               "ipc": ipc_support(self.device.type, self.config.shm_dir).to_dict()}
         name, reason = choose_transport(self.config.transport, me, receivers, self.config.backend)
         transport = transports.sender_class(name)(ctx)
+        if self.config.receive_ahead == "on" and not transport.ahead_capable:
+            transport.close()
+            raise ConfigError(f"receive_ahead: on, but transport {name} ({transport.mode_reason or reason}) takes "
+                              f"versions at the barrier only; use broadcast or whole-version shm, or receive_ahead: auto")
         if transport.mode_reason:
             reason = f"{reason}; {transport.mode_reason}"
         log.info("weightsync session %s: transport %s (%s)", self.session, name, reason)
@@ -231,6 +235,33 @@ class WeightSender(Party):
                 raise
         handle = self._staged[version] = StagedVersion(version, future)
         return handle
+
+    def withdraw(self, version: int, why: str) -> bool:
+        """Give up a staged version whose bytes would move only at the barrier (broadcast when
+        not every receiver takes it ahead, ipc, streaming shm): for a caller that staged it in
+        a call of its own, right after the optimizer step, whose other trainer ranks walked
+        their tensors in that call already. The version is aborted with ``why``; the next
+        sync stages a newer one. False (nothing changes) where stage() moved the bytes.
+
+        Args:
+            version: A version this sender staged and did not sync.
+            why: The abort reason the coordinator records.
+
+        Returns:
+            True if the version was given up.
+        """
+        handle = self._staged.get(version)
+        if handle is None or not self.sends or self.transport is None:
+            return False
+        handle.wait()
+        if not self.transport.give_back(version):
+            return False
+        del self._staged[version]
+        try:
+            self.control.abort(version, why)
+        except Exception:
+            pass  # aborted already, or the coordinator is gone: the version cannot commit either way
+        return True
 
     def _rejoin_state(self) -> dict[str, Any]:
         return {"last_version": getattr(self, "_last_version", None)}

@@ -17,6 +17,7 @@ def format_status(status: dict[str, Any]) -> str:
         state = "alive" if p["alive"] else "DOWN"
         extra = f" applying={p['applying']}" if p.get("applying") is not None else ""
         why = f" -- {p['why']}" if p.get("why") else ""
+        extra += " ahead" if p.get("ahead") else ""  # its ahead thread takes versions before the barrier
         served = f" serving={p['serving']}{extra} manifest={p['manifest']}" if p["role"] == "receiver" else ""
         lines.append(f"    {p['role']:<8} {p['name']:<16} rank={p['rank']:<3} {state:<5}{served} silent={p['silent_s']:.1f}s{why}")
     if status["versions"]:
@@ -33,4 +34,7 @@ def format_status(status: dict[str, Any]) -> str:
         lines.append(f"    v{v['version']:<6} {v['state']:<12} slot={v['slot']}{stage_txt}{barrier}{speed}{digest}{reason}")
     if status.get("resources"):
         lines.append("  open resources: " + ", ".join(f"{k}={n}" for k, n in sorted(status["resources"].items())))
+    shadows = (status.get("resources") or {}).get("ahead_shadow_bytes")
+    if shadows:  # receive_ahead: one copy of the payload per receiver that keeps a shadow
+        lines.append(f"  receive_ahead shadows: {shadows / 2**20:.1f} MiB in all")
     return "\n".join(lines)

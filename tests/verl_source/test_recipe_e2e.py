@@ -36,7 +36,13 @@ def test_user_run_end_to_end_with_verls_vllm_server(tmp_path: Path):
     if not Path(SRC, "recipe/one_step_off_policy/agent_loop").is_dir():
         pytest.skip("this generation's recipe has no async server path (agent_loop): ccd7d934 / v0.7.0 only")
     refusals = tmp_path / "nccl-refusals.txt"
-    rows, _ = run(SRC, tmp_path, STEPS, extra_env={"E2E_NCCL_REFUSALS": str(refusals)})
+    rows, _ = run(SRC, tmp_path, STEPS, extra_env={"E2E_NCCL_REFUSALS": str(refusals), "E2E_AHEAD_EVERY_OTHER": "1"})
+    # the adapter staged even steps' versions right after the update before them (receive
+    # ahead: the shm rollouts verified them meanwhile), odd steps' at the barrier
+    print("\n".join(f"step {r['step']}: timing_s/sync_rollout_weights {r.get('timing_s/sync_rollout_weights')} "
+                     f"(staged ahead: {int(r['step']) % 2 == 0 and int(r['step']) > 1}), timing_s/gen "
+                     f"{r.get('timing_s/gen')}, weightsync/staged_ahead {r.get('weightsync/staged_ahead')}, "
+                     f"weightsync/ahead_wait_s {r.get('weightsync/ahead_wait_s')}" for r in rows))
 
     assert not refusals.exists(), f"an NCCL group was asked for: {refusals.read_text()}"
     steps = [int(r["step"]) for r in rows]

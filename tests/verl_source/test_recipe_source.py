@@ -35,7 +35,7 @@ CPU = ["trainer.device=cpu", "trainer.n_gpus_per_node=2", "+actor_rollout_ref.mo
        "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=1", "actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu=1",
        "actor_rollout_ref.ref.log_prob_micro_batch_size_per_gpu=1",
        "actor_rollout_ref.actor.use_kl_loss=False", "algorithm.use_kl_in_reward=False", "trainer.logger=[console]"]
-WEIGHTSYNC = ["+weightsync.transport=shm", "+weightsync.bucket_mb=0.01", "+weightsync.sync_timeout_s=120",
+WEIGHTSYNC = ["+weightsync.bucket_mb=0.01", "+weightsync.sync_timeout_s=120",
               "+weightsync.connect_timeout_s=120", "+weightsync.heartbeat_timeout_s=10", "+weightsync.device=cpu"]
 
 
@@ -66,7 +66,7 @@ def compose(mode: str, model: str, name: str, extra: list[str]) -> object:
     from hydra import compose as hydra_compose
     from hydra import initialize_config_dir
 
-    overrides = USER + CPU + extra + WEIGHTSYNC + [f"actor_rollout_ref.rollout.mode={mode}",
+    overrides = USER + CPU + extra + WEIGHTSYNC + ["+weightsync.transport=shm",f"actor_rollout_ref.rollout.mode={mode}",
                                            f"actor_rollout_ref.model.path={model}", f"+weightsync.coordinator_name={name}"]
     with initialize_config_dir(config_dir=os.path.join(SRC, "recipe/one_step_off_policy/config"), version_base=None):
         return hydra_compose(config_name="one_step_off_ppo_trainer", overrides=overrides)
@@ -130,6 +130,11 @@ def _generation(trainer_cls: type) -> str:
 
 
 def test_recipe_init_workers_and_fit_syncs_bit_exactly(tmp_path, ray_cluster, recipe_modules, no_ray_collective):
+    """As fit() drives it; every other step stages the next version the way the adapter does
+    it right after update_actor (weightsync_stage_ahead), so the sync only completes the
+    barrier (on broadcast: the bytes are in the rollouts' shadows by then). shm unless
+    WEIGHTSYNC_TRANSPORT says otherwise (one run per transport: verl's placement groups keep
+    their names for the life of a Ray cluster)."""
     import ray
     from verl.single_controller.ray import RayWorkerGroup
     from verl.trainer.ppo.ray_trainer import ResourcePoolManager
@@ -202,11 +207,27 @@ def test_recipe_init_workers_and_fit_syncs_bit_exactly(tmp_path, ray_cluster, re
         versions = [trainer.sync_rollout_weights()["weightsync/version"]]
         check(versions[-1])
         before = trainer.actor_wg.full_weights()[0]
+        # the adapter hooks the group fit() calls update_actor on, at the first sync
+        assert getattr(trainer.actor_rollout_wg, "_ws_hooked", False) is (trainer.actor_rollout_wg is trainer.actor_wg)
+        transport = trainer._ws_coordinator.status()["transport"]
+        timings = {True: [], False: []}
         for step in range(1, VERSIONS + 1):
             trainer.actor_wg.train_step(step)
+            ahead = step % 2 == 0
+            if ahead:  # what the hooked update_actor does, then the rollout generates a while
+                staged = trainer.weightsync_stage_ahead()
+                ray.get(trainer._ws_ahead[1])
             trainer.global_steps = step
-            versions.append(trainer.sync_rollout_weights()["weightsync/version"])
+            out = trainer.sync_rollout_weights()
+            versions.append(out["weightsync/version"])
+            assert out["weightsync/staged_ahead"] == float(ahead) and (not ahead or versions[-1] == staged), out
+            timings[ahead].append(out["timing_s/sync_rollout_weights"])
             check(versions[-1])
+            if ahead and transport == "broadcast":
+                m = trainer._ws_coordinator.metrics(versions[-1])
+                assert m["info"].get("ahead") and all(r["received_ahead"] for r in m["receivers"].values()), m
+        print(f"\n{transport}: timing_s/sync_rollout_weights per step, staged ahead {timings[True]}, "
+              f"at the barrier {timings[False]}")
         assert versions == sorted(set(versions)) and len(versions) == VERSIONS + 1
         after = trainer.actor_wg.full_weights()[0]
         assert all(not same_bits(after[n], before[n]) for n in before), "a parameter did not change"

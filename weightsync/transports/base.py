@@ -84,6 +84,9 @@ class SenderTransport(abc.ABC):
     # a committed version stays readable after the sender moved on or died (late joiners catch
     # up from it, a receiver rolls back to it); streaming transports keep nothing
     keeps_versions: ClassVar[bool] = False
+    # receive_ahead works here: a version reaches the receivers before the barrier (broadcast
+    # sends in stage(); whole-version shm is in its segment, verified ahead)
+    ahead_capable: ClassVar[bool] = False
     # a test's fault point (weightsync.testing): called as (version, bucket, payload) once
     # bucket b is packed and checksummed, before receivers may read it, to corrupt the bytes
     # in transit
@@ -129,6 +132,12 @@ class SenderTransport(abc.ABC):
 
     def send(self, version: int, deadline: float) -> None:
         """The barrier part of a transfer (collectives); nothing for storage transports."""
+
+    def give_back(self, version: int) -> bool:
+        """A staged version whose tensors are still to be read at the barrier is given up: they
+        are walked once now (the walk may be a collective the other trainer ranks are in) and
+        nothing is sent. False where stage() read them already."""
+        return False
 
     def close(self) -> None:
         pass
@@ -181,6 +190,16 @@ class ReceiverTransport(abc.ABC):
     def prefetch(self, version: int, info: VersionRecord, deadline: float, check: Callable[[], None]) -> bool:
         """Do ahead of apply() what can be done without touching the model (shm: verify the
         checksums). False: nothing to do on this transport (it keeps nothing to read ahead)."""
+        return False
+
+    def open_ahead(self) -> int | None:
+        """receive_ahead: get ready to take versions before the barrier (allocate a shadow);
+        its bytes (0: the transport itself keeps the version, shm), or None where this
+        transport takes versions at the barrier only. Raises CapacityError where it does not fit."""
+        return None
+
+    def received_ahead(self, version: int, info: VersionRecord) -> bool:
+        """True if ``version``'s bytes came in (verified) before the barrier."""
         return False
 
     def span(self, version: int, info: VersionRecord) -> Callable[[int, int, int], torch.Tensor | None] | None:

@@ -46,11 +46,13 @@ from .. import device as devices
 from ..errors import ConfigError, DeadlineExceeded, VersionError, WeightSyncError
 from ..plan import BucketPlan, BucketSink, Packing
 from .base import Aborted, Received, ReceiverTransport, SenderTransport, TransportContext
+from .broadcast_ahead import AheadReceiver
 from .broadcast_end import BUFFERS, TRAILER, BroadcastEnd, get_checksum, put_checksum  # noqa: F401  (tests)
 from .communicators import choose_backend, comm_device
 from .group_store import connect_store, host_store, store_host
 from .groups import Group, settle
 from .records import BroadcastSession, BroadcastVersion, VersionRecord
+from .shadow import Shadow
 
 
 class BroadcastSender(BroadcastEnd, SenderTransport):
@@ -58,6 +60,7 @@ class BroadcastSender(BroadcastEnd, SenderTransport):
     session_record = BroadcastSession
     version_record = BroadcastVersion
     pipelined = False  # bytes move at the barrier, when every receiver is in the collective
+    ahead_capable = True  # or in stage(), with receive_ahead, into the receivers' shadows
 
     def __init__(self, ctx: TransportContext):
         super().__init__(ctx)
@@ -67,6 +70,11 @@ class BroadcastSender(BroadcastEnd, SenderTransport):
         self.scratch: torch.Tensor | None = None  # where a failed version's rest is packed
         # tells this sender's store from a restarted sender's, even on a fixed rendezvous_port
         self.store_id = secrets.token_hex(8)
+        # receive_ahead: send in stage() when every receiver keeps a shadow; announced versions
+        # are readable while STAGING, as on a pipelined transport
+        self.ahead = ctx.config.receive_ahead != "off" and ctx.control is not None
+        self.pipelined = self.ahead
+        self.sent_ahead: set[int] = set()
 
     def buffer_device(self) -> torch.device:
         return comm_device(choose_backend(self.ctx.config.backend, self.ctx.device), self.ctx.device,
@@ -82,7 +90,7 @@ class BroadcastSender(BroadcastEnd, SenderTransport):
         return self.session_record(backend=self.backend, communicator=self.communicator,
                                    communicator_reason=self.communicator_reason,
                                    host=store_host(self.ctx.config.rendezvous_host), port=self._store().port,
-                                   store_id=self.store_id, digest_kind=self.digest_kind)
+                                   store_id=self.store_id, digest_kind=self.digest_kind, ahead=self.ahead)
 
     def stage(self, version: int, slot: int, packing: Packing,
               announce: Callable[[VersionRecord], None]) -> BroadcastVersion:
@@ -90,12 +98,42 @@ class BroadcastSender(BroadcastEnd, SenderTransport):
         # with two buckets of memory instead of a copy of the model. So the trainer must
         # leave them unchanged until sync() returns (the recipe syncs right after the step).
         self.packings = {v: p for v, p in self.packings.items() if v > version}
+        self.sent_ahead = {v for v in self.sent_ahead if v > version - 8}
+        if self.ahead and self._send_ahead(version, packing, announce):
+            return self.version_record(session=self.session_info(), ahead=True)
         self.packings[version] = packing
         # the store's address rides along with every version: a restarted trainer hosts a
         # new store, and receivers still connected to the dead one's follow it (receive())
         return self.version_record(session=self.session_info())
 
+    def _send_ahead(self, version: int, packing: Packing, announce: Callable[[VersionRecord], None]) -> bool:
+        """Send ``version`` now, into every receiver's shadow, if the coordinator forms its group
+        ahead (every live receiver keeps a shadow and waits for it); False: at the barrier.
+        A failed transfer is not raised: the version is aborted, naming the fault, and
+        sync() raises it."""
+        devices.set_current(self.device)
+        try:
+            group = self.ctx.control.bcast_form(version, ahead=True)
+        except VersionError:
+            self._drain(packing)  # superseded or aborted meanwhile; nothing to send
+            return True
+        if not group.get("ahead", True):
+            return False
+        # readable from here on: receivers' ahead threads join the group formed above
+        announce(self.version_record(session=self.session_info(), ahead=True))
+        self._stream(version, group, packing, time.monotonic() + self.ctx.config.sync_timeout_s)
+        self.sent_ahead.add(version)
+        return True
+
+    def give_back(self, version: int) -> bool:
+        packing = self.packings.pop(version, None)
+        if packing is not None:
+            self._drain(packing)
+        return packing is not None
+
     def send(self, version: int, deadline: float) -> None:
+        if version in self.sent_ahead:
+            return  # its bytes moved in stage(); the receivers only load at the barrier
         packing = self.packings.pop(version, None)
         if packing is None:
             raise VersionError(f"version {version} was not staged on the broadcast transport")
@@ -222,7 +260,7 @@ class _Launch(BucketSink):
         s._record(self.version, self.written)  # device digests are final after the sync
 
 
-class BroadcastReceiver(BroadcastEnd, ReceiverTransport):
+class BroadcastReceiver(AheadReceiver, BroadcastEnd, ReceiverTransport):
     name = "broadcast"
     session_record = BroadcastSession
     version_record = BroadcastVersion
@@ -235,6 +273,7 @@ class BroadcastReceiver(BroadcastEnd, ReceiverTransport):
             raise ConfigError(f"receiver '{ctx.name}' has checksum={ctx.config.checksum} but the sender "
                               f"{'sends' if sends else 'does not send'} digests; use one config for every party")
         self.store: dist.TCPStore | None = None
+        self.shadow: Shadow | None = None  # receive_ahead: the version taken before the barrier (broadcast_ahead.py)
 
     def _store(self) -> dist.TCPStore:
         if self.store is None:
@@ -256,8 +295,8 @@ class BroadcastReceiver(BroadcastEnd, ReceiverTransport):
         self.store = None
         self.session = dataclasses.replace(self.session, host=info.host, port=info.port, store_id=info.store_id)
 
-    def receive(self, version: int, info: BroadcastVersion, deadline: float,
-                check: Callable[[], None]) -> Iterator[Received]:
+    def _collective(self, version: int, info: BroadcastVersion, deadline: float,
+                    check: Callable[[], None]) -> Iterator[Received]:
         self._follow(info.session)
 
         def poll() -> None:
@@ -307,3 +346,6 @@ class BroadcastReceiver(BroadcastEnd, ReceiverTransport):
     def close(self) -> None:
         self._close_end()
         self.store = None
+        if self.shadow is not None:
+            self.ctx.account("ahead_shadow_bytes", -self.shadow.nbytes)
+            self.shadow = None

@@ -327,6 +327,9 @@ class BroadcastSession(SessionRecord):
     host: str  # of the sender's TCPStore
     port: int
     store_id: str  # tells this sender's store from a restarted sender's
+    # receive_ahead: the sender may send a version in stage(), before the barrier, to receivers
+    # that keep a shadow of it (receive_ahead.py)
+    ahead: bool = False
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -339,3 +342,5 @@ class BroadcastVersion(VersionRecord):
 
     transport: ClassVar[str] = "broadcast"
     session: BroadcastSession
+    # sent in stage(), before the barrier, into every member's shadow: apply() loads from there
+    ahead: bool = False

@@ -103,6 +103,7 @@ class ShmSender(SenderTransport):
     pipelined = True
     # versions stay in their segments: late or restarted receivers catch up without the trainer
     keeps_versions = True
+    ahead_capable = True  # receivers verify the segment ahead (prefetch); nothing else to send
 
     def __init__(self, ctx: TransportContext, mode_reason: str = "shm whole versions"):
         super().__init__(ctx)
@@ -161,6 +162,9 @@ class ShmSender(SenderTransport):
             seg.close()
             self.ctx.account("shm_segments", -1)
         self.slots.clear()
+
+
+PAGE_BYTES = 4096
 
 
 class ShmReceiver(ReceiverTransport):
@@ -257,11 +261,25 @@ class ShmReceiver(ReceiverTransport):
             finally:
                 fcntl.lockf(seg.fd, fcntl.LOCK_UN, 8, 8 * word)
 
+    def open_ahead(self) -> int | None:
+        # the segment holds the whole version already: ahead is verifying it (prefetch)
+        return 0 if self.ctx.config.receive_ahead != "off" and self.kind is not None else None
+
     def prefetch(self, version: int, info: ShmVersion, deadline: float, check: Callable[[], None]) -> bool:
-        """Verify (and mark for the node) each bucket as soon as the sender wrote it."""
+        """Verify (and mark for the node) each bucket as soon as the sender wrote it. With
+        receive_ahead, also map every page of it into this process (one byte read per page):
+        the receiver that did not hash a bucket would otherwise take its page faults in the
+        barrier's load."""
+        touch = self.ctx.config.receive_ahead != "off"
         for b, buf, expected in self.receive(version, info, deadline, check):
             self.verify_bucket(version, info, b, buf, expected)
+            if touch and buf.numel():
+                buf[::PAGE_BYTES].max()
+        self.verified_ahead = version
         return True
+
+    def received_ahead(self, version: int, info: VersionRecord) -> bool:
+        return getattr(self, "verified_ahead", None) == version
 
     def span(self, version: int, info: VersionRecord) -> Callable[[int, int, int], torch.Tensor | None] | None:
         if not isinstance(info, ShmVersion) or info.delta is not None:

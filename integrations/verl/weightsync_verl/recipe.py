@@ -63,11 +63,15 @@ class WeightSyncTrainerMixin:
         super().__init__(config, *args, **kwargs)
 
     def _create_weight_sync_group(self) -> None:
-        cfg = sync_config(self.config)
+        # receive_ahead auto unless the user says otherwise: the next version travels while
+        # the rollout still generates (weightsync_stage_ahead), where the shadow fits
+        cfg = sync_config(self.config, receive_ahead="auto")
         receivers = self.rollout_wg.world_size
         self._ws_coordinator = Coordinator.create(cfg)
         self._ws_ledger = VersionLedger(cfg.max_staleness, self._ws_coordinator)
         self._ws_version: int | None = None
+        self._ws_stage_ahead = cfg.receive_ahead != "off"
+        self._ws_ahead: tuple[int, list] | None = None  # (version, the actor ranks' refs)
         self.weightsync_metrics = {}
         # actors only register here; the rollout side checks nothing before the first manifest
         actor = self.actor_wg.create_weight_sync_group(self._ws_coordinator, receivers)
@@ -99,9 +103,12 @@ class WeightSyncTrainerMixin:
                 f"{type(self).__name__}.sync_rollout_weights() ran before any weight sync group was created: this "
                 f"recipe's init_workers() neither called create_weight_sync_group / _create_weight_sync_group nor "
                 f"ray.util.collective.create_collective_group(group_name={GROUP!r}). {SUPPORTED}")
+        self._ws_hook_update_actor()
         version = next_version(getattr(self, "global_steps", None), self._ws_version)
-        self._ws_ledger.before_sync(version)  # raises StalenessError on a batch older than the bound
         t0 = time.perf_counter()
+        version, ahead = self._ws_take_ahead(version)
+        ahead_wait = time.perf_counter() - t0
+        self._ws_ledger.before_sync(version)  # raises StalenessError on a batch older than the bound
         actor_refs = self.actor_wg.sync_rollout_weights(version)  # as the recipe: senders not awaited first
         served = ray.get(self.rollout_wg.sync_rollout_weights(version))
         sent = ray.get(actor_refs)
@@ -116,12 +123,56 @@ class WeightSyncTrainerMixin:
             "weightsync/version": version,
             "weightsync/stage_s": result.get("stage_s", 0.0),
             "weightsync/barrier_s": result.get("barrier_s", 0.0),
+            # 1: staged right after update_actor (and, with receive_ahead, already at the rollouts)
+            "weightsync/staged_ahead": float(ahead),
+            "weightsync/ahead_wait_s": ahead_wait,
             # trainer and every rollout hold the same bytes: their version digests agree
             **digest_metrics(self._ws_coordinator.metrics(version)),
         }
         if self._ws_ledger.last_lag is not None:
             self.weightsync_metrics["weightsync/lag"] = self._ws_ledger.last_lag
         return self.weightsync_metrics
+
+    def _ws_hook_update_actor(self) -> None:
+        """Stage the next version as soon as the driver's update_actor returns (the recipe's
+        fit() calls ``self.actor_rollout_wg.update_actor(batch)``, the actor group itself)."""
+        wg = getattr(self, "actor_rollout_wg", None)
+        if not self._ws_stage_ahead or wg is None or wg is not self.actor_wg or getattr(wg, "_ws_hooked", False):
+            return
+        update, trainer = wg.update_actor, self
+
+        def update_actor(*args: Any, **kwargs: Any) -> Any:
+            out = update(*args, **kwargs)
+            trainer.weightsync_stage_ahead()
+            return out
+
+        wg.update_actor, wg._ws_hooked = update_actor, True
+
+    def weightsync_stage_ahead(self) -> int | None:
+        """Right after the optimizer step: stage the version the next sync will carry on every
+        actor rank, without waiting (the rollout generates meanwhile); returns it, or None
+        where the transport would read the weights only at the barrier anyway (ipc, streaming
+        shm) or before the first sync fixed the transport."""
+        if not self._ws_stage_ahead or self._ws_version is None or not self._ws_coordinator.status().get("pipelined"):
+            return None
+        last = self._ws_version if self._ws_ahead is None else max(self._ws_version, self._ws_ahead[0])
+        version = next_version((getattr(self, "global_steps", None) or 0) + 1, last)
+        self._ws_ahead = (version, self.actor_wg.weightsync_stage_ahead(version))
+        return version
+
+    def _ws_take_ahead(self, version: int) -> tuple[int, bool]:
+        """The version this sync carries, and whether it was staged ahead. A version staged
+        ahead that was withdrawn (it would move at the barrier) or failed on its way is
+        passed over: the sync stages the next integer, as today."""
+        if self._ws_ahead is None:
+            return version, False
+        ahead, refs = self._ws_ahead
+        self._ws_ahead = None
+        staged = all(ray.get(refs)) and self._ws_coordinator.metrics(ahead)["state"] == "STAGED"
+        if staged and ahead >= version:
+            return ahead, True
+        self._ws_version = max(ahead, self._ws_version or 0)
+        return next_version(getattr(self, "global_steps", None), self._ws_version), False
 
     def _ws_clear_kv_cache(self) -> None:
         clear = getattr(getattr(self, "async_rollout_manager", None), "clear_kv_cache", None)

@@ -155,6 +155,11 @@ class StandInActor(FSDPActorWeightSyncMixin, Worker):
 
         self.params = {n: distribute_tensor(t, self.mesh, [Shard(0)]) for n, t in hf_weights(version).items()}
 
+    @register(dispatch_mode=Dispatch.ONE_TO_ALL)
+    def update_actor(self, version: int) -> None:
+        """The recipe's update_actor, as far as the sync sees it: new weights (``version``'s)."""
+        self.set_version(version)
+
     def _get_actor_params(self) -> dict[str, Any]:
         return self.params
 

@@ -21,6 +21,25 @@ from .vllm_engine import VllmTarget
 
 class _ActorSide:
     _ws_sender: WeightSender | None = None
+    _ws_ahead: int | None = None  # the version weightsync_stage_ahead staged on this rank
+
+    @register(dispatch_mode=Dispatch.ONE_TO_ALL, blocking=False)
+    def weightsync_stage_ahead(self, version: int) -> bool:
+        """Stage ``version`` now, right after update_actor, while the rollout still generates
+        (the trainer calls it without waiting; Ray runs this worker's calls in order, so the
+        FSDP gathers of every rank meet here, in lockstep, and nowhere else). On shm the
+        segment is written here, on broadcast with receive_ahead the bytes reach the
+        rollouts' shadows here; sync_rollout_weights(version) then only completes the
+        barrier. Returns False on rank 0 where the version would move only at the barrier
+        (withdrawn: the trainer syncs a newer one as before)."""
+        sender = self._ws_sender
+        self._ws_ahead = None
+        with self.weightsync_params() as named:
+            sender.stage(version, named)
+            if sender.withdraw(version, "staged after update_actor, but this transport moves it at the barrier"):
+                return False
+        self._ws_ahead = version
+        return True
 
     @register(dispatch_mode=Dispatch.ONE_TO_ALL, blocking=False)
     def create_weight_sync_group(self, coordinator: Coordinator, expected_receivers: int) -> None:
@@ -34,8 +53,10 @@ class _ActorSide:
             manifest = self.weightsync_manifest()
             if manifest is not None:  # fixes the layout without holding a whole copy of the model
                 sender.publish(manifest)
-        with self.weightsync_params() as named:
-            sender.stage(version, named)
+        if self._ws_ahead != version:
+            with self.weightsync_params() as named:
+                sender.stage(version, named)
+        self._ws_ahead = None
         if not sender.sends:
             # ranks other than 0 only walk the parameters: the coordinator answers
             # wait_outcome(v) with "never staged" while rank 0 has not begun v, the normal

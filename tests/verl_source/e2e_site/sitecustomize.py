@@ -161,6 +161,26 @@ def _sender(module):
     module.WeightSender.stage = stage
 
 
-_AFTER = {"verl.utils.device": _device, "verl.utils.debug.metrics": _metrics, "weightsync.sender": _sender}
+def _trainer(module):
+    """With ``E2E_AHEAD_EVERY_OTHER`` set: the adapter stages ahead (right after update_actor)
+    only for even steps' syncs, so one run shows verl's sync timing with and without it,
+    interleaved."""
+    import os
+
+    if not os.environ.get("E2E_AHEAD_EVERY_OTHER"):
+        return
+    mixin = module.WeightSyncTrainerMixin
+    original = mixin.weightsync_stage_ahead
+
+    def weightsync_stage_ahead(self):
+        if ((getattr(self, "global_steps", None) or 0) + 1) % 2:
+            return None
+        return original(self)
+
+    mixin.weightsync_stage_ahead = weightsync_stage_ahead
+
+
+_AFTER = {"verl.utils.device": _device, "verl.utils.debug.metrics": _metrics, "weightsync.sender": _sender,
+          "weightsync_verl.recipe": _trainer}
 
 after_import("e2e_site", _AFTER)

@@ -1,0 +1,101 @@
+"""A receiver's shadow of one version (config ``receive_ahead``): the version's buckets, back
+to back, taken and verified while the engine still serves the version before, so the
+barrier only loads. One version at a time: the next one overwrites it, which is safe because
+a version is only staged once the one before has settled on every receiver.
+
+The shadow records a version's outcome, not just its bytes: a bucket that failed its digest
+on the way in fails the version when apply() comes for it, and nothing of it reached the
+engine (all-or-nothing, as at the barrier).
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable, Iterator
+
+import torch
+
+from ..config import MiB, SyncConfig
+from ..errors import CapacityError, DeadlineExceeded, VersionError
+from ..plan import BucketPlan
+from .node_memory import memory_available
+from .shm import spans
+
+
+def bound(config: SyncConfig) -> tuple[int, str]:
+    """The bytes a shadow may take on this node, and where the figure comes from."""
+    if config.receive_ahead_max_mb > 0:
+        return int(config.receive_ahead_max_mb * MiB), f"receive_ahead_max_mb={config.receive_ahead_max_mb:g}"
+    room, source = memory_available()
+    return room // 2, f"half of {source} ({room / MiB:.0f} MiB; receive_ahead_max_mb=0)"
+
+
+class Shadow:
+    """One version's buckets in one buffer on ``device``; sized by the session ``plan``."""
+
+    def __init__(self, plan: BucketPlan, device: torch.device, who: str, config: SyncConfig):
+        self.plan = plan
+        self.bases, at = [], 0
+        for b in plan.buckets:
+            self.bases.append(at)
+            at += b.nbytes
+        self.nbytes = at
+        limit, source = bound(config)
+        if self.nbytes > limit:
+            raise CapacityError(f"{who}: receive_ahead needs a shadow of {self.nbytes / MiB:.1f} MiB (one copy of the "
+                                f"payload) but may take {limit / MiB:.1f} MiB ({source}); raise receive_ahead_max_mb "
+                                f"or set receive_ahead: off (or auto, which takes versions at the barrier instead)")
+        self.buf = torch.empty(self.nbytes, dtype=torch.uint8, device=device)
+        self.version: int | None = None
+        self.done = False
+        self.error: BaseException | None = None
+        self.digests: list[int | None] = []
+        self._cond = threading.Condition()
+
+    def begin(self, version: int) -> None:
+        with self._cond:
+            self.version, self.done, self.error, self.digests = version, False, None, []
+            self._cond.notify_all()
+
+    def bucket(self, b: int, nbytes: int) -> torch.Tensor:
+        if nbytes > self.plan.buckets[b].nbytes:
+            raise VersionError(f"bucket {b} carries {nbytes} bytes, more than the {self.plan.buckets[b].nbytes} "
+                               f"the shadow holds for it")
+        return self.buf[self.bases[b]: self.bases[b] + nbytes]
+
+    def finish(self, version: int, error: BaseException | None) -> None:
+        """The version is in (``error`` None) or failed on the way in."""
+        with self._cond:
+            if self.version == version:
+                self.done, self.error = True, error
+                self._cond.notify_all()
+
+    def wait(self, version: int, deadline: float, check: Callable[[], None], tick_s: float = 0.2) -> None:
+        """Until ``version`` is in; raises what failed it on the way in, VersionError if the
+        shadow moved past it, or DeadlineExceeded."""
+        with self._cond:
+            while not (self.version == version and self.done):
+                if self.version is not None and self.version > version:
+                    raise VersionError(f"version {version} was not received ahead: the shadow holds {self.version}")
+                now = time.monotonic()
+                if now >= deadline:
+                    raise DeadlineExceeded(f"version {version} did not arrive ahead before the deadline")
+                self._cond.release()
+                try:
+                    check()  # the coordinator: aborted already? (outside the lock: it is a call)
+                finally:
+                    self._cond.acquire()
+                if not (self.version == version and self.done):  # a finish() during check() woke no one
+                    self._cond.wait(min(tick_s, max(0.0, deadline - now)))
+            if self.error is not None:
+                raise self.error
+
+    def buckets(self, plan: BucketPlan) -> Iterator[tuple[int, torch.Tensor, int | None]]:
+        """The version's buckets as received (``plan``: their lengths, a delta version's encoded ones)."""
+        for b, bucket in enumerate(plan.buckets):
+            yield b, self.bucket(b, bucket.nbytes), self.digests[b] if b < len(self.digests) else None
+
+    def span(self) -> Callable[[int, int, int], torch.Tensor | None]:
+        """Unpacker's ``span``: buckets sit back to back, so a split tensor is one view."""
+        return spans(self.buf, self.bases, self.plan)
