@@ -19,8 +19,7 @@ from dataclasses import dataclass
 from typing import Any
 
 BASELINES = ("ray-user", "ray-numpy", "bcast-per-tensor", "bcast-flat", "bcast-flat-load")
-# Ray Direct Transport rows (rdt_rows): columns of the table and ratios in the JSON's comparisons;
-# their x_ keys join KEYS once docs/benchmarks.md explains them (tests/test_docs.py checks each key)
+# Ray Direct Transport rows (rdt_rows): columns of the table and ratios in the JSON's comparisons
 RDT_BASELINES = ("ray-rdt-gloo", "ray-rdt-cuda-ipc", "ray-rdt-nccl")
 ALL_BASELINES = BASELINES[:2] + RDT_BASELINES + BASELINES[2:]
 
@@ -32,7 +31,7 @@ KEYS = {
     "barrier_x_copy": "pre-staged barrier over one ceiling copy of the payload",
     "prefetched_x_copy": "the same barrier after the receivers ran prefetch()",
     "growth_x": "version time with N receivers over the time with the fewest, same configuration",
-    **{f"x_{b}": f"{b} median over this row's median (how many times faster)" for b in BASELINES},
+    **{f"x_{b}": f"{b} median over this row's median (how many times faster)" for b in ALL_BASELINES},
 }
 
 _GRAMMAR = re.compile(r"^(?:(?P<transport>[^:<>=@]+):)?(?P<key>[a-z_\-]+)(?:@(?P<n>\d+))?\s*"
