@@ -2,9 +2,9 @@
 # Tier "sim": the branches only an accelerator takes (device buckets, events, device digests and
 # handles, loads onto a device, a device collective's event polling), run on the simulated
 # asynchronous accelerator of weightsync/sim: every transport, faults included, and
-# the ipc ring under 200 seeded event orders. No venv of its own: it runs in the main .venv.
+# receive ahead on broadcast, and the ipc ring under 200 seeded event orders. No venv of its own: it runs in the main .venv.
 # Arguments go to pytest.
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 [ -x .venv/bin/python ] || bash scripts/setup.sh dev >&2
-.venv/bin/python -m pytest -m sim tests/test_device.py tests/test_sim_ring.py tests/test_sim_faults.py "$@"
+.venv/bin/python -m pytest -m sim tests/test_device.py tests/test_sim_ring.py tests/test_sim_faults.py tests/test_sim_receive_ahead.py "$@"
