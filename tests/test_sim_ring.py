@@ -6,6 +6,7 @@ run must commit both versions bit-exactly, whatever order the events complete in
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import threading
 import time
@@ -58,13 +59,18 @@ def _run(seed: int, lag: float) -> list[str]:
     plan = plan_buckets(MANIFEST, cfg.bucket_bytes, cfg.align_bytes)
     ctx = TransportContext(config=cfg, plan=plan, manifest=MANIFEST, digest=MANIFEST.digest(), session="t",
                            name="trainer-0", rank=0, device=device)
-    stream = sim.Stream(seed=f"s:{seed}", lag_ms=lag)
-    sender = IpcSender(ctx)
-    receivers = [IpcReceiver(dataclasses.replace(ctx, name=f"rollout-{i}"), sender.session_info().to_wire())
-                 for i in range(2)]
-    models = [{s.name: torch.zeros(s.shape, dtype=s.torch_dtype, device=device) for s in MANIFEST} for _ in receivers]
-    unpackers = [Unpacker(plan, MANIFEST) for _ in receivers]
-    try:
+    with contextlib.ExitStack() as closing:  # whatever fails, nothing of the run outlives it
+        stream = sim.Stream(seed=f"s:{seed}", lag_ms=lag)
+        closing.callback(stream.close)
+        sender = IpcSender(ctx)
+        closing.callback(sender.close)
+        receivers = []
+        for i in range(2):
+            receivers.append(IpcReceiver(dataclasses.replace(ctx, name=f"rollout-{i}"), sender.session_info().to_wire()))
+            closing.callback(receivers[-1].close)
+        models = [{s.name: torch.zeros(s.shape, dtype=s.torch_dtype, device=device) for s in MANIFEST}
+                  for _ in receivers]
+        unpackers = [Unpacker(plan, MANIFEST) for _ in receivers]
         for version in (1, 2):
             named = materialize(MANIFEST, seed=version, device=str(device))
             errors: list[str] = []
@@ -86,11 +92,6 @@ def _run(seed: int, lag: float) -> list[str]:
             if not all(same_bits(m[n].cpu(), want[n]) for m in models for n in want):
                 return [f"version {version} is not bit-exact"]
         return []
-    finally:
-        for r in receivers:
-            r.close()
-        sender.close()
-        stream.close()
 
 
 def test_the_manifest_splits_tensors_over_buckets():

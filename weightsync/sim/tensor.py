@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import mmap
 import os
+import threading
 import weakref
 from typing import Any
 
@@ -21,8 +22,16 @@ aten = torch.ops.aten
 _blocks: dict[int, tuple[int, int]] = {}  # mapping address -> (memfd, bytes): what reduce_tensor shares
 
 
+_blocks_lock = threading.Lock()
+
+
 def _close_block(addr: int, fd: int) -> None:
-    _blocks.pop(addr, None)
+    # CPython unmaps an mmap (GIL released) before it calls its finalizers: another thread may
+    # have mapped a new block at the same address meanwhile. Its fd differs (ours is still open
+    # until below), so only our own entry goes.
+    with _blocks_lock:
+        if _blocks.get(addr, (None, 0))[0] == fd:
+            del _blocks[addr]
     try:
         os.close(fd)
     except OSError:
@@ -37,7 +46,8 @@ def _host_alloc(nbytes: int) -> torch.Tensor:
     mm = mmap.mmap(fd, size)
     buf = torch.frombuffer(mm, dtype=torch.uint8)  # keeps the mapping alive as long as the storage
     addr = buf.data_ptr()
-    _blocks[addr] = (fd, size)
+    with _blocks_lock:
+        _blocks[addr] = (fd, size)
     weakref.finalize(mm, _close_block, addr, fd)
     return buf
 
