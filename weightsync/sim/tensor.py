@@ -102,8 +102,7 @@ def _wrap(x: Any) -> Any:
 
 
 def _meta(x: Any) -> Any:
-    if isinstance(x, SimTensor):
-        return torch.empty_strided(x.size(), x.stride(), dtype=x.dtype, device="meta")
+    """A tensor argument (sim or a host scalar) as a meta tensor of its shape, for shape inference."""
     if isinstance(x, torch.Tensor):
         return torch.empty_strided(x.size(), x.stride(), dtype=x.dtype, device="meta")
     return x
