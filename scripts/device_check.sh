@@ -1,12 +1,12 @@
 #!/usr/bin/env bash
 # One command on a GPU or NPU node: the device tests, then a short device benchmark, each step
-# under a deadline, every log and the JSON in one folder. About 6 minutes on one device.
+# under a deadline, every log and the JSON in one folder. About 7 minutes on one device.
 #
 #   bash scripts/device_check.sh [--device cuda|npu] [--out DIR] [--steps tests,bench]
 #
 # It uses the node's own torch (CUDA build, or torch + torch_npu) and Ray. Where Ray is not
 # installed (an offline node), the trimmed Ray that `bash ../shared/tools/gpu-kit.sh` packs into
-# .gpu/ is unpacked and used. Deadlines: T_TESTS (240 s) and T_BENCH (120 s), in seconds.
+# .gpu/ is unpacked and used. Deadlines: T_TESTS (240 s) and T_BENCH (180 s), in seconds.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 kind="" out="" steps="tests,bench"
@@ -50,8 +50,8 @@ if [[ $steps == *tests* ]]; then
 fi
 if [[ $steps == *bench* ]]; then
     plot=(); "$py" -c "import matplotlib" 2>/dev/null && plot=(--plot "$out/bench.png")
-    timeout "${T_BENCH:-120}" "$py" -m weightsync.cli bench --device "$kind" --transport ipc shm --bucket-mb 64 256 \
-        --receivers 1 4 --checksum on off --baselines ray-numpy --rounds 2 --versions 3 --warmup 1 --no-progress \
+    timeout "${T_BENCH:-180}" "$py" -m weightsync.cli bench --device "$kind" --transport ipc shm --bucket-mb 64 256 \
+        --receivers 1 4 --checksum on off --baselines ray-numpy ray-rdt --rounds 2 --versions 3 --warmup 1 --no-progress \
         --note "scripts/device_check.sh" --json "$out/bench.json" "${plot[@]}" > "$out/bench.log" 2>&1
     b=$?; echo "device_check: bench rc=$b (log: $out/bench.log)"; tail -25 "$out/bench.log"; [ $b -eq 0 ] || rc=1
 fi
