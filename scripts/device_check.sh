@@ -1,15 +1,16 @@
 #!/usr/bin/env bash
-# One command on a GPU or NPU node: the device tests, then a short device benchmark, each step
-# under a deadline, every log and the JSON in one folder. About 7 minutes on one device.
+# One command on a GPU or NPU node: the device tests, the device digest's speed, then a short
+# device benchmark, each step under a deadline, every log and the JSON in one folder. About 7
+# minutes on one H200.
 #
-#   bash scripts/device_check.sh [--device cuda|npu] [--out DIR] [--steps tests,bench]
+#   bash scripts/device_check.sh [--device cuda|npu] [--out DIR] [--steps tests,digest,bench]
 #
 # It uses the node's own torch (CUDA build, or torch + torch_npu) and Ray. Where Ray is not
 # installed (an offline node), the trimmed Ray that `bash ../shared/tools/gpu-kit.sh` packs into
-# .gpu/ is unpacked and used. Deadlines: T_TESTS (240 s) and T_BENCH (180 s), in seconds.
+# .gpu/ is unpacked and used. Deadlines: T_TESTS (240 s), T_DIGEST (60 s) and T_BENCH (240 s), in seconds.
 set -uo pipefail
 cd "$(dirname "$0")/.."
-kind="" out="" steps="tests,bench"
+kind="" out="" steps="tests,digest,bench"
 while [ $# -gt 0 ]; do
     case "$1" in
         --device) kind="$2"; shift 2 ;;
@@ -48,9 +49,14 @@ if [[ $steps == *tests* ]]; then
         -o faulthandler_timeout=80 tests > "$out/tests.log" 2>&1
     t=$?; echo "device_check: tests rc=$t (log: $out/tests.log)"; tail -5 "$out/tests.log"; [ $t -eq 0 ] || rc=1
 fi
+if [[ $steps == *digest* ]]; then
+    timeout "${T_DIGEST:-60}" "$py" benchmarks/digest_device.py --device "$kind" --json "$out/digest.json" \
+        > "$out/digest.log" 2>&1
+    d=$?; echo "device_check: digest rc=$d (log: $out/digest.log)"; tail -12 "$out/digest.log"; [ $d -eq 0 ] || rc=1
+fi
 if [[ $steps == *bench* ]]; then
     plot=(); "$py" -c "import matplotlib" 2>/dev/null && plot=(--plot "$out/bench.png")
-    timeout "${T_BENCH:-180}" "$py" -m weightsync.cli bench --device "$kind" --transport ipc shm --bucket-mb 64 256 \
+    timeout "${T_BENCH:-240}" "$py" -m weightsync.cli bench --device "$kind" --transport ipc shm --bucket-mb 256 \
         --receivers 1 4 --checksum on off --baselines ray-numpy ray-rdt --rounds 2 --versions 3 --warmup 1 --no-progress \
         --note "scripts/device_check.sh" --json "$out/bench.json" "${plot[@]}" > "$out/bench.log" 2>&1
     b=$?; echo "device_check: bench rc=$b (log: $out/bench.log)"; tail -25 "$out/bench.log"; [ $b -eq 0 ] || rc=1

@@ -43,7 +43,8 @@ def _reference(buf: torch.Tensor) -> int:
 
 # the host's row sums and the device's (one read of the bytes), both run here on CPU tensors:
 # a device and the host must agree on every bucket
-ROW_SUMS = pytest.mark.parametrize("row_sums", [D._row_sums_swap, D._row_sums_pairs], ids=["host-swap", "device-pairs"])
+ROW_SUMS = pytest.mark.parametrize("row_sums", [D._row_sums_swap, D._row_sums_pairs, D._row_sums_flat],
+                                   ids=["host-swap", "device-pairs", "device-flat"])
 
 
 @ROW_SUMS

@@ -138,17 +138,19 @@ def _tables_for(device: torch.device) -> _Tables:
 
 def _scratch_for(device: torch.device, layout: str, rows: int) -> torch.Tensor:
     """An int32 buffer per thread, device and layout for ``rows`` rows: "swap" (3, rows, COLS)
-    for lane 1, lane 2 and rot(x); "pairs" (rows, COLS, 2) for [x, rot(x)], then its lanes."""
+    for lane 1, lane 2 and rot(x); "flat" (2, rows, COLS) for lane 1 and rot(x), then lane 2;
+    "pairs" (rows, COLS, 2) for [x, rot(x)], then its lanes."""
     cache = getattr(_scratch, "bufs", None)
     if cache is None:
         cache = _scratch.bufs = {}
     key = (device, layout)
     buf = cache.get(key)
-    have = buf.shape[1] if buf is not None and layout == "swap" else buf.shape[0] if buf is not None else -1
+    planes = {"swap": 3, "flat": 2}.get(layout)
+    have = -1 if buf is None else buf.shape[1] if planes else buf.shape[0]
     if have < rows:
-        shape = (3, rows, COLS) if layout == "swap" else (rows, COLS, 2)
+        shape = (planes, rows, COLS) if planes else (rows, COLS, 2)
         buf = cache[key] = torch.empty(shape, dtype=torch.int32, device=device)
-    return buf[:, :rows] if layout == "swap" else buf[:rows]
+    return buf[:, :rows] if planes else buf[:rows]
 
 
 def _row_sums_swap(block: torch.Tensor, tables: _Tables, out: torch.Tensor) -> None:
@@ -179,6 +181,22 @@ def _row_sums_pairs(block: torch.Tensor, tables: _Tables, out: torch.Tensor) -> 
     torch.index_select(halves, -1, idx, out=pairs.view(torch.int16).view(*block.shape, 4))
     torch.mul(pairs, tables.pairs, out=pairs)  # both lanes, in place
     torch.sum(pairs, dim=1, dtype=torch.int64, out=out)
+
+
+def _row_sums_flat(block: torch.Tensor, tables: _Tables, out: torch.Tensor) -> None:
+    """(s_1, s_2) of each row of ``block`` into ``out``, a lane at a time: every reduction runs
+    along contiguous int32 words (the pairs way reduces over a strided middle axis), and rot(x)
+    is two strided half-word copies instead of an index_select."""
+    scratch = _scratch_for(block.device, "flat", block.shape[0])
+    lane, rot = scratch[0], scratch[1]
+    torch.mul(block, tables.cols[0], out=lane)
+    out[:, 0] = lane.sum(1, dtype=torch.int64)
+    halves = block.view(torch.int16).view(*block.shape, 2)
+    swapped = rot.view(torch.int16).view(*block.shape, 2)
+    swapped[..., 0].copy_(halves[..., 1])
+    swapped[..., 1].copy_(halves[..., 0])
+    torch.mul(rot, tables.cols[1], out=rot)
+    out[:, 1] = rot.sum(1, dtype=torch.int64)
 
 
 # how each device kind sums its rows (the same value either way: tests/test_digest.py)
