@@ -100,3 +100,12 @@ def test_the_two_sides_of_an_ab_run_stay_apart_and_are_judged_beyond_their_iqr()
     res = {"payload_bytes": 10**9, "ceiling": {"gbps": 10.0}, "rows": rows}
     assert expect.fastest(res, 1)["name"] == "shm"
     assert rounds.format_ab(list(table.values()))[0].startswith("A/B: this checkout against e3c54a1")
+
+
+def test_the_other_side_keeps_the_drivers_pythonpath_after_its_tree():
+    """On a node whose Ray comes through PYTHONPATH (an offline GPU node), the other side's
+    workers lost it and died importing ray (H200, --against, 2026-11-26)."""
+    from weightsync.bench import interleave
+
+    env = interleave.side_runtime_env("/tmp/wsbench-x", inherited="/tmp/site:/repo")
+    assert env["env_vars"]["PYTHONPATH"] == "/tmp/wsbench-x:/tmp/site:/repo"

@@ -93,9 +93,13 @@ def extract_rev(rev: str, dest: str | None = None) -> tuple[str, str]:
     return tree, short
 
 
-def side_runtime_env(tree: str) -> dict[str, Any]:
-    """The other side's actors' env: processes they start import ``weightsync`` from ``tree`` too."""
-    return {"env_vars": {"PYTHONPATH": tree}}
+def side_runtime_env(tree: str, inherited: str | None = None) -> dict[str, Any]:
+    """The other side's actors' env: processes they start import ``weightsync`` from ``tree`` too.
+    The driver's own PYTHONPATH follows ``tree``: an env var in a runtime env replaces the
+    inherited one, and where Ray itself comes through PYTHONPATH (an offline GPU node with a
+    carried Ray) the other side's workers then failed to start ("No module named 'ray'")."""
+    inherited = os.environ.get("PYTHONPATH", "") if inherited is None else inherited
+    return {"env_vars": {"PYTHONPATH": os.pathsep.join(p for p in (tree, inherited) if p)}}
 
 
 def _enter(tree: str) -> str:
