@@ -34,8 +34,8 @@ def test_bench_tiny_shm_end_to_end(ray_cluster, tmp_path):
     assert ceil["gbps"] > 0 and ceil["bytes"] == payload and ceil["method"] in ceil["methods_gbps"]
 
     rows = {(r["name"], r["receivers"]): r for r in res["rows"]}
-    assert set(rows) == {(n, k) for n in ("shm", "shm (no xxh3)", "ray-user", "ray-numpy") for k in (1, 2)}
-    assert rows[("shm", 1)]["checksum"] is True and rows[("shm (no xxh3)", 1)]["checksum"] is False
+    assert set(rows) == {(n, k) for n in ("shm", "shm (no digest)", "ray-user", "ray-numpy") for k in (1, 2)}
+    assert rows[("shm", 1)]["checksum"] is True and rows[("shm (no digest)", 1)]["checksum"] is False
     for (name, n), r in rows.items():
         assert r["error"] is None, r
         assert r["verified"] is True, f"{name} x{n}: receivers do not hold the trainer's bits"
@@ -208,7 +208,7 @@ def _result(rows):
 _ROWS = [
     _row("ray-user", "baseline", 1, 4.0), _row("ray-numpy", "baseline", 1, 0.3),
     {**_row("shm", "transport", 1, 0.2, 64, barrier=0.12), "checksum": True},
-    {**_row("shm (no xxh3)", "transport", 1, 0.1, 64, barrier=0.05), "checksum": False},
+    {**_row("shm (no digest)", "transport", 1, 0.1, 64, barrier=0.05), "checksum": False},
     {**_row("ipc", "transport", 1, 0.25, 64, barrier=0.2), "checksum": True},
     {**_row("shm", "transport", 4, 0.5, 64, barrier=0.3), "checksum": True},
     {**_row("ipc", "unavailable", 1, 1.0, 64), "median_s": None, "error": "not built"},
@@ -235,7 +235,7 @@ def test_comparisons_describe_the_fastest_default_row_without_targets():
 @pytest.mark.parametrize("text, measured, ok", [
     ("x_ceiling>=0.4", 0.5, True),
     ("x_ray-numpy>=2", 1.5, False),
-    ("shm (no xxh3):gbps>=9", 10.0, True),
+    ("shm (no digest):gbps>=9", 10.0, True),
     ("ipc:barrier_x_copy<=1.5", 2.0, False),
     ("growth_x<=2", 2.5, False),
     ("growth_x@4<=3", 2.5, True),

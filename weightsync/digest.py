@@ -35,8 +35,8 @@ Why it catches what a transport can do wrong:
   shifted copy) must cancel in a sum weighted by the independent odd 64-bit R[r]: about
   2**-63 whenever the low bits of some row's change move, as real weight updates do.
 It is a checksum against faults, not a MAC: it does not resist a crafted collision.
-Cost: on a device, per chunk one pass that reads the bucket's bytes once into [x, rot(x)]
-(an int16 index_select), one int32 multiply in place, one row sum per lane; on the host a
+Cost: on a device, per chunk and lane one int32 multiply and one contiguous row sum, and one
+half-word swap (see DEVICE_ROW_SUMS: about 13x one device copy on an H200); on the host a
 half-word swap and two multiplies into a reused buffer (see ROW_SUMS); one small combination
 per bucket; no host transfer until the value is read.
 """

@@ -63,7 +63,7 @@ def _skipped(item: Item, payload: int, why: str) -> dict[str, Any]:
     kind, name, n, mb, ck, delta = item
     transport = name if kind == "transport" else None
     if kind == "transport":  # as the row that runs is named
-        name += ("" if ck else " (no xxh3)") + delta_suffix(delta)
+        name += ("" if ck else " (no digest)") + delta_suffix(delta)
     return {"kind": "unavailable", "name": name, "transport": transport,
             "bucket_mb": mb, "receivers": n, "checksum": ck if kind == "transport" else None,
             "delta": delta if kind == "transport" else None,

@@ -227,7 +227,7 @@ class Bench:
     def sync_row(self, transport: str, bucket_mb: float, receivers: int, backend: str = "auto",
                  checksum: bool = True, digest: str = "auto", delta: str = "off") -> dict[str, Any]:
         suffix = ("" if not checksum or digest == "auto" else f" ({digest} digest)") + delta_suffix(delta)
-        name = (transport if checksum else f"{transport} (no xxh3)") + suffix
+        name = (transport if checksum else f"{transport} (no digest)") + suffix
         row = self._row(kind="transport", name=name, transport=transport, backend=backend, bucket_mb=bucket_mb,
                         receivers=receivers, checksum=checksum, digest=digest if checksum else "off", delta=delta)
         spread = transport == "broadcast" and one_device_per_rank(backend, self.device)
@@ -294,7 +294,7 @@ class Bench:
             coord.shutdown()
         row.update(closed)
         if row["transport"] == "auto" and closed.get("chosen"):
-            row["name"] = f"auto->{closed['chosen']}" + ("" if checksum else " (no xxh3)") + suffix
+            row["name"] = f"auto->{closed['chosen']}" + ("" if checksum else " (no digest)") + suffix
         row["prestaged_s"] = prestaged
         row["stage_s"] = statistics.median(stage_s) if stage_s else None
         row["barrier_s"] = statistics.median(prestaged) if prestaged else None
