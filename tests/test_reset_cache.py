@@ -75,10 +75,9 @@ def test_a_failing_reset_fails_the_version_and_rolls_back(coordinator_factory, b
         _, failed, errors = run(receiver, sender, 2)
         assert failed is not None and errors, "a failed reset committed the version"
         assert "reset" in str(errors[0]) or "cache busy" in str(errors[0]), errors
-        # rolled back: version 1's bytes, loaded again (and its reset, which fails too here)
-        assert receiver.version in (1, None)
-        if receiver.version == 1:
-            assert all(same_bits(engine.params[n], w) for n, w in first.items())
+        # the rollback loads version 1's bytes again and resets again, which fails again here: the
+        # engine's cache cannot be vouched for with either version, so it serves none until v3
+        assert receiver.version is None and "serves no version" in str(failed), failed
         engine.reset_answer = True
         third, failed, errors = run(receiver, sender, 3)
         assert failed is None and not errors and receiver.version == 3
