@@ -4,7 +4,7 @@
 # 2-core VM). Extra arguments go to `weightsync bench`, e.g. --full for the thorough matrix.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-bash scripts/setup.sh plot
+bash scripts/setup.sh bench,plot
 . .venv/bin/activate
 mkdir -p results
 exec weightsync bench --model qwen2.5-0.5b --device cpu --json results/bench.json --plot results/bench.png "$@"

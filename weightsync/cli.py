@@ -13,6 +13,8 @@ SUBCOMMANDS = {
     "status": ("weightsync.status_cli", "print the status of a running coordinator"),
     "reap": ("weightsync.status_cli", "remove segment files (shm_backing=files) left by dead processes"),
 }
+# subcommands whose packages come with an extra (pyproject.toml)
+EXTRAS = {"bench": "bench"}
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -25,13 +27,27 @@ def build_parser() -> argparse.ArgumentParser:
     for name, (module, help_text) in SUBCOMMANDS.items():
         p = sub.add_parser(name, help=help_text, description=help_text)
         p.set_defaults(_module=module)
-        mod = importlib.import_module(module)
+        try:
+            mod = importlib.import_module(module)
+        except ImportError as exc:
+            if name not in EXTRAS:
+                raise
+            # the other commands must work without the benchmark's packages: this one says what to install
+            p.set_defaults(_missing=f"weightsync {name} needs the '{EXTRAS[name]}' extra ({exc.name or exc} is not "
+                                    f"installed): pip install 'weightsync[{EXTRAS[name]}]'")
+            continue
         getattr(mod, f"add_{name}_arguments", getattr(mod, "add_arguments", lambda _p: None))(p)
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args, unknown = parser.parse_known_args(argv)
+    if getattr(args, "_missing", None):  # its options are unknown here: the module that knows them is missing
+        print(args._missing, file=sys.stderr)
+        return 2
+    if unknown:
+        parser.error(f"unrecognized arguments: {' '.join(unknown)}")
     mod = importlib.import_module(args._module)
     run = getattr(mod, f"run_{args.command}", None) or mod.run
     return int(run(args) or 0)

@@ -61,7 +61,11 @@ def safetensors_manifest(path: str, dtype: str | None = None) -> Manifest:
 
 def load_weights(path: str, manifest: Manifest) -> dict[str, torch.Tensor]:
     """The real tensors, cast to the manifest's dtypes, in the manifest's order."""
-    from safetensors.torch import load_file
+    try:
+        from safetensors.torch import load_file
+    except ImportError as exc:  # the layout alone needs no package: only --real-weights does
+        raise SystemExit("weightsync bench --real-weights reads the checkpoint with safetensors, which is not "
+                         "installed: pip install 'weightsync[bench]'") from exc
 
     loaded: dict[str, torch.Tensor] = {}
     for file in safetensors_files(path):
