@@ -196,7 +196,7 @@ def test_old_settings_key_is_refused_when_the_trainer_is_built():
 
 def test_manifest_check_maps_fused_names():
     from weightsync_verl.testing import FusedModel, hf_specs
-    from weightsync_verl.vllm_engine import fused_check
+    from weightsync_vllm.target import fused_check
 
     from weightsync import build_manifest
     from weightsync.manifest import TensorSpec

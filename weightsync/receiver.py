@@ -49,7 +49,7 @@ class WeightReceiver(Party):
             only. In place of the function, an engine target: an object with a
             ``load_weights`` method whose ``post_load``, ``reset_cache``, ``abort_load`` and
             ``expected`` attributes, where it has them, fill the arguments not given (e.g.
-            ``weightsync_verl.vllm_engine.VllmTarget``).
+            ``weightsync_vllm.target.VllmTarget``).
         name: The party's name in errors and status; ``rollout-<rank>`` when None.
         rank: The rollout worker's rank.
         post_load: Runs once per version after the last bucket (e.g. vLLM's

@@ -56,7 +56,7 @@ class Rollout:
     the slow part); each test connects a new receiver to its own coordinator."""
 
     def __init__(self, hf_config: dict):
-        from weightsync_verl.vllm_engine import VllmTarget
+        from weightsync_vllm.target import VllmTarget
 
         self.llm = E.start_llm(E.checkpoint(hf_config))
         self.target = VllmTarget.from_llm(self.llm)

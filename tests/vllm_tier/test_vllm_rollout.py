@@ -63,7 +63,7 @@ class VllmRollout:
     connects a new receiver to its own coordinator."""
 
     def __init__(self, hf_config: dict):
-        from weightsync_verl.vllm_engine import VllmTarget
+        from weightsync_vllm.target import VllmTarget
 
         self.built = vllm_cpu.build(hf_config)
         self.target = VllmTarget.from_rollout(self.built.rollout)

@@ -14,7 +14,7 @@ from verl.single_controller.base.decorator import Dispatch, register
 from weightsync import Coordinator, Manifest, WeightReceiver, WeightSender, build_manifest
 from weightsync.manifest import TensorSpec, dtype_name
 
-from .vllm_engine import VllmTarget
+from weightsync_vllm.target import VllmTarget
 
 # -- actor workers -----------------------------------------------------------------------------
 

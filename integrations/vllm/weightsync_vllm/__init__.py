@@ -11,6 +11,9 @@ process it starts. Nothing here imports vLLM until vLLM asks for the engine; the
 - :mod:`weightsync_vllm.worker_v0_23`: the same for vLLM 0.23's API, where the worker owns the phases
 - :mod:`weightsync_vllm.trainer`: the trainer-side engine (drives a WeightSender and vLLM's
   start / update / finish through a ``VLLMWeightSyncClient``)
+- :mod:`weightsync_vllm.target`: ``VllmTarget``, a vLLM model as a receiver's target (its
+  ``load_weights``, post-load processing, prefix-cache reset and manifest check), which the
+  worker engine and the verl adapter both use
 """
 
 BACKEND = "weightsync"

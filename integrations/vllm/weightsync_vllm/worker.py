@@ -29,7 +29,7 @@ from typing import Any
 
 import torch
 from vllm.distributed.weight_transfer.base import WeightTransferEngine
-from weightsync_verl.vllm_engine import fused_check
+from weightsync_vllm.target import fused_check
 
 from weightsync.client import Coordinator
 from weightsync.receiver import WeightReceiver

@@ -1,5 +1,5 @@
-"""Rollout-side glue: where the vLLM model sits inside a verl rollout worker, how received
-tensors reach it, and what runs once per version after the last bucket.
+"""A vLLM model as a receiver's target: where the model sits inside a rollout worker (plain vLLM
+or verl's), how received tensors reach it, and what runs once per version after the last bucket.
 
 vLLM's ``model.load_weights(pairs)`` takes trainer (HF) names and maps them onto its own
 parameters, fusing q/k/v into ``qkv_proj`` and gate/up into ``gate_up_proj``. The manifest
