@@ -10,11 +10,10 @@ from collections.abc import Iterator
 from typing import Any
 
 from verl.single_controller.base.decorator import Dispatch, register
+from weightsync_vllm.target import VllmTarget
 
 from weightsync import Coordinator, Manifest, WeightReceiver, WeightSender, build_manifest
 from weightsync.manifest import TensorSpec, dtype_name
-
-from weightsync_vllm.target import VllmTarget
 
 # -- actor workers -----------------------------------------------------------------------------
 

@@ -29,11 +29,11 @@ from typing import Any
 
 import torch
 from vllm.distributed.weight_transfer.base import WeightTransferEngine
-from weightsync_vllm.target import fused_check
 
 from weightsync.client import Coordinator
 from weightsync.receiver import WeightReceiver
 from weightsync.versions import State
+from weightsync_vllm.target import fused_check
 
 from .info import WeightsyncInitInfo, WeightsyncUpdateInfo
 
