@@ -22,6 +22,7 @@ from weightsync.device import ray_options
 from weightsync.manifest import Manifest
 from weightsync.plan import plan_buckets
 from weightsync.testing import JOB_DEFAULTS, new_coordinator, rollout_actor, serves, stop_actors, trainer_actor
+from weightsync.testing import wait_until as _wait_until
 
 # threaded actors: reached() / release() run beside an apply() or stage() held at a fault point
 THREADED = {"max_concurrency": 4}
@@ -30,17 +31,8 @@ RECEIVERS = ("rollout-0", "rollout-1")
 
 
 def wait_until(what: str, cond, timeout: float = DEADLINE_S) -> Any:
-    """Poll a state the coordinator (or a party) reports until ``cond()`` is truthy."""
-    deadline = time.monotonic() + timeout
-    while True:
-        try:
-            got = cond()
-        except (ray.exceptions.RayError, Exception):  # a restarting coordinator answers nothing yet
-            got = None
-        if got:
-            return got
-        assert time.monotonic() < deadline, f"timed out waiting until {what}"
-        time.sleep(0.05)
+    """weightsync.testing.wait_until with this job's deadline."""
+    return _wait_until(what, cond, timeout)
 
 
 def sim_env(physical: int, lag_ms: float = 20.0, seed: int = 1) -> dict:

@@ -29,7 +29,7 @@ from ray.cluster_utils import Cluster
 
 from weightsync import Coordinator, SyncFailed
 from weightsync.manifest import Manifest, TensorSpec
-from weightsync.testing import TrainerWorker, check_serves, rollout_actor, trainer_actor
+from weightsync.testing import TrainerWorker, check_serves, rollout_actor, trainer_actor, wait_until
 
 DEADLINE_S = 30.0
 # test_broadcast.py's WIDE layout: the first tensor spans 6 buckets and the version is far larger
@@ -54,20 +54,6 @@ def addresses() -> list[str | None]:
     except OSError:
         return [None, None, None]
     return ["127.0.0.2", "127.0.0.3", "127.0.0.4"]
-
-
-def wait_until(what: str, cond, timeout: float = DEADLINE_S) -> Any:
-    deadline = time.monotonic() + timeout
-    while True:
-        try:
-            got = cond()
-        except Exception:
-            got = None
-        if got:
-            return got
-        if time.monotonic() > deadline:
-            raise TimeoutError(f"timed out waiting until {what}")
-        time.sleep(0.05)
 
 
 class Trainer(TrainerWorker):

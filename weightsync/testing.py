@@ -269,6 +269,23 @@ JOB_DEFAULTS = {"heartbeat_interval_s": 0.2, "heartbeat_timeout_s": 3.0, "sync_t
 _job_ids = itertools.count()
 
 
+def wait_until(what: str, cond: Any, timeout: float = 30.0, interval: float = 0.05) -> Any:
+    """Poll ``cond()`` until it is truthy and return its value; a state a party or the
+    coordinator reports, never time passing. A call that raises counts as not yet (a
+    restarting coordinator answers nothing for a while). TimeoutError names ``what``."""
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            got = cond()
+        except Exception:
+            got = None
+        if got:
+            return got
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"timed out after {timeout:.0f} s waiting until {what}")
+        time.sleep(interval)
+
+
 def new_coordinator(config: dict | None = None, prefix: str = "ws-test", **kwargs: Any) -> Coordinator:
     """A coordinator under a name no other job on the cluster has, ``JOB_DEFAULTS`` under ``config``."""
     return Coordinator.create({**JOB_DEFAULTS, **(config or {})}, name=f"{prefix}-{os.getpid()}-{next(_job_ids)}",
