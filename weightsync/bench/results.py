@@ -26,15 +26,35 @@ def _ok(row: dict[str, Any]) -> bool:
     return row["kind"] != "unavailable" and not row.get("error") and bool(row.get("median_s"))
 
 
+# the copy a receiver's load cannot avoid on an accelerator: from a device buffer (ipc, a device
+# collective) or from host memory (shm) into the model on the device
+LOAD_COPY = {"ipc": "device-to-device", "broadcast": "device-to-device", "shm": "host-to-device"}
+
+
+def load_copy(size: dict[str, Any], row: dict[str, Any]) -> tuple[float, str] | None:
+    """(seconds, kind) of one copy of the payload as ``row``'s receivers load it: on a device
+    the device ceiling of where its bytes arrive (one host copy would flatter a device barrier:
+    an H200's host copy takes 57x its device-to-device copy), else the host ceiling."""
+    transport = row.get("chosen") or row.get("transport")
+    kind = LOAD_COPY.get(transport or "")
+    dev = (size.get("device_ceilings") or {}).get(kind or "")
+    if dev and dev.get("gbps"):
+        return size["payload_bytes"] / (dev["gbps"] * 1e9), kind
+    ceiling = size.get("ceiling")
+    if ceiling and ceiling.get("gbps"):
+        return size["payload_bytes"] / (ceiling["gbps"] * 1e9), ceiling.get("kind", "host-to-host")
+    return None
+
+
 def add_ratios(result: dict[str, Any]) -> None:
     """Fill ``ceiling_ratio``, ``barrier_copy_ratio`` and ``speedup_vs`` of every row."""
     ceiling = result["ceiling"]
-    copy_s = result["payload_bytes"] / (ceiling["gbps"] * 1e9)
     rows = result["rows"]
     for row in rows:
         row["s_per_gb"] = row["median_s"] / (row["payload_bytes"] / 1e9) if _ok(row) and row.get("payload_bytes") else None
         row["ceiling_ratio"] = row["gbps"] / ceiling["gbps"] if _ok(row) and row.get("gbps") else None
-        row["barrier_copy_ratio"] = row["barrier_s"] / copy_s if _ok(row) and row.get("barrier_s") else None
+        copy = load_copy(result, row)
+        row["barrier_copy_ratio"] = row["barrier_s"] / copy[0] if _ok(row) and row.get("barrier_s") and copy else None
         row["speedup_vs"] = {}
         if not _ok(row):
             continue

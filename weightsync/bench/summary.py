@@ -13,6 +13,7 @@ from __future__ import annotations
 from typing import Any
 
 from .expect import fastest
+from .results import load_copy
 
 
 def _ok(row: dict[str, Any]) -> bool:
@@ -30,20 +31,29 @@ def copy_seconds(size: dict[str, Any]) -> float | None:
 
 
 def barrier_lines(size: dict[str, Any]) -> list[str]:
-    """Per transport row: its pre-staged barrier (and after prefetch()) over one copy."""
+    """Per transport row: its pre-staged barrier (and after prefetch()) over one copy, the
+    copy its receivers' load needs (results.load_copy: on a device, the device's ceiling)."""
     one = copy_seconds(size)
     rows = [r for r in size["rows"] if _ok(r) and r["kind"] == "transport" and r.get("barrier_s")]
     if one is None or not rows:
         return []
-    lines = [f"what the rollout waits for (one-step-off: staged during generation, then the barrier), "
-             f"against one copy of the payload ({_s(one)} at {size['ceiling']['gbps']:.2f} GB/s):"]
+    dev = {k: v for k, v in (size.get("device_ceilings") or {}).items() if v.get("gbps")}
+    copies = ", ".join(f"{k} {size['payload_bytes'] / (v['gbps'] * 1e9) * 1e3:.2f} ms" for k, v in dev.items())
+    lines = ["what the rollout waits for (one-step-off: staged during generation, then the barrier), "
+             + (f"against one copy of the payload as each row loads it ({copies}):" if dev else
+                f"against one copy of the payload ({_s(one)} at {size['ceiling']['gbps']:.2f} GB/s):")]
     for r in rows:
+        one, kind = load_copy(size, r) or (one, "")
+        if dev:
+            one_word = f"one {kind} copy"
+        else:
+            one_word = "one copy"
         ahead = (f"; {_s(r['prefetched_barrier_s'])} = {r['prefetched_barrier_s'] / one:.2f}x after prefetch()"
                  if r.get("prefetched_barrier_s") else "")
         q = _quartiles(r.get("prestaged_s") or [])
         spread = f" (IQR {_s(q)})" if q is not None else ""
         lines.append(f"  {r['name']} x{r['receivers']}: {_s(r['barrier_s'])}{spread} = "
-                     f"{r['barrier_s'] / one:.2f}x one copy{ahead}{_mode(r)}")
+                     f"{r['barrier_s'] / one:.2f}x {one_word}{ahead}{_mode(r)}")
     return lines
 
 
