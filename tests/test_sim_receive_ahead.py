@@ -13,7 +13,7 @@ import test_receive_ahead as ahead
 import torch
 from faultjob import RECEIVERS, Job
 
-from weightsync import sim
+from weightsync import device as devices
 from weightsync.config import SyncConfig
 from weightsync.device import resolve
 from weightsync.plan import plan_buckets
@@ -51,16 +51,21 @@ def test_the_ahead_transfer_is_queued_on_a_stream_of_its_own(job):
         assert queued["engine"] == 0 and queued["ahead"] >= 3 * job.buckets, (n, queued)
 
 
-def test_the_barrier_reads_each_version_after_it_landed_and_before_the_next_overwrites_it():
+# the shadow alone runs on a real device too (device_check.sh: -m cuda / -m npu); skipped without one
+KINDS = ["sim", pytest.param("cuda", marks=pytest.mark.cuda), pytest.param("npu", marks=pytest.mark.npu)]
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_the_barrier_reads_each_version_after_it_landed_and_before_the_next_overwrites_it(kind):
     """The shadow alone, in one process: versions written on its stream, each read at once on an
     engine's stream, no host waiting on either (the events order them): every read holds the
-    version written before it, bit for bit, not a stale or a later one (20 versions, every op
-    landing 0-5 ms late)."""
-    device = resolve("sim")
-    cfg = SyncConfig(bucket_mb=ahead.BUCKET_MB, receive_ahead="on", device="sim")
+    version written before it, bit for bit, not a stale or a later one (20 versions; on the
+    sim every op lands 0-5 ms late)."""
+    device = resolve(kind)
+    cfg = SyncConfig(bucket_mb=ahead.BUCKET_MB, receive_ahead="on", device=kind)
     plan = plan_buckets(ahead.TINY, cfg.bucket_bytes, cfg.align_bytes)
     shadow = Shadow(plan, device, "receiver 'r'", cfg)
-    engine = sim.Stream(seed="engine", lag_ms=5.0)
+    engine = devices.new_stream(device)
     try:
         reads = []
         for v in range(1, 21):
@@ -69,15 +74,16 @@ def test_the_barrier_reads_each_version_after_it_landed_and_before_the_next_over
                 for b, bucket in enumerate(plan.buckets):
                     shadow.bucket(b, bucket.nbytes).fill_(v)
                 shadow.finish(v, None)
-            with sim.stream(engine):
+            with devices.use_stream(device, engine):
                 out = torch.empty(shadow.nbytes, dtype=torch.uint8, device=device)
                 for b, buf, _ in shadow.buckets(plan):
                     out[shadow.bases[b]: shadow.bases[b] + buf.numel()].copy_(buf)
             reads.append(out)
         engine.synchronize()
-        wrong = {v: sorted(set(sim.host_of(out).tolist())) for v, out in enumerate(reads, 1)
-                 if not bool((sim.host_of(out) == v).all())}
+        got = [out.cpu() for out in reads]
     finally:
-        engine.close()
-        shadow.stream.close()
+        if kind == "sim":  # its streams are threads
+            engine.close()
+            shadow.stream.close()
+    wrong = {v: sorted(set(host.tolist())) for v, host in enumerate(got, 1) if not bool((host == v).all())}
     assert wrong == {}
