@@ -4,6 +4,7 @@ and which physical device it holds. Kept in one place so the rest stays device-a
 from __future__ import annotations
 
 import collections
+import contextlib
 import ctypes
 import importlib.util
 import logging
@@ -133,15 +134,48 @@ def synchronize_device(device: torch.device) -> None:
         _module(device).synchronize(device)
 
 
-def record_event(device: torch.device) -> Any:
-    """An event recorded on ``device``'s current stream: done once the work queued before it is
-    (a torch.cuda.Event, torch.npu.Event, or the sim device's)."""
+def record_event(device: torch.device, stream: Any = None) -> Any:
+    """An event recorded on ``stream`` (None: ``device``'s current stream): done once the work
+    queued there before it is (a torch.cuda.Event, torch.npu.Event, or the sim device's)."""
     if device.type not in ("cuda", "npu", SIM):
         raise ValueError(f"no events on {device}")
     module = _module(device)
     event = module.Event()
-    event.record(module.current_stream(device))
+    event.record(module.current_stream(device) if stream is None else stream)
     return event
+
+
+def has_streams(device: torch.device) -> bool:
+    return device.type in ("cuda", "npu", SIM)
+
+
+def new_stream(device: torch.device) -> Any:
+    """A stream of its own on an accelerator ``device``: work queued there is not ordered with
+    the other streams' (the engine's generation), only through events."""
+    if not has_streams(device):
+        raise ValueError(f"no streams on {device}")
+    return _module(device).Stream(device)
+
+
+def use_stream(device: torch.device, stream: Any) -> contextlib.AbstractContextManager[Any]:
+    """Make ``stream`` the calling thread's current stream of ``device`` for the block, so every
+    op, copy and collective issued there is queued on it (None, or no streams: unchanged)."""
+    if stream is None or not has_streams(device):
+        return contextlib.nullcontext()
+    return _module(device).stream(stream)
+
+
+def wait_event(event: Any, stream: Any) -> None:
+    """Work queued on ``stream`` from now on runs after ``event``'s work; the host does not wait."""
+    event.wait(stream)
+
+
+def record_stream(t: torch.Tensor, stream: Any) -> None:
+    """Tell the caching allocator that ``stream`` uses ``t`` (allocated on another stream): once
+    freed, its memory is handed out again only after the work queued there by then is done.
+    The sim device has no caching allocator (a queued op holds its tensors)."""
+    if t.device.type in ("cuda", "npu"):
+        t.record_stream(stream)
 
 
 class EventWork:

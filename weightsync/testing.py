@@ -147,6 +147,16 @@ class RolloutWorker(_Party):
         return {"loads": self.engine.loads, "post_loads": self.engine.post_loads,
                 "metrics": self.receiver.last_metrics}
 
+    def sim_queued(self) -> dict[str, Any]:
+        """On the sim device: how many ops were queued so far on the stream this actor's calls
+        (the engine's load) run on, and on the receiver's receive-ahead stream (None: none)."""
+        from . import sim
+
+        shadow = getattr(self.receiver.transport, "shadow", None)
+        ahead = shadow.stream if shadow is not None else None
+        engine = sim.current_stream()
+        return {"engine": engine.mark(), "ahead": None if ahead is None else ahead.mark(), "same": ahead is engine}
+
     def _party(self) -> WeightReceiver:
         return self.receiver
 

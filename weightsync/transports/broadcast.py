@@ -314,6 +314,12 @@ class BroadcastReceiver(AheadReceiver, BroadcastEnd, ReceiverTransport):
             left = max(0.001, deadline - time.monotonic())
             group = self.ctx.control.bcast_group(version, timeout=left)
             g = self._join(group, group["rank"], deadline, poll)
+            if devices.has_streams(self.device):
+                # the buffers serve the barrier (the engine's stream) and the ahead thread (a
+                # stream of its own, shadow.py): freed with ops of either still queued, their
+                # memory must not go to a new tensor before those ops end
+                for buf in self._buffers():
+                    devices.record_stream(buf, devices.current_stream(self.device))
 
             def post(b: int) -> None:
                 if b < plan.bucket_count:

@@ -3,7 +3,8 @@ taken by the receiver's ahead thread (receive_ahead.py) through the same collect
 barrier, into a shadow (shadow.py), every bucket verified as it lands; apply() then yields
 the buckets from the shadow, so the barrier moves no byte over the wire and hashes nothing.
 A version sent at the barrier (the first one, or one with a receiver not ready) takes the
-collective path in apply() as before."""
+collective path in apply() as before. On a device the ahead collective runs on the shadow's
+own stream, not on the engine's (shadow.py)."""
 
 from __future__ import annotations
 
@@ -51,23 +52,26 @@ class AheadReceiver:
         if not info.ahead or self.shadow is None:
             return False
         shadow = self.shadow
-        shadow.begin(version)
         bad: BaseException | None = None
-        try:
-            for b, wire, expected in self._collective(version, info, deadline, check):
-                into = shadow.bucket(b, wire.numel())
-                into.copy_(wire)
-                shadow.digests.append(expected)
-                if bad is None:
-                    try:
-                        # the shadow's copy is what the barrier loads: verify that one
-                        ReceiverTransport.verify_bucket(self, version, info, b, into, expected)
-                    except ChecksumError as exc:
-                        bad = exc
-        except BaseException as exc:
-            shadow.finish(version, exc)
-            raise
-        shadow.finish(version, bad)
+        # on a device, the collective, the copies and the digests are queued on the shadow's own
+        # stream: the engine keeps generating on its stream meanwhile (shadow.py)
+        with shadow.writing():
+            shadow.begin(version)
+            try:
+                for b, wire, expected in self._collective(version, info, deadline, check):
+                    into = shadow.bucket(b, wire.numel())
+                    into.copy_(wire)
+                    shadow.digests.append(expected)
+                    if bad is None:
+                        try:
+                            # the shadow's copy is what the barrier loads: verify that one
+                            ReceiverTransport.verify_bucket(self, version, info, b, into, expected)
+                        except ChecksumError as exc:
+                            bad = exc
+            except BaseException as exc:
+                shadow.finish(version, exc)
+                raise
+            shadow.finish(version, bad)
         return bad is None
 
     def receive(self, version: int, info: BroadcastVersion, deadline: float,

@@ -15,6 +15,7 @@ abandoned (and destroyed once its ops end) and the next version re-forms without
 
 from __future__ import annotations
 
+import contextlib
 import threading
 import time
 import zlib
@@ -73,10 +74,15 @@ class Group:
         """:meth:`build` in a helper thread while this one keeps calling ``poll()`` (which
         raises if the version was aborted meanwhile): a rendezvous can wait on a dead peer."""
         box: dict[str, Any] = {}
+        # the rendezvous' first broadcast goes on the caller's stream (the ahead thread's own
+        # one, shadow.py), not on the helper thread's default stream, the engine's on CUDA
+        stream = devices.current_stream(device) if devices.has_streams(device) else None
 
         def run() -> None:
             try:
-                box["group"] = cls.build(backend, store, prefix, rank, size, device, timeout, names, communicator)
+                with devices.use_stream(device, stream):
+                    box["group"] = cls.build(backend, store, prefix, rank, size, device, timeout, names,
+                                             communicator)
             except BaseException as exc:
                 box["error"] = exc
 
@@ -135,13 +141,18 @@ def retire(group: Group | None, works: list[Any], what: str) -> None:
     that the caller has already replaced."""
     if group is None and not works:
         return
+    # a torch NCCL work's wait() makes the waiting thread's current stream wait for the op: the
+    # retiring caller's (the ahead thread's own stream), never the engine's default one
+    device = group.device if group is not None else None
+    stream = devices.current_stream(device) if device is not None and devices.has_streams(device) else None
 
     def drain() -> None:
-        for w in works:
-            try:
-                w.wait()
-            except Exception:
-                pass
+        with devices.use_stream(device, stream) if device is not None else contextlib.nullcontext():
+            for w in works:
+                try:
+                    w.wait()
+                except Exception:
+                    pass
         try:
             if group is not None:
                 group.abort()

@@ -6,16 +6,27 @@ a version is only staged once the one before has settled on every receiver.
 The shadow records a version's outcome, not just its bytes: a bucket that failed its digest
 on the way in fails the version when apply() comes for it, and nothing of it reached the
 engine (all-or-nothing, as at the barrier).
+
+On a device (CUDA, NPU, the sim) the shadow is written on a stream of its own, made once
+(``writing()``): on the engine's stream, the default one on CUDA, the transfer would queue
+behind the generation it is meant to overlap, and the generation behind it. The two streams
+meet only through events, never a host wait on the engine's side: the barrier's loads wait
+for the event recorded after the version's last bytes landed in the shadow (and were
+verified), and the next version's writes wait for the event recorded after the barrier
+queued its last load from it.
 """
 
 from __future__ import annotations
 
+import contextlib
 import threading
 import time
 from collections.abc import Callable, Iterator
+from typing import Any
 
 import torch
 
+from .. import device as devices
 from ..config import MiB, SyncConfig
 from ..errors import CapacityError, DeadlineExceeded, VersionError
 from ..plan import BucketPlan
@@ -46,17 +57,34 @@ class Shadow:
             raise CapacityError(f"{who}: receive_ahead needs a shadow of {self.nbytes / MiB:.1f} MiB (one copy of the "
                                 f"payload) but may take {limit / MiB:.1f} MiB ({source}); raise receive_ahead_max_mb "
                                 f"or set receive_ahead: off (or auto, which takes versions at the barrier instead)")
-        self.buf = torch.empty(self.nbytes, dtype=torch.uint8, device=device)
+        self.device = torch.device(device)
+        self.stream = devices.new_stream(self.device) if devices.has_streams(self.device) else None
+        with self.writing():
+            # owned by the writing stream, so the caching allocator ties the block to it; the
+            # reader's stream is recorded on it at each barrier (buckets())
+            self.buf = torch.empty(self.nbytes, dtype=torch.uint8, device=self.device)
+        self._written: Any = None  # event on self.stream: the version's bytes are in
+        self._read: Any = None  # event on the reader's stream: the barrier's loads from it are queued before it
         self.version: int | None = None
         self.done = False
         self.error: BaseException | None = None
         self.digests: list[int | None] = []
         self._cond = threading.Condition()
 
+    def writing(self) -> contextlib.AbstractContextManager[Any]:
+        """The block in which the ahead work is issued: on the shadow's own stream (a device), so
+        every copy, digest and collective of it is queued there."""
+        return devices.use_stream(self.device, self.stream)
+
     def begin(self, version: int) -> None:
         with self._cond:
             self.version, self.done, self.error, self.digests = version, False, None, []
+            self._written = None
             self._cond.notify_all()
+        if self._read is not None:
+            # the last barrier's loads may still be queued on the engine's stream, reading the
+            # version this one overwrites
+            devices.wait_event(self._read, self.stream)
 
     def bucket(self, b: int, nbytes: int) -> torch.Tensor:
         if nbytes > self.plan.buckets[b].nbytes:
@@ -66,9 +94,10 @@ class Shadow:
 
     def finish(self, version: int, error: BaseException | None) -> None:
         """The version is in (``error`` None) or failed on the way in."""
+        written = devices.record_event(self.device, self.stream) if self.stream is not None else None
         with self._cond:
             if self.version == version:
-                self.done, self.error = True, error
+                self.done, self.error, self._written = True, error, written
                 self._cond.notify_all()
 
     def wait(self, version: int, deadline: float, check: Callable[[], None], tick_s: float = 0.2) -> None:
@@ -92,9 +121,19 @@ class Shadow:
                 raise self.error
 
     def buckets(self, plan: BucketPlan) -> Iterator[tuple[int, torch.Tensor, int | None]]:
-        """The version's buckets as received (``plan``: their lengths, a delta version's encoded ones)."""
-        for b, bucket in enumerate(plan.buckets):
-            yield b, self.bucket(b, bucket.nbytes), self.digests[b] if b < len(self.digests) else None
+        """The version's buckets as received (``plan``: their lengths, a delta version's encoded
+        ones), to be read on the calling thread's current stream: the engine's, at the barrier."""
+        reader = devices.current_stream(self.device) if self.stream is not None else None
+        if reader is not None:
+            if self._written is not None:
+                devices.wait_event(self._written, reader)  # the loads wait on the device, the host goes on
+            devices.record_stream(self.buf, reader)
+        try:
+            for b, bucket in enumerate(plan.buckets):
+                yield b, self.bucket(b, bucket.nbytes), self.digests[b] if b < len(self.digests) else None
+        finally:
+            if reader is not None:
+                self._read = devices.record_event(self.device, reader)
 
     def span(self) -> Callable[[int, int, int], torch.Tensor | None]:
         """Unpacker's ``span``: buckets sit back to back, so a split tensor is one view."""
