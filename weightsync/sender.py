@@ -19,19 +19,21 @@ from typing import Any
 
 import torch
 
-from . import delta, delta_policy, events, transports
-from .capabilities import ipc_support
-from .client import Coordinator
+from . import events, transports
 from .config import SyncConfig
-from .control import Publication
-from .delta_sender import DeltaSender
+from .coordinator.client import Coordinator
+from .coordinator.control import Publication
+from .delta import codec as delta
+from .delta import policy as delta_policy
+from .delta.sender import DeltaSender
 from .device import describe
 from .errors import ConfigError, VersionError
 from .manifest import Manifest, build_manifest
 from .party import Party
 from .plan import Packing
-from .selection import choose_transport
+from .transports.capabilities import ipc_support
 from .transports.records import VersionRecord
+from .transports.selection import choose_transport
 
 log = logging.getLogger("weightsync")
 

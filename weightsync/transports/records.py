@@ -22,7 +22,7 @@ import typing
 from collections.abc import Mapping
 from typing import Any, ClassVar, TypeVar
 
-from ..delta import FULL, KINDS, SKIP
+from ..delta.codec import FULL, KINDS, SKIP
 from ..errors import ProtocolError
 
 DIGEST_KINDS = (None, "xxh3", "torch")

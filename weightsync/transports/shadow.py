@@ -19,8 +19,8 @@ import torch
 from ..config import MiB, SyncConfig
 from ..errors import CapacityError, DeadlineExceeded, VersionError
 from ..plan import BucketPlan
-from .node_memory import memory_available
-from .shm import spans
+from .memory.node import memory_available
+from .shm.transport import spans
 
 
 def bound(config: SyncConfig) -> tuple[int, str]:

@@ -31,9 +31,9 @@ import torch
 from vllm.distributed.weight_transfer.base import WeightTransferEngine
 from weightsync_verl.vllm_engine import fused_check
 
-from weightsync.client import Coordinator
+from weightsync.coordinator.client import Coordinator
+from weightsync.coordinator.versions import State
 from weightsync.receiver import WeightReceiver
-from weightsync.versions import State
 
 from .info import WeightsyncInitInfo, WeightsyncUpdateInfo
 
