@@ -15,8 +15,7 @@ from weightsync import Coordinator, ProtocolError, WeightReceiver, transports
 from weightsync.coordinator import protocol
 from weightsync.testing.layouts import layout, materialize
 from weightsync.testing.parties import assert_serves, start_parties
-from weightsync.transports.memory.refs import SEGMENT_REF
-from weightsync.transports.memory.scan import holders, our_segments
+from weightsync.transports.memory.scan import SEGMENT_REF, holders, our_segments
 from weightsync.transports.memory.segment import locate
 
 MANIFEST = layout("tiny")

@@ -1,15 +1,36 @@
-"""Finding our segments outside the process that made them: which live processes hold a memfd
-segment (a scan of /proc/<pid>/fd), which segment files sit in a directory, and reaping the
-files whose creator died (files backing only: the kernel frees a memfd with its last holder).
-Used by attach (a late receiver finds a memfd through any holder), ``weightsync reap``,
+"""How our segments are named and found outside the process that made them.
+
+Names and references: the name a creator gives a segment (its pid and 128 random bits), the
+reference parties publish (the name, or ``name@fd`` for a memfd), and the /proc link a memfd
+of that name shows (segment.py creates and attaches by them).
+
+Finding: which live processes hold a memfd segment (a scan of /proc/<pid>/fd), which segment
+files sit in a directory, and reaping the files whose creator died (files backing only: the
+kernel frees a memfd with its last holder). Used by attach (a late receiver finds a memfd through any holder), ``weightsync reap``,
 ``weightsync status`` and the tests' leak checks."""
 
 from __future__ import annotations
 
 import os
+import re
+import secrets
 from collections.abc import Iterable
 
-from .refs import PREFIX, SEGMENT_NAME
+PREFIX = "wsync_"
+SEGMENT_NAME = re.compile(r"^wsync_(\d+)_([0-9a-f]{32})$")  # wsync_<creator pid>_<128 random bits>
+# what parties publish: the name (files) or name@fd (memfd: the creator's fd number)
+SEGMENT_REF = re.compile(r"^(wsync_(\d+)_[0-9a-f]{32})(?:@(\d+))?$")
+
+
+def segment_name() -> str:
+    # 128 random bits: another user or job cannot guess the name; the pid lets a later
+    # process reap files whose creator died, and tells an attacher where a memfd lives
+    return f"{PREFIX}{os.getpid()}_{secrets.token_hex(16)}"
+
+
+def memfd_link(name: str) -> str:
+    """What /proc/<pid>/fd/<fd> reads for a memfd segment of this name."""
+    return f"/memfd:{name} (deleted)"
 
 
 def reap_stale(directory: str = "/dev/shm") -> list[str]:

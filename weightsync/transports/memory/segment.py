@@ -31,8 +31,7 @@ import torch
 from ... import device as devices
 from ...errors import CapacityError, ConfigError, ProtocolError
 from .node import check_space
-from .refs import SEGMENT_REF, memfd_link, segment_name
-from .scan import holders
+from .scan import SEGMENT_REF, holders, memfd_link, segment_name
 
 if TYPE_CHECKING:
     from ...config import SyncConfig
