@@ -13,12 +13,12 @@ import torch
 from ...digest import compute, kind_of
 from ...errors import ConfigError, ProtocolError, WeightSyncError
 from ..base import Aborted, TransportContext
-from ..ipc.depth import in_flight
+from ..ipc.wire import in_flight
 from .communicators import choose_communicator, comm_device
 from .groups import Group, retire
 
 TRAILER = 8  # bytes of the digest that follows a bucket's payload
-# per side: one bucket in flight while the other is packed (or loaded); see transports/depth.py
+# per side: one bucket in flight while the other is packed (or loaded); see in_flight in transports/ipc/wire.py
 BUFFERS = in_flight(2)
 
 

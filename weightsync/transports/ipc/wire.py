@@ -32,11 +32,9 @@ import xxhash
 
 from ... import device as devices
 from ...coordinator.versions import State
-from ...errors import CapacityError, ProtocolError
+from ...errors import CapacityError, ConfigError, ProtocolError
 from ...manifest import dtype_name, dtype_of
 from ..base import Aborted, TransportContext
-from .depth import LIMIT as DEPTH_LIMIT
-from .depth import in_flight
 
 # rebuild functions a receiver may call, by device type; nothing else is ever invoked
 _REBUILD = {
@@ -126,10 +124,34 @@ def check_nd(t: torch.Tensor) -> None:
 
 # -- the control block ------------------------------------------------------------------------
 
+# How many bucket buffers a streaming transport keeps in flight: ipc's ring, shm's streaming
+# ring (at most; its budget may allow fewer) and broadcast's buffers per side. Two is the
+# default everywhere: one buffer being written while the other is read. The choice is measured,
+# per transport, on the 2-core VM (docs/benchmarks.md, "Ring depth"); WEIGHTSYNC_RING_BUFFERS
+# overrides it in every process that imports the transports, to repeat that measurement (the
+# benchmark's parties inherit it from the driver's environment). The control block has room
+# for MAX_BUFFERS, so that is the most any override may ask for.
+RING_ENV = "WEIGHTSYNC_RING_BUFFERS"
+MAX_BUFFERS = 8
+
+
+def in_flight(default: int) -> int:
+    """``default``, or the override from the environment (1 .. MAX_BUFFERS)."""
+    raw = os.environ.get("WEIGHTSYNC_RING_BUFFERS", "")
+    if not raw:
+        return default
+    try:
+        n = int(raw)
+    except ValueError:
+        n = 0
+    if not 1 <= n <= MAX_BUFFERS:
+        raise ConfigError(f"{RING_ENV}={raw!r}: buffers in flight must be an integer from 1 to {MAX_BUFFERS}")
+    return n
+
+
 MAGIC = 0x5753594E43495043  # "WSYNCIPC"
-NBUF = in_flight(2)  # ring depth (transports/depth.py)
+NBUF = in_flight(2)  # ring depth
 RELEASED = 6
-MAX_BUFFERS = DEPTH_LIMIT
 MAX_RECEIVERS = 256
 BUF0, BUF_WORDS = 16, 4
 SLOT0, SLOT_WORDS = BUF0 + MAX_BUFFERS * BUF_WORDS, 16

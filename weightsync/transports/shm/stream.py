@@ -36,9 +36,8 @@ from ...delta.codec import snapshot_bytes, wanted
 from ...errors import CapacityError, ProtocolError
 from ...plan import BucketPlan, align_up
 from ..base import Received, ReceiverTransport, SenderTransport, TransportContext
-from ..ipc.depth import in_flight
 from ..ipc.transport import IpcReceiver, IpcSender
-from ..ipc.wire import CONTROL_BYTES, MAX_BUFFERS
+from ..ipc.wire import CONTROL_BYTES, MAX_BUFFERS, in_flight
 from ..memory.node import memory_available
 from ..memory.segment import PAGE, resolve_backing
 from ..records import ShmStreamSession, ShmStreamVersion, ShmVersion, VersionRecord, shm_session, shm_version
@@ -103,7 +102,7 @@ def choose_mode(plan: BucketPlan, config: SyncConfig, capacity: Callable[[SyncCo
             f"plus a {size_text(control)} control block: set shm_budget_mb >= {math.ceil(least * 100 / MiB) / 100:g}, "
             f"or a smaller "
             f"bucket_mb{', or free memory / grow ' + config.shm_dir if config.shm_budget_mb == 0 else ''}")
-    k = max(1, min(fits, in_flight(MAX_BUFFERS), plan.bucket_count))  # depth.py may cap it to measure
+    k = max(1, min(fits, in_flight(MAX_BUFFERS), plan.bucket_count))  # WEIGHTSYNC_RING_BUFFERS may cap it to measure
     return ShmMode(True, k, k * buffer + control,
                    f"shm streaming: whole versions need {size_text(whole)} ({slots} x {size_text(segment)}), budget "
                    f"{size_text(limit)} ({source}); ring of {k} x {size_text(buffer)}; keeps no version (no "
