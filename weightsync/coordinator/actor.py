@@ -22,8 +22,7 @@ from .membership import BroadcastGroups
 from .membership_ops import BroadcastMembership
 from .roster import Parties, PartyRecord
 from .signals import Signals
-from .slots import choose_slot, pinned_slots
-from .versions import Candidate, State, Version, VersionTable
+from .versions import Candidate, State, Version, VersionTable, choose_slot, pinned_slots
 
 
 class CoordinatorActor:
