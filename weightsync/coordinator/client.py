@@ -71,7 +71,7 @@ class Coordinator:
         cfg = config if isinstance(config, SyncConfig) else SyncConfig.load(config)
         name = name or cfg.coordinator_name
         token = token or secrets.token_hex(16)
-        # Ray restarts a crashed coordinator; parties then re-register (control.py) and the
+        # Ray restarts a crashed coordinator; parties then re-register (coordinator/control.py) and the
         # next version goes through. Calls in flight during the restart are retried.
         options = {"name": name, "max_concurrency": 1000, "num_cpus": 0, "max_restarts": -1, "max_task_retries": -1}
         if cfg.namespace:

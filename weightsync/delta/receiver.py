@@ -1,5 +1,5 @@
 """Rollout side of delta sync: a host shadow of the served version that each delta version is
-applied to in place, bucket by bucket (weightsync/delta.py).
+applied to in place, bucket by bucket (delta/codec.py).
 
 Per bucket: the received encoding is applied to the shadow (keeping an undo record), the
 rebuilt bucket's xxh3 must equal the sender's digest of the full bucket (DeltaRecord.digests),

@@ -1,5 +1,5 @@
 """Trainer side of delta sync: a host snapshot of the last committed version, and each new
-version diffed against it bucket by bucket (weightsync/delta.py).
+version diffed against it bucket by bucket (delta/codec.py).
 
 Memory: the snapshot holds every bucket at ``bucket_bytes`` stride (``bucket_count x
 bucket_bytes``, the payload plus the plan's padding), plus one scratch bucket, plus per version

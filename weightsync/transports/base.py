@@ -175,7 +175,7 @@ class ReceiverTransport(abc.ABC):
 
     def plan_of(self, info: VersionRecord) -> BucketPlan:
         """The bucket lengths a version moves: the session plan's, or a delta version's encoded
-        lengths (weightsync/delta_packing.py), bucket for bucket."""
+        lengths (delta/packing.py), bucket for bucket."""
         return self.ctx.plan if info.delta is None else wire_plan(self.ctx.plan, info.delta.lengths)
 
     def verify_bucket(self, version: int, info: VersionRecord, b: int, buf: torch.Tensor, expected: int | None) -> bool:

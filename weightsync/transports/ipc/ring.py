@@ -1,4 +1,4 @@
-"""The ipc sender's ring for one version (transports/ipc.py): where each bucket is packed,
+"""The ipc sender's ring for one version (ipc/transport.py): where each bucket is packed,
 and when it is published to the receivers. ``sender`` is the IpcSender (not imported: ipc.py
 imports this module)."""
 

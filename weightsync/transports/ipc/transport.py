@@ -1,10 +1,10 @@
 """IPC transport for colocated parties: sender and receivers on the same physical device.
 
 The sender allocates two bucket-sized buffers on its device once per session (ping-pong;
-shm's streaming mode, transports/shm_stream.py, uses up to MAX_BUFFERS in host memory)
+shm's streaming mode, transports/shm/stream.py, uses up to MAX_BUFFERS in host memory)
 and shares them by handle; receivers open the handles once and load every bucket straight
 out of the shared buffer, so a version never crosses host memory on an accelerator. On
-CPU the buffers are host shared-memory segments (transports/segment.py): the same protocol,
+CPU the buffers are host shared-memory segments (transports/memory/segment.py): the same protocol,
 testable here, and the ring that shm streams through when whole versions exceed its budget.
 
 Handles cross the process boundary as plain msgpack data and handshakes run through a small

@@ -9,12 +9,12 @@ follow the sender's choice as it published it:
              MemAvailable (or a memory cgroup's room), and for segment files no more than the
              free space of ``shm_dir``; the models beside it need the rest
   whole      when ``shm_max_segments`` x segment size <= budget (a segment: header pages plus
-             every bucket page-aligned, one version; see transports/shm.py)
+             every bucket page-aligned, one version; see shm/transport.py)
   streaming  otherwise: K = (budget - control block) // bucket buffer (the largest bucket,
-             page-aligned), clamped to [2, ipc_wire.MAX_BUFFERS] and to the bucket count; a
+             page-aligned), clamped to [2, ipc.wire.MAX_BUFFERS] and to the bucket count; a
              budget without room for 2 buffers is a CapacityError that says what to set
 
-Streaming is the ipc transport's host-buffer protocol (transports/ipc.py, ipc_wire.py: control
+Streaming is the ipc transport's host-buffer protocol (ipc/transport.py, ipc/wire.py: control
 block, per-receiver release words, the sender overwrites a buffer only once every participating
 receiver released it, failed receivers are not waited for) with K buffers kept in host shared
 memory even on an accelerator node, so the digest is xxh3 as for whole versions. It gives up

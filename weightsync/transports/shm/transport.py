@@ -1,5 +1,5 @@
 """Shared-memory transport: the sender writes each version once into a host segment
-(a memfd, or a file in /dev/shm: transports/segment.py) and every receiver on the node reads it
+(a memfd, or a file in /dev/shm: transports/memory/segment.py) and every receiver on the node reads it
 from there.
 
 Segments are slots reused across versions (allocated once, not per version). The
