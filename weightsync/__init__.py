@@ -19,6 +19,11 @@ from .manifest import Manifest, TensorSpec, build_manifest
 from .receiver import WeightReceiver
 from .sender import StagedVersion, SyncResult, WeightSender
 
+# The handle crosses processes by pickle (a driver hands it to its parties), and those may run
+# another revision of this package (``weightsync bench --against REV``): it pickles under its
+# public name, which stays put when the internal modules move.
+Coordinator.__module__ = __name__
+
 __version__ = "0.1.0"
 
 __all__ = [
