@@ -17,8 +17,8 @@ import time
 import ray
 import torch
 
-from weightsync.model_layouts import layout, materialize
-from weightsync.testing import JOB_DEFAULTS, TrainerWorker, new_coordinator, rollout_actor, stop_actors
+from weightsync.testing.layouts import layout, materialize
+from weightsync.testing.parties import JOB_DEFAULTS, TrainerWorker, new_coordinator, rollout_actor, stop_actors
 
 
 class DriftTrainer(TrainerWorker):

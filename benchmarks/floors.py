@@ -47,9 +47,9 @@ from weightsync.bench.layout_source import resolve
 from weightsync.digest import verify
 from weightsync.digest import xxh3 as checksum
 from weightsync.manifest import Manifest
-from weightsync.model_layouts import materialize
 from weightsync.plan import BucketPlan, Buffers, Unpacker, pack_stream, plan_buckets
-from weightsync.transports.shm import layout, spans
+from weightsync.testing.layouts import materialize
+from weightsync.transports.shm.transport import layout, spans
 
 MiB = 1 << 20
 GLOO_CASES = ["flat", "buckets", "buckets+load"]

@@ -12,8 +12,8 @@ import torch
 
 from weightsync.digest import xxh3 as checksum
 from weightsync.manifest import Manifest, TensorSpec
-from weightsync.model_layouts import layout, materialize
 from weightsync.plan import Buffers, Unpacker, pack_stream, plan_buckets
+from weightsync.testing.layouts import layout, materialize
 
 pytest.importorskip("pytest_benchmark")
 

@@ -38,8 +38,8 @@ import ray
 import torch
 
 from weightsync import Coordinator, SyncConfig, WeightReceiver, WeightSender
-from weightsync.timeline import Recorder, Span, render_png
-from weightsync.transports.segment_scan import reap_stale
+from weightsync.testing.timeline import Recorder, Span, render_png
+from weightsync.transports.memory.scan import reap_stale
 
 
 @dataclasses.dataclass(frozen=True)

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from weightsync.transports.segment_scan import holders, our_segments, reap_stale
+from weightsync.transports.memory.scan import holders, our_segments, reap_stale
 
 
 def pytest_collection_modifyitems(config, items):
@@ -50,7 +50,7 @@ def ray_cluster():
 @pytest.fixture
 def coordinator_factory(ray_cluster):
     """make(config_dict) -> Coordinator with a unique name; shut down after the test."""
-    from weightsync.testing import new_coordinator
+    from weightsync.testing.parties import new_coordinator
 
     made = []
 
@@ -66,7 +66,7 @@ def coordinator_factory(ray_cluster):
 @pytest.fixture
 def actors(ray_cluster):
     """Track Ray actors a test starts; each is closed (if it can be) and killed afterwards."""
-    from weightsync.testing import stop_actors
+    from weightsync.testing.parties import stop_actors
 
     started = []
 
@@ -82,10 +82,10 @@ def actors(ray_cluster):
 @pytest.fixture
 def start_job(coordinator_factory, actors):
     """The one way a test starts a job: start_job(config, receivers=2, manifest=layout("tiny"),
-    options=, rollout=, trainer=) -> weightsync.testing.Job (a coordinator with ``config``,
+    options=, rollout=, trainer=) -> weightsync.testing.parties.Job (a coordinator with ``config``,
     ``receivers`` rollout workers and a trainer, all given ``config``); torn down after the test."""
-    from weightsync.model_layouts import layout
-    from weightsync.testing import start_parties
+    from weightsync.testing.layouts import layout
+    from weightsync.testing.parties import start_parties
 
     def start(config: dict, receivers: int = 2, manifest=None, **kwargs):
         job = start_parties(coordinator_factory(config), manifest or layout("tiny"), config, receivers, **kwargs)

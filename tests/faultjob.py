@@ -4,7 +4,7 @@ test's time). Each test begins with ``fresh()``: every party alive and serving t
 newest version, whatever the test before it killed, stopped or corrupted.
 
 Faults land where the test puts them, never where a sleep guesses: the parties stop at a
-fault point (weightsync.testing: a rollout after loading bucket k, a trainer before tensor
+fault point (weightsync.testing.parties: a rollout after loading bucket k, a trainer before tensor
 i) and say so; the test acts there. Waits in here wait for a state the coordinator reports
 (a party seen dead, a version aborted), with a deadline, not for time to pass.
 """
@@ -21,8 +21,8 @@ from weightsync import SyncFailed
 from weightsync.device import ray_options
 from weightsync.manifest import Manifest
 from weightsync.plan import plan_buckets
-from weightsync.testing import JOB_DEFAULTS, new_coordinator, rollout_actor, serves, stop_actors, trainer_actor
-from weightsync.testing import wait_until as _wait_until
+from weightsync.testing.parties import JOB_DEFAULTS, new_coordinator, rollout_actor, serves, stop_actors, trainer_actor
+from weightsync.testing.parties import wait_until as _wait_until
 
 # threaded actors: reached() / release() run beside an apply() or stage() held at a fault point
 THREADED = {"max_concurrency": 4}

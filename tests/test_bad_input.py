@@ -10,19 +10,19 @@ import torch
 
 from weightsync import CapacityError, ConfigError, ManifestError, SyncConfig, VersionError
 from weightsync.manifest import Manifest, TensorSpec, build_manifest
-from weightsync.model_layouts import layout, materialize
 from weightsync.plan import Packing, plan_buckets
-from weightsync.testing import (
+from weightsync.testing.layouts import layout, materialize
+from weightsync.testing.parties import (
     assert_serves,
     new_coordinator,
     start_parties,
     stop_actors,
 )
 from weightsync.transports.base import TransportContext
-from weightsync.transports.node_memory import memory_available
-from weightsync.transports.segment import locate
-from weightsync.transports.segment_scan import holders
-from weightsync.transports.shm import ShmSender
+from weightsync.transports.memory.node import memory_available
+from weightsync.transports.memory.scan import holders
+from weightsync.transports.memory.segment import locate
+from weightsync.transports.shm.transport import ShmSender
 
 MANIFEST = layout("tiny")
 CFG = {"transport": "shm", "bucket_mb": 1 / 16}

@@ -164,7 +164,7 @@ def test_memory_estimates_refuse_what_does_not_fit():
 
 
 def _tiny_shapes():
-    from weightsync.model_layouts import layout
+    from weightsync.testing.layouts import layout
 
     return [s.shape for s in layout("tiny")]
 

@@ -18,7 +18,7 @@ import torch
 
 from weightsync.bench import delta_rows, expect, memory_fit, updates
 from weightsync.bench.cli import default_store_gb
-from weightsync.model_layouts import layout, materialize
+from weightsync.testing.layouts import layout, materialize
 
 
 def _changed(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> tuple[int, int]:

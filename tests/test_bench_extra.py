@@ -12,7 +12,7 @@ import pytest
 
 from weightsync import cli
 from weightsync.bench import layout_source
-from weightsync.model_layouts import layout
+from weightsync.testing.layouts import layout
 
 # the command line with tqdm and safetensors unimportable (a None entry in sys.modules makes
 # `import tqdm` raise ImportError, as on a machine without them)

@@ -17,10 +17,10 @@ from faultjob import RECEIVERS, Job, apply_fails, survivor_commits, sync_failed
 from weightsync.device import ray_options
 from weightsync.errors import ConfigError
 from weightsync.manifest import Manifest, TensorSpec
-from weightsync.model_layouts import layout
-from weightsync.testing import assert_serves, trainer_actor
-from weightsync.transports.broadcast import TRAILER, get_checksum, put_checksum
-from weightsync.transports.communicators import choose_backend, comm_device
+from weightsync.testing.layouts import layout
+from weightsync.testing.parties import assert_serves, trainer_actor
+from weightsync.transports.broadcast.communicators import choose_backend, comm_device
+from weightsync.transports.broadcast.transport import TRAILER, get_checksum, put_checksum
 
 TINY = layout("tiny")  # embed_tokens is 125 KiB: several buckets of the size below
 BUCKET_MB = 48 / 1024

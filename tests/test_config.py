@@ -75,7 +75,7 @@ def test_a_registered_transport_can_be_selected_and_registering_twice_is_refused
 
     with pytest.raises(ConfigError, match="transport"):
         SyncConfig(transport="tcp-plugin")
-    transports.register_transport("tcp-plugin", "weightsync.transports.shm", "ShmSender", "ShmReceiver")
+    transports.register_transport("tcp-plugin", "weightsync.transports.shm.transport", "ShmSender", "ShmReceiver")
     try:
         assert SyncConfig(transport="tcp-plugin").transport == "tcp-plugin"
         assert transports.sender_class("tcp-plugin").__name__ == "ShmSender"

@@ -8,9 +8,9 @@ import ray
 
 from weightsync import ManifestError, SyncConfig, SyncFailed, VersionError, WeightReceiver, WeightSender
 from weightsync.manifest import Manifest, TensorSpec
-from weightsync.model_layouts import layout, materialize
-from weightsync.testing import ToyEngine, assert_same_weights, assert_serves, rollout_actor, trainer_actor
-from weightsync.transports.segment import locate
+from weightsync.testing.layouts import layout, materialize
+from weightsync.testing.parties import ToyEngine, assert_same_weights, assert_serves, rollout_actor, trainer_actor
+from weightsync.transports.memory.segment import locate
 
 # tiny layout with a 64 KiB bucket: the embedding (1000 x 64 bf16 = 125 KiB) is split in chunks
 CFG = {"transport": "shm", "bucket_mb": 1 / 16, "device": "cpu"}
@@ -78,7 +78,7 @@ def _corrupt(coord, version, bucket_offset):
 @pytest.mark.parametrize("where", ["first-bucket", "later-bucket"])
 def test_corrupted_bucket_is_not_applied(start_job, where):
     from weightsync.plan import plan_buckets
-    from weightsync.transports.shm import layout as seg_layout
+    from weightsync.transports.shm.transport import layout as seg_layout
 
     coord, rs, trainer = start_job(CFG, 2)
     applied = [r.apply.remote(1) for r in rs]
@@ -311,7 +311,7 @@ def test_two_threads_of_one_receiver_hash_each_bucket_once():
 
     from weightsync.plan import Packing, plan_buckets
     from weightsync.transports.base import TransportContext
-    from weightsync.transports.shm import ShmReceiver, ShmSender
+    from weightsync.transports.shm.transport import ShmReceiver, ShmSender
 
     manifest = Manifest(tuple(TensorSpec(f"w{i}", "float32", (256, 1024)) for i in range(16)))  # 16 MiB
     cfg = SyncConfig(bucket_mb=1, device="cpu")
@@ -346,7 +346,7 @@ def test_prefetch_verifies_ahead_and_apply_only_loads(start_job):
     """prefetch() while the engine would generate: the barrier is left with loading only; a
     bucket corrupted before the prefetch stays unmarked and apply() still refuses it."""
     from weightsync.plan import plan_buckets
-    from weightsync.transports.shm import layout as seg_layout
+    from weightsync.transports.shm.transport import layout as seg_layout
 
     plan = plan_buckets(MANIFEST, int(CFG["bucket_mb"] * 2**20), 256)
     coord, rs, trainer = start_job(CFG, 2)

@@ -1,16 +1,16 @@
-"""Delta encoding (weightsync/delta.py), the wire plan (delta_packing.py), the trainer's
-snapshot (delta_sender.py) and a receiver's shadow (delta_receiver.py), without a job."""
+"""Delta encoding (weightsync/delta/codec.py), the wire plan (delta/packing.py), the trainer's
+snapshot (delta/sender.py) and a receiver's shadow (delta/receiver.py), without a job."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from weightsync import delta
 from weightsync.config import SyncConfig
-from weightsync.delta_packing import wire_plan
-from weightsync.delta_receiver import DeltaReceiver
-from weightsync.delta_sender import DeltaSender
+from weightsync.delta import codec as delta
+from weightsync.delta.packing import wire_plan
+from weightsync.delta.receiver import DeltaReceiver
+from weightsync.delta.sender import DeltaSender
 from weightsync.digest import xxh3
 from weightsync.errors import ConfigError, ManifestError, ProtocolError
 from weightsync.manifest import build_manifest
@@ -302,8 +302,8 @@ def test_failed_staging_leaves_the_snapshot():
 
 
 def test_the_auto_shm_budget_leaves_room_for_the_trainer_snapshot():
-    from weightsync.transports.shm import layout as segment_layout
-    from weightsync.transports.shm_stream import choose_mode
+    from weightsync.transports.shm.stream import choose_mode
+    from weightsync.transports.shm.transport import layout as segment_layout
 
     m = build_manifest({f"w{i}": torch.zeros(30000, dtype=torch.bfloat16) for i in range(6)})
     plan = plan_buckets(m, 1 << 16)

@@ -12,7 +12,7 @@ import ray
 from faultjob import RECEIVERS, Job
 from test_delta_sync import ALL, BUCKET, FULL, MANIFEST, full_digest, serves, step
 
-from weightsync import delta_policy
+from weightsync.delta import policy as delta_policy
 
 
 @pytest.fixture(scope="module")

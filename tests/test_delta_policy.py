@@ -1,11 +1,11 @@
-"""``delta: auto`` chooses per version from measured seconds (weightsync/delta_policy.py): pure,
+"""``delta: auto`` chooses per version from measured seconds (weightsync/delta/policy.py): pure,
 each test drives the policy with the seconds a link would give and asserts the ways it sends."""
 
 from __future__ import annotations
 
 import pytest
 
-from weightsync.delta_policy import DELTA, FULL, PRIME, AutoPolicy
+from weightsync.delta.policy import DELTA, FULL, PRIME, AutoPolicy
 
 
 def drive(policy: AutoPolicy, versions: int, cost: dict[str, float], fails: set[int] = frozenset()) -> list[str]:

@@ -15,9 +15,9 @@ from faultjob import DEADLINE_S, RECEIVERS, Job, apply_fails, sync_failed, wait_
 
 from weightsync import transports
 from weightsync.digest import version_digest
-from weightsync.model_layouts import layout, materialize
 from weightsync.plan import Buffers, pack_stream, plan_buckets
-from weightsync.testing import check_serves
+from weightsync.testing.layouts import layout, materialize
+from weightsync.testing.parties import check_serves
 
 ALL = [t for t in ("shm", "ipc", "broadcast") if t in transports.names()]
 MANIFEST = layout("tiny")  # 7 buckets of 64 KiB

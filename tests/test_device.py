@@ -11,7 +11,7 @@ import pytest
 from faultjob import sim_env
 
 from weightsync.device import ray_options
-from weightsync.model_layouts import layout
+from weightsync.testing.layouts import layout
 
 # 30 KiB buckets: the 125 KiB embedding of "tiny" is split over five of them
 CFG = {"bucket_mb": 0.03}

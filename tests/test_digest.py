@@ -14,9 +14,9 @@ import torch
 
 from weightsync import ConfigError, SyncConfig, SyncFailed
 from weightsync import digest as D
-from weightsync.model_layouts import layout, materialize
 from weightsync.plan import BucketSink, Buffers, Packing, pack_stream, plan_buckets
-from weightsync.testing import TrainerWorker, assert_serves, same_bits
+from weightsync.testing.layouts import layout, materialize
+from weightsync.testing.parties import TrainerWorker, assert_serves, same_bits
 
 TINY = layout("tiny")
 BUCKET = 1 << 16  # 64 KiB: the tiny layout spans several buckets, one tensor split over some

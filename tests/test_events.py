@@ -9,8 +9,8 @@ import threading
 import pytest
 
 from weightsync import WeightReceiver, WeightSender
-from weightsync.model_layouts import layout, materialize
-from weightsync.testing import ToyEngine
+from weightsync.testing.layouts import layout, materialize
+from weightsync.testing.parties import ToyEngine
 
 MANIFEST = layout("tiny")
 CFG = {"transport": "shm", "bucket_mb": 1 / 16, "device": "cpu"}

@@ -19,7 +19,7 @@ import ray
 from faultjob import DEADLINE_S, RECEIVERS, Job, apply_fails, survivor_commits, sync_failed, wait_until
 
 from weightsync import transports
-from weightsync.model_layouts import layout
+from weightsync.testing.layouts import layout
 
 ALL = [t for t in ("shm", "ipc", "broadcast") if t in transports.names()]
 STORAGE_OR_POINT_TO_POINT = [t for t in ("shm", "ipc") if t in transports.names()]
@@ -245,7 +245,7 @@ def test_coordinator_killed_and_restarted(job):
 def test_party_ids_from_before_a_coordinator_restart_are_not_reused(coordinator_factory):
     """Found chasing the intermittent restart failure: ids restarted at 1 with each
     incarnation, so a party still holding old id 1 passed for whoever re-registered first."""
-    from weightsync.control import ControlPlane
+    from weightsync.coordinator.control import ControlPlane
     from weightsync.errors import SessionLost
 
     coord = coordinator_factory({"transport": "shm", "bucket_mb": 1 / 16})

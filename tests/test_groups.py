@@ -1,4 +1,4 @@
-"""Which construction builds the broadcast group, and why (weightsync.transports.communicators).
+"""Which construction builds the broadcast group, and why (weightsync.transports.broadcast.communicators).
 
 The constructions themselves run in tests/test_broadcast.py (torch gloo here; nccl / hccl
 on devices), tests/vllm_tier/test_stateless_group.py (vLLM's StatelessProcessGroup on our store)
@@ -10,8 +10,8 @@ import pytest
 import ray
 
 from weightsync.errors import ConfigError
-from weightsync.model_layouts import layout
-from weightsync.transports.communicators import choose_communicator, probe
+from weightsync.testing.layouts import layout
+from weightsync.transports.broadcast.communicators import choose_communicator, probe
 
 
 def _probe(missing: dict[str, str]):
@@ -100,7 +100,7 @@ def _gloo_listens(monkeypatch, ifname: str | None) -> set[str]:
     import psutil
     import torch.distributed as dist
 
-    from weightsync.transports.communicators import new_process_group
+    from weightsync.transports.broadcast.communicators import new_process_group
 
     if ifname is None:
         monkeypatch.delenv("GLOO_SOCKET_IFNAME", raising=False)

@@ -8,11 +8,11 @@ import time
 import pytest
 import torch
 
-from weightsync.capabilities import DISABLE_IPC_VAR
 from weightsync.errors import ConfigError, ProtocolError, SyncFailed
-from weightsync.model_layouts import layout, materialize
-from weightsync.testing import assert_serves, rollout_actor
-from weightsync.transports.ipc_wire import import_handle, tag
+from weightsync.testing.layouts import layout, materialize
+from weightsync.testing.parties import assert_serves, rollout_actor
+from weightsync.transports.capabilities import DISABLE_IPC_VAR
+from weightsync.transports.ipc.wire import import_handle, tag
 
 # 30 KiB buckets: the 125 KiB embedding of "tiny" spans five buckets, more than the two
 # ping-pong buffers, which is the case that needs buckets published before their tensor ends
@@ -121,7 +121,7 @@ def test_tags_order_buckets_within_and_across_versions():
 _CHILD = """
 import sys, torch
 from weightsync import protocol
-from weightsync.transports.ipc_wire import import_handle
+from weightsync.transports.ipc.wire import import_handle
 if sys.argv[1] == "npu":
     import torch_npu  # noqa: F401
 t = import_handle(protocol.decode(sys.stdin.buffer.read()))
@@ -134,9 +134,9 @@ def _roundtrip_in_child(kind: str):
     import subprocess
     import sys
 
-    from weightsync import protocol
+    from weightsync.coordinator import protocol
     from weightsync.device import resolve
-    from weightsync.transports.ipc_wire import export_handle
+    from weightsync.transports.ipc.wire import export_handle
 
     dev = resolve(kind)
     t = torch.arange(4096, dtype=torch.int32, device=dev).view(torch.uint8)

@@ -2,7 +2,7 @@
 
 import pytest
 
-from weightsync.model_layouts import layout
+from weightsync.testing.layouts import layout
 
 
 @pytest.mark.parametrize("name, params", [("qwen2.5-1.5b", 1_543_714_304), ("qwen2.5-3b", 3_085_938_688)])

@@ -13,8 +13,8 @@ import ray
 import torch
 
 from weightsync import StalenessError, VersionError, WeightSender, build_manifest, check_staleness
-from weightsync.testing import assert_serves, rollout_actor
-from weightsync.timeline import Recorder, Span, busy_seconds, render_png
+from weightsync.testing.parties import assert_serves, rollout_actor
+from weightsync.testing.timeline import Recorder, Span, busy_seconds, render_png
 
 ROOT = Path(__file__).resolve().parents[1]
 

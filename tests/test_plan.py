@@ -8,9 +8,9 @@ from hypothesis import strategies as st
 from weightsync import ManifestError
 from weightsync.digest import xxh3 as checksum
 from weightsync.manifest import DTYPES, Manifest, TensorSpec, build_manifest, check_manifest
-from weightsync.model_layouts import layout, materialize
 from weightsync.plan import Buffers, Unpacker, gaps, pack_stream, plan_buckets
-from weightsync.testing import same_bits
+from weightsync.testing.layouts import layout, materialize
+from weightsync.testing.parties import same_bits
 
 
 def random_tensor(dtype: torch.dtype, shape, seed: int) -> torch.Tensor:

@@ -10,8 +10,8 @@ from faultjob import DEADLINE_S, RECEIVERS, Job, apply_fails, sync_failed, wait_
 
 from weightsync.config import SyncConfig
 from weightsync.errors import CapacityError, ConfigError
-from weightsync.model_layouts import layout
 from weightsync.plan import plan_buckets
+from weightsync.testing.layouts import layout
 from weightsync.transports.shadow import Shadow
 
 TINY = layout("tiny")
@@ -129,7 +129,7 @@ def test_receive_ahead_on_a_transport_that_moves_bytes_at_the_barrier_is_refused
     """Streaming shm (a ring, as ipc) moves a version in sync(): `on` there fails the first
     stage, saying why and what works."""
     from weightsync import WeightSender
-    from weightsync.model_layouts import materialize
+    from weightsync.testing.layouts import materialize
 
     coord = coordinator_factory({"transport": "shm", "shm_budget_mb": 0.25, "receive_ahead": "on",
                                  "bucket_mb": BUCKET_MB})

@@ -16,13 +16,13 @@ from weightsync.manifest import Manifest, TensorSpec
 from weightsync.plan import plan_buckets
 from weightsync.transports import records as R
 from weightsync.transports.base import TransportContext
-from weightsync.transports.broadcast import BroadcastReceiver
-from weightsync.transports.ipc import IpcReceiver
-from weightsync.transports.shm import ShmReceiver
-from weightsync.transports.shm_stream import ShmStreamReceiver, open_shm_receiver
+from weightsync.transports.broadcast.transport import BroadcastReceiver
+from weightsync.transports.ipc.transport import IpcReceiver
+from weightsync.transports.shm.stream import ShmStreamReceiver, open_shm_receiver
+from weightsync.transports.shm.transport import ShmReceiver
 
 HOST = R.HostBuffer(segment="memfd:1234:5", bytes=4096)
-# the values ipc_wire.export_handle takes from torch's reduce_tensor for a CUDA buffer
+# the values ipc.wire.export_handle takes from torch's reduce_tensor for a CUDA buffer
 CUDA = R.DeviceHandle(kind="cuda", physical=3, size=[4096], stride=[1], offset=0, typed=False, dtype="uint8",
                       handle=b"\x01" * 64, storage_bytes=4096, storage_offset=0, ref_handle=b"ref", ref_offset=0,
                       event=None, event_sync=True)
@@ -119,7 +119,7 @@ def test_a_buffer_is_a_host_buffer_or_a_device_handle_and_a_bad_one_says_why():
 
 def test_the_coordinators_note_of_a_broadcast_group_is_no_unknown_field():
     record = R.BroadcastVersion(session=BCAST)
-    wire = {**record.to_wire(), "group": {"epoch": 1, "members": ["rollout-0"]}}  # coordinator_broadcast.py
+    wire = {**record.to_wire(), "group": {"epoch": 1, "members": ["rollout-0"]}}  # coordinator/membership_ops.py
     assert R.BroadcastVersion.from_wire(wire) == record
 
 

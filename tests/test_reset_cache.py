@@ -10,8 +10,8 @@ import threading
 import pytest
 
 from weightsync import SyncConfig, SyncFailed, WeightReceiver, WeightSender
-from weightsync.model_layouts import layout, materialize
-from weightsync.testing import ToyEngine, same_bits
+from weightsync.testing.layouts import layout, materialize
+from weightsync.testing.parties import ToyEngine, same_bits
 
 CFG = {"transport": "shm", "bucket_mb": 1 / 16, "device": "cpu"}
 MANIFEST = layout("tiny")

@@ -5,10 +5,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from weightsync import capabilities as caps
 from weightsync.device import local_index, physical_index
 from weightsync.errors import ConfigError
-from weightsync.selection import COLOCATED, REMOTE, SAME_NODE, choose_transport, placement
+from weightsync.transports import capabilities as caps
+from weightsync.transports.selection import COLOCATED, REMOTE, SAME_NODE, choose_transport, placement
 
 OK = {"ok": True, "reason": "ipc fine"}
 NO = {"ok": False, "reason": "CANN 8.2.RC1 is older than 8.3.RC1"}

@@ -1,5 +1,5 @@
 """Bounded shm: a budget below two whole versions makes the shm transport stream through a
-ring of bucket buffers (transports/shm_stream.py). Real Ray actors, a real tmpfs.
+ring of bucket buffers (transports/shm/stream.py). Real Ray actors, a real tmpfs.
 
 The job's segments are files (shm_backing: files; the bound is the same for memfds, whose
 sizes cannot be sampled by directory) in a directory of their own under /dev/shm, so the peak shared memory
@@ -22,12 +22,12 @@ from faultjob import RECEIVERS, Job, sync_failed, wait_until
 
 from weightsync import SyncConfig
 from weightsync.errors import CapacityError
-from weightsync.model_layouts import layout
 from weightsync.plan import plan_buckets
+from weightsync.testing.layouts import layout
 from weightsync.transports.base import TransportContext
-from weightsync.transports.shm import ShmSender
-from weightsync.transports.shm import layout as segment_layout
-from weightsync.transports.shm_stream import choose_mode, open_shm_sender
+from weightsync.transports.shm.stream import choose_mode, open_shm_sender
+from weightsync.transports.shm.transport import ShmSender
+from weightsync.transports.shm.transport import layout as segment_layout
 
 MANIFEST = layout("tiny")  # 7 buckets of 64 KiB at bucket_mb=1/16: one version is 412 KiB in a segment
 BUCKET_MB = 1 / 16

@@ -1,4 +1,4 @@
-"""The ipc ring (ipc_ring.Ring and IpcReceiver.receive) on the simulated accelerator, in one
+"""The ipc ring (ipc.ring.Ring and IpcReceiver.receive) on the simulated accelerator, in one
 process: a sender and two receivers, each on a stream of its own whose copies, digests and
 loads complete 0 .. lag ms late in a seeded order. Tensors span buckets (the sender asks for
 bucket b + 1's buffer before bucket b is handed out), the case that hung on a real GPU: every
@@ -20,11 +20,11 @@ from weightsync.config import SyncConfig
 from weightsync.device import resolve
 from weightsync.digest import verify
 from weightsync.manifest import Manifest, TensorSpec
-from weightsync.model_layouts import materialize
 from weightsync.plan import Packing, Unpacker, plan_buckets
-from weightsync.testing import same_bits
+from weightsync.testing.layouts import materialize
+from weightsync.testing.parties import same_bits
 from weightsync.transports.base import TransportContext
-from weightsync.transports.ipc import IpcReceiver, IpcSender
+from weightsync.transports.ipc.transport import IpcReceiver, IpcSender
 
 pytestmark = pytest.mark.sim
 

@@ -11,12 +11,12 @@ import threading
 import pytest
 import ray
 
-from weightsync import Coordinator, ProtocolError, WeightReceiver, protocol, transports
-from weightsync.model_layouts import layout, materialize
-from weightsync.testing import assert_serves, start_parties
-from weightsync.transports.segment import locate
-from weightsync.transports.segment_refs import SEGMENT_REF
-from weightsync.transports.segment_scan import holders, our_segments
+from weightsync import Coordinator, ProtocolError, WeightReceiver, transports
+from weightsync.coordinator import protocol
+from weightsync.testing.layouts import layout, materialize
+from weightsync.testing.parties import assert_serves, start_parties
+from weightsync.transports.memory.scan import SEGMENT_REF, holders, our_segments
+from weightsync.transports.memory.segment import locate
 
 MANIFEST = layout("tiny")
 CPU_TRANSPORTS = [t for t in ("shm", "ipc", "broadcast") if t in transports.names()]
@@ -118,7 +118,7 @@ def test_memfd_segment_needs_same_uid():
     """Opening /proc/<pid>/fd/<fd> needs ptrace-read access to the holder (same uid) and the
     memfd's 0600 mode: a process of another uid gets EACCES (root may: it is root)."""
     from weightsync import SyncConfig
-    from weightsync.transports.segment import create
+    from weightsync.transports.memory.segment import create
 
     seg = create(SyncConfig(shm_backing="memfd"), 1 << 16, "a probe segment")
     try:
@@ -182,7 +182,7 @@ def test_rendezvous_store_binds_to_configured_address():
     from weightsync import SyncConfig
     from weightsync.plan import plan_buckets
     from weightsync.transports.base import TransportContext
-    from weightsync.transports.broadcast import BroadcastSender
+    from weightsync.transports.broadcast.transport import BroadcastSender
 
     cfg = SyncConfig(transport="broadcast", backend="gloo", rendezvous_host="127.0.0.1")
     ctx = TransportContext(config=cfg, plan=plan_buckets(MANIFEST, cfg.bucket_bytes, cfg.align_bytes),

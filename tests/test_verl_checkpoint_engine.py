@@ -68,7 +68,7 @@ def test_manager_transfer_is_bit_exact(worker_groups, transport, delta):
     from verl.checkpoint_engine import CheckpointEngineManager
     from weightsync_verl.testing import ReplicaGates, hf_weights
 
-    from weightsync.testing import assert_same_weights
+    from weightsync.testing.parties import assert_same_weights
 
     actors, rollouts = worker_groups
     cfg = _config(transport, delta)

@@ -123,7 +123,7 @@ def test_one_step_off_trainer_syncs_bit_exact(ray_cluster, monkeypatch, transpor
     import ray
     from weightsync_verl.testing import CpuGroups, hf_weights
 
-    from weightsync.testing import assert_same_weights
+    from weightsync.testing.parties import assert_same_weights
 
     config = compose_config(transport, monkeypatch)
     assert config.actor_rollout_ref.rollout.checkpoint_engine.engine_kwargs.weightsync.transport == transport

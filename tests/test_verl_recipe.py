@@ -75,7 +75,7 @@ def test_recipe_syncs_versions_bit_exactly_and_bounds_staleness(groups):
     from weightsync_verl.testing import hf_weights
 
     from weightsync import StalenessError
-    from weightsync.testing import assert_same_weights
+    from weightsync.testing.parties import assert_same_weights
 
     trainer = make_trainer(groups, trainer_config("ws-verl-recipe"))
     actor_wg, rollout_wg = trainer.actor_wg, trainer.rollout_wg
@@ -133,7 +133,7 @@ def test_next_version_travels_as_soon_as_update_actor_returns(groups):
     import ray
     from weightsync_verl.testing import hf_weights
 
-    from weightsync.testing import assert_same_weights
+    from weightsync.testing.parties import assert_same_weights
 
     trainer = make_trainer(groups, trainer_config("ws-verl-ahead", weightsync={
         **SETTINGS, "transport": "broadcast", "coordinator_name": "ws-verl-ahead"}))

@@ -4,10 +4,9 @@ from __future__ import annotations
 
 import pytest
 
-from weightsync.broadcast_groups import BroadcastGroups, Member, group_rank
+from weightsync.coordinator.membership import BroadcastGroups, Member, group_rank
+from weightsync.coordinator.versions import IN_FLIGHT, Candidate, State, VersionTable, choose_slot, pinned_slots
 from weightsync.errors import VersionError
-from weightsync.slots import choose_slot, pinned_slots
-from weightsync.versions import IN_FLIGHT, Candidate, State, VersionTable
 
 
 def slot0() -> int:

@@ -1,7 +1,8 @@
 """weightsync: versioned trainer-to-rollout weight transfers over pluggable transports."""
 
-from .client import Coordinator
 from .config import SyncConfig
+from .coordinator.client import Coordinator
+from .coordinator.staleness import check_staleness
 from .errors import (
     CapacityError,
     ChecksumError,
@@ -17,7 +18,11 @@ from .errors import (
 from .manifest import Manifest, TensorSpec, build_manifest
 from .receiver import WeightReceiver
 from .sender import StagedVersion, SyncResult, WeightSender
-from .staleness import check_staleness
+
+# The handle crosses processes by pickle (a driver hands it to its parties), and those may run
+# another revision of this package (``weightsync bench --against REV``): it pickles under its
+# public name, which stays put when the internal modules move.
+Coordinator.__module__ = __name__
 
 __version__ = "0.1.0"
 

@@ -102,7 +102,7 @@ class SyncConfig:
     rendezvous_host: str = "auto"
     rendezvous_port: int = 0
     # send per bucket only what changed since the last committed version (docs/delta.md):
-    # "auto": the faster way as timed on this link (delta_policy.py), "on" always, "off" never
+    # "auto": the faster way as timed on this link (delta/policy.py), "on" always, "off" never
     delta: str = "off"
     # move a version's bytes to the receivers before the barrier, while the engine still serves
     # the one before (docs/one-step-off.md): broadcast sends at stage() into a host / device

@@ -9,9 +9,9 @@ from typing import Any
 
 import ray
 
-from .client import Coordinator
 from .config import SyncConfig
-from .control import ControlPlane
+from .coordinator.client import Coordinator
+from .coordinator.control import ControlPlane
 from .device import describe, resolve
 from .manifest import Manifest
 from .plan import plan_buckets

@@ -3,7 +3,7 @@ sender makes it readable, while the engine still serves the version before, so t
 ``apply()`` at the barrier only loads, runs the post-load hook and resets the cache.
 
 What "takes" means is the transport's (``ReceiverTransport.prefetch``): broadcast receives a
-version sent in stage() into its shadow (transports/broadcast_ahead.py), shm verifies the
+version sent in stage() into its shadow (transports/broadcast/ahead.py), shm verifies the
 version's segment. On a device the transport issues that work on a stream of the shadow's own
 (transports/shadow.py), not on this thread's current one, which on CUDA is the default stream
 the engine generates on. The thread never touches the engine: a version that fails on its way in

@@ -20,9 +20,10 @@ from typing import Any
 import torch
 
 from . import events, transports
-from .client import Coordinator
 from .config import SyncConfig
-from .delta_receiver import DeltaReceiver
+from .coordinator.client import Coordinator
+from .coordinator.versions import State
+from .delta.receiver import DeltaReceiver
 from .digest import version_digest
 from .errors import ManifestError, VersionError, WeightSyncError
 from .manifest import Expected, Manifest, check_manifest
@@ -30,7 +31,6 @@ from .party import Party
 from .plan import Unpacker
 from .receive_ahead import AheadThread
 from .transports.records import VersionRecord
-from .versions import State
 
 LoadWeights = Callable[[Iterable[tuple[str, torch.Tensor]]], Any]
 
@@ -99,11 +99,11 @@ class WeightReceiver(Party):
         # and its record (for rollback)
         self._info: dict[str, Any] = {}
         self._served: VersionRecord | None = None
-        self._delta: DeltaReceiver | None = None  # the shadow of delta versions (delta_receiver.py)
+        self._delta: DeltaReceiver | None = None  # the shadow of delta versions (delta/receiver.py)
         self._session_lock = threading.Lock()  # prefetch() may run in a thread beside apply()
         self._ahead: AheadThread | None = None  # receive_ahead: takes versions before the barrier
         self.last_metrics: dict[str, Any] = {}
-        # a test's fault point (weightsync.testing): called as (version, bucket) once bucket b
+        # a test's fault point (weightsync.testing.parties): called as (version, bucket) once bucket b
         # is verified and loaded, before the next one is read
         self.on_bucket: Callable[[int, int], Any] | None = None
 

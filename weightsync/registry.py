@@ -11,9 +11,9 @@ from __future__ import annotations
 
 _MODULES = {
     # shm's two modes (whole versions, a streaming ring) are chosen by these factories
-    "shm": ("weightsync.transports.shm_stream", "open_shm_sender", "open_shm_receiver"),
-    "broadcast": ("weightsync.transports.broadcast", "BroadcastSender", "BroadcastReceiver"),
-    "ipc": ("weightsync.transports.ipc", "IpcSender", "IpcReceiver"),
+    "shm": ("weightsync.transports.shm.stream", "open_shm_sender", "open_shm_receiver"),
+    "broadcast": ("weightsync.transports.broadcast.transport", "BroadcastSender", "BroadcastReceiver"),
+    "ipc": ("weightsync.transports.ipc.transport", "IpcSender", "IpcReceiver"),
 }
 
 

@@ -19,19 +19,21 @@ from typing import Any
 
 import torch
 
-from . import delta, delta_policy, events, transports
-from .capabilities import ipc_support
-from .client import Coordinator
+from . import events, transports
 from .config import SyncConfig
-from .control import Publication
-from .delta_sender import DeltaSender
+from .coordinator.client import Coordinator
+from .coordinator.control import Publication
+from .delta import codec as delta
+from .delta import policy as delta_policy
+from .delta.sender import DeltaSender
 from .device import describe
 from .errors import ConfigError, VersionError
 from .manifest import Manifest, build_manifest
 from .party import Party
 from .plan import Packing
-from .selection import choose_transport
+from .transports.capabilities import ipc_support
 from .transports.records import VersionRecord
+from .transports.selection import choose_transport
 
 log = logging.getLogger("weightsync")
 
@@ -141,7 +143,7 @@ class WeightSender(Party):
         self._staged: dict[int, StagedVersion] = {}
         self._staged_digest: dict[int, str | None] = {}  # version digests reported when staged
         self._pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix=f"weightsync-stage-{self.name}")
-        self._delta: DeltaSender | None = None  # config delta: auto / on (delta_sender.py)
+        self._delta: DeltaSender | None = None  # config delta: auto / on (delta/sender.py)
         self._delta_versions: set[int] = set()
 
     @property
@@ -173,7 +175,7 @@ class WeightSender(Party):
         ctx = self._context(manifest, digest)
         count = self.expected_receivers or 0
         receivers = self.control.receivers(count, timeout=self.config.connect_timeout_s)
-        # where this sender runs and whether it can share device buckets (selection.py)
+        # where this sender runs and whether it can share device buckets (transports/selection.py)
         me = {"host": self.host, "node_id": self.node_id, "device": describe(self.device),
               "ipc": ipc_support(self.device.type, self.config.shm_dir).to_dict()}
         name, reason = choose_transport(self.config.transport, me, receivers, self.config.backend)

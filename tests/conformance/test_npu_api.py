@@ -283,9 +283,9 @@ def test_a_lone_optional_lookup_exists_at_some_release():
 
 @needs_sources
 def test_ipc_handle_layout_matches_torch_npu():
-    """What torch_npu's reduce_tensor returns for an NPU tensor is what ipc_wire unpacks:
+    """What torch_npu's reduce_tensor returns for an NPU tensor is what ipc.wire unpacks:
     (rebuild_npu_tensor, args) with args named and ordered as HANDLE_ARGS."""
-    ours = ast.parse((REPO / "weightsync" / "transports" / "ipc_wire.py").read_text())
+    ours = ast.parse((REPO / "weightsync" / "transports" / "ipc" / "wire.py").read_text())
     handle_args = next(ast.literal_eval(n.value) for n in ours.body if isinstance(n, ast.Assign)
                        and any(isinstance(t, ast.Name) and t.id == "HANDLE_ARGS" for t in n.targets))
     for version in VERSIONS["torch_npu"]:
@@ -378,13 +378,13 @@ def test_no_device_api_is_reached_through_a_computed_name():
 
 
 def test_ipc_handle_layout_matches_the_installed_torch_for_cuda():
-    """The CUDA side of the same contract, against the torch installed here: ipc_wire passes
+    """The CUDA side of the same contract, against the torch installed here: ipc.wire passes
     HANDLE_ARGS by keyword to rebuild_cuda_tensor, and unpacks what reduce_tensor returns."""
     import inspect
 
     from torch.multiprocessing import reductions
 
-    from weightsync.transports.ipc_wire import HANDLE_ARGS
+    from weightsync.transports.ipc.wire import HANDLE_ARGS
 
     assert tuple(inspect.signature(reductions.rebuild_cuda_tensor).parameters) == HANDLE_ARGS
     source = ast.parse(inspect.getsource(reductions.reduce_tensor))

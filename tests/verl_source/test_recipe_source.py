@@ -146,7 +146,7 @@ def test_recipe_init_workers_and_fit_syncs_bit_exactly(tmp_path, ray_cluster, re
     from verl.utils.dataset.rl_dataset import collate_fn
     from weightsync_verl.recipe import FSDPActorWeightSyncMixin, RolloutWeightSyncMixin, WeightSyncTrainerMixin
 
-    from weightsync.testing import assert_same_weights, same_bits
+    from weightsync.testing.parties import assert_same_weights, same_bits
 
     from . import cpu_workers
 

@@ -129,7 +129,7 @@ class Trainer:
         self.model.load_state_dict(self.previous.state_dict())
 
     def tamper(self, version: int, bucket: int) -> None:
-        """weightsync's wire fault point (as weightsync.testing.TrainerWorker.tamper): one
+        """weightsync's wire fault point (as weightsync.testing.parties.TrainerWorker.tamper): one
         byte of bucket ``bucket`` of ``version`` flipped after its digest was taken."""
         def hook(v: int, b: int, payload: Any) -> None:
             if (v, b) == (version, bucket):

@@ -19,7 +19,7 @@ import parties
 import pytest
 import ray
 
-from weightsync.testing import stop_actors
+from weightsync.testing.parties import stop_actors
 
 VERSIONS = 3
 BOUND = 1e-4  # fp32: ~1e-5 observed

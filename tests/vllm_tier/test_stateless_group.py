@@ -1,5 +1,5 @@
 """The pyhccl / pynccl constructions' rendezvous on CPU: vLLM's real StatelessProcessGroup
-(0.11.0; 0.10.1 in tier vllm-0.10), built by weightsync.transports.communicators on the session's
+(0.11.0; 0.10.1 in tier vllm-0.10), built by weightsync.transports.broadcast.communicators on the session's
 store (the sender hosts it, receivers dial the address the coordinator hands out), across real
 processes. The communicators themselves need an NPU / a GPU (tests/test_groups.py)."""
 
@@ -21,7 +21,7 @@ class Member:
         self.rank, self.store = rank, None
 
     def host(self) -> int:
-        from weightsync.transports.group_store import host_store
+        from weightsync.transports.broadcast.store import host_store
 
         self.store = host_store("127.0.0.1", 0, 30.0)
         return self.store.port
@@ -29,8 +29,8 @@ class Member:
     def join(self, port: int, prefix: str, size: int, token: str | None) -> tuple[str, int]:
         import torch.distributed as dist
 
-        from weightsync.transports.communicators import stateless_group
-        from weightsync.transports.group_store import connect_store
+        from weightsync.transports.broadcast.communicators import stateless_group
+        from weightsync.transports.broadcast.store import connect_store
 
         store = self.store if self.store is not None else connect_store("127.0.0.1", port, 30.0)
         group = stateless_group(dist.PrefixStore(prefix, store), self.rank, size)
@@ -61,8 +61,8 @@ def test_pynccl_without_a_gpu_is_a_clear_error_not_a_silent_no_op():
     # one's broadcast() returns without moving a byte: the group must refuse to build
     import torch.distributed as dist
 
-    from weightsync.transports.group_store import host_store
-    from weightsync.transports.groups import Group
+    from weightsync.transports.broadcast.groups import Group
+    from weightsync.transports.broadcast.store import host_store
 
     store = host_store("127.0.0.1", 0, 5.0)
     with pytest.raises(ConfigError, match="communicator 'pynccl': PyNcclCommunicator disabled itself"):

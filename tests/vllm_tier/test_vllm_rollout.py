@@ -20,7 +20,7 @@ from weightsync.config import SyncConfig
 from weightsync.manifest import Manifest, TensorSpec
 from weightsync.receiver import WeightReceiver
 from weightsync.sender import WeightSender
-from weightsync.testing import assert_same_weights, stop_actors
+from weightsync.testing.parties import assert_same_weights, stop_actors
 
 VERSIONS = 3
 FUSED = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_proj", "up_proj")}

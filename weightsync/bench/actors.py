@@ -14,12 +14,12 @@ from typing import Any
 
 import torch
 
-from ..client import Coordinator
 from ..config import SyncConfig
+from ..coordinator.client import Coordinator
 from ..manifest import Manifest
-from ..model_layouts import materialize
 from ..receiver import WeightReceiver
 from ..sender import WeightSender
+from ..testing.layouts import materialize
 from .bits import digest
 from .bits import flat_bytes as _flat
 from .peak_memory import PeakTracker
@@ -120,7 +120,7 @@ class BenchTrainer:
     def shm_bytes(self) -> int:
         """Bytes of this process's segments: memfds it holds, files in the shm directory (0 for
         transports without segments)."""
-        from ..transports.segment_scan import holders
+        from ..transports.memory.scan import holders
 
         directory = self.sender.config.shm_dir if self.sender else "/dev/shm"
         prefix = f"wsync_{os.getpid()}_"

@@ -1,5 +1,5 @@
 """Collective baselines for the broadcast transport, measured with real Ray actors over the
-same group construction the transport uses (:class:`weightsync.transports.groups.Group`).
+same group construction the transport uses (:class:`weightsync.transports.broadcast.groups.Group`).
 
 - :func:`raw_broadcast`: the version's bytes pre-packed in one flat buffer, sent by a single
   broadcast. The wire limit: no packing, no checksums, no loading, no pipelining to lose.
@@ -30,11 +30,11 @@ import ray
 import torch
 
 from ..manifest import Manifest
-from ..model_layouts import layout, materialize
-from ..testing import ToyEngine
-from ..transports.communicators import choose_backend, comm_device
-from ..transports.group_store import connect_store, host_store, store_host
-from ..transports.groups import Group
+from ..testing.layouts import layout, materialize
+from ..testing.parties import ToyEngine
+from ..transports.broadcast.communicators import choose_backend, comm_device
+from ..transports.broadcast.groups import Group
+from ..transports.broadcast.store import connect_store, host_store, store_host
 
 # a peer that never joins (or a collective that never returns) ends the baseline, not the run
 TIMEOUT_S = 300.0
@@ -284,8 +284,8 @@ def bucketed_broadcast(manifest: Manifest, receivers: int, *, config: dict | Non
                        resources: dict | None = None) -> list[float]:
     """Seconds per version over the broadcast transport: pack, send, verify, load, commit.
     The first version (group construction, first-touch of the buffers) is not counted."""
-    from ..client import Coordinator
-    from ..testing import RolloutWorker
+    from ..coordinator.client import Coordinator
+    from ..testing.parties import RolloutWorker
 
     cfg = {"transport": "broadcast", "bucket_mb": 64.0, **(config or {})}
     coord = Coordinator.create(cfg, name=f"weightsync-bench-{os.getpid()}-{secrets.token_hex(3)}")
@@ -332,7 +332,7 @@ def _cell(r: dict[str, Any], key: str) -> str:
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="python -m weightsync.bench.collective_baselines",
                                      description="bucketed broadcast vs a raw flat broadcast and per-tensor broadcast")
-    parser.add_argument("--layout", default="moe-small", help="built-in layout (see weightsync.model_layouts)")
+    parser.add_argument("--layout", default="moe-small", help="built-in layout (see weightsync.testing.layouts)")
     parser.add_argument("--dtype", default="bfloat16")
     parser.add_argument("--receivers", type=int, nargs="+", default=[1, 3])
     parser.add_argument("--bucket-mb", type=float, default=64.0)

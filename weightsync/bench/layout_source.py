@@ -10,7 +10,7 @@ import struct
 import torch
 
 from ..manifest import Manifest, TensorSpec
-from ..model_layouts import LAYOUTS, layout
+from ..testing.layouts import LAYOUTS, layout
 
 # safetensors dtype codes -> our dtype names
 _ST_DTYPES = {

@@ -5,7 +5,7 @@ halfway through a run (Ray's memory monitor or the kernel's OOM killer).
 A size holds, for all its rows, the trainer's copy of the model and one engine copy per
 receiver. A row adds its transport's buffers: shm one whole-version segment per slot it
 cycles through (``shm_max_segments``), or its ring of bucket buffers where whole versions
-exceed the shm budget (transports/shm_stream.py: the transport decides the same way), ipc (on a host) two bucket files in /dev/shm, broadcast
+exceed the shm budget (transports/shm/stream.py: the transport decides the same way), ipc (on a host) two bucket files in /dev/shm, broadcast
 two bucket buffers and a scratch bucket per party; the Ray baselines the object in the store
 (and with torch tensors a deserialized copy per receiver and the trainer's pickle). Pure
 functions: the caller passes what /proc/meminfo and statvfs said.

@@ -7,7 +7,7 @@ import argparse
 from typing import Any
 
 from ..config import SyncConfig
-from ..model_layouts import LAYOUTS
+from ..testing.layouts import LAYOUTS
 from .delta_rows import DELTA_MODES
 from .expect import KEYS, parse_expectation
 from .updates import UPDATES

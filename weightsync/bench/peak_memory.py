@@ -11,7 +11,7 @@ import resource
 
 import psutil
 
-from ..transports.node_memory import meminfo
+from ..transports.memory.node import meminfo
 
 
 def rss() -> int:

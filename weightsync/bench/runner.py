@@ -23,7 +23,7 @@ import numpy as np
 import ray
 
 from .. import transports as transport_registry
-from ..client import Coordinator
+from ..coordinator.client import Coordinator
 from ..device import ray_options
 from ..manifest import Manifest
 from .actors import BenchRollout, BenchTrainer

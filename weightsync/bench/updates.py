@@ -242,7 +242,7 @@ class Versions:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from ..model_layouts import layout
+    from ..testing.layouts import layout
 
     p = argparse.ArgumentParser(prog="python -m weightsync.bench.updates",
                                 description="changed fraction of bf16 weights per AdamW step")

@@ -17,7 +17,7 @@ import torch
 
 from .. import digest
 from ..config import SyncConfig
-from ..delta_packing import wire_plan
+from ..delta.packing import wire_plan
 from ..errors import VersionError
 from ..manifest import Manifest
 from ..plan import BucketPlan, Packing
@@ -25,7 +25,7 @@ from .notify import POLL_FIRST_S, Waiter, poll_sleep
 from .records import SessionRecord, VersionRecord
 
 if TYPE_CHECKING:
-    from ..control import ControlPlane
+    from ..coordinator.control import ControlPlane
 
 # a received bucket: (index, uint8 bytes of the bucket, the sender's digest or None)
 Received = tuple[int, torch.Tensor, "int | None"]
@@ -87,7 +87,7 @@ class SenderTransport(abc.ABC):
     # receive_ahead works here: a version reaches the receivers before the barrier (broadcast
     # sends in stage(); whole-version shm is in its segment, verified ahead)
     ahead_capable: ClassVar[bool] = False
-    # a test's fault point (weightsync.testing): called as (version, bucket, payload) once
+    # a test's fault point (weightsync.testing.parties): called as (version, bucket, payload) once
     # bucket b is packed and checksummed, before receivers may read it, to corrupt the bytes
     # in transit
     on_packed: Callable[[int, int, torch.Tensor], Any] | None = None
@@ -175,7 +175,7 @@ class ReceiverTransport(abc.ABC):
 
     def plan_of(self, info: VersionRecord) -> BucketPlan:
         """The bucket lengths a version moves: the session plan's, or a delta version's encoded
-        lengths (weightsync/delta_packing.py), bucket for bucket."""
+        lengths (delta/packing.py), bucket for bucket."""
         return self.ctx.plan if info.delta is None else wire_plan(self.ctx.plan, info.delta.lengths)
 
     def verify_bucket(self, version: int, info: VersionRecord, b: int, buf: torch.Tensor, expected: int | None) -> bool:

@@ -22,7 +22,7 @@ import typing
 from collections.abc import Mapping
 from typing import Any, ClassVar, TypeVar
 
-from ..delta import FULL, KINDS, SKIP
+from ..delta.codec import FULL, KINDS, SKIP
 from ..errors import ProtocolError
 
 DIGEST_KINDS = (None, "xxh3", "torch")
@@ -143,7 +143,7 @@ class SessionRecord(Record):
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class DeltaRecord(Record):
-    """A delta version's wire plan (weightsync/delta.py): per bucket its encoding and the bytes
+    """A delta version's wire plan (delta/codec.py): per bucket its encoding and the bytes
     that move, and the digest of the whole bucket as the sender packed it, which the bucket a
     receiver rebuilds must match. ``base``: the committed version the deltas apply to (None:
     every bucket is full; receivers keep the version as the base of the next delta)."""
@@ -171,7 +171,7 @@ class VersionRecord(Record):
     """Published per version (stage(): early through ``announce``, whole when staged); the
     coordinator merges the parts, so a field a later part brings has a default."""
 
-    # the coordinator notes a broadcast version's group here for metrics (coordinator_broadcast.py)
+    # the coordinator notes a broadcast version's group here for metrics (coordinator/membership_ops.py)
     foreign: ClassVar[frozenset[str]] = frozenset({"group"})
     digest: str | None = None  # of the whole version (digest.version_digest), once packed
     # a delta version's wire plan (the sender's delta: auto / on); None: the session plan
@@ -195,7 +195,7 @@ class ShmSession(SessionRecord):
 class ShmVersion(VersionRecord):
     transport: ClassVar[str] = "shm"
     mode: str = "whole"
-    segment: str  # the slot's segment reference (transports/segment.py)
+    segment: str  # the slot's segment reference (transports/memory/segment.py)
     size: int  # its bytes
     checksums: list[int] = dataclasses.field(default_factory=list)  # per bucket, once staged
     packed_bytes: int = 0  # once staged
@@ -223,7 +223,7 @@ class HostBuffer(Record):
 
     transport: ClassVar[str] = "ipc"
     kind: str = "host"
-    segment: str  # its segment reference (transports/segment.py)
+    segment: str  # its segment reference (transports/memory/segment.py)
     bytes: int
 
     def __post_init__(self) -> None:
@@ -258,7 +258,7 @@ class DeviceHandle(Record):
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class IpcSession(SessionRecord):
     transport: ClassVar[str] = "ipc"
-    control: str  # the control block's segment reference (transports/ipc_wire.py)
+    control: str  # the control block's segment reference (transports/ipc/wire.py)
     buffers: list[HostBuffer | DeviceHandle]
     nbuf: int
     capacity: int  # bytes of each buffer
@@ -322,7 +322,7 @@ def shm_version(wire: Any) -> ShmVersion | ShmStreamVersion:
 class BroadcastSession(SessionRecord):
     transport: ClassVar[str] = "broadcast"
     backend: str  # gloo / nccl / hccl
-    communicator: str  # how the group is built (transports/groups.py)
+    communicator: str  # how the group is built (transports/broadcast/groups.py)
     communicator_reason: str
     host: str  # of the sender's TCPStore
     port: int

@@ -30,8 +30,8 @@ from .. import device as devices
 from ..config import MiB, SyncConfig
 from ..errors import CapacityError, DeadlineExceeded, VersionError
 from ..plan import BucketPlan
-from .node_memory import memory_available
-from .shm import spans
+from .memory.node import memory_available
+from .shm.transport import spans
 
 
 def bound(config: SyncConfig) -> tuple[int, str]:

@@ -32,11 +32,11 @@ import ray
 
 from weightsync import Coordinator
 from weightsync.config import ENV_PREFIX
-from weightsync.logger_metrics import digest_metrics
 
 from .config import refuse_old_key, sync_config
 from .import_hook import after_import, remove
 from .inline_group import GroupRequest, take_over_group
+from .logger_metrics import digest_metrics
 from .tagging import VersionLedger, agreed_version, next_version, stamp_all
 from .workers import FSDPActorWeightSyncMixin, MegatronActorWeightSyncMixin, RolloutWeightSyncMixin
 

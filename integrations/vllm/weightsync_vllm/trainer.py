@@ -24,7 +24,7 @@ from typing import Any
 
 from vllm.distributed.weight_transfer.base import TrainerWeightTransferEngine, VLLMWeightSyncClient, WeightSource
 
-from weightsync.client import Coordinator
+from weightsync.coordinator.client import Coordinator
 from weightsync.sender import SyncResult, WeightSender
 
 from .info import WeightsyncTrainerInitInfo

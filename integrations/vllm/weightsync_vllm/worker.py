@@ -30,12 +30,12 @@ from typing import Any
 import torch
 from vllm.distributed.weight_transfer.base import WeightTransferEngine
 
-from weightsync.client import Coordinator
+from weightsync.coordinator.client import Coordinator
+from weightsync.coordinator.versions import State
 from weightsync.receiver import WeightReceiver
-from weightsync.versions import State
-from weightsync_vllm.target import fused_check
 
 from .info import WeightsyncInitInfo, WeightsyncUpdateInfo
+from .target import fused_check
 
 log = logging.getLogger("weightsync.vllm")
 

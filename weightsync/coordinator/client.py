@@ -1,0 +1,225 @@
+"""The client handle of the coordinator: create or reach the actor, call it.
+
+The actor itself (``weightsync.coordinator.actor``) owns the session and the version state machine
+(``weightsync.coordinator.versions``); this handle is what parties and drivers hold. It is picklable,
+so a driver creates it and hands it to its workers.
+"""
+
+from __future__ import annotations
+
+import secrets
+from typing import Any
+
+import ray
+
+from .. import errors
+from ..config import SyncConfig
+from ..errors import DeadlineExceeded, SyncFailed, WeightSyncError
+from . import protocol
+from .actor import CoordinatorActor
+
+_ERRORS = {n: c for n, c in vars(errors).items() if isinstance(c, type) and issubclass(c, WeightSyncError)}
+
+
+def _raise_remote(reply: dict[str, Any]) -> None:
+    kind, error = reply.get("kind", "WeightSyncError"), reply.get("error", "")
+    if kind == "SyncFailed":
+        raise SyncFailed(reply["version"], reply["failed"], reply.get("committed"))
+    raise _ERRORS.get(kind, WeightSyncError)(error)
+
+
+class Coordinator:
+    """Client handle of the coordinator actor; picklable, so it can be handed to workers.
+
+    ``Coordinator.create()`` starts the actor in the driver; workers receive the handle (or
+    call ``Coordinator.connect(name, token)``). Every call presents the session token.
+    Build one with ``create()`` or ``connect()``, not with the constructor.
+
+    Args:
+        actor: The Ray actor handle of the coordinator.
+        name: Its Ray actor name.
+        namespace: Its Ray namespace ("" for the job's own).
+        token: The session token every call presents.
+        config: The job's configuration; parties use it unless given their own.
+    """
+
+    def __init__(self, actor: Any, name: str, namespace: str, token: str, config: SyncConfig):
+        self.actor, self.name, self.namespace, self.token, self.config = actor, name, namespace, token, config
+
+    @classmethod
+    def create(cls, config: SyncConfig | dict | None = None, *, name: str | None = None,
+               detached: bool = False,
+               token: str | None = None, actor_options: dict | None = None) -> Coordinator:
+        """Start the coordinator actor (in the driver) and return its handle.
+
+        Args:
+            config: A SyncConfig, or a mapping of its keys; ``WEIGHTSYNC_<KEY>`` environment
+                variables apply on top of a mapping (or of the defaults, when None).
+            name: The actor's name; defaults to ``config.coordinator_name``.
+            detached: Keep the actor alive after the driver exits.
+            token: The session token; a random 128-bit one when None.
+            actor_options: Extra Ray actor options, applied last.
+
+        Returns:
+            The handle, once the actor answered its first call.
+
+        Raises:
+            WeightSyncError: A coordinator of that name already exists in the namespace.
+            ConfigError: A config key is unknown or its value impossible.
+            DeadlineExceeded: The actor did not answer within ``connect_timeout_s``.
+        """
+        cfg = config if isinstance(config, SyncConfig) else SyncConfig.load(config)
+        name = name or cfg.coordinator_name
+        token = token or secrets.token_hex(16)
+        # Ray restarts a crashed coordinator; parties then re-register (coordinator/control.py) and the
+        # next version goes through. Calls in flight during the restart are retried.
+        options = {"name": name, "max_concurrency": 1000, "num_cpus": 0, "max_restarts": -1, "max_task_retries": -1}
+        if cfg.namespace:
+            options["namespace"] = cfg.namespace
+        if detached:
+            options["lifetime"] = "detached"
+        options.update(actor_options or {})
+        actor_cls = ray.remote(CoordinatorActor)
+        try:
+            actor = actor_cls.options(**options).remote(cfg.to_dict(), token)
+        except ValueError as exc:  # Ray: name already taken
+            raise WeightSyncError(f"a coordinator named {name!r} already exists in this Ray namespace: {exc}") from None
+        client = cls(actor, name, cfg.namespace, token, cfg)
+        client.rpc("status", rpc_timeout=cfg.connect_timeout_s)
+        return client
+
+    @classmethod
+    def connect(cls, name: str, token: str, config: SyncConfig | dict | None = None) -> Coordinator:
+        """Reach a running coordinator by name, e.g. from a process that did not get the handle.
+
+        Args:
+            name: The coordinator's Ray actor name.
+            token: The session token it was created with.
+            config: The job's configuration (its ``namespace`` is where the actor is looked up).
+
+        Returns:
+            A handle to the running actor.
+
+        Raises:
+            WeightSyncError: No coordinator of that name runs in the namespace.
+            ConfigError: A config key is unknown or its value impossible.
+        """
+        cfg = config if isinstance(config, SyncConfig) else SyncConfig.load(config)
+        try:
+            actor = ray.get_actor(name, namespace=cfg.namespace or None)
+        except ValueError:
+            raise WeightSyncError(f"no coordinator named {name!r} is running") from None
+        return cls(actor, name, cfg.namespace, token, cfg)
+
+    def rpc(self, op: str, *, rpc_timeout: float | None = None, **args: Any) -> Any:
+        """One control-plane call. Parties use the typed ``weightsync.coordinator.control.ControlPlane``;
+        this is its transport (and the way to send a malformed call on purpose in tests).
+
+        Args:
+            op: The operation's name.
+            rpc_timeout: Seconds to wait for the answer beyond the call's own ``timeout``
+                argument; ``connect_timeout_s`` when None.
+            **args: The operation's arguments (msgpack-encodable).
+
+        Returns:
+            The operation's result.
+
+        Raises:
+            DeadlineExceeded: The coordinator did not answer in time.
+            WeightSyncError: The coordinator is unreachable, or the call failed there (the
+                coordinator's own error class is raised, e.g. SyncFailed, VersionError).
+        """
+        payload = protocol.encode({"op": op, "token": self.token, "args": args})
+        ref = self.actor.rpc.remote(payload)
+        # the rpc itself may wait up to args["timeout"]; allow it that plus slack
+        limit = (rpc_timeout if rpc_timeout is not None else self.config.connect_timeout_s) + float(args.get("timeout", 0) or 0) + 5.0
+        try:
+            raw = ray.get(ref, timeout=limit)
+        except ray.exceptions.GetTimeoutError:
+            raise DeadlineExceeded(f"coordinator '{self.name}' did not answer {op!r} within {limit:.1f}s") from None
+        except ray.exceptions.RayActorError as exc:
+            raise WeightSyncError(f"coordinator '{self.name}' is unreachable (actor died?): {exc}") from None
+        reply = protocol.decode(raw)
+        if not reply.get("ok"):
+            _raise_remote(reply)
+        return reply.get("result")
+
+    def register(self, *, role: str, name: str, rank: int, host: str, os_pid: int, node_id: str = "",
+                 device: dict | None = None, last_version: int | None = None, serving: int | None = None,
+                 served: dict | None = None, rpc_timeout: float | None = None) -> dict[str, Any]:
+        """Join the session (senders and receivers do it when they are built).
+
+        Args:
+            role: "sender" or "receiver".
+            name: The party's name, unique in the session.
+            rank: Its rank (trainer rank, or rollout worker rank).
+            host: Its host address.
+            os_pid: Its process id.
+            node_id: Its Ray node id ("" without Ray).
+            device: Where it runs, as ``weightsync.device.describe`` gives it.
+            last_version: For a sender that outlived a coordinator restart: its last version.
+            serving: For such a receiver: the version it serves.
+            served: For such a receiver: where that version's bytes are.
+            rpc_timeout: As for ``rpc()``.
+
+        Returns:
+            ``{"party": id, "session": ..., "config": ...}``.
+        """
+        return self.rpc("register", rpc_timeout=rpc_timeout, role=role, name=name, rank=rank, host=host,
+                        os_pid=os_pid, node_id=node_id, device=device, last_version=last_version,
+                        serving=serving, served=served)
+
+    def status(self) -> dict[str, Any]:
+        """The session as the coordinator sees it.
+
+        Returns:
+            The session id, the transport and why it was chosen, ``latest_committed``, the
+            parties, the last 20 versions (state, reason, participants, phases, digests),
+            resources held and the config (``format_status()`` prints it).
+        """
+        return self.rpc("status")
+
+    def metrics(self, version: int) -> dict[str, Any]:
+        """One version as status() shows it.
+
+        Args:
+            version: The version to look up.
+
+        Returns:
+            Its state, reason, participants, phases and info.
+        """
+        return self.rpc("metrics", version=version)
+
+    def format_status(self) -> str:
+        """``status()`` as text for a terminal or a log.
+
+        Returns:
+            One block of lines: parties, transport, versions.
+        """
+        from .status_text import format_status
+
+        return format_status(self.status())
+
+    def check_batch(self, batch_version: int, step: int, max_staleness: int | None = None) -> int:
+        """Check a rollout batch's weight version against the staleness bound.
+
+        Args:
+            batch_version: The weight version the batch was generated with.
+            step: The training step that would consume it.
+            max_staleness: The bound; the config's ``max_staleness`` when None.
+
+        Returns:
+            The lag ``step - batch_version``.
+
+        Raises:
+            StalenessError: The lag is negative or over the bound.
+        """
+        return self.rpc("check_batch", party=0, batch_version=batch_version, step=step,
+                         max_staleness=max_staleness)["lag"]
+
+    def shutdown(self) -> None:
+        """Kill the coordinator actor; nothing happens if it is already gone."""
+        try:
+            ray.kill(self.actor)
+        except Exception:  # already gone
+            pass

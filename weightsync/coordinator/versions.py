@@ -1,0 +1,314 @@
+"""The version state machine, pure: no Ray, no I/O, no clock of its own (callers pass ``now``).
+
+One version moves through
+
+    STAGING --staged--> STAGED --begin_sync--> TRANSFERRING --all reported--> COMMITTED
+       \\________________\\______________________\\__ abort / a failure ____--> ABORTED(reason)
+
+STAGING is the sender still writing (receivers of a pipelined transport may already read);
+STAGED is fully written, waiting for the barrier; TRANSFERRING is the barrier: every receiver
+that takes part (``participants``, fixed at ``begin_sync``) must report. The version commits
+when every participant committed, and aborts when any of them failed, naming each one.
+COMMITTED and ABORTED are final: later calls leave them as they are, so a late or repeated
+report can never turn a finished version around.
+
+The coordinator actor owns one :class:`VersionTable` and wraps every call with its waits and
+wake-ups; everything here can be tested alone (``tests/test_versions.py``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+from collections.abc import Callable, Iterable
+from typing import Any
+
+from ..errors import VersionError
+
+
+class State(str, enum.Enum):
+    STAGING = "STAGING"
+    STAGED = "STAGED"
+    TRANSFERRING = "TRANSFERRING"
+    COMMITTED = "COMMITTED"
+    ABORTED = "ABORTED"
+
+    def __str__(self) -> str:
+        return self.value
+
+
+IN_FLIGHT = frozenset({State.STAGING, State.STAGED, State.TRANSFERRING})
+
+
+@dataclasses.dataclass
+class Version:
+    version: int
+    state: State
+    slot: int
+    started: float
+    info: dict[str, Any] = dataclasses.field(default_factory=dict)
+    participants: list[str] = dataclasses.field(default_factory=list)
+    committed: list[str] = dataclasses.field(default_factory=list)
+    failed: dict[str, str] = dataclasses.field(default_factory=dict)
+    reason: str = ""
+    phases: dict[str, float] = dataclasses.field(default_factory=dict)
+    receivers: dict[str, dict[str, float]] = dataclasses.field(default_factory=dict)
+    sync_started: float | None = None
+    finished: float | None = None
+    readable: bool = False  # a pipelined sender announced it: receivers may read while it is written
+
+    @property
+    def in_flight(self) -> bool:
+        return self.state in IN_FLIGHT
+
+    def unsettled(self) -> list[str]:
+        """Participants that neither committed nor failed yet."""
+        return [n for n in self.participants if n not in self.committed and n not in self.failed]
+
+    def public(self, payload_bytes: int) -> dict[str, Any]:
+        out = {
+            "version": self.version, "state": self.state.value, "slot": self.slot, "reason": self.reason,
+            "participants": list(self.participants), "committed": list(self.committed),
+            "failed": dict(self.failed), "phases_s": dict(self.phases), "receivers": dict(self.receivers),
+            "bytes": payload_bytes, "info": dict(self.info),
+            # whole-version digests (docs/digest.md): the sender's and each receiver's, equal
+            # when they hold the same bytes; None with digests off
+            "digest": self.info.get("digest"),
+            "receiver_digests": {n: m.get("digest") for n, m in self.receivers.items()},
+        }
+        if self.finished is not None and self.sync_started is not None:
+            barrier = self.finished - self.sync_started
+            out["barrier_s"] = barrier
+            total = self.phases.get("stage_s", 0.0) + barrier
+            out["gbps"] = payload_bytes / total / 1e9 if total > 0 else None
+        return out
+
+
+@dataclasses.dataclass(frozen=True)
+class Candidate:
+    """A receiver offered to a version at its barrier; ``failure`` set: it takes part but has
+    already failed (dead, or it rejected the manifest), with the text that names it."""
+
+    name: str
+    failure: str | None = None
+
+
+class VersionTable:
+    """Every version of one session, and the rules for moving them."""
+
+    def __init__(self) -> None:
+        self.versions: dict[int, Version] = {}
+        self.latest_committed: int | None = None
+        self.floor = -1  # versions at or below this were used before a coordinator restart
+
+    def __contains__(self, version: object) -> bool:
+        return version in self.versions
+
+    def get(self, version: int) -> Version | None:
+        return self.versions.get(version)
+
+    def __getitem__(self, version: int) -> Version:
+        v = self.versions.get(version)
+        if v is None:
+            raise VersionError(f"version {version} is unknown to this session")
+        return v
+
+    def in_flight(self) -> list[Version]:
+        return [v for v in self.versions.values() if v.in_flight]
+
+    def recent(self, n: int) -> list[Version]:
+        return [self.versions[k] for k in sorted(self.versions)[-n:]]
+
+    def raise_floor(self, version: int) -> None:
+        """A party that outlived a coordinator restart used ``version``: never reuse it."""
+        self.floor = max(self.floor, int(version))
+
+    def restore_committed(self, version: int, slot: int, info: dict[str, Any], now: float) -> None:
+        """A receiver that outlived a restart serves ``version``: its bytes stay pinned."""
+        self.raise_floor(version)
+        if version not in self.versions:
+            self.versions[version] = Version(version, State.COMMITTED, slot, now, info=dict(info))
+            self._committed(version)
+
+    # -- transitions ---------------------------------------------------------------------
+
+    def begin_stage(self, version: int, slot_for: Callable[[], int], now: float) -> tuple[Version, list[Version]]:
+        """A new version in STAGING; returns it and the versions it superseded (aborted).
+        ``slot_for()`` picks its storage slot once the superseded versions gave theirs up.
+
+        Raises:
+            VersionError: ``version`` is not newer than every version of the session, or a
+                version is still transferring.
+        """
+        self.check_new(version)
+        superseded = [v for v in self.versions.values() if v.state in (State.STAGING, State.STAGED)]
+        for v in superseded:
+            self.abort(v.version, f"superseded by version {version} before its sync", now)
+        self.versions[version] = Version(version, State.STAGING, slot_for(), now)
+        return self.versions[version], superseded
+
+    def check_new(self, version: int) -> None:
+        newest = max(max(self.versions, default=self.floor), self.floor)
+        if newest >= 0 and version <= newest:
+            what = "is reused" if version in self.versions else "goes backwards"
+            raise VersionError(f"version {version} {what}: the newest version of this session is {newest}")
+        for v in self.versions.values():
+            if v.state == State.TRANSFERRING:
+                raise VersionError(f"version {version} cannot start while version {v.version} is still transferring")
+
+    def staged(self, version: int, info: dict[str, Any], stage_s: float) -> Version:
+        """The sender wrote the whole version. An aborted version stays aborted."""
+        v = self[version]
+        if v.state == State.STAGING:
+            v.state = State.STAGED
+        v.info.update(info)
+        v.phases["stage_s"] = stage_s
+        return v
+
+    def abort(self, version: int, reason: str, now: float) -> bool:
+        """Abort an in-flight version; every participant not yet committed fails with the
+        reason. False (and nothing changes) for a finished or unknown version."""
+        v = self.versions.get(version)
+        if v is None or not v.in_flight:
+            return False
+        v.state, v.reason, v.finished = State.ABORTED, reason, now
+        for name in v.participants:
+            if name not in v.committed:
+                v.failed.setdefault(name, f"version aborted: {reason}")
+        return True
+
+    def begin_sync(self, version: int, receivers: Iterable[Candidate], now: float) -> Version:
+        """The barrier: fix the participants. Idempotent for a version already at or past it.
+
+        Raises:
+            VersionError: the version was never staged, or was aborted before its barrier.
+        """
+        v = self.versions.get(version)
+        if v is None:
+            raise VersionError(f"sync({version}) was called but version {version} was never staged")
+        if v.state == State.ABORTED:
+            raise VersionError(f"version {version} was aborted while staging: {v.reason}")
+        if v.state in (State.STAGING, State.STAGED):
+            v.state, v.sync_started = State.TRANSFERRING, now
+            offered = list(receivers)
+            v.participants = sorted(c.name for c in offered)
+            v.failed.update({c.name: c.failure for c in offered if c.failure is not None})
+            self._maybe_finish(v, now)
+        return v
+
+    def report(self, version: int, name: str, ok: bool, failure: str, metrics: dict[str, float],
+               now: float) -> Version | None:
+        """A receiver's outcome for ``version`` (``failure``: the text naming it when not ok).
+        A success after a failure on a still open version clears the failure (a retry); a
+        finished version keeps its state."""
+        v = self.versions.get(version)
+        if v is None:
+            return None
+        v.receivers[name] = dict(metrics)
+        if ok:
+            if name not in v.committed:
+                v.committed.append(name)
+            if v.in_flight:
+                v.failed.pop(name, None)
+        elif name in v.participants or not v.participants:
+            v.failed[name] = failure
+        self._maybe_finish(v, now)
+        return v
+
+    def receiver_lost(self, name: str, failure: str, now: float) -> list[Version]:
+        """A receiver died, stalled or left: it fails every in-flight version it takes part in
+        and has not settled. Returns those versions."""
+        hit = []
+        for v in self.in_flight():
+            if name in v.unsettled():
+                v.failed[name] = failure
+                self._maybe_finish(v, now)
+                hit.append(v)
+        return hit
+
+    def sender_lost(self, reason: str, keeps_versions: bool, now: float) -> list[Version]:
+        """Sender rank 0 died or left. A version still being written can never complete; one
+        fully staged in storage that keeps versions (shm) can, and is settled by the
+        receivers' reports; on a streaming transport the bytes die with the sender."""
+        hit = [v for v in self.in_flight() if v.state == State.STAGING or not keeps_versions]
+        for v in hit:
+            self.abort(v.version, reason, now)
+        return hit
+
+    def expire(self, version: int, timeout: float, now: float) -> Version:
+        """The sender's wait for the outcome ran out: a version not yet at its barrier is
+        aborted; at the barrier, every participant that has not reported fails, named."""
+        v = self[version]
+        if not v.in_flight:
+            return v
+        if v.state != State.TRANSFERRING:
+            self.abort(version, f"version {version} did not reach the barrier within {timeout:.1f}s", now)
+            return v
+        for name in v.unsettled():
+            v.failed[name] = f"receiver '{name}' did not report version {version} within {timeout:.1f}s"
+        self._maybe_finish(v, now)
+        return v
+
+    def _maybe_finish(self, v: Version, now: float) -> None:
+        if v.state != State.TRANSFERRING or v.unsettled():
+            return
+        v.finished = now
+        if v.failed:
+            v.state = State.ABORTED
+            v.reason = "; ".join(f"{n}: {why}" for n, why in sorted(v.failed.items()))
+        else:
+            v.state = State.COMMITTED
+            self._committed(v.version)
+
+    def _committed(self, version: int) -> None:
+        if self.latest_committed is None or version > self.latest_committed:
+            self.latest_committed = version
+
+    # -- queries -------------------------------------------------------------------------
+
+    def target_for(self, serving: int | None, version: int | None, *, pipelined: bool,
+                   keeps_versions: bool) -> int | None:
+        """What a receiver serving ``serving`` should read when it asks for ``version`` (None:
+        anything newer), or None while there is nothing readable yet."""
+        if version is not None:
+            v = self.versions.get(version)
+            return version if v is not None and v.state != State.ABORTED and _readable(v, pipelined) else None
+        flight = [v.version for v in self.in_flight()]
+        if flight and (serving is None or flight[-1] > serving):
+            # a version on its way beats the committed one: wait for it rather than load twice
+            return flight[-1] if _readable(self.versions[flight[-1]], pipelined) else None
+        if not keeps_versions:
+            return None  # a streaming transport keeps nothing: late receivers join the next version
+        cand = self.latest_committed
+        if cand is None or (serving is not None and cand <= serving):
+            return None
+        return cand
+
+
+def _readable(v: Version, pipelined: bool) -> bool:
+    return v.state != State.STAGING or (pipelined and v.readable)
+
+
+# -- which storage slot a new version takes (transports that keep versions: shm segments) --
+# A slot stays pinned while a version in it is in flight, is the latest committed one (late
+# joiners and catch-up read it), or, with ``keep_previous``, is what a live receiver serves (its
+# rollback). A new version takes the lowest free slot; when all ``max_slots`` are pinned it takes
+# the lowest slot that does not hold the latest committed version, and the receiver serving
+# what was there loses its rollback (it still serves the weights it loaded).
+
+
+def pinned_slots(table: VersionTable, served: Iterable[int], keep_previous: bool) -> set[int]:
+    """Slots that must not be overwritten. ``served``: versions live receivers serve."""
+    keep = {v.slot for v in table.in_flight()}
+    if keep_previous:
+        keep |= {table.versions[s].slot for s in served if s in table.versions}
+    if table.latest_committed is not None:
+        keep.add(table.versions[table.latest_committed].slot)
+    return keep
+
+
+def choose_slot(pinned: set[int], max_slots: int, latest_slot: int | None) -> int:
+    slot = next(i for i in range(len(pinned) + 1) if i not in pinned)
+    if slot >= max_slots:
+        slot = next(i for i in range(max_slots) if i != latest_slot)
+    return slot

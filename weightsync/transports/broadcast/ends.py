@@ -1,0 +1,122 @@
+"""What both ends of the broadcast transport (broadcast/transport.py) share: the bucket's
+digest trailer, the session's store, the current group and the two bucket buffers."""
+
+from __future__ import annotations
+
+import struct
+import time
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from ...digest import compute, kind_of
+from ...errors import ConfigError, ProtocolError, WeightSyncError
+from ..base import Aborted, TransportContext
+from ..ipc.wire import in_flight
+from .communicators import choose_communicator, comm_device
+from .groups import Group, retire
+
+TRAILER = 8  # bytes of the digest that follows a bucket's payload
+# per side: one bucket in flight while the other is packed (or loaded); see in_flight in transports/ipc/wire.py
+BUFFERS = in_flight(2)
+
+
+def put_checksum(buf: torch.Tensor, n: int, value: int | torch.Tensor | None = None,
+                 kind: str = "xxh3") -> int | torch.Tensor:
+    """Append the bucket's digest (``value`` if pack_stream computed it already) as a
+    trailer. A device value is copied on the device: nothing waits for it."""
+    value = compute(kind, buf[:n]) if value is None else value
+    if isinstance(value, torch.Tensor):
+        # little-endian int64 bytes, as struct writes them below (every device torch runs on)
+        buf[n: n + TRAILER].copy_(value.reshape(1).view(torch.uint8))
+    else:
+        buf[n: n + TRAILER].copy_(torch.frombuffer(bytearray(struct.pack("<Q", value)), dtype=torch.uint8))
+    return value
+
+
+def get_checksum(buf: torch.Tensor, n: int) -> int:
+    return struct.unpack("<Q", buf[n: n + TRAILER].cpu().numpy().tobytes())[0]
+
+
+class BroadcastEnd:
+    """What both ends share: the session's store, the current group, the two buffers."""
+
+    def _setup(self, ctx: TransportContext, backend: str, who: str, communicator: str | None = None) -> None:
+        self.backend = backend
+        self.device = comm_device(backend, ctx.device, who)
+        # the sender picks the construction; a receiver builds the same one or fails to register
+        try:
+            self.communicator, self.communicator_reason = choose_communicator(
+                communicator or ctx.config.communicator, backend)
+        except ConfigError as exc:
+            raise ConfigError(f"{who}: {exc}") from None
+        self.trailer = TRAILER if kind_of(ctx.config, self.device) else 0
+        self.group: Group | None = None
+        self.buffers: list[torch.Tensor] | None = None
+        self.pending: list[Any] = []  # ops posted and not yet settled
+
+    def _buffers(self) -> list[torch.Tensor]:
+        if self.buffers is None:
+            size = self.ctx.plan.bucket_bytes + self.trailer
+            self.buffers = [torch.empty(size, dtype=torch.uint8, device=self.device) for _ in range(BUFFERS)]
+            self.ctx.account("bcast_buffers", +BUFFERS)
+        return self.buffers
+
+    def _wire(self, b: int, nbytes: int | None = None) -> torch.Tensor:
+        """Bucket b's buffer with its trailer: ``nbytes`` of payload (a delta version's encoded
+        length), the session plan's by default."""
+        n = self.ctx.plan.buckets[b].nbytes if nbytes is None else nbytes
+        return self._buffers()[b % BUFFERS][: n + self.trailer]
+
+    def _join(self, group: dict[str, Any], rank: int, deadline: float, poll: Callable[[], None]) -> Group:
+        """The group of this version: the current one if the epoch is unchanged, else built
+        anew in a helper thread while this one keeps polling the coordinator."""
+        # epochs count from 1 again in a restarted coordinator: its nonce keeps names unique
+        ident = (group.get("nonce"), group["epoch"])
+        if self.group is not None and self.group.epoch == ident:
+            return self.group
+        self._drop()
+        names = [group["sender"]] + list(group["members"])
+        prefix = f"weightsync/{self.ctx.session}/{self.ctx.digest[:16]}/{group.get('nonce')}/epoch{group['epoch']}"
+        timeout = max(0.001, min(self.ctx.config.connect_timeout_s, deadline - time.monotonic()))
+        self.group = Group.build_polled(self.backend, self._store(), prefix, rank, len(names), self.device,
+                                        timeout, names, self.communicator, poll,
+                                        f"building broadcast group epoch {group['epoch']}")
+        self.group.epoch = ident
+        self.ctx.account("bcast_groups", +1)
+        return self.group
+
+    def _drop(self) -> None:
+        """Retire the group and, if ops are still pending on them, the buffers too."""
+        if self.group is not None:
+            self.ctx.account("bcast_groups", -1)
+        if self.pending and self.buffers is not None:
+            self.ctx.account("bcast_buffers", -BUFFERS)
+            self.buffers = None
+        retire(self.group, self.pending, self.ctx.name)
+        self.group, self.pending = None, []
+
+    def _failed(self, version: int, exc: BaseException) -> str:
+        """Tell the coordinator; returns the abort reason, which names the party at fault."""
+        if isinstance(exc, Aborted):
+            return str(exc)
+        try:
+            wait_s = self.ctx.config.heartbeat_timeout_s + 2 * self.ctx.config.heartbeat_interval_s
+            return self.ctx.control.bcast_failed(version, f"{type(exc).__name__}: {exc}"[:2000], timeout=wait_s)
+        except WeightSyncError as why:
+            return f"{type(exc).__name__}: {exc} (and the coordinator could not be told: {why})"
+
+    def _poll(self, version: int) -> None:
+        reply = self.ctx.control.bcast_check(version)
+        if reply["aborted"]:
+            raise Aborted(f"version {version} was aborted: {reply['aborted']}")
+        if reply["lost"]:
+            # not an abort yet: whoever sees it first aborts the version with this reason
+            raise ProtocolError(f"version {version}: broadcast group lost {'; '.join(reply['lost'])}")
+
+    def _close_end(self) -> None:
+        self._drop()
+        if self.buffers is not None:
+            self.ctx.account("bcast_buffers", -BUFFERS)
+            self.buffers = None

@@ -1,0 +1,227 @@
+"""What crosses the process boundary in the ipc transport: device handles as plain data, and
+the control block's words.
+
+Handles cross the process boundary as plain msgpack data: ``reduce_tensor`` (torch_npu
+patches it for NPU) returns a rebuild function and its arguments; we ship the arguments'
+values only (sizes, dtype name, handle bytes) and the receiver calls a rebuild function
+from a fixed allowlist, so nothing is ever unpickled. The device index in a handle is the
+sender's logical index; it is sent as a physical id and mapped back to the receiver's own
+numbering (Ray actors see renumbered devices through *_VISIBLE_DEVICES).
+
+Handshakes run through a small host control segment (uint64 words), no
+coordinator round trip per bucket:
+  [0] magic [1] layout digest [2] buffer count [3] receiver slots [4] sender pid [5] digest kind
+  [6] release doorbell: a receiver bumps it after every release word it writes and wakes the
+      sender sleeping on it (transports/notify.py)
+  [16 + 4k] ready word of buffer k: tag(version, bucket) once written, 0 while being written
+  [17 + 4k] digest of the bucket in buffer k: xxh3 for host buffers, the torch digest computed
+            on the device for device buffers (digest: auto), so device ipc is verified too
+  [48 + 16r] receiver slot r: owner (hash of the receiver's name), [+1] pid,
+             [+2 + k] tag of the last bucket the receiver finished with in buffer k
+"""
+
+from __future__ import annotations
+
+import importlib
+import os
+from typing import Any
+
+import numpy as np
+import torch
+import xxhash
+
+from ... import device as devices
+from ...coordinator.versions import State
+from ...errors import CapacityError, ConfigError, ProtocolError
+from ...manifest import dtype_name, dtype_of
+from ..base import Aborted, TransportContext
+
+# rebuild functions a receiver may call, by device type; nothing else is ever invoked
+_REBUILD = {
+    "cuda": ("torch.multiprocessing.reductions", "rebuild_cuda_tensor"),
+    "npu": ("torch_npu.multiprocessing.reductions", "rebuild_npu_tensor"),
+    "sim": ("weightsync.sim", "rebuild_sim_tensor"),  # the tests' simulated accelerator
+}
+
+# what reduce_tensor returns for a device tensor: the arguments of torch's rebuild_cuda_tensor
+# and torch_npu's rebuild_npu_tensor, by their parameter names (tests/conformance checks both)
+HANDLE_ARGS = ("tensor_cls", "tensor_size", "tensor_stride", "tensor_offset", "storage_cls", "dtype",
+               "storage_device", "storage_handle", "storage_size_bytes", "storage_offset_bytes", "requires_grad",
+               "ref_counter_handle", "ref_counter_offset", "event_handle", "event_sync_required")
+
+
+def export_handle(t: torch.Tensor) -> dict[str, Any]:
+    """A device tensor's IPC handle as msgpack-safe data."""
+    from torch.multiprocessing import reductions  # looked up now: torch_npu patches it on import
+
+    kind = t.device.type
+    if kind == devices.SIM:
+        from ... import sim
+
+        rebuild, args = sim.reduce_tensor(t)  # rebuild_cuda_tensor's arguments, for host memory
+    else:
+        rebuild, args = reductions.reduce_tensor(t)
+    if (getattr(rebuild, "__module__", ""), getattr(rebuild, "__name__", "")) != _REBUILD.get(kind):
+        raise ProtocolError(f"ipc: {kind} tensors reduce through {rebuild!r}, not an IPC handle this version "
+                            f"of weightsync knows; use transport 'shm'")
+    if len(args) != len(HANDLE_ARGS):
+        raise ProtocolError(f"ipc: {rebuild.__name__} takes {len(args)} arguments here, not the {len(HANDLE_ARGS)} "
+                            f"this version of weightsync knows; use transport 'shm'")
+    a = dict(zip(HANDLE_ARGS, args))
+    ref, event = a["ref_counter_handle"], a["event_handle"]
+    return {
+        "kind": kind, "physical": devices.physical_index(torch.device(kind, int(a["storage_device"]))),
+        "size": [int(x) for x in a["tensor_size"]], "stride": [int(x) for x in a["tensor_stride"]],
+        "offset": int(a["tensor_offset"]), "typed": a["storage_cls"] is torch.storage.TypedStorage,
+        "dtype": dtype_name(a["dtype"]), "handle": bytes(a["storage_handle"]),
+        "storage_bytes": int(a["storage_size_bytes"]), "storage_offset": int(a["storage_offset_bytes"]),
+        "ref_handle": None if ref is None else bytes(ref), "ref_offset": int(a["ref_counter_offset"] or 0),
+        "event": None if event is None else bytes(event), "event_sync": bool(a["event_sync_required"]),
+    }
+
+
+def _field(h: dict[str, Any], key: str, kind: type | tuple[type, ...]) -> Any:
+    value = h.get(key)
+    if not isinstance(value, kind) or (isinstance(value, bool) and kind is int):
+        raise ProtocolError(f"ipc handle field {key!r} is malformed: {type(value).__name__}")
+    return value
+
+
+def import_handle(h: dict[str, Any]) -> torch.Tensor:
+    """Open a handle from :func:`export_handle` on this process's view of the same device."""
+    kind = _field(h, "kind", str)
+    if kind not in _REBUILD:
+        raise ProtocolError(f"ipc handle of unknown kind {kind!r}")
+    physical = _field(h, "physical", int)
+    local = devices.local_index(kind, physical)
+    if local is None:
+        var = devices.visible_devices_var(kind)
+        raise ProtocolError(f"ipc: the sender's buffers are on physical {kind} {physical}, which this receiver "
+                            f"cannot see ({var}={os.environ.get(var or '', '')!r}); ipc needs both on one device")
+    module, name = _REBUILD[kind]
+    rebuild = getattr(importlib.import_module(module), name)
+    ints = [_field(h, k, int) for k in ("offset", "storage_bytes", "storage_offset", "ref_offset")]
+    size = [int(x) for x in _field(h, "size", list)]
+    stride = [int(x) for x in _field(h, "stride", list)]
+    return rebuild(
+        tensor_cls=torch.Tensor, tensor_size=torch.Size(size), tensor_stride=tuple(stride), tensor_offset=ints[0],
+        storage_cls=torch.storage.TypedStorage if _field(h, "typed", bool) else torch.UntypedStorage,
+        dtype=dtype_of(_field(h, "dtype", str)), storage_device=local, storage_handle=_field(h, "handle", bytes),
+        storage_size_bytes=ints[1], storage_offset_bytes=ints[2], requires_grad=False,
+        ref_counter_handle=_field(h, "ref_handle", (bytes, type(None))), ref_counter_offset=ints[3],
+        event_handle=_field(h, "event", (bytes, type(None))), event_sync_required=_field(h, "event_sync", bool),
+    )
+
+
+def check_nd(t: torch.Tensor) -> None:
+    if t.device.type != "npu":
+        return
+    fmt = devices.npu_format(t)
+    if fmt != devices.ACL_FORMAT_ND:
+        raise CapacityError(f"ipc: the bucket buffer has NPU format {fmt}, not ND; FRACTAL_NZ and other private "
+                            f"formats cannot be shared by handle (set VLLM_ASCEND_ENABLE_NZ=0)")
+
+
+# -- the control block ------------------------------------------------------------------------
+
+# How many bucket buffers a streaming transport keeps in flight: ipc's ring, shm's streaming
+# ring (at most; its budget may allow fewer) and broadcast's buffers per side. Two is the
+# default everywhere: one buffer being written while the other is read. The choice is measured,
+# per transport, on the 2-core VM (docs/benchmarks.md, "Ring depth"); WEIGHTSYNC_RING_BUFFERS
+# overrides it in every process that imports the transports, to repeat that measurement (the
+# benchmark's parties inherit it from the driver's environment). The control block has room
+# for MAX_BUFFERS, so that is the most any override may ask for.
+RING_ENV = "WEIGHTSYNC_RING_BUFFERS"
+MAX_BUFFERS = 8
+
+
+def in_flight(default: int) -> int:
+    """``default``, or the override from the environment (1 .. MAX_BUFFERS)."""
+    raw = os.environ.get("WEIGHTSYNC_RING_BUFFERS", "")
+    if not raw:
+        return default
+    try:
+        n = int(raw)
+    except ValueError:
+        n = 0
+    if not 1 <= n <= MAX_BUFFERS:
+        raise ConfigError(f"{RING_ENV}={raw!r}: buffers in flight must be an integer from 1 to {MAX_BUFFERS}")
+    return n
+
+
+MAGIC = 0x5753594E43495043  # "WSYNCIPC"
+NBUF = in_flight(2)  # ring depth
+RELEASED = 6
+MAX_RECEIVERS = 256
+BUF0, BUF_WORDS = 16, 4
+SLOT0, SLOT_WORDS = BUF0 + MAX_BUFFERS * BUF_WORDS, 16
+CONTROL_BYTES = (SLOT0 + MAX_RECEIVERS * SLOT_WORDS) * 8
+BUCKET_BITS = 24
+KIND_CODE = {None: 0, "xxh3": 1, "torch": 2}
+
+
+def tag(version: int, bucket: int) -> int:
+    """One monotonic word per (version, bucket): later buckets and versions compare larger."""
+    return ((version + 1) << BUCKET_BITS) | bucket
+
+
+def owner_word(name: str) -> int:
+    return xxhash.xxh3_64_intdigest(name.encode()) | 1  # never 0, which marks a free slot
+
+
+def ready_word(k: int) -> int:
+    return BUF0 + BUF_WORDS * k
+
+
+def slot_word(r: int) -> int:
+    return SLOT0 + SLOT_WORDS * r
+
+
+def find_slot(words: np.ndarray, owner: int) -> int | None:
+    owners = words[SLOT0::SLOT_WORDS][:MAX_RECEIVERS]
+    hit = np.flatnonzero(owners == np.uint64(owner))
+    return int(hit[0]) if hit.size else None
+
+
+# -- whom the sender waits for ----------------------------------------------------------------
+
+class Watch:
+    """The sender's view of who takes part in a version, refreshed while it waits."""
+
+    def __init__(self, ctx: TransportContext, version: int):
+        self.ctx, self.version = ctx, version
+        self.names: list[str] = []
+        self.done: set[str] = set()
+        self.known = ctx.control is not None
+        self.slots: dict[str, int] = {}
+        self.refresh()
+
+    def refresh(self) -> None:
+        if not self.known:
+            return
+        m = self.ctx.control.metrics(self.version)
+        if m["state"] == State.ABORTED:
+            raise Aborted(f"version {self.version} was aborted: {m['reason']}")
+        self.names = list(m["participants"])
+        self.done = set(m["failed"]) | set(m["committed"])
+
+    def pending(self, words: np.ndarray, need: int, k: int) -> list[str]:
+        """Receivers still holding the bucket tagged ``need`` in buffer ``k``."""
+        if not self.known:  # no coordinator: wait for every receiver attached to the block
+            owners = words[SLOT0::SLOT_WORDS][:MAX_RECEIVERS]
+            return [f"slot {r}" for r in np.flatnonzero(owners)
+                    if int(words[slot_word(int(r)) + 2 + k]) < need]
+        out = []
+        for name in self.names:
+            if name in self.done:
+                continue
+            r = self.slots.get(name)
+            if r is None:
+                r = find_slot(words, owner_word(name))
+                if r is None:
+                    out.append(name)  # not attached yet: it still has every bucket to read
+                    continue
+                self.slots[name] = r
+            if int(words[slot_word(r) + 2 + k]) < need:
+                out.append(name)
+        return out

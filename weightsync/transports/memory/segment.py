@@ -1,0 +1,216 @@
+"""Host shared-memory segments, mapped by every party of a node. The shm transport keeps
+versions in them; the ipc transport's control block and its host bucket buffers are segments too.
+
+Two backings (``shm_backing``):
+
+- **memfd** (``auto`` where it works): memory from ``memfd_create``, named in no file system.
+  The kernel frees it when the last fd and mapping are gone, so a job that dies (crash,
+  ``ray stop``, SIGKILL) leaves nothing in RAM. The creator publishes ``<name>@<fd>`` (the
+  name carries its pid); an attacher opens ``/proc/<pid>/fd/<fd>``, checks that the link names
+  that memfd (the pid may have been reused), and keeps its own fd, so it is a holder too:
+  when the creator is gone, a late receiver finds the segment through any other holder.
+- **files**: named files in ``shm_dir`` (a tmpfs), for platforms without memfd or to inspect
+  them. They outlive a dead job until reaped (:func:`segment_scan.reap_stale`: when the next sender
+  starts, or ``weightsync reap``).
+"""
+
+from __future__ import annotations
+
+import errno
+import fcntl
+import functools
+import mmap
+import os
+import warnings
+from collections.abc import Callable, Iterable
+from typing import TYPE_CHECKING
+
+import numpy as np
+import torch
+
+from ... import device as devices
+from ...errors import CapacityError, ConfigError, ProtocolError
+from .node import check_space
+from .scan import SEGMENT_REF, holders, memfd_link, segment_name
+
+if TYPE_CHECKING:
+    from ...config import SyncConfig
+
+PAGE = 4096
+
+
+@functools.cache
+def memfd_support() -> tuple[bool, str]:
+    """Whether segments can be memfds here: memfd_create works and a memfd can be reopened
+    through /proc/<pid>/fd (probed once per process)."""
+    if not hasattr(os, "memfd_create"):
+        return False, "this platform has no memfd_create"
+    try:
+        fd = os.memfd_create("wsync-probe", os.MFD_CLOEXEC)
+    except OSError as exc:
+        return False, f"memfd_create failed: {exc}"
+    try:
+        again = os.open(f"/proc/{os.getpid()}/fd/{fd}", os.O_RDWR | os.O_CLOEXEC)
+        os.close(again)
+    except OSError as exc:
+        return False, f"a memfd cannot be reopened through /proc/<pid>/fd ({exc})"
+    finally:
+        os.close(fd)
+    return True, "memfd_create works and a memfd reopens through /proc/<pid>/fd"
+
+
+def resolve_backing(choice: str, directory: str) -> tuple[str, str]:
+    """('memfd' | 'files', why) for a ``shm_backing`` choice; an explicit memfd that cannot work raises."""
+    ok, why = memfd_support()
+    files = f"named files in {directory}, left there by a job that dies until `weightsync reap` or the next start"
+    if choice == "files":
+        return "files", f"as configured: {files}"
+    if choice == "memfd" and not ok:
+        raise ConfigError(f"shm_backing=memfd cannot work on this node: {why}; use shm_backing=files")
+    if ok:
+        return "memfd", f"{why}: freed by the kernel when the last process holding it exits"
+    return "files", f"memfd unavailable ({why}): {files}"
+
+
+def create(config: SyncConfig, size: int, what: str, *, writable: bool = True, header_bytes: int = PAGE) -> Segment:
+    """A new segment of ``size`` bytes, its pages reserved, in the backing ``config`` picks."""
+    backing, _ = resolve_backing(config.shm_backing, config.shm_dir)
+    where = "memory" if backing == "memfd" else config.shm_dir
+    check_space(config.shm_dir, size, what, backing)
+    name = segment_name()
+    path = None if backing == "memfd" else os.path.join(config.shm_dir, name)
+    if path is None:
+        fd = os.memfd_create(name, os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
+        os.fchmod(fd, 0o600)  # the /proc reopen checks the inode's mode: ours only
+    else:
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
+    try:
+        os.ftruncate(fd, size)
+        # reserve the pages now: no room fails here with ENOSPC / ENOMEM, not later with
+        # SIGBUS in the middle of a copy
+        os.posix_fallocate(fd, 0, size)
+        if path is None:  # nobody can shrink it under a reader's mapping (SIGBUS) or grow it
+            fcntl.fcntl(fd, fcntl.F_ADD_SEALS, fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW | fcntl.F_SEAL_SEAL)
+    except BaseException as exc:
+        os.close(fd)
+        if path is not None:
+            os.unlink(path)
+        if isinstance(exc, OSError) and exc.errno in (errno.ENOSPC, errno.ENOMEM):
+            raise CapacityError(f"{where} ran out of space allocating {size} bytes for {what}") from None
+        raise
+    ref = f"{name}@{fd}" if path is None else name
+    return Segment(fd, ref, size, owner=True, writable=writable, header_bytes=header_bytes, path=path)
+
+
+def locate(ref: str, directory: str) -> str:
+    """A path that opens the segment ``ref`` names: its file, or /proc/<pid>/fd/<fd> of a live
+    holder (its creator first). Raises ProtocolError if it is gone or not one of ours."""
+    m = SEGMENT_REF.match(ref) if isinstance(ref, str) else None
+    if m is None:
+        raise ProtocolError(f"refusing segment name {ref!r}: not one of ours")
+    name, creator, fd = m.group(1), int(m.group(2)), m.group(3)
+    if fd is None:
+        return os.path.join(directory, name)
+    for path in _holder_paths(name, creator, int(fd)):
+        try:
+            if os.readlink(path) == memfd_link(name):
+                return path
+        except OSError:
+            continue
+    raise ProtocolError(f"segment {name} is gone: its sender exited and no process holds it any more")
+
+
+def _holder_paths(name: str, creator: int, fd: int) -> Iterable[str]:
+    yield f"/proc/{creator}/fd/{fd}"  # cheap, and the usual case
+    for pid, hfd, _ in holders([name]):  # the creator died: any process still holding it
+        yield f"/proc/{pid}/fd/{hfd}"
+
+
+def attach(ref: str, directory: str, size: int, *, writable: bool = False, header_bytes: int = PAGE,
+           header_writable: bool = False) -> Segment:
+    """Map the segment ``ref`` names (as published by its creator), read-only unless ``writable``."""
+    flags = (os.O_RDWR if writable or header_writable else os.O_RDONLY) | os.O_CLOEXEC
+    m = SEGMENT_REF.match(ref) if isinstance(ref, str) else None
+    for _ in range(3):  # a holder may close its fd between locate() and open(): look again
+        path = locate(ref, directory)
+        try:
+            # O_NONBLOCK: should the fd number have been reused by a FIFO meanwhile, do not hang on it
+            fd = os.open(path, flags | (os.O_NONBLOCK if m.group(3) else 0))
+        except FileNotFoundError:
+            if m.group(3) is None:
+                raise ProtocolError(f"segment {m.group(1)} is gone (its sender exited?)") from None
+            continue
+        if m.group(3) is None or os.readlink(f"/proc/self/fd/{fd}") == memfd_link(m.group(1)):
+            return Segment(fd, ref, size, owner=False, writable=writable, header_bytes=header_bytes,
+                           header_writable=header_writable)
+        os.close(fd)  # the fd was closed and its number reused between the check and the open
+    raise ProtocolError(f"segment {m.group(1)} is gone: its holders exited while it was attached")
+
+
+class Segment:
+    """One mapped segment (an open fd, kept: a memfd lives while someone holds it). The creator
+    owns it (and unlinks its file); others attach read-only unless ``writable`` (the ipc
+    transport's control block takes writes from receivers too). With ``header_writable`` a
+    read-only attacher may still write the header pages (``control``). Made by :func:`create`
+    and :func:`attach`."""
+
+    def __init__(self, fd: int, ref: str, size: int, owner: bool, writable: bool, header_bytes: int = PAGE,
+                 header_writable: bool = False, path: str | None = None):
+        self.fd, self.ref, self.size, self.owner, self.writable, self.path = fd, ref, size, owner, writable, path
+        try:
+            if not owner and os.fstat(fd).st_size < size:
+                raise ProtocolError(f"segment {self.name} is truncated: {os.fstat(fd).st_size} bytes, expected {size}")
+            prot = mmap.PROT_READ | (mmap.PROT_WRITE if writable else 0)
+            # MAP_POPULATE maps every page up front; the slot is reused, so this is paid once
+            self.mm = mmap.mmap(fd, size, flags=mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0), prot=prot)
+            # the header pages once more, writable: the same memory as the start of self.mm
+            self.control_mm = (mmap.mmap(fd, header_bytes, flags=mmap.MAP_SHARED)
+                               if header_writable and not writable else None)
+        except BaseException:
+            os.close(fd)
+            if owner and path is not None:
+                os.unlink(path)
+            raise
+        with warnings.catch_warnings():
+            # receivers map read-only on purpose: an engine that wrote into a loaded view
+            # would fault instead of silently corrupting the segment for other receivers
+            warnings.simplefilter("ignore", UserWarning)
+            self.bytes = torch.frombuffer(self.mm, dtype=torch.uint8)
+        self.words = np.frombuffer(self.mm, dtype=np.uint64, count=size // 8)
+        self.header = self.words[: header_bytes // 8]
+        self.control = (np.frombuffer(self.control_mm, dtype=np.uint64) if self.control_mm is not None
+                        else self.header if writable else None)
+        self.unpin: Callable[[], None] | None = None
+
+    def pin(self, device: torch.device) -> None:
+        """Page-lock the mapping for copies to and from ``device`` (see device.pin_host)."""
+        if self.unpin is None:
+            self.unpin = devices.pin_host(self.bytes, device, read_only=not self.writable)
+
+    @property
+    def name(self) -> str:
+        return SEGMENT_REF.match(self.ref).group(1)
+
+    def close(self) -> None:
+        if self.unpin is not None:
+            self.unpin()  # before the mapping goes: the driver holds its pages
+            self.unpin = None
+        self.bytes = self.header = self.words = self.control = None  # drop our exports so the mappings can close
+        for mm in (self.mm, self.control_mm):
+            try:
+                if mm is not None:
+                    mm.close()
+            except BufferError:
+                pass  # a caller still holds a view; the mapping goes when that view does
+        os.close(self.fd)
+        if self.owner and self.path is not None:
+            try:
+                os.unlink(self.path)
+            except FileNotFoundError:
+                pass
+
+
+def digest_word(digest: str) -> int:
+    """The manifest digest as the 64-bit word a segment's header carries: a receiver attached
+    to a segment of another session or layout sees it at once."""
+    return int(digest[:16], 16)
