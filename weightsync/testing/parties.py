@@ -150,7 +150,7 @@ class RolloutWorker(_Party):
     def sim_queued(self) -> dict[str, Any]:
         """On the sim device: how many ops were queued so far on the stream this actor's calls
         (the engine's load) run on, and on the receiver's receive-ahead stream (None: none)."""
-        from . import sim
+        from .. import sim
 
         shadow = getattr(self.receiver.transport, "shadow", None)
         ahead = shadow.stream if shadow is not None else None
