@@ -17,7 +17,7 @@ from weightsync.coordinator import CoordinatorActor
 from weightsync.errors import ProtocolError
 
 REQUESTS = sorted(ops.REQUESTS.values(), key=lambda c: c.__name__)
-REPLIES = sorted(ops.REPLIES.values(), key=lambda c: c.__name__)
+REPLIES = sorted({c.reply for c in REQUESTS}, key=lambda c: c.__name__)
 TOKEN = "t" * 32
 
 

@@ -113,7 +113,7 @@ class ControlPlane:
         return self._send(ops.State(party=self._party(), version=version))
 
     def report(self, version: int, ok: bool, serving: int | None, reason: str = "",
-               metrics: dict[str, Any] | None = None) -> None:
+               metrics: dict[str, ops.Scalar] | None = None) -> None:
         self._send(ops.Report(party=self._party(), version=version, ok=ok, serving=serving, reason=reason,
                               metrics=metrics or {}))
 

@@ -24,6 +24,8 @@ from typing import Any, ClassVar, TypeVar
 from . import protocol
 
 R = TypeVar("R", bound="Message")
+# a receiver's measurements of one version (seconds, bytes, its digest, whether it came ahead)
+Scalar = bool | int | float | str | None
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -143,7 +145,7 @@ class Metrics(Message):
     committed: list[str]
     failed: dict[str, str]
     phases_s: dict[str, float]
-    receivers: dict[str, dict[str, Any]]  # each receiver's report (its metrics)
+    receivers: dict[str, dict[str, Scalar]]  # each receiver's report (its metrics)
     bytes: int
     info: dict[str, Any]
     # whole-version digests (docs/digest.md): the sender's and each receiver's, equal when
@@ -242,17 +244,23 @@ class Reason(Message):
 # -- requests -------------------------------------------------------------------------------
 
 
+# every request type by its wire name (filled as each is declared); the coordinator refuses any other
+REQUESTS: dict[str, type[Request]] = {}
+
+
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class Request(Message):
-    """A call to the coordinator; ``reply``: the type of its answer. ``op`` (the type's name in
-    snake case) counts the call in status()["calls"]."""
+    """A call to the coordinator; ``reply``: the type of its answer. ``op`` (by default the
+    type's name in snake case) counts the call in status()["calls"]."""
 
     reply: ClassVar[type[Message]] = Done
     op: ClassVar[str] = ""
 
     def __init_subclass__(cls, **kw: Any) -> None:
         super().__init_subclass__(**kw)
-        cls.op = re.sub(r"(?<!^)(?=[A-Z])", "_", cls.__name__).lower()
+        if "op" not in cls.__dict__:
+            cls.op = re.sub(r"(?<!^)(?=[A-Z])", "_", cls.__name__).lower()
+        REQUESTS[cls.__name__] = cls
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -437,7 +445,7 @@ class Report(Request):
     ok: bool
     serving: int | None
     reason: str = ""
-    metrics: dict[str, Any] = dataclasses.field(default_factory=dict)
+    metrics: dict[str, Scalar] = dataclasses.field(default_factory=dict)
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -454,6 +462,7 @@ class CheckBatch(Request):
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class GetStatus(Request):
     reply: ClassVar[type[Message]] = Status
+    op: ClassVar[str] = "status"
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -461,6 +470,7 @@ class GetMetrics(Request):
     """One version as status() shows it."""
 
     reply: ClassVar[type[Message]] = Metrics
+    op: ClassVar[str] = "metrics"
     version: int
 
 
@@ -506,14 +516,6 @@ class BcastFailed(Request):
     timeout: float
 
 
-GetStatus.op, GetMetrics.op = "status", "metrics"  # the names status()["calls"] has always shown
-
-# every request type by its wire name; the coordinator refuses any other
-REQUESTS: dict[str, type[Request]] = {c.__name__: c for c in (
-    Register, Heartbeat, Leave, Resource, Publish, Session, Receivers, Verdict, BeginStage, StageInfo,
-    Staged, Abort, BeginSync, WaitOutcome, WaitVersion, State, Report, CheckBatch, GetStatus, GetMetrics,
-    BcastForm, BcastGroup, BcastCheck, BcastFailed)}
-REPLIES: dict[str, type[Message]] = {c.reply.__name__: c.reply for c in REQUESTS.values()}
 
 Handler = Callable[[Any, Any], Awaitable[Message]]
 # request type -> the coordinator's handler of it; filled by @handles as the actor's class
