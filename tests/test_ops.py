@@ -160,3 +160,23 @@ def test_only_maps_forwarded_unread_stay_untyped():
     untyped = sorted(f"{c.__name__}.{name}" for c in records for name, tp in protocol.hints_of(c).items()
                      if "dict[str, typing.Any]" in str(tp) and name not in UNREAD)
     assert untyped == []
+
+
+def failed_with(monkeypatch, reply: dict):
+    monkeypatch.setattr(client.ray, "get", lambda ref, timeout: ref)
+    coord = client.Coordinator(Answer({"ok": False, **reply}), "c", "", TOKEN, SyncConfig())
+    return coord.call(ops.BeginSync(party=1, version=3))
+
+
+def test_a_failure_is_raised_as_the_coordinators_own_error(monkeypatch):
+    from weightsync.errors import SyncFailed
+
+    with pytest.raises(SyncFailed) as got:
+        failed_with(monkeypatch, ops.Failure(kind="SyncFailed", error="", version=3, failed={"r0": "died"},
+                                             committed=["r1"]).to_wire())
+    assert (got.value.version, got.value.failed, got.value.committed) == (3, {"r0": "died"}, ["r1"])
+
+
+def test_a_failure_with_a_field_of_the_wrong_type_is_refused_naming_it(monkeypatch):
+    with pytest.raises(ProtocolError, match=r"^control: Failure field 'failed' is list, not dict / NoneType"):
+        failed_with(monkeypatch, {"kind": "SyncFailed", "error": "", "version": 3, "failed": ["r0"]})

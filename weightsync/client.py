@@ -20,11 +20,10 @@ from .errors import DeadlineExceeded, ProtocolError, SyncFailed, WeightSyncError
 _ERRORS = {n: c for n, c in vars(errors).items() if isinstance(c, type) and issubclass(c, WeightSyncError)}
 
 
-def _raise_remote(reply: dict[str, Any]) -> None:
-    kind, error = reply.get("kind", "WeightSyncError"), reply.get("error", "")
-    if kind == "SyncFailed":
-        raise SyncFailed(reply["version"], reply["failed"], reply.get("committed"))
-    raise _ERRORS.get(kind, WeightSyncError)(error)
+def _raise_remote(failure: ops.Failure) -> None:
+    if failure.kind == "SyncFailed" and failure.version is not None:
+        raise SyncFailed(failure.version, failure.failed or {}, failure.committed)
+    raise _ERRORS.get(failure.kind, WeightSyncError)(failure.error)
 
 
 class Coordinator:
@@ -142,8 +141,8 @@ class Coordinator:
         reply = protocol.decode(raw)
         if not isinstance(reply, dict):
             raise ProtocolError(f"control: the reply to {type(request).__name__} is not a map")
-        if not reply.get("ok"):
-            _raise_remote(reply)
+        if reply.get("ok") is not True:
+            _raise_remote(ops.Failure.from_wire({k: v for k, v in reply.items() if k != "ok"}))
         want = request.reply
         if reply.get("type") != want.__name__:
             raise ProtocolError(f"control: {type(request).__name__} was answered with {reply.get('type')!r}, "

@@ -74,11 +74,10 @@ class CoordinatorActor:
             result = await ops.HANDLERS[kind](self, kind.from_wire(msg.get("args", {})))
             return protocol.encode({"ok": True, "type": type(result).__name__, "result": result.to_wire()})
         except WeightSyncError as exc:
-            kind = type(exc).__name__
-            extra = {"failed": exc.failed, "committed": exc.committed, "version": exc.version} if isinstance(exc, SyncFailed) else {}
-            return protocol.encode({"ok": False, "kind": kind, "error": str(exc), **extra})
+            sync = dict(failed=exc.failed, committed=exc.committed, version=exc.version) if isinstance(exc, SyncFailed) else {}
+            return protocol.encode({"ok": False, **ops.Failure(kind=type(exc).__name__, error=str(exc), **sync).to_wire()})
         except TypeError as exc:
-            return protocol.encode({"ok": False, "kind": "ProtocolError", "error": f"bad arguments: {exc}"})
+            return protocol.encode({"ok": False, **ops.Failure(kind="ProtocolError", error=f"bad arguments: {exc}").to_wire()})
 
     # -- liveness ------------------------------------------------------------------------
 

@@ -53,6 +53,18 @@ class Done(Message):
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
+class Failure(Message):
+    """The reply of any operation that failed: the coordinator's error, raised again by the
+    client as its own class (``kind``); a SyncFailed brings who failed and who committed."""
+
+    kind: str
+    error: str
+    version: int | None = None
+    failed: dict[str, str] | None = None
+    committed: list[str] | None = None
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
 class Device(Message):
     """Where a party runs (weightsync.device.describe)."""
 
