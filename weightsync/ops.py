@@ -5,7 +5,8 @@ dataclasses, nothing else. A request names its reply type (``reply``); the coord
 each request type with exactly one handler (``@handles(Request)`` in coordinator.py), so the
 call graph is what a reader and a type checker see. On the wire a request is the msgpack map
 ``{"op": <type name>, "token": <session token>, "args": <fields>}`` and a reply
-``{"ok": true, "type": <type name>, "result": <fields>}``; both ends decode with
+``{"ok": true, "type": <type name>, "result": <fields>}`` (a failed call: ``{"ok": false}`` with
+the fields of :class:`Failure`); both ends decode with
 :func:`weightsync.protocol.from_wire`, so an unknown, missing or mistyped field is a
 ``ProtocolError`` naming the record and the field.
 
@@ -277,9 +278,9 @@ class Request(Message):
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class Served(Message):
-    """Where the version a re-registering receiver serves is (its slot and record)."""
+    """Where the bytes of the version a re-registering receiver serves are: slot and record."""
 
-    slot: int = 0
+    slot: int | None = 0
     info: dict[str, Any] = dataclasses.field(default_factory=dict)
 
 
