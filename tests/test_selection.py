@@ -5,24 +5,19 @@ from __future__ import annotations
 import pytest
 import torch
 
+from weightsync.coordinator.ops import Device, IpcSupport, Placement
 from weightsync.device import local_index, physical_index
 from weightsync.errors import ConfigError
 from weightsync.transports import capabilities as caps
 from weightsync.transports.selection import COLOCATED, REMOTE, SAME_NODE, choose_transport, placement
 
-OK = {"ok": True, "reason": "ipc fine"}
-NO = {"ok": False, "reason": "CANN 8.2.RC1 is older than 8.3.RC1"}
+OK = IpcSupport(ok=True, reason="ipc fine")
+NO = IpcSupport(ok=False, reason="CANN 8.2.RC1 is older than 8.3.RC1")
 
 
-def party(host="h1", kind="cpu", physical=None, ipc=None, name=None, node=None):
-    d = {"host": host, "device": {"type": kind, "index": 0 if kind != "cpu" else None, "physical": physical}}
-    if node is not None:
-        d["node_id"] = node
-    if ipc is not None:
-        d["ipc"] = ipc
-    if name:
-        d["name"] = name
-    return d
+def party(host="h1", kind="cpu", physical=None, ipc=None, name=None, node=None, rank=0):
+    return Placement(host=host, device=Device(type=kind, index=0 if kind != "cpu" else None, physical=physical),
+                     node_id=node or "", ipc=ipc, name=name or "", rank=rank)
 
 
 # -- placement and auto ------------------------------------------------------------------

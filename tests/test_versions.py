@@ -387,15 +387,15 @@ def test_out_of_slots_gives_up_a_slot_that_is_not_the_latest_committed():
 def test_broadcast_group_keeps_its_epoch_while_members_stay():
     groups = BroadcastGroups()
     g1 = groups.form(1, Member("actor-0", 10), [Member("r1", 12, 1), Member("r0", 11, 0)], False, "n")
-    assert (g1["epoch"], g1["members"], g1["size"], group_rank(g1, "r1")) == (1, ["r0", "r1"], 3, 2)
-    assert groups.form(2, Member("actor-0", 10), [Member("r0", 11, 0), Member("r1", 12, 1)], False, "n")["epoch"] == 1
+    assert (g1.epoch, g1.members, g1.size, group_rank(g1, "r1")) == (1, ["r0", "r1"], 3, 2)
+    assert groups.form(2, Member("actor-0", 10), [Member("r0", 11, 0), Member("r1", 12, 1)], False, "n").epoch == 1
 
 
 def test_broadcast_group_re_forms_on_new_members_or_after_a_failed_version():
     groups = BroadcastGroups()
     groups.form(1, Member("actor-0", 10), [Member("r0", 11)], False, "n")
-    assert groups.form(2, Member("actor-0", 10), [Member("r0", 13)], False, "n")["epoch"] == 2  # re-registered
-    assert groups.form(3, Member("actor-0", 10), [Member("r0", 13)], True, "n")["epoch"] == 3
+    assert groups.form(2, Member("actor-0", 10), [Member("r0", 13)], False, "n").epoch == 2  # re-registered
+    assert groups.form(3, Member("actor-0", 10), [Member("r0", 13)], True, "n").epoch == 3
     assert group_rank(groups.get(3), "r9") is None
 
 

@@ -10,6 +10,7 @@ from typing import Any
 import ray
 
 from .config import SyncConfig
+from .coordinator import ops
 from .coordinator.client import Coordinator
 from .coordinator.control import ControlPlane
 from .device import describe, resolve
@@ -48,16 +49,18 @@ class Party:
         self._beat.start()
 
     def _register(self) -> None:
-        reply = self.coordinator.register(
-            rpc_timeout=self.config.connect_timeout_s, role=self.role, name=self.name,
-            rank=self.rank, host=self.host, os_pid=os.getpid(), node_id=self.node_id,
-            device=describe(self.device), **self._rejoin_state(),
-        )
-        self.party: int = reply["party"]
-        self.session: str = reply["session"]
+        state = self._rejoin_state()
+        if isinstance(state.get("served"), dict):
+            state["served"] = ops.Served(**state["served"])
+        reply = self.coordinator.call(ops.Register(
+            role=self.role, name=self.name, rank=self.rank, host=self.host, os_pid=os.getpid(), node_id=self.node_id,
+            device=ops.Device(**describe(self.device)), **state,
+        ), rpc_timeout=self.config.connect_timeout_s)
+        self.party: int = reply.party
+        self.session: str = reply.session
 
     def _rejoin_state(self) -> dict[str, Any]:
-        """What a restarted coordinator must learn from this party (see op_register)."""
+        """What a restarted coordinator must learn from this party (fields of ops.Register)."""
         return {}
 
     def _rejoined(self) -> None:

@@ -21,6 +21,7 @@ import torch
 
 from . import events, transports
 from .config import SyncConfig
+from .coordinator import ops
 from .coordinator.client import Coordinator
 from .coordinator.control import Publication
 from .delta import codec as delta
@@ -176,8 +177,9 @@ class WeightSender(Party):
         count = self.expected_receivers or 0
         receivers = self.control.receivers(count, timeout=self.config.connect_timeout_s)
         # where this sender runs and whether it can share device buckets (transports/selection.py)
-        me = {"host": self.host, "node_id": self.node_id, "device": describe(self.device),
-              "ipc": ipc_support(self.device.type, self.config.shm_dir).to_dict()}
+        ipc = ipc_support(self.device.type, self.config.shm_dir)
+        me = ops.Placement(host=self.host, node_id=self.node_id, device=ops.Device(**describe(self.device)),
+                           ipc=ops.IpcSupport(ok=ipc.ok, reason=ipc.reason, notes=list(ipc.notes)))
         name, reason = choose_transport(self.config.transport, me, receivers, self.config.backend)
         transport = transports.sender_class(name)(ctx)
         if self.config.receive_ahead == "on" and not transport.ahead_capable:
@@ -287,7 +289,7 @@ class WeightSender(Party):
         try:
             packing, extra = Packing(self.plan, self.manifest, named), {}
             if self._delta is not None:
-                serving = [r.get("serving") for r in self.control.receivers(0, self.config.connect_timeout_s)]
+                serving = [r.serving for r in self.control.receivers(0, self.config.connect_timeout_s)]
                 if self._delta.way(serving) == delta_policy.FULL:
                     self._delta.skip(version)  # auto measured full versions faster: sent as delta: off does
                 else:
@@ -363,9 +365,9 @@ class WeightSender(Party):
             for old in [v for v in self._staged if v <= version]:
                 del self._staged[old]
         barrier_s = time.perf_counter() - t0
-        result = SyncResult(version, stage_s, barrier_s, outcome.get("bytes", 0), outcome)
+        result = SyncResult(version, stage_s, barrier_s, outcome.bytes, outcome.as_dict())
         if self.sends:
-            events.sent(self.name, version, transport, result.bytes, stage_s, barrier_s, outcome.get("committed", []))
+            events.sent(self.name, version, transport, result.bytes, stage_s, barrier_s, outcome.committed)
         return result
 
     def delta_state(self) -> dict[str, Any] | None:

@@ -1,9 +1,10 @@
 """The coordinator actor: one named Ray actor per job. It never touches tensor bytes.
 
 Parties (senders, receivers) talk to it through one ``rpc(bytes) -> bytes`` method carrying
-msgpack ``{"op", "token", "args"}`` (see :mod:`weightsync.coordinator.client` for the client), present
-the session token, and send heartbeats; a monitor task turns a silent party into an error that
-names it. What a version may do next is decided by :class:`~weightsync.coordinator.versions.VersionTable`;
+a request record of :mod:`weightsync.coordinator.ops` as msgpack (see :mod:`weightsync.coordinator.client` for the
+client), present the session token, and send heartbeats; each request type has exactly one
+handler here, marked ``@handles(Request)``, which answers with the request's reply record. A
+monitor task turns a silent party into an error that names it. What a version may do next is decided by :class:`~weightsync.coordinator.versions.VersionTable`;
 this module adds the session registry, liveness, waits with deadlines and wake-ups.
 """
 
@@ -17,9 +18,10 @@ from typing import Any
 
 from ..config import SyncConfig
 from ..errors import DeadlineExceeded, ManifestError, ProtocolError, SyncFailed, VersionError, WeightSyncError
-from . import protocol
+from . import ops, protocol
 from .membership import BroadcastGroups
 from .membership_ops import BroadcastMembership
+from .ops import handles
 from .roster import Parties, PartyRecord
 from .signals import Signals
 from .versions import Candidate, State, Version, VersionTable, choose_slot, pinned_slots
@@ -64,21 +66,17 @@ class CoordinatorActor:
                 raise ProtocolError("control message must be a map with an 'op'")
             if not hmac.compare_digest(str(msg.get("token", "")), self.token):
                 raise ProtocolError(f"op {msg['op']!r} refused: wrong session token for coordinator")
-            handler = getattr(self, "op_" + msg["op"], None)
-            if handler is None:
+            kind = ops.REQUESTS.get(msg["op"])
+            if kind is None:
                 raise ProtocolError(f"unknown op {msg['op']!r}")
-            self.calls[msg["op"]] = self.calls.get(msg["op"], 0) + 1
-            args = msg.get("args") or {}
-            if not isinstance(args, dict):
-                raise ProtocolError("'args' must be a map")
-            result = await handler(**args)
-            return protocol.encode({"ok": True, "result": result})
+            self.calls[kind.op] = self.calls.get(kind.op, 0) + 1
+            result = await ops.HANDLERS[kind](self, kind.from_wire(msg.get("args", {})))
+            return protocol.encode({"ok": True, "type": type(result).__name__, "result": result.to_wire()})
         except WeightSyncError as exc:
-            kind = type(exc).__name__
-            extra = {"failed": exc.failed, "committed": exc.committed, "version": exc.version} if isinstance(exc, SyncFailed) else {}
-            return protocol.encode({"ok": False, "kind": kind, "error": str(exc), **extra})
+            sync = dict(failed=exc.failed, committed=exc.committed, version=exc.version) if isinstance(exc, SyncFailed) else {}
+            return protocol.encode({"ok": False, **ops.Failure(kind=type(exc).__name__, error=str(exc), **sync).to_wire()})
         except TypeError as exc:
-            return protocol.encode({"ok": False, "kind": "ProtocolError", "error": f"bad arguments: {exc}"})
+            return protocol.encode({"ok": False, **ops.Failure(kind="ProtocolError", error=f"bad arguments: {exc}").to_wire()})
 
     # -- liveness ------------------------------------------------------------------------
 
@@ -110,112 +108,120 @@ class CoordinatorActor:
 
     # -- broadcast membership (coordinator_broadcast.py) -----------------------------------------
 
-    async def op_bcast_form(self, party: int, version: int, ahead: bool = False) -> dict[str, Any]:
-        return await self.broadcast.form(self._party(party), version, ahead)
+    @handles(ops.BcastForm)
+    async def bcast_form(self, req: ops.BcastForm) -> ops.Formed:
+        return await self.broadcast.form(self._party(req.party), req.version, req.ahead)
 
-    async def op_bcast_group(self, party: int, version: int, timeout: float) -> dict[str, Any]:
-        return await self.broadcast.group(self._party(party), version, timeout)
+    @handles(ops.BcastGroup)
+    async def bcast_group(self, req: ops.BcastGroup) -> ops.BroadcastGroup:
+        return await self.broadcast.group(self._party(req.party), req.version, req.timeout)
 
-    async def op_bcast_check(self, party: int, version: int) -> dict[str, Any]:
-        return await self.broadcast.check(self._party(party), version)
+    @handles(ops.BcastCheck)
+    async def bcast_check(self, req: ops.BcastCheck) -> ops.GroupCheck:
+        return await self.broadcast.check(self._party(req.party), req.version)
 
-    async def op_bcast_failed(self, party: int, version: int, error: str, timeout: float) -> dict[str, Any]:
-        return await self.broadcast.failed(self._party(party), version, error, timeout)
+    @handles(ops.BcastFailed)
+    async def bcast_failed(self, req: ops.BcastFailed) -> ops.Reason:
+        return await self.broadcast.failed(self._party(req.party), req.version, req.error, req.timeout)
 
     # -- registration and session --------------------------------------------------------
 
-    async def op_register(self, role: str, name: str, rank: int, host: str, os_pid: int,
-                          node_id: str = "", device: dict | None = None, last_version: int | None = None,
-                          serving: int | None = None, served: dict | None = None) -> dict[str, Any]:
+    @handles(ops.Register)
+    async def register(self, req: ops.Register) -> ops.Registered:
         """Join the session. A party re-registering after a coordinator restart brings what
         the coordinator lost: the newest version it staged (senders) or the version it
         serves and where its bytes are (receivers), so versions keep going up and rollback
         data stays pinned."""
-        record, replaced = self.parties.add(role, name, rank, host, os_pid, node_id, device or {}, time.monotonic())
+        record, replaced = self.parties.add(req.role, req.name, req.rank, req.host, req.os_pid, req.node_id,
+                                            req.device, time.monotonic())
         for other in replaced:
             self._party_lost(other)
-        if last_version is not None:
-            self.table.raise_floor(int(last_version))
-        if serving is not None:
-            record.serving = int(serving)
+        if req.last_version is not None:
+            self.table.raise_floor(req.last_version)
+        if req.serving is not None:
+            record.serving = req.serving
             self.table.raise_floor(record.serving)
-            if served is not None:
-                self.table.restore_committed(record.serving, int(served.get("slot", 0)),
-                                             dict(served.get("info") or {}), time.monotonic())
+            if req.served is not None:
+                self.table.restore_committed(record.serving, int(req.served.slot or 0), dict(req.served.info),
+                                             time.monotonic())
         self._poke()
-        return {"party": record.pid, "session": self.session, "config": self.config.to_dict()}
+        return ops.Registered(party=record.pid, session=self.session, config=self.config.to_dict())
 
-    async def op_heartbeat(self, party: int) -> dict[str, Any]:
-        self._party(party)
-        return {}
+    @handles(ops.Heartbeat)
+    async def heartbeat(self, req: ops.Heartbeat) -> ops.Done:
+        self._party(req.party)
+        return ops.Done()
 
-    async def op_leave(self, party: int) -> dict[str, Any]:
-        p = self.parties.leave(party)
+    @handles(ops.Leave)
+    async def leave(self, req: ops.Leave) -> ops.Done:
+        p = self.parties.leave(req.party)
         if p is not None:
             self._party_lost(p)
-        return {}
+        return ops.Done()
 
-    async def op_publish(self, party: int, manifest: list, digest: str, payload_bytes: int,
-                         transport: str, reason: str, info: dict, pipelined: bool = False,
-                         keeps_versions: bool = False) -> dict[str, Any]:
-        self._party(party)
-        if self.digest is not None and self.digest != digest:
+    @handles(ops.Publish)
+    async def publish(self, req: ops.Publish) -> ops.Done:
+        self._party(req.party)
+        pub = req.publication
+        if self.digest is not None and self.digest != pub.digest:
             raise ManifestError(
                 "the sender offers a different manifest than the one this session agreed; "
                 "a new layout needs a new coordinator (a new session)"
             )
-        self.manifest, self.digest, self.payload_bytes = manifest, digest, payload_bytes
-        self.transport, self.transport_reason, self.transport_info = transport, reason, dict(info)
-        self.pipelined, self.keeps_versions = bool(pipelined), bool(keeps_versions)
+        self.manifest, self.digest, self.payload_bytes = pub.manifest, pub.digest, pub.payload_bytes
+        self.transport, self.transport_reason, self.transport_info = pub.transport, pub.reason, dict(pub.info)
+        self.pipelined, self.keeps_versions = pub.pipelined, pub.keeps_versions
         self._poke()
-        return {}
+        return ops.Done()
 
-    async def op_session(self, party: int, timeout: float) -> dict[str, Any]:
-        """Wait for the sender's manifest and transport choice."""
-        deadline = time.monotonic() + timeout
+    @handles(ops.Session)
+    async def session_of(self, req: ops.Session) -> ops.SessionInfo:
+        deadline = time.monotonic() + req.timeout
         while self.manifest is None:
             if time.monotonic() >= deadline:
-                raise DeadlineExceeded(f"no sender published a manifest within {timeout:.1f}s")
-            self._party(party, seen=False)
+                raise DeadlineExceeded(f"no sender published a manifest within {req.timeout:.1f}s")
+            self._party(req.party, seen=False)
             await self.signals.wait(self.signals.any, deadline)
-        return {"manifest": self.manifest, "digest": self.digest, "transport": self.transport,
-                "info": self.transport_info, "session": self.session}
+        return ops.SessionInfo(manifest=self.manifest, digest=self.digest or "", transport=self.transport or "",
+                               info=self.transport_info, session=self.session)
 
-    async def op_receivers(self, party: int, count: int, timeout: float) -> list[dict[str, Any]]:
-        """Wait until ``count`` receivers are registered and alive; returns them by rank."""
-        deadline = time.monotonic() + timeout
-        self._party(party)
+    @handles(ops.Receivers)
+    async def receivers(self, req: ops.Receivers) -> ops.Placements:
+        deadline = time.monotonic() + req.timeout
+        self._party(req.party)
         while True:
-            self._party(party, seen=False)
+            self._party(req.party, seen=False)
             live = self.parties.receivers()
-            if len(live) >= count:
-                # serving: a delta sender sends full unless every receiver holds its base
-                return [{"name": p.name, "rank": p.rank, "host": p.host, "node_id": p.node_id, "device": p.device,
-                         "serving": p.serving} for p in live]
+            if len(live) >= req.count:
+                return ops.Placements(receivers=[
+                    ops.Placement(name=p.name, rank=p.rank, host=p.host, node_id=p.node_id,
+                                  device=p.device, serving=p.serving)
+                    for p in live])
             if time.monotonic() >= deadline:
                 raise DeadlineExceeded(
-                    f"only {len(live)} of {count} receivers registered within {timeout:.1f}s: "
+                    f"only {len(live)} of {req.count} receivers registered within {req.timeout:.1f}s: "
                     f"{sorted(p.name for p in live)}"
                 )
             await self.signals.wait(self.signals.any, deadline)
 
-    async def op_verdict(self, party: int, accepted: bool, why: str = "") -> dict[str, Any]:
-        p = self._party(party)
-        p.verdict = "" if accepted else (why or "rejected")
-        if not accepted:
-            p.why = f"rejected the manifest: {why}"
+    @handles(ops.Verdict)
+    async def verdict(self, req: ops.Verdict) -> ops.Done:
+        p = self._party(req.party)
+        p.verdict = "" if req.accepted else (req.why or "rejected")
+        if not req.accepted:
+            p.why = f"rejected the manifest: {req.why}"
             # a barrier that began before the check came back counted this receiver in: fail
             # those versions now, naming it, instead of waiting for a report that never comes
             for v in self.table.receiver_lost(p.name, f"{p.label} {p.why}", time.monotonic()):
                 self._poke(v)
         self._poke()
-        return {}
+        return ops.Done()
 
-    async def op_resource(self, party: int, kind: str, delta: int) -> dict[str, Any]:
-        """Open/close accounting of segments and handles, so leaks show in status()."""
-        self._party(party)
-        self.resources[kind] = self.resources.get(kind, 0) + int(delta)
-        return {}
+    @handles(ops.Resource)
+    async def resource(self, req: ops.Resource) -> ops.Done:
+        self._party(req.party)
+        self.resources[req.kind] = self.resources.get(req.kind, 0) + req.delta
+        return ops.Done()
 
     # -- versions: thin wrappers over the table, adding waits and wake-ups -----------------
 
@@ -226,43 +232,49 @@ class CoordinatorActor:
         return choose_slot(pinned, self.config.shm_max_segments,
                            self.table.versions[latest].slot if latest is not None else None)
 
-    async def op_begin_stage(self, party: int, version: int) -> dict[str, Any]:
-        p = self._party(party)
+    @handles(ops.BeginStage)
+    async def begin_stage(self, req: ops.BeginStage) -> ops.Slot:
+        p = self._party(req.party)
         if p.role != "sender" or p.rank != 0:
             raise ProtocolError(f"{p.label} may not stage versions; only sender rank 0 does")
-        v, superseded = self.table.begin_stage(version, self._slot_for_new_version, time.monotonic())
+        v, superseded = self.table.begin_stage(req.version, self._slot_for_new_version, time.monotonic())
         self._poke(v, *superseded)
-        return {"slot": v.slot}
+        return ops.Slot(slot=v.slot)
 
-    async def op_stage_info(self, party: int, version: int, info: dict, readable: bool = False) -> dict[str, Any]:
+    @handles(ops.StageInfo)
+    async def stage_info(self, req: ops.StageInfo) -> ops.Done:
         """More per-version info (where the bytes are, the digest once known); ``readable``:
         a pipelined sender announced the version, receivers may start reading it."""
-        self._party(party)
-        v = self.table[version]
-        v.info.update(info)
-        v.readable = v.readable or bool(readable)
+        self._party(req.party)
+        v = self.table[req.version]
+        v.info.update(req.info)
+        v.readable = v.readable or req.readable
         self._poke(v)
-        return {}
+        return ops.Done()
 
-    async def op_staged(self, party: int, version: int, info: dict, stage_s: float) -> dict[str, Any]:
-        self._party(party)
-        self._poke(self.table.staged(version, info, stage_s))
-        return {}
+    @handles(ops.Staged)
+    async def staged(self, req: ops.Staged) -> ops.Done:
+        self._party(req.party)
+        self._poke(self.table.staged(req.version, req.info, req.stage_s))
+        return ops.Done()
 
-    async def op_abort(self, party: int, version: int, reason: str) -> dict[str, Any]:
-        p = self._party(party)
-        if self.table.abort(version, f"{p.label}: {reason}", time.monotonic()):
-            self._poke(self.table[version])
-        return {}
+    @handles(ops.Abort)
+    async def abort(self, req: ops.Abort) -> ops.Done:
+        p = self._party(req.party)
+        if self.table.abort(req.version, f"{p.label}: {req.reason}", time.monotonic()):
+            self._poke(self.table[req.version])
+        return ops.Done()
 
-    async def op_begin_sync(self, party: int, version: int) -> dict[str, Any]:
-        self._party(party)
+    @handles(ops.BeginSync)
+    async def begin_sync(self, req: ops.BeginSync) -> ops.Participants:
+        self._party(req.party)
+        version = req.version
         eligible = self.parties.at_barrier()
         ahead = self.bcast.get(version) if self.table.get(version) is not None else None
         if ahead is not None and self.table[version].state in (State.STAGING, State.STAGED):
             # its bytes moved before the barrier, to this group: a receiver that joined since
             # takes the next version (as one that joins after a barrier does)
-            eligible = [p for p in eligible if p.name in ahead["members"]]
+            eligible = [p for p in eligible if p.name in ahead.members]
         offered = [Candidate(p.name, f"{p.label} {p.why}" if not p.alive or p.rejected else None) for p in eligible]
         before = self.table.get(version)
         opening = before is not None and before.state in (State.STAGING, State.STAGED)
@@ -271,35 +283,33 @@ class CoordinatorActor:
             for p in eligible:
                 p.reported_dead = p.reported_dead or not p.alive  # named in this version, not again
         self._poke(v)
-        return {"participants": v.participants}
+        return ops.Participants(participants=list(v.participants))
 
-    async def op_wait_version(self, party: int, version: int | None, timeout: float, wait: bool = True,
-                              prefetch: bool = False, after: int | None = None,
-                              ahead: bool = False) -> dict[str, Any]:
+    @handles(ops.WaitVersion)
+    async def wait_version(self, req: ops.WaitVersion) -> ops.Target:
         """Receivers: wait until ``version`` (or, for None, anything newer than what they
-        serve) can be read; returns where its bytes are. ``prefetch``: only to read ahead,
-        the receiver is not applying it yet. ``after``: nothing at or below it (what an ahead
-        thread took already); ``ahead``: the caller is an ahead thread (receive_ahead.py)."""
-        p = self._party(party)
-        if ahead and not p.ahead:
+        serve) can be read; returns where its bytes are (ops.WaitVersion)."""
+        version, after, timeout = req.version, req.after, req.timeout
+        p = self._party(req.party)
+        if req.ahead and not p.ahead:
             p.ahead = True
             self._poke()
         deadline = time.monotonic() + timeout
         while True:
-            p = self._party(party, seen=False)
+            p = self._party(req.party, seen=False)
             floor = p.serving if after is None else after if p.serving is None else max(after, p.serving)
             target = self.table.target_for(floor, version, pipelined=self.pipelined,
                                            keeps_versions=self.keeps_versions)
             if target is not None:
                 v = self.table[target]
-                if not prefetch:
+                if not req.prefetch:
                     p.applying = target
-                return {"version": target, "state": v.state.value, "slot": v.slot, "info": v.info}
+                return ops.Target(version=target, state=v.state.value, slot=v.slot, info=v.info)
             asked = self.table.get(version) if version is not None else None
             if asked is not None and asked.state == State.ABORTED:
                 raise VersionError(f"version {version} was aborted: {asked.reason}")
-            if not wait and (version is None or asked is not None):
-                return {"version": None}
+            if not req.wait and (version is None or asked is not None):
+                return ops.Target(version=None)
             if time.monotonic() >= deadline:
                 want = f"version {version}" if version is not None else "a version newer than the one served"
                 s0 = self.parties.sender0()
@@ -307,25 +317,27 @@ class CoordinatorActor:
                 raise DeadlineExceeded(f"receiver '{p.name}' waited {timeout:.1f}s for {want}{who}")
             await self.signals.wait(self.signals.version(version) if asked is not None else self.signals.any, deadline)
 
-    async def op_state(self, party: int, version: int) -> dict[str, Any]:
-        self._party(party)
-        v = self.table[version]
-        return {"state": v.state.value, "reason": v.reason, "info": v.info}
+    @handles(ops.State)
+    async def state(self, req: ops.State) -> ops.VersionState:
+        self._party(req.party)
+        v = self.table[req.version]
+        return ops.VersionState(state=v.state.value, reason=v.reason, info=v.info)
 
-    async def op_report(self, party: int, version: int, ok: bool, serving: int | None,
-                        reason: str = "", metrics: dict | None = None) -> dict[str, Any]:
-        p = self._party(party)
-        p.serving, p.applying = serving, None
-        v = self.table.report(version, p.name, ok, f"{p.label}: {reason}", metrics or {}, time.monotonic())
+    @handles(ops.Report)
+    async def report(self, req: ops.Report) -> ops.Done:
+        p = self._party(req.party)
+        p.serving, p.applying = req.serving, None
+        v = self.table.report(req.version, p.name, req.ok, f"{p.label}: {req.reason}", req.metrics, time.monotonic())
         if v is not None:
             self._poke(v)
         self._poke()
-        return {}
+        return ops.Done()
 
-    async def op_wait_outcome(self, party: int, version: int, timeout: float,
-                              info: dict | None = None) -> dict[str, Any]:
+    @handles(ops.WaitOutcome)
+    async def wait_outcome(self, req: ops.WaitOutcome) -> ops.Metrics:
         """Wait until ``version`` committed or failed; ``info``: a sender's late stage_info
         (the digest of a transport that packs at the barrier), folded into this call."""
+        version, timeout, party = req.version, req.timeout, req.party
         self._party(party)
         deadline = time.monotonic() + timeout
         # trainer ranks other than 0 may get here before rank 0 began the version
@@ -335,8 +347,8 @@ class CoordinatorActor:
             self._party(party, seen=False)
             await self.signals.wait(self.signals.any, deadline)
         v = self.table[version]
-        if info:
-            v.info.update(info)
+        if req.info:
+            v.info.update(req.info)
             self._poke(v)
         while v.in_flight:
             self._party(party, seen=False)
@@ -351,33 +363,34 @@ class CoordinatorActor:
 
     # -- staleness (one-step-off) --------------------------------------------------------
 
-    async def op_check_batch(self, party: int, batch_version: int, step: int,
-                             max_staleness: int | None = None) -> dict[str, Any]:
+    @handles(ops.CheckBatch)
+    async def check_batch(self, req: ops.CheckBatch) -> ops.Lag:
         from .staleness import check_staleness
 
-        limit = self.config.max_staleness if max_staleness is None else max_staleness
-        check_staleness(batch_version, step, limit)
-        return {"lag": step - batch_version}
+        limit = self.config.max_staleness if req.max_staleness is None else req.max_staleness
+        check_staleness(req.batch_version, req.step, limit)
+        return ops.Lag(lag=req.step - req.batch_version)
 
     # -- reading -------------------------------------------------------------------------
 
-    async def op_status(self) -> dict[str, Any]:
+    @handles(ops.GetStatus)
+    async def status(self, req: ops.GetStatus) -> ops.Status:
         now = time.monotonic()
-        return {
-            "session": self.session,
-            "transport": self.transport, "transport_reason": self.transport_reason,
-            # the transport reads a version's tensors in stage(): staging early frees the barrier
-            "pipelined": self.pipelined,
-            "group": {k: self.transport_info[k] for k in ("backend", "communicator", "communicator_reason")
-                      if k in self.transport_info},
-            "manifest_tensors": len(self.manifest or ()), "payload_bytes": self.payload_bytes,
-            "latest_committed": self.table.latest_committed,
-            "parties": self.parties.public(now),
-            "versions": [v.public(self.payload_bytes) for v in self.table.recent(20)],
-            "resources": dict(self.resources),
-            "calls": dict(self.calls),
-            "config": self.config.to_dict(),
-        }
+        return ops.Status(
+            session=self.session,
+            transport=self.transport, transport_reason=self.transport_reason,
+            pipelined=self.pipelined,
+            group={k: self.transport_info[k] for k in ("backend", "communicator", "communicator_reason")
+                   if k in self.transport_info},
+            manifest_tensors=len(self.manifest or ()), payload_bytes=self.payload_bytes,
+            latest_committed=self.table.latest_committed,
+            parties=self.parties.public(now),
+            versions=[v.public(self.payload_bytes) for v in self.table.recent(20)],
+            resources=dict(self.resources),
+            calls=dict(self.calls),
+            config=self.config.to_dict(),
+        )
 
-    async def op_metrics(self, version: int) -> dict[str, Any]:
-        return self.table[version].public(self.payload_bytes)
+    @handles(ops.GetMetrics)
+    async def metrics(self, req: ops.GetMetrics) -> ops.Metrics:
+        return self.table[req.version].public(self.payload_bytes)

@@ -14,18 +14,17 @@ import ray
 
 from .. import errors
 from ..config import SyncConfig
-from ..errors import DeadlineExceeded, SyncFailed, WeightSyncError
-from . import protocol
+from ..errors import DeadlineExceeded, ProtocolError, SyncFailed, WeightSyncError
+from . import ops, protocol
 from .actor import CoordinatorActor
 
 _ERRORS = {n: c for n, c in vars(errors).items() if isinstance(c, type) and issubclass(c, WeightSyncError)}
 
 
-def _raise_remote(reply: dict[str, Any]) -> None:
-    kind, error = reply.get("kind", "WeightSyncError"), reply.get("error", "")
-    if kind == "SyncFailed":
-        raise SyncFailed(reply["version"], reply["failed"], reply.get("committed"))
-    raise _ERRORS.get(kind, WeightSyncError)(error)
+def _raise_remote(failure: ops.Failure) -> None:
+    if failure.kind == "SyncFailed" and failure.version is not None:
+        raise SyncFailed(failure.version, failure.failed or {}, failure.committed)
+    raise _ERRORS.get(failure.kind, WeightSyncError)(failure.error)
 
 
 class Coordinator:
@@ -85,7 +84,7 @@ class Coordinator:
         except ValueError as exc:  # Ray: name already taken
             raise WeightSyncError(f"a coordinator named {name!r} already exists in this Ray namespace: {exc}") from None
         client = cls(actor, name, cfg.namespace, token, cfg)
-        client.rpc("status", rpc_timeout=cfg.connect_timeout_s)
+        client.call(ops.GetStatus(), rpc_timeout=cfg.connect_timeout_s)
         return client
 
     @classmethod
@@ -111,38 +110,45 @@ class Coordinator:
             raise WeightSyncError(f"no coordinator named {name!r} is running") from None
         return cls(actor, name, cfg.namespace, token, cfg)
 
-    def rpc(self, op: str, *, rpc_timeout: float | None = None, **args: Any) -> Any:
+    def call(self, request: ops.Request, *, rpc_timeout: float | None = None) -> Any:
         """One control-plane call. Parties use the typed ``weightsync.coordinator.control.ControlPlane``;
         this is its transport (and the way to send a malformed call on purpose in tests).
 
         Args:
-            op: The operation's name.
+            request: The operation's request record (weightsync/coordinator/ops.py).
             rpc_timeout: Seconds to wait for the answer beyond the call's own ``timeout``
-                argument; ``connect_timeout_s`` when None.
-            **args: The operation's arguments (msgpack-encodable).
+                field; ``connect_timeout_s`` when None.
 
         Returns:
-            The operation's result.
+            The operation's reply record (``request.reply``).
 
         Raises:
             DeadlineExceeded: The coordinator did not answer in time.
+            ProtocolError: The answer is not the request's reply record.
             WeightSyncError: The coordinator is unreachable, or the call failed there (the
                 coordinator's own error class is raised, e.g. SyncFailed, VersionError).
         """
-        payload = protocol.encode({"op": op, "token": self.token, "args": args})
+        payload = protocol.encode({"op": type(request).__name__, "token": self.token, "args": request.to_wire()})
         ref = self.actor.rpc.remote(payload)
-        # the rpc itself may wait up to args["timeout"]; allow it that plus slack
-        limit = (rpc_timeout if rpc_timeout is not None else self.config.connect_timeout_s) + float(args.get("timeout", 0) or 0) + 5.0
+        # the call itself may wait up to its timeout field; allow it that plus slack
+        limit = ((rpc_timeout if rpc_timeout is not None else self.config.connect_timeout_s)
+                 + float(getattr(request, "timeout", 0) or 0) + 5.0)
         try:
             raw = ray.get(ref, timeout=limit)
         except ray.exceptions.GetTimeoutError:
-            raise DeadlineExceeded(f"coordinator '{self.name}' did not answer {op!r} within {limit:.1f}s") from None
+            raise DeadlineExceeded(f"coordinator '{self.name}' did not answer {request.op!r} within {limit:.1f}s") from None
         except ray.exceptions.RayActorError as exc:
             raise WeightSyncError(f"coordinator '{self.name}' is unreachable (actor died?): {exc}") from None
         reply = protocol.decode(raw)
-        if not reply.get("ok"):
-            _raise_remote(reply)
-        return reply.get("result")
+        if not isinstance(reply, dict):
+            raise ProtocolError(f"control: the reply to {type(request).__name__} is not a map")
+        if reply.get("ok") is not True:
+            _raise_remote(ops.Failure.from_wire({k: v for k, v in reply.items() if k != "ok"}))
+        want = request.reply
+        if reply.get("type") != want.__name__:
+            raise ProtocolError(f"control: {type(request).__name__} was answered with {reply.get('type')!r}, "
+                                f"not {want.__name__} (the two ends run different weightsync versions?)")
+        return want.from_wire(reply.get("result"))
 
     def register(self, *, role: str, name: str, rank: int, host: str, os_pid: int, node_id: str = "",
                  device: dict | None = None, last_version: int | None = None, serving: int | None = None,
@@ -160,14 +166,15 @@ class Coordinator:
             last_version: For a sender that outlived a coordinator restart: its last version.
             serving: For such a receiver: the version it serves.
             served: For such a receiver: where that version's bytes are.
-            rpc_timeout: As for ``rpc()``.
+            rpc_timeout: As for ``call()``.
 
         Returns:
             ``{"party": id, "session": ..., "config": ...}``.
         """
-        return self.rpc("register", rpc_timeout=rpc_timeout, role=role, name=name, rank=rank, host=host,
-                        os_pid=os_pid, node_id=node_id, device=device, last_version=last_version,
-                        serving=serving, served=served)
+        request = ops.Register(role=role, name=name, rank=rank, host=host, os_pid=os_pid, node_id=node_id,
+                               device=ops.Device(**device) if device else None, last_version=last_version,
+                               serving=serving, served=ops.Served(**served) if served is not None else None)
+        return self.call(request, rpc_timeout=rpc_timeout).as_dict()
 
     def status(self) -> dict[str, Any]:
         """The session as the coordinator sees it.
@@ -177,7 +184,7 @@ class Coordinator:
             parties, the last 20 versions (state, reason, participants, phases, digests),
             resources held and the config (``format_status()`` prints it).
         """
-        return self.rpc("status")
+        return self.call(ops.GetStatus()).as_dict()
 
     def metrics(self, version: int) -> dict[str, Any]:
         """One version as status() shows it.
@@ -188,7 +195,7 @@ class Coordinator:
         Returns:
             Its state, reason, participants, phases and info.
         """
-        return self.rpc("metrics", version=version)
+        return self.call(ops.GetMetrics(version=version)).as_dict()
 
     def format_status(self) -> str:
         """``status()`` as text for a terminal or a log.
@@ -214,8 +221,7 @@ class Coordinator:
         Raises:
             StalenessError: The lag is negative or over the bound.
         """
-        return self.rpc("check_batch", party=0, batch_version=batch_version, step=step,
-                         max_staleness=max_staleness)["lag"]
+        return self.call(ops.CheckBatch(batch_version=batch_version, step=step, max_staleness=max_staleness)).lag
 
     def shutdown(self) -> None:
         """Kill the coordinator actor; nothing happens if it is already gone."""

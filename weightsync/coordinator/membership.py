@@ -13,6 +13,8 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
+from .ops import BroadcastGroup
+
 # groups of versions this much older than the newest are forgotten
 KEEP_GROUPS = 8
 
@@ -29,10 +31,10 @@ class BroadcastGroups:
     epoch: int = 0
     key: list[Any] | None = None
     last: int | None = None  # the version the newest group was formed for
-    groups: dict[int, dict[str, Any]] = dataclasses.field(default_factory=dict)
+    groups: dict[int, BroadcastGroup] = dataclasses.field(default_factory=dict)
 
     def form(self, version: int, sender: Member, receivers: list[Member], last_failed: bool,
-             nonce: str) -> dict[str, Any]:
+             nonce: str) -> BroadcastGroup:
         """The group of ``version``: ``sender`` at group rank 0, ``receivers`` after it in
         (rank, name) order. ``last_failed``: the version of the previous group was aborted."""
         members = sorted(receivers, key=lambda m: (m.rank, m.name))
@@ -41,17 +43,18 @@ class BroadcastGroups:
             self.epoch += 1
             self.key = key
         self.last = version
-        group = {"epoch": self.epoch, "nonce": nonce, "sender": sender.name, "members": [m.name for m in members],
-                 "pids": {m.name: m.pid for m in members} | {sender.name: sender.pid}, "size": len(members) + 1}
+        group = BroadcastGroup(epoch=self.epoch, nonce=nonce, sender=sender.name, members=[m.name for m in members],
+                               pids={m.name: m.pid for m in members} | {sender.name: sender.pid},
+                               size=len(members) + 1)
         self.groups[version] = group
         for old in [k for k in self.groups if k < version - KEEP_GROUPS]:
             del self.groups[old]
         return group
 
-    def get(self, version: int) -> dict[str, Any] | None:
+    def get(self, version: int) -> BroadcastGroup | None:
         return self.groups.get(version)
 
 
-def group_rank(group: dict[str, Any], name: str) -> int | None:
+def group_rank(group: BroadcastGroup, name: str) -> int | None:
     """A receiver's rank in ``group`` (the sender is rank 0), or None if it is not a member."""
-    return group["members"].index(name) + 1 if name in group["members"] else None
+    return group.members.index(name) + 1 if name in group.members else None

@@ -4,9 +4,9 @@ Ray, no I/O; callers pass ``now`` (time.monotonic())."""
 from __future__ import annotations
 
 import dataclasses
-from typing import Any
 
 from ..errors import ProtocolError, SessionLost
+from .ops import BroadcastGroup, Device, PartyStatus
 from .versions import Version
 
 
@@ -21,7 +21,7 @@ class PartyRecord:
     host: str
     os_pid: int
     node_id: str
-    device: dict[str, Any]
+    device: Device | None
     last_seen: float
     alive: bool = True
     left: bool = False
@@ -47,14 +47,14 @@ class PartyRecord:
     def label(self) -> str:
         return f"{self.role} '{self.name}' (rank {self.rank}, pid {self.os_pid} on {self.host})"
 
-    def public(self, now: float) -> dict[str, Any]:
-        return {
-            "name": self.name, "role": self.role, "rank": self.rank, "host": self.host, "node_id": self.node_id,
-            "pid": self.os_pid, "alive": self.present, "left": self.left, "serving": self.serving,
-            "applying": self.applying, "silent_s": round(now - self.last_seen, 3),
-            "manifest": "pending" if self.verdict is None else ("accepted" if self.verdict == "" else "rejected"),
-            "why": self.why, "ahead": self.ahead,
-        }
+    def public(self, now: float) -> PartyStatus:
+        return PartyStatus(
+            name=self.name, role=self.role, rank=self.rank, host=self.host, node_id=self.node_id,
+            pid=self.os_pid, alive=self.present, left=self.left, serving=self.serving,
+            applying=self.applying, silent_s=round(now - self.last_seen, 3),
+            manifest="pending" if self.verdict is None else ("accepted" if self.verdict == "" else "rejected"),
+            why=self.why, ahead=self.ahead,
+        )
 
 
 class Parties:
@@ -63,7 +63,7 @@ class Parties:
         self._next_pid = first_pid
 
     def add(self, role: str, name: str, rank: int, host: str, os_pid: int, node_id: str,
-            device: dict[str, Any], now: float) -> tuple[PartyRecord, list[PartyRecord]]:
+            device: Device | None, now: float) -> tuple[PartyRecord, list[PartyRecord]]:
         """Register a party; returns it and the parties of the same name it replaced (the
         newest registration wins: a restarted worker takes its name back at once instead of
         waiting for its dead predecessor's heartbeat to time out)."""
@@ -128,14 +128,14 @@ class Parties:
         found = [p for p in self.records.values() if p.role == "sender" and p.rank == 0]
         return found[-1] if found else None
 
-    def lost_members(self, v: Version, group: dict[str, Any], caller: str) -> list[str]:
+    def lost_members(self, v: Version, group: BroadcastGroup, caller: str) -> list[str]:
         """Members of broadcast ``group`` (other than ``caller``) that died, left, or failed ``v``."""
         lost = []
-        for role, name in [("sender", group["sender"])] + [("receiver", n) for n in group["members"]]:
+        for role, name in [("sender", group.sender)] + [("receiver", n) for n in group.members]:
             if name == caller:
                 continue
             p = self.named(role, name)
-            if p is None or p.pid != group["pids"].get(name, p.pid):
+            if p is None or p.pid != group.pids.get(name, p.pid):
                 lost.append(f"{role} '{name}' left the session")
             elif not p.alive:
                 lost.append(f"{p.label} {p.why}")
@@ -143,6 +143,6 @@ class Parties:
                 lost.append(v.failed[name])
         return lost
 
-    def public(self, now: float) -> list[dict[str, Any]]:
+    def public(self, now: float) -> list[PartyStatus]:
         return [p.public(now) for p in sorted(self.records.values(), key=lambda p: (p.role, p.rank, p.pid))
                 if not p.left]

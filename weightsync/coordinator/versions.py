@@ -24,6 +24,7 @@ from collections.abc import Callable, Iterable
 from typing import Any
 
 from ..errors import VersionError
+from .ops import Metrics
 
 
 class State(str, enum.Enum):
@@ -65,23 +66,20 @@ class Version:
         """Participants that neither committed nor failed yet."""
         return [n for n in self.participants if n not in self.committed and n not in self.failed]
 
-    def public(self, payload_bytes: int) -> dict[str, Any]:
-        out = {
-            "version": self.version, "state": self.state.value, "slot": self.slot, "reason": self.reason,
-            "participants": list(self.participants), "committed": list(self.committed),
-            "failed": dict(self.failed), "phases_s": dict(self.phases), "receivers": dict(self.receivers),
-            "bytes": payload_bytes, "info": dict(self.info),
-            # whole-version digests (docs/digest.md): the sender's and each receiver's, equal
-            # when they hold the same bytes; None with digests off
-            "digest": self.info.get("digest"),
-            "receiver_digests": {n: m.get("digest") for n, m in self.receivers.items()},
-        }
+    def public(self, payload_bytes: int) -> Metrics:
+        barrier = gbps = None
         if self.finished is not None and self.sync_started is not None:
             barrier = self.finished - self.sync_started
-            out["barrier_s"] = barrier
             total = self.phases.get("stage_s", 0.0) + barrier
-            out["gbps"] = payload_bytes / total / 1e9 if total > 0 else None
-        return out
+            gbps = payload_bytes / total / 1e9 if total > 0 else None
+        return Metrics(
+            version=self.version, state=self.state.value, slot=self.slot, reason=self.reason,
+            participants=list(self.participants), committed=list(self.committed), failed=dict(self.failed),
+            phases_s=dict(self.phases), receivers=dict(self.receivers), bytes=payload_bytes, info=dict(self.info),
+            digest=self.info.get("digest"),
+            receiver_digests={n: m.get("digest") for n, m in self.receivers.items()},
+            barrier_s=barrier, gbps=gbps,
+        )
 
 
 @dataclasses.dataclass(frozen=True)

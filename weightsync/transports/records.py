@@ -16,12 +16,10 @@ A plugin transport brings its own records: subclasses of :class:`SessionRecord` 
 from __future__ import annotations
 
 import dataclasses
-import functools
-import types
-import typing
 from collections.abc import Mapping
 from typing import Any, ClassVar, TypeVar
 
+from ..coordinator import protocol
 from ..delta.codec import FULL, KINDS, SKIP
 from ..errors import ProtocolError
 
@@ -40,7 +38,7 @@ class Record:
 
     def to_wire(self) -> dict[str, Any]:
         """Plain data (dicts, lists, str, int, float, bool, bytes, None) for the control plane."""
-        return {f.name: _out(getattr(self, f.name)) for f in dataclasses.fields(self)}
+        return protocol.to_wire(self)
 
     @classmethod
     def from_wire(cls: type[R], wire: Any) -> R:
@@ -50,82 +48,11 @@ class Record:
             ProtocolError: a field is missing, unknown or of the wrong type; names the
                 transport and the field.
         """
-        what = f"{cls.transport}: {cls.__name__}"
-        if not isinstance(wire, Mapping):
-            raise ProtocolError(f"{what} arrived as {type(wire).__name__}, not a map")
-        fields = {f.name: f for f in dataclasses.fields(cls)}
-        unknown = sorted(str(k) for k in wire if k not in fields and k not in cls.foreign)
-        if unknown:
-            raise ProtocolError(f"{what} has unknown field {unknown[0]!r} (sender and receiver run different "
-                                f"weightsync versions?)")
-        hints = _hints(cls)
-        args = {}
-        for name, f in fields.items():
-            if name in wire:
-                args[name] = _parse(hints[name], wire[name], f"{what} field {name!r}")
-            elif f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING:
-                raise ProtocolError(f"{what} lacks field {name!r}")
-        try:
-            return cls(**args)
-        except (TypeError, ValueError) as exc:  # __post_init__ checks of a value
-            raise ProtocolError(f"{what}: {exc}") from None
+        return protocol.from_wire(cls, wire, f"{cls.transport}: {cls.__name__}", cls.foreign)
 
     def _check(self, name: str, ok: bool, want: str) -> None:
         if not ok:
             raise ValueError(f"field {name!r} is {getattr(self, name)!r}, not {want}")
-
-
-@functools.cache
-def _hints(cls: type) -> dict[str, Any]:
-    return typing.get_type_hints(cls)
-
-
-def _out(value: Any) -> Any:
-    if isinstance(value, Record):
-        return value.to_wire()
-    if isinstance(value, (list, tuple)):
-        return [_out(v) for v in value]
-    return value
-
-
-def _parse(tp: Any, value: Any, where: str) -> Any:
-    """``value`` checked against the annotation ``tp``; raises ProtocolError naming ``where``."""
-    origin = typing.get_origin(tp)
-    if origin in (types.UnionType, typing.Union):
-        why = []
-        for option in typing.get_args(tp):
-            try:
-                return _parse(option, value, where)
-            except ProtocolError as exc:
-                why.append(str(exc))
-        names = " / ".join(getattr(t, "__name__", str(t)) for t in typing.get_args(tp))
-        raise ProtocolError(f"{where} is {type(value).__name__}, not {names}"
-                            + (f" ({'; '.join(why)})" if isinstance(value, Mapping) else ""))
-    if tp is type(None):
-        if value is None:
-            return None
-    elif origin is list:
-        if isinstance(value, (list, tuple)):
-            (item,) = typing.get_args(tp) or (Any,)
-            return [_parse(item, v, f"{where}[{i}]") for i, v in enumerate(value)]
-    elif origin is dict:
-        if isinstance(value, Mapping) and all(isinstance(k, str) for k in value):
-            return dict(value)
-    elif tp is Any:
-        return value
-    elif isinstance(tp, type) and issubclass(tp, Record):
-        if isinstance(value, Mapping):
-            return tp.from_wire(value)
-    elif tp is float:
-        if isinstance(value, (int, float)) and not isinstance(value, bool):
-            return float(value)
-    elif tp is int:
-        if isinstance(value, int) and not isinstance(value, bool):
-            return value
-    elif isinstance(tp, type) and isinstance(value, tp):
-        return value
-    name = getattr(tp, "__name__", str(tp))
-    raise ProtocolError(f"{where} is {type(value).__name__}, not {name}")
 
 
 # -- the two kinds of record --------------------------------------------------------------------

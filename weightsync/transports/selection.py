@@ -1,8 +1,8 @@
 """Which transport a session uses: a pure function of the config and where parties run.
 
-Each party is described by a plain dict: ``node_id`` (its Ray node id), ``host`` (node
-address), ``device`` (the ``device.describe`` dict: type, index, physical), and for the
-sender ``ipc`` (its ``Capability.to_dict()``: can this process share device buckets by handle).
+Each party is described by an ``ops.Placement``: ``node_id`` (its Ray node id), ``host`` (node
+address), ``device`` (type, index, physical), and for the sender ``ipc`` (can this process
+share device buckets by handle; ``capabilities.Capability``).
 Two parties share a node (its /dev/shm, its devices) when their Ray node ids are equal; the
 host address decides only where a party has no node id (no Ray): several raylets on one
 machine, or nodes behind one address, are distinct nodes with distinct /dev/shm views.
@@ -22,88 +22,90 @@ The chain for ``auto``, best first:
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any
 
+from ..coordinator.ops import Device, IpcSupport, Placement
 from ..errors import ConfigError
 
 COLOCATED, SAME_NODE, REMOTE = "colocated", "same node", "remote"
 ACCELERATORS = ("cuda", "npu", "sim")  # sim: the tests' simulated accelerator (weightsync/sim)
 
 
-def node_key(party: dict[str, Any]) -> str | None:
+HOST = Device(type="cpu")
+
+
+def node_key(party: Placement) -> str | None:
     """What identifies a party's node: its Ray node id, else (no Ray) its host address."""
-    return party.get("node_id") or party.get("host")
+    return party.node_id or party.host
 
 
-def on_one_node(a: dict[str, Any], b: dict[str, Any]) -> bool:
-    if a.get("node_id") and b.get("node_id"):
-        return a["node_id"] == b["node_id"]
-    return a.get("host") == b.get("host")
+def on_one_node(a: Placement, b: Placement) -> bool:
+    if a.node_id and b.node_id:
+        return a.node_id == b.node_id
+    return a.host == b.host
 
 
-def node_label(party: dict[str, Any]) -> str:
+def node_label(party: Placement) -> str:
     """A node as people read it: address and short Ray node id (simulated nodes share an address)."""
-    node = party.get("node_id")
-    return f"{party.get('host')} (node {node[:8]})" if node else str(party.get("host"))
+    node = party.node_id
+    return f"{party.host} (node {node[:8]})" if node else str(party.host)
 
 
-def placement(sender: dict[str, Any], receiver: dict[str, Any]) -> str:
+def placement(sender: Placement, receiver: Placement) -> str:
     """Where ``receiver`` runs relative to ``sender``: COLOCATED, SAME_NODE or REMOTE."""
     if not on_one_node(sender, receiver):
         return REMOTE
-    sd, rd = sender.get("device") or {}, receiver.get("device") or {}
-    kind = sd.get("type", "cpu")
-    if kind != rd.get("type", "cpu"):
+    sd, rd = sender.device or HOST, receiver.device or HOST
+    kind = sd.type
+    if kind != rd.type:
         return SAME_NODE
     if kind not in ACCELERATORS:
         return COLOCATED  # host memory: one node is one "device"
-    mine, theirs = sd.get("physical"), rd.get("physical")
+    mine, theirs = sd.physical, rd.physical
     return COLOCATED if mine is not None and mine == theirs else SAME_NODE
 
 
-def _describe(receivers: Sequence[dict[str, Any]], where: list[str], *kinds: str) -> str:
-    names = [r.get("name") or f"rank {r.get('rank')}" for r, w in zip(receivers, where) if w in kinds]
+def _describe(receivers: Sequence[Placement], where: list[str], *kinds: str) -> str:
+    names = [r.name or f"rank {r.rank}" for r, w in zip(receivers, where) if w in kinds]
     shown = ", ".join(str(n) for n in names[:4]) + (f" and {len(names) - 4} more" if len(names) > 4 else "")
     return f"{len(names)} receiver(s) ({shown})"
 
 
-def _far(receivers: Sequence[dict[str, Any]], where: list[str]) -> str:
+def _far(receivers: Sequence[Placement], where: list[str]) -> str:
     return ", ".join(sorted({node_label(r) for r, w in zip(receivers, where) if w == REMOTE}))
 
 
-def shared_device(sender: dict[str, Any], receivers: Sequence[dict[str, Any]]) -> str | None:
+def shared_device(sender: Placement, receivers: Sequence[Placement]) -> str | None:
     """Two parties on one physical accelerator, or None. A device collective (NCCL, HCCL)
     cannot hold one device twice: NCCL stops with "Duplicate GPU detected" or hangs."""
     seen: dict[tuple, str] = {}
-    for who, party in [("the sender", sender)] + [(f"receiver '{r.get('name') or r.get('rank')}'", r)
-                                                   for r in receivers]:
-        dev = party.get("device") or {}
-        if dev.get("type") not in ACCELERATORS or dev.get("physical") is None:
+    for who, party in [("the sender", sender)] + [(f"receiver '{r.name or r.rank}'", r) for r in receivers]:
+        dev = party.device or HOST
+        if dev.type not in ACCELERATORS or dev.physical is None:
             continue
-        key = (node_key(party), dev["type"], dev["physical"])
+        key = (node_key(party), dev.type, dev.physical)
         if key in seen:
-            return f"{seen[key]} and {who} share physical {dev['type']} {dev['physical']} on {node_label(party)}"
+            return f"{seen[key]} and {who} share physical {dev.type} {dev.physical} on {node_label(party)}"
         seen[key] = who
     return None
 
 
-def choose_transport(requested: str, sender: dict[str, Any], receivers: Sequence[dict[str, Any]],
+def choose_transport(requested: str, sender: Placement, receivers: Sequence[Placement],
                      backend: str = "auto") -> tuple[str, str]:
     """Return (transport, reason). An explicit choice that cannot work raises ConfigError
     with the reason; ``auto`` walks the chain above and says why it stopped where it did.
     ``backend`` is the broadcast backend of the config (gloo may share a device)."""
     where = [placement(sender, r) for r in receivers]
     clash = shared_device(sender, receivers) if backend != "gloo" else None
-    device = (sender.get("device") or {}).get("type", "cpu")
-    ipc = sender.get("ipc") or {"ok": False, "reason": "the sender did not report ipc support"}
-    on_device = f"physical {device} {(sender.get('device') or {}).get('physical')}" if device in ACCELERATORS else "host"
+    device = (sender.device or HOST).type
+    ipc = sender.ipc or IpcSupport(ok=False, reason="the sender did not report ipc support")
+    on_device = f"physical {device} {(sender.device or HOST).physical}" if device in ACCELERATORS else "host"
     colocated = bool(where) and all(w == COLOCATED for w in where)
     same_node = all(w != REMOTE for w in where)
 
     if requested != "auto":
         if requested == "ipc":
-            if not ipc.get("ok"):
-                raise ConfigError(f"transport 'ipc' cannot run here: {ipc.get('reason')}")
+            if not ipc.ok:
+                raise ConfigError(f"transport 'ipc' cannot run here: {ipc.reason}")
             if not colocated:
                 if not where:
                     raise ConfigError("transport 'ipc' needs its receivers registered before the first stage "
@@ -135,10 +137,10 @@ def choose_transport(requested: str, sender: dict[str, Any], receivers: Sequence
         return "shm", ("auto: every receiver is on the sender's node and the weights live in host memory; shm "
                        "(keeps the previous version for rollback and catch-up)")
     if colocated:
-        if ipc.get("ok"):
-            return "ipc", f"auto: every receiver shares the sender's device ({on_device}); {ipc.get('reason')}"
+        if ipc.ok:
+            return "ipc", f"auto: every receiver shares the sender's device ({on_device}); {ipc.reason}"
         return "shm", (f"auto: every receiver shares the sender's device, but ipc is unavailable "
-                       f"({ipc.get('reason')}); fell back to shm")
+                       f"({ipc.reason}); fell back to shm")
     if same_node:
         split = _describe(receivers, where, SAME_NODE)
         if device in ACCELERATORS and clash:

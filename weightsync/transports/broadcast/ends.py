@@ -10,6 +10,7 @@ from typing import Any
 
 import torch
 
+from ...coordinator.ops import BroadcastGroup
 from ...digest import compute, kind_of
 from ...errors import ConfigError, ProtocolError, WeightSyncError
 from ..base import Aborted, TransportContext
@@ -69,20 +70,20 @@ class BroadcastEnd:
         n = self.ctx.plan.buckets[b].nbytes if nbytes is None else nbytes
         return self._buffers()[b % BUFFERS][: n + self.trailer]
 
-    def _join(self, group: dict[str, Any], rank: int, deadline: float, poll: Callable[[], None]) -> Group:
+    def _join(self, group: BroadcastGroup, rank: int, deadline: float, poll: Callable[[], None]) -> Group:
         """The group of this version: the current one if the epoch is unchanged, else built
         anew in a helper thread while this one keeps polling the coordinator."""
         # epochs count from 1 again in a restarted coordinator: its nonce keeps names unique
-        ident = (group.get("nonce"), group["epoch"])
+        ident = (group.nonce, group.epoch)
         if self.group is not None and self.group.epoch == ident:
             return self.group
         self._drop()
-        names = [group["sender"]] + list(group["members"])
-        prefix = f"weightsync/{self.ctx.session}/{self.ctx.digest[:16]}/{group.get('nonce')}/epoch{group['epoch']}"
+        names = [group.sender] + list(group.members)
+        prefix = f"weightsync/{self.ctx.session}/{self.ctx.digest[:16]}/{group.nonce}/epoch{group.epoch}"
         timeout = max(0.001, min(self.ctx.config.connect_timeout_s, deadline - time.monotonic()))
         self.group = Group.build_polled(self.backend, self._store(), prefix, rank, len(names), self.device,
                                         timeout, names, self.communicator, poll,
-                                        f"building broadcast group epoch {group['epoch']}")
+                                        f"building broadcast group epoch {group.epoch}")
         self.group.epoch = ident
         self.ctx.account("bcast_groups", +1)
         return self.group
@@ -109,11 +110,11 @@ class BroadcastEnd:
 
     def _poll(self, version: int) -> None:
         reply = self.ctx.control.bcast_check(version)
-        if reply["aborted"]:
-            raise Aborted(f"version {version} was aborted: {reply['aborted']}")
-        if reply["lost"]:
+        if reply.aborted:
+            raise Aborted(f"version {version} was aborted: {reply.aborted}")
+        if reply.lost:
             # not an abort yet: whoever sees it first aborts the version with this reason
-            raise ProtocolError(f"version {version}: broadcast group lost {'; '.join(reply['lost'])}")
+            raise ProtocolError(f"version {version}: broadcast group lost {'; '.join(reply.lost)}")
 
     def _close_end(self) -> None:
         self._drop()

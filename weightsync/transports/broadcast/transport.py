@@ -43,6 +43,7 @@ import torch
 import torch.distributed as dist
 
 from ... import device as devices
+from ...coordinator.ops import BroadcastGroup
 from ...errors import ConfigError, DeadlineExceeded, VersionError, WeightSyncError
 from ...plan import BucketPlan, BucketSink, Packing
 from ..base import Aborted, Received, ReceiverTransport, SenderTransport, TransportContext
@@ -117,7 +118,7 @@ class BroadcastSender(BroadcastEnd, SenderTransport):
         except VersionError:
             self._drain(packing)  # superseded or aborted meanwhile; nothing to send
             return True
-        if not group.get("ahead", True):
+        if group is None:
             return False
         # readable from here on: receivers' ahead threads join the group formed above
         announce(self.version_record(session=self.session_info(), ahead=True))
@@ -145,12 +146,12 @@ class BroadcastSender(BroadcastEnd, SenderTransport):
             pass  # aborted already; the coordinator has the reason
         except WeightSyncError as exc:
             self._failed(version, exc)
-        if group is None or group["size"] == 1:
+        if group is None or group.size == 1:
             self._drain(packing)  # nobody to send to; the coordinator records the outcome
             return
         self._stream(version, group, packing, deadline)
 
-    def _stream(self, version: int, group: dict[str, Any], packing: Packing, deadline: float) -> None:
+    def _stream(self, version: int, group: BroadcastGroup, packing: Packing, deadline: float) -> None:
         """Pack and send the version (_Launch). The iteration always runs to its end, even
         after the transfer failed: it may be a collective on the trainer's own group (FSDP
         full_tensor) that the other trainer ranks are inside. So errors of the transfer are
@@ -313,7 +314,7 @@ class BroadcastReceiver(AheadReceiver, BroadcastEnd, ReceiverTransport):
         try:
             left = max(0.001, deadline - time.monotonic())
             group = self.ctx.control.bcast_group(version, timeout=left)
-            g = self._join(group, group["rank"], deadline, poll)
+            g = self._join(group, group.rank, deadline, poll)
             if devices.has_streams(self.device):
                 # the buffers serve the barrier (the engine's stream) and the ahead thread (a
                 # stream of its own, shadow.py): freed with ops of either still queued, their

@@ -310,8 +310,8 @@ class IpcReceiver(ReceiverTransport):
         if self.ctx.control is None:
             return
         m = self.ctx.control.metrics(version)
-        late = self.ctx.name not in m["participants"] or self.ctx.name in m["failed"]
-        if m["state"] in (State.TRANSFERRING, State.COMMITTED) and late:
+        late = self.ctx.name not in m.participants or self.ctx.name in m.failed
+        if m.state in (State.TRANSFERRING, State.COMMITTED) and late:
             raise VersionError(f"{self.name}: receiver '{self.ctx.name}' is not a participant of version {version}: it "
                                f"registered (or came back) after the sender reached the barrier, so the sender "
                                f"does not wait for it; it joins the next version")

@@ -200,10 +200,10 @@ class Watch:
         if not self.known:
             return
         m = self.ctx.control.metrics(self.version)
-        if m["state"] == State.ABORTED:
-            raise Aborted(f"version {self.version} was aborted: {m['reason']}")
-        self.names = list(m["participants"])
-        self.done = set(m["failed"]) | set(m["committed"])
+        if m.state == State.ABORTED:
+            raise Aborted(f"version {self.version} was aborted: {m.reason}")
+        self.names = list(m.participants)
+        self.done = set(m.failed) | set(m.committed)
 
     def pending(self, words: np.ndarray, need: int, k: int) -> list[str]:
         """Receivers still holding the bucket tagged ``need`` in buffer ``k``."""
