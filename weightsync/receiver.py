@@ -3,10 +3,12 @@
 One version, end to end:  apply(v)
   -> coordinator.session(): manifest, checked against the model before any byte moves
   -> coordinator.wait_version(v): where the bytes are
-  -> transport.receive(): bucket by bucket -> verify checksum -> Unpacker -> load_weights
+  -> transport.receive(): bucket by bucket -> verify checksum -> the version's loader
+     (delta/strategy.py: views of the buffers, or rebuilt in delta sync's shadow) -> load_weights
   -> post_load() once -> reset_cache() -> coordinator.report(ok) ... now serving v
-On a failure after the first bucket was loaded, the previous version is loaded again when
-the transport still has it (rollback), else the receiver serves nothing until it catches up.
+On a failure after the first bucket was loaded, the loader loads the previous version again
+where it can (from the transport, or the shadow's undo records), else the receiver serves
+nothing until it catches up.
 With receive_ahead, an ahead thread (receive_ahead.py) takes each version before apply() does.
 """
 

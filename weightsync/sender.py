@@ -3,7 +3,8 @@
 One version, end to end:  stage(v, named_tensors)
   -> manifest check and bucket plan (first version only; reused afterwards)
   -> coordinator.begin_stage(v) picks the storage slot
-  -> transport.stage(): pack_stream() copies tensors into the transport's BucketSink, bucket by bucket
+  -> the packing strategy (delta/strategy.py) gives the Packing: the tensors, or delta-encoded buckets
+  -> transport.stage(): the Packing is copied into the transport's BucketSink, bucket by bucket
   -> coordinator.staged(v)                     ... the trainer is free again
 sync(v)  -> coordinator.begin_sync(v) -> transport.send(v) -> coordinator.wait_outcome(v)
 """
