@@ -187,7 +187,7 @@ class WeightReceiver(Party):
         except BaseException as exc:
             reason, loaded = f"{type(exc).__name__}: {exc}", self._buckets_loaded
             if info is not None:
-                reason += self._rollback(v, info, prev, prev_info, deadline)
+                reason += self._rollback(info, prev, prev_info, deadline)
             events.apply_failed(self.name, v, self.transport.name, loaded,
                                 self.unpacker.plan.bucket_count, time.perf_counter() - t0, reason)
             self._report(v, ok=False, reason=reason)
@@ -329,8 +329,10 @@ class WeightReceiver(Party):
             return f"; abort_load failed ({type(exc).__name__}: {exc})"
         return ""
 
-    def _rollback(self, version: int, info: VersionRecord, prev: int | None, prev_info: VersionRecord | None,
+    def _rollback(self, info: VersionRecord, prev: int | None, prev_info: VersionRecord | None,
                   deadline: float) -> str:
+        # the failed version's loader knows where the previous one can come back from (the
+        # transport's kept copy, or the shadow's undo records); the engine's hooks stay here
         touched = self._touched
         why = self._abort_load() if touched else ""
 
@@ -345,7 +347,7 @@ class WeightReceiver(Party):
             replay=lambda v, i: self._load(v, i, max(deadline, time.monotonic() + self.config.sync_timeout_s),
                                            replay=True),
             can_replay=lambda v, i: self.config.keep_previous and self.transport.can_replay(v, i))
-        more, self._version = self._loaders.of(info).rollback(version, prev, prev_info, touched, self._version, engine)
+        more, self._version = self._loaders.of(info).rollback(prev, prev_info, touched, self._version, engine)
         return why + more
 
     def _report(self, version: int, ok: bool, reason: str = "", metrics: dict | None = None) -> None:

@@ -145,10 +145,11 @@ class FullLoader:
         every bucket was): equal to the sender's when both hold the same bytes."""
         return version_digest(kind, verified)
 
-    def rollback(self, version: int, prev: int | None, prev_info: VersionRecord | None, touched: bool,
+    def rollback(self, prev: int | None, prev_info: VersionRecord | None, touched: bool,
                  serving: int | None, engine: Engine) -> tuple[str, int | None]:
-        """After ``version`` failed (``touched``: a bucket reached the model): (a reason
-        suffix, the version served now). ``serving``: what the receiver serves now."""
+        """After the version being loaded failed (``touched``: a bucket of it reached the
+        model): (a reason suffix, the version served now); ``prev`` / ``prev_info``: the
+        version served before it, ``serving``: what the receiver serves now."""
         if not touched:
             return "", serving
         # a delta version's bytes at the transport are encoded buckets, not the version
@@ -189,7 +190,7 @@ class DeltaLoader:
     def digest(self, kind: str | None, verified: list[int]) -> str | None:
         return version_digest("xxh3", self._rebuilt)
 
-    def rollback(self, version: int, prev: int | None, prev_info: VersionRecord | None, touched: bool,
+    def rollback(self, prev: int | None, prev_info: VersionRecord | None, touched: bool,
                  serving: int | None, engine: Engine) -> tuple[str, int | None]:
         if self.shadow is None:
             return "", serving  # refused before a shadow existed
