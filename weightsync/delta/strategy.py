@@ -6,9 +6,10 @@ lives here, behind two small interfaces:
 - a packing strategy (sender, rank 0): ``pack`` gives the Packing a transport drives and the
   fields the version's record carries; ``digest`` says whether the transport's digest of the
   buckets is the version's; ``resolved`` learns the version's outcome.
-- a loader (receiver), chosen per version by its record (``Loaders.of``): ``begin`` before any
-  byte moves, ``unpack`` per verified bucket (the pairs for ``load_weights``), ``digest`` of
-  the whole version, ``rollback`` after a failure, ``committed`` once it serves the version.
+- a loader (receiver), chosen per version by its record (``Loaders.of``): ``holds_base``
+  (may it load over what is served), ``begin`` before any byte moves, ``unpack`` per verified
+  bucket (the pairs for ``load_weights``), ``digest`` of the whole version, ``rollback`` after
+  a failure; ``Loaders.committed`` keeps the shadow's base in step with what is served.
 
 A transport only moves the buckets a Packing hands it and yields them back; what a delta
 version's bytes mean stays on this side.
