@@ -1,5 +1,6 @@
 """Delta encoding (weightsync/delta/codec.py), the wire plan (delta/packing.py), the trainer's
-snapshot (delta/sender.py) and a receiver's shadow (delta/receiver.py), without a job."""
+snapshot (delta/sender.py), a receiver's shadow (delta/receiver.py) and the strategies that
+pick between full and delta versions (delta/strategy.py), without a job."""
 
 from __future__ import annotations
 
@@ -11,10 +12,11 @@ from weightsync.delta import codec as delta
 from weightsync.delta.packing import wire_plan
 from weightsync.delta.receiver import DeltaReceiver
 from weightsync.delta.sender import DeltaSender
+from weightsync.delta.strategy import DeltaPacking, FullPacking, Loaders, packing_for
 from weightsync.digest import xxh3
 from weightsync.errors import ConfigError, ManifestError, ProtocolError
 from weightsync.manifest import build_manifest
-from weightsync.plan import plan_buckets
+from weightsync.plan import Unpacker, plan_buckets
 from weightsync.transports.records import DeltaRecord, ShmVersion, VersionRecord
 
 
@@ -317,3 +319,55 @@ def test_the_auto_shm_budget_leaves_room_for_the_trainer_snapshot():
     assert not off.streaming and on.streaming
     assert "delta sync's" in on.reason and DeltaSender.memory_bytes(plan) == snapshot
     assert DeltaReceiver.memory_bytes(plan) == plan.bucket_count * plan.bucket_bytes
+
+
+class _Transport:
+    """What a loader asks of a receiver transport: a span (none here: reassemble)."""
+
+    def span(self, version, info):
+        return None
+
+
+def _through(packing, loaders: Loaders, model: _Model, v: int, fields) -> VersionRecord:
+    info = VersionRecord(**fields)
+    wire = [None] * packing.plan.bucket_count
+    for _ in packing.into(_Capture(wire, info.moves(packing.plan)), None):
+        pass
+    loader = loaders.of(info)
+    loader.begin(v, info, _Transport())
+    for b in range(packing.plan.bucket_count):
+        model.load(loader.unpack(v, info, b, wire[b]))
+    loaders.committed(v, info)
+    return info
+
+
+def test_the_strategies_pick_the_way_per_version_and_the_base_check_reads_the_record():
+    m = build_manifest({f"w{i}": torch.zeros(2000, dtype=torch.bfloat16) for i in range(3)})
+    plan = plan_buckets(m, 4096)
+    assert type(packing_for("auto", "shm", True, plan, m)) is FullPacking  # memory speed: off
+    assert type(packing_for("on", "shm", False, plan, m)) is FullPacking  # only rank 0 keeps a snapshot
+    sender = packing_for("on", "broadcast", True, plan, m)
+    assert isinstance(sender, DeltaPacking) and sender.state() == {"base": None}
+    loaders, model, versions = Loaders(Unpacker(plan, m), "rollout-0"), _Model(m), _versions(m, 3, 0.01)
+    for v, w in enumerate(versions):
+        packing, fields = sender.pack(v, dict(w), serving=lambda held=[v - 1 if v else None]: held)
+        assert loaders.holds_base(VersionRecord(**fields))  # the shadow holds the base it names
+        info = _through(packing, loaders, model, v, fields)
+        assert loaders.of(info) is loaders.delta and sender.digest(v, "transport's") is None
+        assert (info.delta.base is None) == (v == 0)
+        sender.resolved(v, committed=True)
+        for n, t in w.items():
+            assert torch.equal(model.params[n].view(torch.uint8), t.view(torch.uint8)), (v, n)
+    # a delta against a version the shadow does not hold: a committed one is not caught up to
+    stale = VersionRecord(delta=DeltaRecord(base=0, kinds=info.delta.kinds, lengths=info.delta.lengths,
+                                            digests=info.delta.digests))
+    assert not loaders.holds_base(stale)
+    # a version loaded whole leaves the shadow behind as a base
+    full = FullPacking(plan, m)
+    packing, fields = full.pack(3, dict(versions[0]), serving=lambda: pytest.fail("full packing asks nothing"))
+    assert fields == {} and full.digest(3, "transport's") == "transport's"
+    info = _through(packing, loaders, model, 3, fields)
+    assert loaders.of(info) is loaders.full and loaders.delta.shadow.version is None
+    assert not loaders.holds_base(VersionRecord(delta=DeltaRecord(base=2, kinds=stale.delta.kinds,
+                                                                  lengths=stale.delta.lengths,
+                                                                  digests=stale.delta.digests)))

@@ -3,10 +3,12 @@
 One version, end to end:  apply(v)
   -> coordinator.session(): manifest, checked against the model before any byte moves
   -> coordinator.wait_version(v): where the bytes are
-  -> transport.receive(): bucket by bucket -> verify checksum -> Unpacker -> load_weights
+  -> transport.receive(): bucket by bucket -> verify checksum -> the version's loader
+     (delta/strategy.py: views of the buffers, or rebuilt in delta sync's shadow) -> load_weights
   -> post_load() once -> reset_cache() -> coordinator.report(ok) ... now serving v
-On a failure after the first bucket was loaded, the previous version is loaded again when
-the transport still has it (rollback), else the receiver serves nothing until it catches up.
+On a failure after the first bucket was loaded, the loader loads the previous version again
+where it can (from the transport, or the shadow's undo records), else the receiver serves
+nothing until it catches up.
 With receive_ahead, an ahead thread (receive_ahead.py) takes each version before apply() does.
 """
 
@@ -23,8 +25,7 @@ from . import events, transports
 from .config import SyncConfig
 from .coordinator.client import Coordinator
 from .coordinator.versions import State
-from .delta.receiver import DeltaReceiver
-from .digest import version_digest
+from .delta.strategy import Engine, Loaders
 from .errors import ManifestError, VersionError, WeightSyncError
 from .manifest import Expected, Manifest, check_manifest
 from .party import Party
@@ -99,7 +100,7 @@ class WeightReceiver(Party):
         # and its record (for rollback)
         self._info: dict[str, Any] = {}
         self._served: VersionRecord | None = None
-        self._delta: DeltaReceiver | None = None  # the shadow of delta versions (delta/receiver.py)
+        self._loaders: Loaders | None = None  # full, or through delta sync's shadow (delta/strategy.py)
         self._session_lock = threading.Lock()  # prefetch() may run in a thread beside apply()
         self._ahead: AheadThread | None = None  # receive_ahead: takes versions before the barrier
         self.last_metrics: dict[str, Any] = {}
@@ -132,6 +133,7 @@ class WeightReceiver(Party):
         ctx = self._context(manifest, session.digest)
         transport = transports.receiver_class(session.transport)(ctx, session.info)
         self.transport, self.unpacker = transport, Unpacker(ctx.plan, manifest)
+        self._loaders = Loaders(self.unpacker, self.name)
         try:
             self._ahead = AheadThread.start(self)
         except BaseException:
@@ -174,56 +176,27 @@ class WeightReceiver(Party):
             return self._version
         deadline = time.monotonic() + timeout
         prev, prev_info = self._version, self._served
-        if target.state == State.COMMITTED and not self._holds_base(target.info):
-            return self._version  # catching up to a committed delta without its base: wait for a full version
         t0 = time.perf_counter()
         self._touched = False
         info = None
         try:
             info = self.transport.parse_version(target.info)
+            if target.state == State.COMMITTED and not self._loaders.holds_base(info):
+                return self._version  # catching up to a version whose base it lacks: wait for a full one
             self.last_metrics = self._load(v, info, deadline)
         except BaseException as exc:
             reason, loaded = f"{type(exc).__name__}: {exc}", self._buckets_loaded
-            if info is not None and info.delta is not None and self._delta is not None:
-                reason += self._delta_rollback(prev)
-            elif self._touched:
-                reason += self._abort_load() + self._rollback(prev, prev_info, deadline)
+            if info is not None:
+                reason += self._rollback(info, prev, prev_info, deadline)
             events.apply_failed(self.name, v, self.transport.name, loaded,
                                 self.unpacker.plan.bucket_count, time.perf_counter() - t0, reason)
             self._report(v, ok=False, reason=reason)
             raise
         self._version, self._info, self._served = v, {"slot": target.slot, "info": target.info}, info
-        if self._delta is not None:
-            # a version sent without delta leaves the shadow behind: the next delta is refused
-            self._delta.committed(v if info.delta is not None else None)
+        self._loaders.committed(v, info)
         self._report(v, ok=True, metrics=self.last_metrics)
         events.applied(self.name, v, self.transport.name, self.last_metrics["bytes"], self.last_metrics["total_s"])
         return v
-
-    def _holds_base(self, wire: dict[str, Any]) -> bool:
-        base = (wire.get("delta") or {}).get("base") if isinstance(wire, dict) else None
-        return base is None or (self._delta is not None and self._delta.version == base)
-
-    def _delta_rollback(self, prev: int | None) -> str:
-        touched = self._touched
-        why = self._abort_load() if touched else ""
-        try:
-            why += self._delta.failed(prev, self.load_weights if touched else None)
-            if touched and self._delta.version is not None:
-                if self.post_load is not None:
-                    self.post_load()
-                if self.reset_cache is not None and self.reset_cache() is False:
-                    raise VersionError("the engine did not reset its cache")
-        except Exception as exc:  # the engine's own hooks raise what they raise; the version still fails
-            self._delta.version = None
-            self._version = None
-            return why + f"; rollback to version {prev} failed too ({type(exc).__name__}: {exc}); serves no version"
-        if touched or self._delta.diverged:
-            # a diverged shadow is no base even when nothing of the version reached the model:
-            # serving prev without it, this receiver would be sent deltas it must refuse
-            self._version = self._delta.version
-            return why
-        return ""
 
     def _rejoin_state(self) -> dict[str, Any]:
         served = getattr(self, "_version", None)
@@ -297,17 +270,12 @@ class WeightReceiver(Party):
 
         self._touched = False
         self._buckets_loaded = 0
-        span = self.transport.span(version, info)
         t0 = time.perf_counter()
         wait_s = verify_s = load_s = 0.0
         nbytes = peer_verified = 0
         verified: list[int] = []  # bucket digests, verified here or by a peer on the node
-        record = info.delta
-        rebuilt: list[int] = []  # a delta version's: digests of the buckets rebuilt in the shadow
-        if record is not None:
-            if self._delta is None:
-                self._delta = DeltaReceiver(self.unpacker.plan, self.unpacker.manifest, self.name)
-            self._delta.begin(version, record)
+        loader = self._loaders.of(info)
+        loader.begin(version, info, self.transport)
         t = time.perf_counter()
         for b, buf, expected in self.transport.receive(version, info, deadline, check):
             t1 = time.perf_counter()
@@ -317,11 +285,7 @@ class WeightReceiver(Party):
             if expected is not None:
                 verified.append(expected)
             t2 = time.perf_counter()
-            if record is not None:
-                pairs, got = self._delta.apply(version, record, b, buf)
-                rebuilt.append(got)
-            else:
-                pairs = self.unpacker.unpack(b, buf, span)
+            pairs = loader.unpack(version, info, b, buf)
             if pairs:
                 if not self._touched:
                     # from here on the model holds a mix of versions until the last bucket
@@ -354,7 +318,7 @@ class WeightReceiver(Party):
                 "received_ahead": self.transport.received_ahead(version, info),
                 # the whole version's digest, from the bucket digests it verified: equal to the
                 # sender's when both hold the same bytes (status() shows both)
-                "digest": version_digest("xxh3", rebuilt) if record is not None else version_digest(kind, verified)}
+                "digest": loader.digest(kind, verified)}
 
     def _abort_load(self) -> str:
         if self.abort_load is None:
@@ -365,15 +329,26 @@ class WeightReceiver(Party):
             return f"; abort_load failed ({type(exc).__name__}: {exc})"
         return ""
 
-    def _rollback(self, prev: int | None, info: VersionRecord | None, deadline: float) -> str:
-        if prev is None or info is None or not self.config.keep_previous or not self.transport.can_replay(prev, info):
-            return f"; serves no version until the next sync (previous version {prev} is not at hand)"
-        try:
-            self._load(prev, info, max(deadline, time.monotonic() + self.config.sync_timeout_s), replay=True)
-        except Exception as exc:  # the engine's own hooks raise what they raise; the version still fails
-            return f"; rollback to version {prev} failed too ({type(exc).__name__}: {exc}); serves no version"
-        self._version = prev
-        return f"; rolled back to version {prev}"
+    def _rollback(self, info: VersionRecord, prev: int | None, prev_info: VersionRecord | None,
+                  deadline: float) -> str:
+        # the failed version's loader knows where the previous one can come back from (the
+        # transport's kept copy, or the shadow's undo records); the engine's hooks stay here
+        touched = self._touched
+        why = self._abort_load() if touched else ""
+
+        def finish() -> None:
+            if self.post_load is not None:
+                self.post_load()
+            if self.reset_cache is not None and self.reset_cache() is False:
+                raise VersionError("the engine did not reset its cache")
+
+        engine = Engine(
+            load=self.load_weights, finish=finish,
+            replay=lambda v, i: self._load(v, i, max(deadline, time.monotonic() + self.config.sync_timeout_s),
+                                           replay=True),
+            can_replay=lambda v, i: self.config.keep_previous and self.transport.can_replay(v, i))
+        more, self._version = self._loaders.of(info).rollback(prev, prev_info, touched, self._version, engine)
+        return why + more
 
     def _report(self, version: int, ok: bool, reason: str = "", metrics: dict | None = None) -> None:
         try:

@@ -3,7 +3,8 @@
 One version, end to end:  stage(v, named_tensors)
   -> manifest check and bucket plan (first version only; reused afterwards)
   -> coordinator.begin_stage(v) picks the storage slot
-  -> transport.stage(): pack_stream() copies tensors into the transport's BucketSink, bucket by bucket
+  -> the packing strategy (delta/strategy.py) gives the Packing: the tensors, or delta-encoded buckets
+  -> transport.stage(): the Packing is copied into the transport's BucketSink, bucket by bucket
   -> coordinator.staged(v)                     ... the trainer is free again
 sync(v)  -> coordinator.begin_sync(v) -> transport.send(v) -> coordinator.wait_outcome(v)
 """
@@ -24,14 +25,11 @@ from .config import SyncConfig
 from .coordinator import ops
 from .coordinator.client import Coordinator
 from .coordinator.control import Publication
-from .delta import codec as delta
-from .delta import policy as delta_policy
-from .delta.sender import DeltaSender
+from .delta.strategy import FullPacking, packing_for
 from .device import describe
 from .errors import ConfigError, VersionError
 from .manifest import Manifest, build_manifest
 from .party import Party
-from .plan import Packing
 from .transports.capabilities import ipc_support
 from .transports.records import VersionRecord
 from .transports.selection import choose_transport
@@ -144,8 +142,8 @@ class WeightSender(Party):
         self._staged: dict[int, StagedVersion] = {}
         self._staged_digest: dict[int, str | None] = {}  # version digests reported when staged
         self._pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix=f"weightsync-stage-{self.name}")
-        self._delta: DeltaSender | None = None  # config delta: auto / on (delta/sender.py)
-        self._delta_versions: set[int] = set()
+        # full, or delta sync's snapshot and diff with config delta: auto / on (delta/strategy.py)
+        self._packing = FullPacking()
 
     @property
     def sends(self) -> bool:
@@ -198,8 +196,7 @@ class WeightSender(Party):
             transport.close()
             raise
         self.manifest, self.transport, self.transport_name, self.plan = manifest, transport, name, ctx.plan
-        if delta.wanted(self.config.delta, name) and self.sends:
-            self._delta = DeltaSender(ctx.plan, manifest, self.config.delta)
+        self._packing = packing_for(self.config.delta, name, self.sends, ctx.plan, manifest)
 
     # -- per version ---------------------------------------------------------------------
 
@@ -287,16 +284,8 @@ class WeightSender(Party):
         slot = self.control.begin_stage(version)
         self._last_version = version  # a restarted coordinator learns it on re-registration
         try:
-            packing, extra = Packing(self.plan, self.manifest, named), {}
-            if self._delta is not None:
-                serving = [r.serving for r in self.control.receivers(0, self.config.connect_timeout_s)]
-                if self._delta.way(serving) == delta_policy.FULL:
-                    self._delta.skip(version)  # auto measured full versions faster: sent as delta: off does
-                else:
-                    packing, record, digest = self._delta.prepare(version, named, serving)
-                    # receivers read a delta version by its wire plan from the first record on
-                    extra = {"delta": record, "digest": digest}
-                    self._delta_versions = {v for v in self._delta_versions if v > version - 8} | {version}
+            packing, extra = self._packing.pack(version, named, serving=lambda: [
+                r.serving for r in self.control.receivers(0, self.config.connect_timeout_s)])
             record = self.transport.stage(
                 version, slot, packing,
                 announce=lambda early: self.control.stage_info(
@@ -308,8 +297,7 @@ class WeightSender(Party):
             self._staged_digest = {v: d for v, d in self._staged_digest.items() if v > version - 8}
             self._staged_digest[version] = record.digest
         except BaseException as exc:
-            if self._delta is not None:
-                self._delta.resolved(version, committed=False)
+            self._packing.resolved(version, committed=False)
             try:
                 self.control.abort(version, f"staging failed: {type(exc).__name__}: {exc}")
             except Exception:
@@ -347,17 +335,13 @@ class WeightSender(Party):
                 self.transport.send(version, time.monotonic() + timeout)
                 # transports that pack at the barrier know the version's digest only now: it
                 # rides with the wait for the outcome (one call less per version)
-                digest = self.transport.version_digests.get(version)
-                if version in self._delta_versions:
-                    digest = None  # the transport's is of the encoded buckets; the record has the version's
+                digest = self._packing.digest(version, self.transport.version_digests.get(version))
                 if digest is not None and digest != self._staged_digest.pop(version, None):
                     late = VersionRecord(digest=digest).to_wire()
             outcome = self.control.wait_outcome(version, timeout, info=late)
-            if self._delta is not None:
-                self._delta.resolved(version, committed=True, seconds=stage_s + time.perf_counter() - t0)
+            self._packing.resolved(version, committed=True, seconds=stage_s + time.perf_counter() - t0)
         except Exception as exc:
-            if self._delta is not None:
-                self._delta.resolved(version, committed=False)
+            self._packing.resolved(version, committed=False)
             if self.sends:
                 events.send_failed(self.name, version, transport, time.perf_counter() - t0, f"{type(exc).__name__}: {exc}")
             raise
@@ -378,10 +362,7 @@ class WeightSender(Party):
             None) and, with ``delta: auto``, ``auto``: ``chosen`` (``delta``, ``full``, or None
             while a way is being timed) and ``delta_s`` / ``full_s``, the seconds it chose on.
         """
-        if self._delta is None:
-            return None
-        policy = self._delta.policy
-        return {"base": self._delta.base, **({"auto": policy.describe()} if policy is not None else {})}
+        return self._packing.state()
 
     def _close_transport(self) -> None:
         self._pool.shutdown(wait=True)

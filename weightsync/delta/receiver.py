@@ -99,9 +99,6 @@ class DeltaReceiver:
         pairs = self.unpacker.unpack(b, shadow, self.span)
         return [(n, t) for n, t in pairs if self._index[n] in self._touched], got
 
-    def holds_base(self, record: DeltaRecord | None) -> bool:
-        return record is None or record.base is None or record.base == self.version
-
     def committed(self, version: int | None) -> None:
         self.version, self._undo, self._active = version, [], False
 

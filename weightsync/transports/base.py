@@ -17,7 +17,6 @@ import torch
 
 from .. import digest
 from ..config import SyncConfig
-from ..delta.packing import wire_plan
 from ..errors import VersionError
 from ..manifest import Manifest
 from ..plan import BucketPlan, Packing
@@ -174,9 +173,8 @@ class ReceiverTransport(abc.ABC):
         while waiting. Raise DeadlineExceeded past ``deadline`` (time.monotonic())."""
 
     def plan_of(self, info: VersionRecord) -> BucketPlan:
-        """The bucket lengths a version moves: the session plan's, or a delta version's encoded
-        lengths (delta/packing.py), bucket for bucket."""
-        return self.ctx.plan if info.delta is None else wire_plan(self.ctx.plan, info.delta.lengths)
+        """The bucket lengths a version moves, as its record says (VersionRecord.moves)."""
+        return info.moves(self.ctx.plan)
 
     def verify_bucket(self, version: int, info: VersionRecord, b: int, buf: torch.Tensor, expected: int | None) -> bool:
         """Raise ChecksumError if bucket b does not match the sender's digest (None: no
@@ -205,11 +203,13 @@ class ReceiverTransport(abc.ABC):
     def span(self, version: int, info: VersionRecord) -> Callable[[int, int, int], torch.Tensor | None] | None:
         """For transports that hold a whole version at once: a function giving a view of
         ``nbytes`` from ``offset`` in ``bucket`` onwards (None where not contiguous), so tensors
-        split over buckets need no reassembly copy. None (the default): reassemble."""
+        split over buckets need no reassembly copy. None (the default): reassemble. Asked only
+        for a version whose buckets are the session plan's (the receiver's full loader)."""
         return None
 
     def can_replay(self, version: int, info: VersionRecord) -> bool:
-        """True if ``version`` can be received again (rollback after a failed apply)."""
+        """True if ``version`` can be received again (rollback after a failed apply). Asked
+        only for a version whose buckets are the session plan's (the receiver's full loader)."""
         return False
 
     def close(self) -> None:

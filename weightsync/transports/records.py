@@ -21,7 +21,9 @@ from typing import Any, ClassVar, TypeVar
 
 from ..coordinator import protocol
 from ..delta.codec import FULL, KINDS, SKIP
+from ..delta.packing import wire_plan
 from ..errors import ProtocolError
+from ..plan import BucketPlan
 
 DIGEST_KINDS = (None, "xxh3", "torch")
 R = TypeVar("R", bound="Record")
@@ -103,6 +105,12 @@ class VersionRecord(Record):
     digest: str | None = None  # of the whole version (digest.version_digest), once packed
     # a delta version's wire plan (the sender's delta: auto / on); None: the session plan
     delta: DeltaRecord | None = None
+
+    def moves(self, plan: BucketPlan) -> BucketPlan:
+        """The bucket lengths this version moves over the session ``plan``, bucket for bucket:
+        the plan's own, or the encoded lengths its delta record names (delta/packing.py), so a
+        transport sizes what it reads without knowing what the bytes mean."""
+        return plan if self.delta is None else wire_plan(plan, self.delta.lengths)
 
 
 # -- shm: whole versions in segments ------------------------------------------------------------

@@ -121,8 +121,8 @@ class Shadow:
                 raise self.error
 
     def buckets(self, plan: BucketPlan) -> Iterator[tuple[int, torch.Tensor, int | None]]:
-        """The version's buckets as received (``plan``: their lengths, a delta version's encoded
-        ones), to be read on the calling thread's current stream: the engine's, at the barrier."""
+        """The version's buckets as received (``plan``: their wire lengths, as the version's
+        record gives them), to be read on the calling thread's current stream: the engine's, at the barrier."""
         reader = devices.current_stream(self.device) if self.stream is not None else None
         if reader is not None:
             if self._written is not None:

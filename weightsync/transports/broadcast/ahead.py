@@ -94,6 +94,6 @@ class AheadReceiver:
         return super().verify_bucket(version, info, b, buf, expected)  # type: ignore[misc]
 
     def span(self, version: int, info: VersionRecord) -> Callable[[int, int, int], torch.Tensor | None] | None:
-        if self.received_ahead(version, info) and info.delta is None and self.shadow is not None:
+        if self.received_ahead(version, info) and self.shadow is not None:
             return self.shadow.span()
         return None

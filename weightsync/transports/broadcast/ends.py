@@ -65,7 +65,7 @@ class BroadcastEnd:
         return self.buffers
 
     def _wire(self, b: int, nbytes: int | None = None) -> torch.Tensor:
-        """Bucket b's buffer with its trailer: ``nbytes`` of payload (a delta version's encoded
+        """Bucket b's buffer with its trailer: ``nbytes`` of payload (the version's wire
         length), the session plan's by default."""
         n = self.ctx.plan.buckets[b].nbytes if nbytes is None else nbytes
         return self._buffers()[b % BUFFERS][: n + self.trailer]

@@ -206,7 +206,7 @@ class _Launch(BucketSink):
     def __init__(self, sender: BroadcastSender, version: int, deadline: float, failed: bool = False,
                  plan: BucketPlan | None = None):
         self.sender, self.version, self.deadline = sender, version, deadline
-        self.plan = sender.ctx.plan if plan is None else plan  # a delta version's encoded lengths
+        self.plan = sender.ctx.plan if plan is None else plan  # the packing's wire lengths (shorter where its buckets are encoded)
         self.group: Group | None = None
         self.launched: list[Any] = []
         self.digests: dict[int, Any] = {}  # each bucket's, from pack_stream, until launched
@@ -308,7 +308,7 @@ class BroadcastReceiver(AheadReceiver, BroadcastEnd, ReceiverTransport):
             self._poll(version)
 
         devices.set_current(self.device)
-        plan = self.plan_of(info)  # a delta version moves its encoded lengths
+        plan = self.plan_of(info)  # the wire lengths its record gives
         posted: dict[int, Any] = {}
         finished = False
         try:

@@ -23,7 +23,7 @@ class Ring(BucketSink):
     when its buffer is needed again."""
 
     def __init__(self, sender: Any, version: int, watch: Watch, deadline: float, plan: BucketPlan):
-        self.plan = plan  # the session plan, or a delta version's encoded lengths
+        self.plan = plan  # the packing's wire lengths (shorter where its buckets are encoded)
         self.sender, self.version, self.watch, self.deadline = sender, version, watch, deadline
         self.published = self.fenced = -1
         self.asked: set[int] = set()

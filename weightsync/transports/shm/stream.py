@@ -32,7 +32,7 @@ from collections.abc import Callable, Iterator, Mapping
 from typing import Any, ClassVar
 
 from ...config import MiB, SyncConfig
-from ...delta.codec import snapshot_bytes, wanted
+from ...delta.packing import host_reserve
 from ...errors import CapacityError, ProtocolError
 from ...plan import BucketPlan, align_up
 from ..base import Received, ReceiverTransport, SenderTransport, TransportContext
@@ -82,8 +82,8 @@ def budget(config: SyncConfig, capacity: Callable[[SyncConfig], int] = node_capa
 
 
 def choose_mode(plan: BucketPlan, config: SyncConfig, capacity: Callable[[SyncConfig], int] = node_capacity) -> ShmMode:
-    # delta sync's snapshot lives in the trainer's host memory on this node (docs/delta.md)
-    reserve = snapshot_bytes(plan.bucket_count, plan.bucket_bytes) if wanted(config.delta, "shm") else 0
+    # what the sender's packing keeps in host memory on this node comes out of the same budget
+    reserve = host_reserve(config.delta, "shm", plan)
     limit, source = budget(config, capacity, reserve)
     segment = layout(plan)[0]
     slots = config.shm_max_segments

@@ -146,7 +146,7 @@ class ShmSender(SenderTransport):
         early = ShmVersion(segment=seg.ref, size=self.size)
         announce(early)
         sums: list[int] = []
-        sink = _SegmentSink(seg, self.bases, packing.plan)  # a delta version's encoded lengths
+        sink = _SegmentSink(seg, self.bases, packing.plan)  # the packing's wire lengths (shorter where its buckets are encoded)
         packed, ready = 0, np.uint64(version + 1)
         for b in packing.into(sink, self.digest_kind):
             n = packing.plan.buckets[b].nbytes
@@ -328,13 +328,13 @@ class ShmReceiver(ReceiverTransport):
         return getattr(self, "verified_ahead", None) == version
 
     def span(self, version: int, info: VersionRecord) -> Callable[[int, int, int], torch.Tensor | None] | None:
-        if not isinstance(info, ShmVersion) or info.delta is not None:
-            return None  # receive() says why; a delta version's segment holds encoded buckets
+        if not isinstance(info, ShmVersion):
+            return None  # receive() says why
         return spans(self._attach(info.segment).bytes, self.bases, self.ctx.plan)
 
     def can_replay(self, version: int, info: VersionRecord) -> bool:
-        if not isinstance(info, ShmVersion) or info.delta is not None:
-            return False  # a delta version's segment holds encoded buckets, not the version
+        if not isinstance(info, ShmVersion):
+            return False
         try:
             seg = self._attach(info.segment)
         except ProtocolError:
