@@ -376,3 +376,22 @@ def test_prefetch_verifies_ahead_and_apply_only_loads(start_job):
     for r in rs:
         assert ray.get(r.version.remote()) == 1
         assert_serves(r, MANIFEST, 1)
+
+
+def test_a_party_joins_the_session_when_opened_not_when_built(coordinator_factory):
+    """Building a party touches no network: registration and the heartbeat begin in open(), after
+    a subclass has set what registration tells the coordinator."""
+    from weightsync.party import Party
+
+    class Trainer(Party):
+        role = "sender"
+
+    coord = coordinator_factory(CFG)
+    party = Trainer(coord, name="p-0", rank=0)
+    try:
+        before = [p["name"] for p in coord.status()["parties"]]
+        party.open()
+        after = [p["name"] for p in coord.status()["parties"]]
+        assert (before, after) == ([], ["p-0"])
+    finally:
+        party.close()

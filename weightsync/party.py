@@ -31,6 +31,10 @@ def node_identity() -> tuple[str, str]:
 
 
 class Party:
+    """A sender or receiver: built without touching the network, joined by :meth:`open`.
+    A subclass sets every field it tells the coordinator (``_rejoin_state``) before it opens:
+    registration and the heartbeat thread read them from the first call on."""
+
     role = "party"
 
     def __init__(self, coordinator: Coordinator, *, name: str, rank: int,
@@ -43,10 +47,27 @@ class Party:
         self._closed = False
         self._rejoin_lock = threading.Lock()
         self.control = ControlPlane(coordinator, lambda: self.party, self._rejoin)
-        self._register()
+        self.party: int | None = None  # set by open(): the coordinator's id for this party
+        self.session: str | None = None
         self._stop = threading.Event()
-        self._beat = threading.Thread(target=self._heartbeat, name=f"weightsync-heartbeat-{name}", daemon=True)
-        self._beat.start()
+        self._beat: threading.Thread | None = None
+
+    def open(self) -> Party:
+        """Register with the coordinator and start the heartbeat. Idempotent; WeightSender and
+        WeightReceiver call it at the end of their constructors, so users never need to.
+
+        Returns:
+            This party.
+
+        Raises:
+            WeightSyncError: The coordinator is unreachable or refused the registration.
+        """
+        if self._beat is None:
+            self._register()
+            self._beat = threading.Thread(target=self._heartbeat, name=f"weightsync-heartbeat-{self.name}",
+                                          daemon=True)
+            self._beat.start()
+        return self
 
     def _register(self) -> None:
         state = self._rejoin_state()
@@ -107,13 +128,15 @@ class Party:
         self._closed = True
         self._close_transport()
         self._stop.set()
+        if self.party is None:
+            return  # never opened: the coordinator does not know it
         try:
             self.control.leave()
         except Exception:
             pass
 
     def __enter__(self):
-        return self
+        return self.open()
 
     def __exit__(self, *exc: Any) -> None:
         self.close()

@@ -107,6 +107,7 @@ class WeightReceiver(Party):
         # a test's fault point (weightsync.testing.parties): called as (version, bucket) once bucket b
         # is verified and loaded, before the next one is read
         self.on_bucket: Callable[[int, int], Any] | None = None
+        self.open()  # last: registration tells the coordinator what this receiver serves
 
     @property
     def version(self) -> int | None:
@@ -199,11 +200,11 @@ class WeightReceiver(Party):
         return v
 
     def _rejoin_state(self) -> dict[str, Any]:
-        served = getattr(self, "_version", None)
-        return {"serving": served, "served": getattr(self, "_info", None) if served is not None else None}
+        served = self._version
+        return {"serving": served, "served": self._info if served is not None else None}
 
     def _rejoined(self) -> None:
-        if getattr(self, "transport", None) is not None:
+        if self.transport is not None:
             self.control.without_rejoin().verdict(True)
 
     def prefetch(self, version: int | None = None, timeout: float | None = None) -> int | None:

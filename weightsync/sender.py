@@ -144,6 +144,9 @@ class WeightSender(Party):
         self._pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix=f"weightsync-stage-{self.name}")
         # full, or delta sync's snapshot and diff with config delta: auto / on (delta/strategy.py)
         self._packing = FullPacking()
+        self._last_version: int | None = None  # a restarted coordinator learns it on re-registration
+        self._published: Publication | None = None
+        self.open()  # last: registration tells the coordinator the last version staged
 
     @property
     def sends(self) -> bool:
@@ -265,10 +268,10 @@ class WeightSender(Party):
         return True
 
     def _rejoin_state(self) -> dict[str, Any]:
-        return {"last_version": getattr(self, "_last_version", None)}
+        return {"last_version": self._last_version}
 
     def _rejoined(self) -> None:
-        if getattr(self, "_published", None) is not None:
+        if self._published is not None:
             self.control.without_rejoin().publish(self._published)
 
     def _stage(self, version: int, named: NamedTensors) -> float:
