@@ -43,17 +43,14 @@ def barrier_lines(size: dict[str, Any]) -> list[str]:
              + (f"against one copy of the payload as each row loads it ({copies}):" if dev else
                 f"against one copy of the payload ({_s(one)} at {size['ceiling']['gbps']:.2f} GB/s):")]
     for r in rows:
-        one, kind = load_copy(size, r) or (one, "")
-        if dev:
-            one_word = f"one {kind} copy"
-        else:
-            one_word = "one copy"
-        ahead = (f"; {_s(r['prefetched_barrier_s'])} = {r['prefetched_barrier_s'] / one:.2f}x after prefetch()"
+        copy_s, kind = load_copy(size, r)  # never None here: the host ceiling exists (``one``)
+        one_word = f"one {kind} copy" if dev else "one copy"
+        ahead = (f"; {_s(r['prefetched_barrier_s'])} = {r['prefetched_barrier_s'] / copy_s:.2f}x after prefetch()"
                  if r.get("prefetched_barrier_s") else "")
         q = _quartiles(r.get("prestaged_s") or [])
         spread = f" (IQR {_s(q)})" if q is not None else ""
         lines.append(f"  {r['name']} x{r['receivers']}: {_s(r['barrier_s'])}{spread} = "
-                     f"{r['barrier_s'] / one:.2f}x {one_word}{ahead}{_mode(r)}")
+                     f"{r['barrier_s'] / copy_s:.2f}x {one_word}{ahead}{_mode(r)}")
     return lines
 
 

@@ -241,7 +241,7 @@ class ShmReceiver(ReceiverTransport):
                                         f"sender's report")
                 if expected is not None:
                     started += self._hash_ahead(version, info, seg, buckets, b)
-                yield b, seg.bytes[self.bases[b]: self.bases[b] + bucket.nbytes], expected
+                yield b, self._view(seg, b, bucket.nbytes), expected
                 if int(head[word]) != ready:
                     raise ProtocolError(f"bucket {b} of version {version} was overwritten while it was loaded")
         finally:
@@ -263,11 +263,13 @@ class ShmReceiver(ReceiverTransport):
                 word = _ready_word(k)
                 if (version, k) in self._ahead or int(head[word]) != ready:
                     continue
-                view = seg.bytes[self.bases[k]: self.bases[k] + buckets[k].nbytes]
-                self._ahead[(version, k)] = self._pool.submit(self._verify_here, version, info, k, view,
-                                                             int(head[word + 1]))
+                self._ahead[(version, k)] = self._pool.submit(self._verify_here, version, info, k,
+                                                             self._view(seg, k, buckets[k].nbytes), int(head[word + 1]))
                 started.append((version, k))
         return started
+
+    def _view(self, seg: Segment, b: int, nbytes: int) -> torch.Tensor:
+        return seg.bytes[self.bases[b]: self.bases[b] + nbytes]
 
     @staticmethod
     def _wait_ready(head: np.ndarray, word: int, ready: int, version: int, b: int,
