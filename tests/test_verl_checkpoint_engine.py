@@ -93,3 +93,56 @@ def test_manager_transfer_is_bit_exact(worker_groups, transport, delta):
         assert replicas[0].calls[:2] == ["abort", "release"]
     finally:
         ray.get(actors.execute_checkpoint_engine(["close"] * 2) + rollouts.execute_checkpoint_engine(["close"] * 2))
+
+
+def _stage_ahead(actors, step):
+    """What weightsync_verl.stage_ahead does right after update_actor: arm every actor rank, then
+    their update_weights for the next step."""
+    import ray
+
+    ray.get(actors.execute_checkpoint_engine(["arm_ahead"] * 2))
+    return ray.get(actors.update_weights(global_steps=step))
+
+
+def _settle(actors):
+    """What it does before the next sync: every rank's view, then one verdict for all."""
+    import ray
+
+    keep = all(ray.get(actors.execute_checkpoint_engine(["ahead_usable"] * 2)))
+    ray.get(actors.execute_checkpoint_engine(["keep_ahead"] * 2, [keep] * 2))
+    return keep
+
+
+@pytest.mark.parametrize("transport, ahead, kept", [("shm", "off", True), ("broadcast", "off", False)])
+def test_a_version_staged_ahead_is_synced_without_a_second_walk(worker_groups, transport, ahead, kept):
+    """A version staged right after the update is the one the next sync commits, and no rank
+    walks its parameters again; where stage() moves no bytes (broadcast without receive_ahead)
+    it is withdrawn on every rank alike, and the sync stages the next integer afresh, walked by
+    every rank once more. Either way the rollouts end with that step's weights, bit for bit."""
+    import ray
+    from verl.checkpoint_engine import CheckpointEngineManager
+    from weightsync_verl.testing import ReplicaGates, hf_weights
+
+    from weightsync.testing.parties import assert_same_weights
+
+    actors, rollouts = worker_groups
+    cfg = _config(transport)
+    cfg.engine_kwargs["weightsync"]["receive_ahead"] = ahead
+    actors.use_engine(cfg)
+    rollouts.use_engine(cfg)
+    manager = CheckpointEngineManager(config=cfg, actor_wg=actors,
+                                      replicas=[ReplicaGates(rollouts.workers[:1]), ReplicaGates(rollouts.workers[1:])])
+    try:
+        manager.update_weights(global_steps=1)
+        staged = _stage_ahead(actors, 2)
+        walked = actors.iterated_count()
+        assert _settle(actors) is kept and staged[0]["weightsync/staged_ahead"] == float(kept)
+        metrics = manager.update_weights(global_steps=2)
+        expected = hf_weights(2)
+        again = [n - w for n, w in zip(actors.iterated_count(), walked)]
+        outcome = (metrics["weightsync/version"], again)
+        assert outcome == ((2, [0, 0]) if kept else (3, [len(expected)] * 2)), outcome
+        for got in rollouts.received(2):
+            assert_same_weights(got, expected, "step 2")
+    finally:
+        ray.get(actors.execute_checkpoint_engine(["close"] * 2) + rollouts.execute_checkpoint_engine(["close"] * 2))

@@ -151,3 +151,51 @@ def test_one_step_off_trainer_syncs_bit_exact(ray_cluster, monkeypatch, transpor
         refs = [r for wg in wgs if wg is not None for r in wg.execute_checkpoint_engine(["close"] * wg.world_size)]
         ray.get(refs)
         made.close()
+
+
+def test_a_version_staged_right_after_update_actor_is_the_next_syncs(ray_cluster, monkeypatch):
+    """With weightsync_verl.stage_ahead in front of verl's trainer: the real ``_fit_update_actor``
+    stages step 2's version on every actor rank and, on broadcast (receive_ahead auto by the
+    mixin), sends it into the rollouts' shadows; the real ``_fit_update_weights`` of step 2 then
+    commits that very version without walking the parameters again, and the rollouts hold step
+    2's weights bit for bit (verl's log gets weightsync/staged_ahead 1)."""
+    import ray
+    from weightsync_verl.stage_ahead import StageAheadMixin
+    from weightsync_verl.testing import CpuGroups, hf_weights
+
+    from weightsync.testing.parties import assert_same_weights
+
+    config = compose_config("broadcast", monkeypatch)
+    made = CpuGroups()
+    base = type(cpu_trainer(config, made))
+
+    class Trainer(StageAheadMixin, base):
+        def _update_actor(self, batch):  # the actor's optimizer step: EngineActor yields hf_weights(step)
+            return SimpleNamespace(meta_info={"metrics": {}})
+
+    trainer = Trainer()
+    trainer.is_last_step = False  # as verl's __init__ sets it (the stand-in skips that __init__)
+    try:
+        trainer.init_workers()
+        actors = trainer.checkpoint_manager.actor_wg
+
+        async def steps():
+            trainer._fit_update_weights()  # fit()'s initial sync, step 0
+            trainer.global_steps = 1
+            trainer._fit_update_weights()
+            trainer._fit_update_actor(None)  # then stages step 2's version
+            walked = actors.iterated_count()
+            trainer.global_steps = 2
+            trainer._fit_update_weights()
+            again = [n - w for n, w in zip(actors.iterated_count(), walked)]
+            return again, ray.get([w.received.remote(2) for w in trainer.rollout_wg.workers])
+
+        again, per_worker = asyncio.run(steps())
+        outcome = (trainer.metrics["weightsync/version"], trainer.metrics["weightsync/staged_ahead"], again)
+        assert outcome == (2, 1.0, [0, 0]), outcome
+        for got in per_worker:
+            assert_same_weights(got, hf_weights(2), "step 2")
+    finally:
+        wgs = [trainer.all_wg[k] for k in getattr(trainer, "all_wg", {})] + [getattr(trainer, "rollout_wg", None)]
+        ray.get([r for wg in wgs if wg is not None for r in wg.execute_checkpoint_engine(["close"] * wg.world_size)])
+        made.close()

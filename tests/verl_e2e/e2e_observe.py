@@ -87,7 +87,8 @@ async def send_weights(self, weights, global_steps=None):
             yield name, tensor
 
     out = await _send_weights(self, tap(), global_steps=global_steps)
-    torch.save(sent, os.path.join(RECORD, f"weights-{global_steps}.pt"))
+    if sent:  # the sync of a version staged ahead reads no tensors: the ahead call recorded them
+        torch.save(sent, os.path.join(RECORD, f"weights-{global_steps}.pt"))
     return out
 
 

@@ -113,12 +113,15 @@ def _sid(pid: int) -> int | None:
         return None
 
 
-def run(work: str, steps: int = 5, transport: str = "broadcast", timeout: float = 900) -> tuple[list[dict], float]:
+def run(work: str, steps: int = 5, transport: str = "broadcast", timeout: float = 900,
+        ahead: bool = False) -> tuple[list[dict], float]:
     """verl's one-step-off trainer for ``steps`` steps. Returns (one metrics dict per training
-    step, wall seconds)."""
+    step, wall seconds). ``ahead``: with weightsync_verl.stage_ahead (its plugin module), for even steps' syncs
+    only (ahead_every_other.py), so one run interleaves both kinds of step."""
     model = prepare(work, rows=4 * steps)
+    ahead_modules = ("weightsync_verl.plugin_stage_ahead", "ahead_every_other") if ahead else ()
     return launch(work, "verl.experimental.one_step_off_policy.main_ppo", overrides(work, model, steps, transport),
-                  modules=("cpu_platform", "e2e_observe"), timeout=timeout)
+                  modules=("cpu_platform", "e2e_observe", *ahead_modules), timeout=timeout)
 
 
 def prepare(work: str, rows: int) -> str:
@@ -179,6 +182,13 @@ def launch(work: str, module: str, args: list[str], modules: tuple[str, ...], ti
 
 
 if __name__ == "__main__":
-    out = sys.argv[1]
-    per_step, seconds = run(out, steps=int(sys.argv[2]) if len(sys.argv) > 2 else 5)
+    import argparse
+
+    parser = argparse.ArgumentParser()
+    parser.add_argument("out")
+    parser.add_argument("steps", type=int, nargs="?", default=5)
+    parser.add_argument("--transport", default="broadcast")
+    parser.add_argument("--ahead", action="store_true", help="stage ahead for even steps' syncs")
+    a = parser.parse_args()
+    per_step, seconds = run(a.out, steps=a.steps, transport=a.transport, ahead=a.ahead)
     print(json.dumps({"wall_s": seconds, "steps": per_step}, indent=1))

