@@ -104,9 +104,6 @@ class WeightReceiver(Party):
         self._session_lock = threading.Lock()  # prefetch() may run in a thread beside apply()
         self._ahead: AheadThread | None = None  # receive_ahead: takes versions before the barrier
         self.last_metrics: dict[str, Any] = {}
-        # a test's fault point (weightsync.testing.parties): called as (version, bucket) once bucket b
-        # is verified and loaded, before the next one is read
-        self.on_bucket: Callable[[int, int], Any] | None = None
         self.open()  # last: registration tells the coordinator what this receiver serves
 
     @property
@@ -298,8 +295,6 @@ class WeightReceiver(Party):
             t = time.perf_counter()
             verify_s += t2 - t1
             load_s += t - t2
-            if self.on_bucket is not None:
-                self.on_bucket(version, b)
         t3 = time.perf_counter()
         if self.post_load is not None:
             self.post_load()

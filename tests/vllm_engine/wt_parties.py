@@ -130,12 +130,10 @@ class Trainer:
 
     def tamper(self, version: int, bucket: int) -> None:
         """weightsync's wire fault point (as weightsync.testing.parties.TrainerWorker.tamper): one
-        byte of bucket ``bucket`` of ``version`` flipped after its digest was taken."""
-        def hook(v: int, b: int, payload: Any) -> None:
-            if (v, b) == (version, bucket):
-                payload[3] ^= 0x40
+        byte of bucket ``bucket`` of ``version`` flipped after its digest was taken, before it is published."""
+        from weightsync.testing.faults import edit_packed, tampering
 
-        self.engine.sender.transport.on_packed = hook
+        edit_packed(self.engine.sender.transport, tampering(version, bucket, "corrupt"))
 
     def manifest(self) -> list:
         from weightsync import build_manifest

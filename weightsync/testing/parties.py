@@ -27,6 +27,7 @@ from ..coordinator.client import Coordinator
 from ..manifest import Manifest
 from ..receiver import WeightReceiver
 from ..sender import WeightSender
+from .faults import edit_packed, hold_receive, tampering
 from .layouts import materialize
 
 
@@ -121,12 +122,18 @@ class RolloutWorker(_Party):
         self.gate = Gate()
 
     def apply(self, version: int | None = None, timeout: float | None = None, wait: bool = True) -> int | None:
+        if self.gate.at:
+            # the fault point sits on the session's transport: open it first, as apply() does
+            # before anything else, so a hold on the first version lands too
+            self.receiver._ensure_session(self.receiver.config.connect_timeout_s)
+            hold_receive(self.receiver, lambda point: self.gate.pass_(point))
         return self.receiver.apply(version, timeout=timeout, wait=wait)
 
     def hold_at(self, version: int, bucket: int) -> None:
-        """Fault point: once bucket ``bucket`` of ``version`` is loaded, apply() waits for release()."""
+        """Fault point: once bucket ``bucket`` of ``version`` is loaded, apply() waits for
+        release() (faults.hold_receive: the receiver's view of its transport, installed at
+        the next apply())."""
         self.gate = Gate(version, bucket)
-        self.receiver.on_bucket = lambda v, b: self.gate.pass_((v, b))
 
     def corrupt_shadow(self, bucket: int, offset: int) -> None:
         """Fault in host memory: flip one bit of byte ``offset`` of bucket ``bucket`` in the
@@ -194,23 +201,9 @@ class TrainerWorker(_Party):
     def tamper(self, version: int, bucket: int, how: str) -> None:
         """Fault point on the wire: once bucket ``bucket`` of ``version`` is packed and its
         checksum taken, flip one byte of it (``corrupt``) or zero its second half, as a short
-        write leaves it (``truncate``), before any receiver may read it."""
-        def hook(v: int, b: int, payload: torch.Tensor) -> None:
-            if (v, b) != (version, bucket):
-                return
-            if how == "corrupt":
-                payload[3] ^= 0x40
-            elif how == "truncate":
-                tail = payload[payload.numel() // 2:]
-                assert bool(tail.any()), "the cut must change the bytes"
-                tail.zero_()
-            else:
-                raise ValueError(f"unknown tampering {how!r}")
-            # on a device the edit is queued on the stream: it must land before the bucket is
-            # published, as the packed bytes did (a receiver could verify clean bytes, then load torn ones)
-            devices.synchronize(payload.device)
-
-        self.sender.transport.on_packed = hook
+        write leaves it (``truncate``), before any receiver may read it (faults.edit_packed,
+        on the session's transport: the trainer staged a version before)."""
+        edit_packed(self.sender.transport, tampering(version, bucket, how))
 
     def sync(self, version: int, timeout: float | None = None) -> dict[str, Any]:
         r = self.sender.sync(version, timeout=timeout)

@@ -86,10 +86,6 @@ class SenderTransport(abc.ABC):
     # receive_ahead works here: a version reaches the receivers before the barrier (broadcast
     # sends in stage(); whole-version shm is in its segment, verified ahead)
     ahead_capable: ClassVar[bool] = False
-    # a test's fault point (weightsync.testing.parties): called as (version, bucket, payload) once
-    # bucket b is packed and checksummed, before receivers may read it, to corrupt the bytes
-    # in transit
-    on_packed: Callable[[int, int, torch.Tensor], Any] | None = None
     # how this transport runs here and why (shm: whole versions or a bounded stream), added to
     # the transport reason status() shows; set by the transport
     mode_reason: str = ""

@@ -229,8 +229,6 @@ class _Launch(BucketSink):
             n = plan.buckets[i].nbytes
             if s.trailer:
                 self.written.append(put_checksum(s._wire(i, n), n, self.digests.pop(i, None), s.digest_kind))
-            if s.on_packed is not None:
-                s.on_packed(self.version, i, s._wire(i, n)[:n])
             self.launched.append(self.group.broadcast(s._wire(i, n), self.deadline - time.monotonic()))
             s.pending.append(self.launched[-1])
 

@@ -81,8 +81,6 @@ class Ring(BucketSink):
                 d = self.digests.pop(b, None)
                 self.sums.append(as_int(compute(s.digest_kind, s.buffers[k][:n]) if d is None else d))
                 w[ready_word(k) + 1] = self.sums[-1]
-            if s.on_packed is not None:
-                s.on_packed(self.version, b, s.buffers[k][:n])
             w[ready_word(k)] = tag(self.version, b)
             notify.wake(w, ready_word(k))  # receivers sleeping on the word (transports/notify.py)
             self.published = b

@@ -154,8 +154,6 @@ class ShmSender(SenderTransport):
             if self.digest_kind:  # pack_stream digested the bucket while packing it
                 sums.append(as_int(sink.digests.pop(b)))
                 head[word + 1] = sums[-1]
-            if self.on_packed is not None:
-                self.on_packed(version, b, seg.bytes[self.bases[b]: self.bases[b] + n])
             head[word] = ready
             notify.wake(head, word)  # receivers sleeping on the word (transports/notify.py)
             packed += n
