@@ -23,8 +23,7 @@ import torch
 from . import events, transports
 from .config import SyncConfig
 from .coordinator import ops
-from .coordinator.client import Coordinator
-from .coordinator.control import Publication
+from .coordinator.client import Coordinator, Publication
 from .delta.strategy import FullPacking, packing_for
 from .device import describe
 from .errors import ConfigError, VersionError
