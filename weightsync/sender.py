@@ -29,9 +29,8 @@ from .device import describe
 from .errors import ConfigError, VersionError
 from .manifest import Manifest, build_manifest
 from .party import Party
-from .transports.capabilities import ipc_support
 from .transports.records import VersionRecord
-from .transports.selection import choose_transport
+from .transports.selection import choose_transport, ipc_support
 
 log = logging.getLogger("weightsync")
 

@@ -14,8 +14,8 @@ import platform as _platform
 import sys
 from typing import Any
 
-from ..transports import capabilities as caps
-from ..transports.capabilities import Capability
+from ..transports import selection as caps
+from ..transports.selection import Capability
 from .doctor_entry import format_entry_points, verl_entry_points, vllm_engines
 
 _PACKAGES = {  # label -> distribution names to try
