@@ -10,7 +10,7 @@ another in the same room does not climb a floor, a step into another room does.
 from __future__ import annotations
 
 import sys
-from functools import lru_cache
+from functools import cache
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -28,7 +28,7 @@ def room(module: str) -> str:
     return module
 
 
-@lru_cache(maxsize=None)
+@cache
 def climb(module: str) -> tuple[int, tuple[str, ...]]:
     """The most rooms a chain of imports starting at ``module`` passes through, and that chain."""
     best = (1, (module,))
@@ -40,7 +40,7 @@ def climb(module: str) -> tuple[int, tuple[str, ...]]:
     return best
 
 
-@lru_cache(maxsize=None)
+@cache
 def depth(module: str) -> int:
     return 1 + max((depth(n) for n in GRAPH[module]), default=0)
 
