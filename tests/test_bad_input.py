@@ -20,8 +20,7 @@ from weightsync.testing.parties import (
 )
 from weightsync.transports.base import TransportContext
 from weightsync.transports.memory.node import memory_available
-from weightsync.transports.memory.scan import holders
-from weightsync.transports.memory.segment import locate
+from weightsync.transports.memory.segment import holders, locate
 from weightsync.transports.shm.transport import ShmSender
 
 MANIFEST = layout("tiny")

@@ -15,8 +15,7 @@ from weightsync import Coordinator, ProtocolError, WeightReceiver, transports
 from weightsync.coordinator import protocol
 from weightsync.testing.layouts import layout, materialize
 from weightsync.testing.parties import assert_serves, start_parties
-from weightsync.transports.memory.scan import SEGMENT_REF, holders, our_segments
-from weightsync.transports.memory.segment import locate
+from weightsync.transports.memory.segment import SEGMENT_REF, holders, locate, our_segments
 
 MANIFEST = layout("tiny")
 CPU_TRANSPORTS = [t for t in ("shm", "ipc", "broadcast") if t in transports.names()]

@@ -40,8 +40,7 @@ from ...errors import CapacityError, DeadlineExceeded, ProtocolError, VersionErr
 from ...plan import Packing, align_up
 from .. import notify
 from ..base import Aborted, Received, ReceiverTransport, SenderTransport, TransportContext, poll_until
-from ..memory.scan import reap_stale
-from ..memory.segment import PAGE, Segment, attach, create, digest_word
+from ..memory.segment import PAGE, Segment, attach, create, digest_word, reap_stale
 from ..records import DeviceHandle, DeviceRecord, HostBuffer, IpcSession, IpcVersion, VersionRecord
 from .ring import Ring
 from .wire import (

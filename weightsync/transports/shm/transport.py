@@ -37,8 +37,7 @@ from ...errors import DeadlineExceeded, ProtocolError
 from ...plan import BucketPlan, BucketSink, Packing, align_up
 from .. import notify
 from ..base import Received, ReceiverTransport, SenderTransport, TransportContext, poll_until
-from ..memory.scan import reap_stale
-from ..memory.segment import PAGE, Segment, attach, create, digest_word
+from ..memory.segment import PAGE, Segment, attach, create, digest_word, reap_stale
 from ..records import ShmSession, ShmStreamVersion, ShmVersion, VersionRecord, shm_version
 
 MAGIC = 0x5753594E43534D31  # "WSYNCSM1"
