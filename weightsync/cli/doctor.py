@@ -62,7 +62,7 @@ def _shm(shm_dir: str) -> dict[str, Any]:
 
 def _segments(choice: str, shm_dir: str) -> dict[str, Any]:
     """Where shm / host-ipc segments would live with ``shm_backing=choice``, and why."""
-    from ..transports.memory.segment import resolve_backing
+    from ..transports.memory import resolve_backing
 
     try:
         backing, why = resolve_backing(choice, shm_dir)
