@@ -32,7 +32,7 @@ from collections.abc import Callable, Iterator, Mapping
 from typing import Any, ClassVar
 
 from ...config import MiB, SyncConfig
-from ...delta.packing import host_reserve
+from ...delta.strategy import host_reserve
 from ...errors import CapacityError, ProtocolError
 from ...plan import BucketPlan, align_up
 from ..base import Received, ReceiverTransport, SenderTransport, TransportContext
