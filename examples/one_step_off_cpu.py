@@ -39,7 +39,7 @@ import torch
 
 from weightsync import Coordinator, SyncConfig, WeightReceiver, WeightSender
 from weightsync.testing.timeline import Recorder, Span, render_png
-from weightsync.transports.memory.scan import reap_stale
+from weightsync.transports.memory import reap_stale
 
 
 @dataclasses.dataclass(frozen=True)

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from weightsync.transports.memory.scan import holders, our_segments, reap_stale
+from weightsync.transports.memory import holders, our_segments, reap_stale
 
 
 def pytest_collection_modifyitems(config, items):

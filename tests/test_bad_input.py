@@ -19,9 +19,7 @@ from weightsync.testing.parties import (
     stop_actors,
 )
 from weightsync.transports.base import TransportContext
-from weightsync.transports.memory.node import memory_available
-from weightsync.transports.memory.scan import holders
-from weightsync.transports.memory.segment import locate
+from weightsync.transports.memory import holders, locate, memory_available
 from weightsync.transports.shm.transport import ShmSender
 
 MANIFEST = layout("tiny")

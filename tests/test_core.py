@@ -10,7 +10,7 @@ from weightsync import ManifestError, SyncConfig, SyncFailed, VersionError, Weig
 from weightsync.manifest import Manifest, TensorSpec
 from weightsync.testing.layouts import layout, materialize
 from weightsync.testing.parties import ToyEngine, assert_same_weights, assert_serves, rollout_actor, trainer_actor
-from weightsync.transports.memory.segment import locate
+from weightsync.transports.memory import locate
 
 # tiny layout with a 64 KiB bucket: the embedding (1000 x 64 bf16 = 125 KiB) is split in chunks
 CFG = {"transport": "shm", "bucket_mb": 1 / 16, "device": "cpu"}

@@ -12,7 +12,7 @@ from weightsync.delta import codec as delta
 from weightsync.delta.packing import wire_plan
 from weightsync.delta.receiver import DeltaReceiver
 from weightsync.delta.sender import DeltaSender
-from weightsync.delta.strategy import DeltaPacking, FullPacking, Loaders, packing_for
+from weightsync.delta.strategy import DeltaPacking, FullPacking, Loaders, packing_for, wanted
 from weightsync.digest import xxh3
 from weightsync.errors import ConfigError, ManifestError, ProtocolError
 from weightsync.manifest import build_manifest
@@ -98,9 +98,9 @@ def _set_pos(payload: torch.Tensor, i: int, value: int) -> torch.Tensor:
 
 
 def test_auto_is_off_on_memory_speed_transports():
-    assert [delta.wanted("auto", t) for t in ("shm", "ipc", "broadcast")] == [False, False, True]
-    assert all(delta.wanted("on", t) for t in ("shm", "ipc", "broadcast"))
-    assert not any(delta.wanted("off", t) for t in ("shm", "ipc", "broadcast"))
+    assert [wanted("auto", t) for t in ("shm", "ipc", "broadcast")] == [False, False, True]
+    assert all(wanted("on", t) for t in ("shm", "ipc", "broadcast"))
+    assert not any(wanted("off", t) for t in ("shm", "ipc", "broadcast"))
 
 
 def test_auto_rule():

@@ -245,7 +245,7 @@ def test_coordinator_killed_and_restarted(job):
 def test_party_ids_from_before_a_coordinator_restart_are_not_reused(coordinator_factory):
     """Found chasing the intermittent restart failure: ids restarted at 1 with each
     incarnation, so a party still holding old id 1 passed for whoever re-registered first."""
-    from weightsync.coordinator.control import ControlPlane
+    from weightsync.coordinator.client import ControlPlane
     from weightsync.errors import SessionLost
 
     coord = coordinator_factory({"transport": "shm", "bucket_mb": 1 / 16})

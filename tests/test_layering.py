@@ -1,8 +1,9 @@
 """The package's shape, as the architecture promises it: no import cycles (every import counts:
 at module level, inside functions, under ``if TYPE_CHECKING``), no module over 400 lines outside
-the benchmark, at most twelve modules at the top of the package (the rest in folders by role),
-and every control operation declared once: one request record, one reply record, one handler
-found by the request's type, no coordinator call or dispatch named by a string."""
+the benchmark, at most twelve modules at the top of the package (the rest in folders by role), at
+most eleven import floors (scripts/import_floors.py), and every control operation declared once:
+one request record, one reply record, one handler found by the request's type, no coordinator
+call or dispatch named by a string."""
 
 from __future__ import annotations
 
@@ -178,3 +179,16 @@ def test_a_dict_in_a_transport_signature_is_found(tmp_path):
         "    def _helper(self, info: dict[str, Any]) -> None: ...\n"
         "def session_info() -> dict[str, Any]: ...\n")
     assert untyped_published(tmp_path / "t.py") == ["R.receive(info)", "session_info(return)"]
+
+
+def test_at_most_eleven_import_floors():
+    """scripts/import_floors.py: the longest chain of imports, counted in rooms (each folder one
+    room, each top module one), stays at eleven or fewer, so a reader climbs few floors from the
+    public face down to errors.py."""
+    import subprocess
+    import sys
+
+    out = subprocess.run([sys.executable, str(ROOT / "scripts" / "import_floors.py")], capture_output=True,
+                         text=True, check=True, timeout=120).stdout
+    floors = int(re.search(r"^the package: (\d+) floors", out, re.M).group(1))
+    assert floors <= 11, out

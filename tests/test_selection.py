@@ -8,7 +8,7 @@ import torch
 from weightsync.coordinator.ops import Device, IpcSupport, Placement
 from weightsync.device import local_index, physical_index
 from weightsync.errors import ConfigError
-from weightsync.transports import capabilities as caps
+from weightsync.transports import selection as caps
 from weightsync.transports.selection import COLOCATED, REMOTE, SAME_NODE, choose_transport, placement
 
 OK = IpcSupport(ok=True, reason="ipc fine")

@@ -15,8 +15,7 @@ from weightsync import Coordinator, ProtocolError, WeightReceiver, transports
 from weightsync.coordinator import protocol
 from weightsync.testing.layouts import layout, materialize
 from weightsync.testing.parties import assert_serves, start_parties
-from weightsync.transports.memory.scan import SEGMENT_REF, holders, our_segments
-from weightsync.transports.memory.segment import locate
+from weightsync.transports.memory import SEGMENT_REF, holders, locate, our_segments
 
 MANIFEST = layout("tiny")
 CPU_TRANSPORTS = [t for t in ("shm", "ipc", "broadcast") if t in transports.names()]
@@ -118,7 +117,7 @@ def test_memfd_segment_needs_same_uid():
     """Opening /proc/<pid>/fd/<fd> needs ptrace-read access to the holder (same uid) and the
     memfd's 0600 mode: a process of another uid gets EACCES (root may: it is root)."""
     from weightsync import SyncConfig
-    from weightsync.transports.memory.segment import create
+    from weightsync.transports.memory import create
 
     seg = create(SyncConfig(shm_backing="memfd"), 1 << 16, "a probe segment")
     try:

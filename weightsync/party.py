@@ -11,8 +11,7 @@ import ray
 
 from .config import SyncConfig
 from .coordinator import ops
-from .coordinator.client import Coordinator
-from .coordinator.control import ControlPlane
+from .coordinator.client import ControlPlane, Coordinator
 from .device import describe, resolve
 from .manifest import Manifest
 from .plan import plan_buckets

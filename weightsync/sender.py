@@ -23,16 +23,14 @@ import torch
 from . import events, transports
 from .config import SyncConfig
 from .coordinator import ops
-from .coordinator.client import Coordinator
-from .coordinator.control import Publication
+from .coordinator.client import Coordinator, Publication
 from .delta.strategy import FullPacking, packing_for
 from .device import describe
 from .errors import ConfigError, VersionError
 from .manifest import Manifest, build_manifest
 from .party import Party
-from .transports.capabilities import ipc_support
 from .transports.records import VersionRecord
-from .transports.selection import choose_transport
+from .transports.selection import choose_transport, ipc_support
 
 log = logging.getLogger("weightsync")
 

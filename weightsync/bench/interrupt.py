@@ -21,7 +21,7 @@ import psutil
 import ray
 
 from ..config import SyncConfig
-from ..transports.memory.scan import reap_stale
+from ..transports.memory import reap_stale
 
 # the exit status of a process stopped by SIGINT, as a shell reports it
 INTERRUPTED = 130

@@ -11,7 +11,7 @@ import resource
 
 import psutil
 
-from ..transports.memory.node import meminfo
+from ..transports.memory import meminfo
 
 
 def rss() -> int:

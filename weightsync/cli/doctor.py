@@ -14,8 +14,8 @@ import platform as _platform
 import sys
 from typing import Any
 
-from ..transports import capabilities as caps
-from ..transports.capabilities import Capability
+from ..transports import selection as caps
+from ..transports.selection import Capability
 from .doctor_entry import format_entry_points, verl_entry_points, vllm_engines
 
 _PACKAGES = {  # label -> distribution names to try
@@ -62,7 +62,7 @@ def _shm(shm_dir: str) -> dict[str, Any]:
 
 def _segments(choice: str, shm_dir: str) -> dict[str, Any]:
     """Where shm / host-ipc segments would live with ``shm_backing=choice``, and why."""
-    from ..transports.memory.segment import resolve_backing
+    from ..transports.memory import resolve_backing
 
     try:
         backing, why = resolve_backing(choice, shm_dir)

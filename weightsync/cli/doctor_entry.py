@@ -12,7 +12,7 @@ from __future__ import annotations
 import importlib.util
 from typing import Any
 
-from ..transports import capabilities as caps
+from ..transports import selection as caps
 
 BACKEND = "weightsync"  # the name weightsync_vllm registers (weightsync_vllm.BACKEND)
 

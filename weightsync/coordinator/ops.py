@@ -76,7 +76,7 @@ class Device(Message):
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class IpcSupport(Message):
-    """Whether a sender can share device buckets by handle (capabilities.Capability)."""
+    """Whether a sender can share device buckets by handle (selection.Capability)."""
 
     ok: bool
     reason: str = ""
@@ -86,7 +86,7 @@ class IpcSupport(Message):
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class Placement(Message):
     """Where a party runs, as transport selection reads it (selection.py). ``ipc``: for the
-    sender only, whether it can share device buckets by handle (capabilities.Capability)."""
+    sender only, whether it can share device buckets by handle (selection.Capability)."""
 
     name: str = ""
     rank: int = 0

@@ -184,18 +184,6 @@ def revert(bucket: torch.Tensor, undo: Undo | None) -> None:
         _words(bucket)[undo.positions] = undo.values
 
 
-# transports that move bytes at memory speed: the host work of a delta (diff at the trainer,
-# apply and hash at each receiver) costs more than the bytes it saves there (measured with
-# benchmarks/delta_probe.py: shm 0.72 s full vs 2.7 s delta for 1.2 GB at 1 % changed)
-MEMORY_SPEED = frozenset({"shm", "ipc"})
-
-
-def wanted(mode: str, transport: str) -> bool:
-    """Whether a session runs delta sync: ``on`` always, ``auto`` except on memory-speed
-    transports (there it is ``off``: no snapshot, no shadow), ``off`` never."""
-    return mode == "on" or (mode == "auto" and transport not in MEMORY_SPEED)
-
-
 def pays(encoded: int, payload: int, mode: str) -> bool:
     """Whether a version whose buckets encode to ``encoded`` bytes of ``payload`` goes as a
     delta: always for ``on``, under AUTO_SHARE of the payload for ``auto``, never for ``off``."""

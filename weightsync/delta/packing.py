@@ -17,7 +17,6 @@ import torch
 
 from .. import digest as digests
 from ..plan import Bucket, BucketPlan, BucketSink, Packing
-from .codec import snapshot_bytes, wanted
 
 
 def wire_plan(plan: BucketPlan, lengths: list[int]) -> BucketPlan:
@@ -28,12 +27,6 @@ def wire_plan(plan: BucketPlan, lengths: list[int]) -> BucketPlan:
         if not 0 <= n <= plan.bucket_bytes:
             raise ValueError(f"bucket {b.index}: delta length {n} does not fit a bucket of {plan.bucket_bytes}")
     return dataclasses.replace(plan, buckets=tuple(Bucket(b.index, n, b.slices) for b, n in zip(plan.buckets, lengths)))
-
-
-def host_reserve(mode: str, transport: str, plan: BucketPlan) -> int:
-    """Host bytes the sender keeps on its node beside ``transport``'s buffers for config
-    ``delta: mode``: the snapshot where the session runs delta sync (delta/sender.py), else 0."""
-    return snapshot_bytes(plan.bucket_count, plan.bucket_bytes) if wanted(mode, transport) else 0
 
 
 @dataclasses.dataclass(frozen=True)

@@ -1,7 +1,11 @@
 """How a version is packed and loaded: the full strategies, and delta sync's beside them.
 
 The sender and the receiver walk one version the same way whatever the strategy; what differs
-lives here, behind two small interfaces:
+lives here, behind two small interfaces, and so does the choice between them: whether a
+session runs delta sync at all (``wanted``: ``delta: auto`` is off on memory-speed transports)
+and what the sender's strategy keeps in host memory beside a transport (``host_reserve``).
+
+The two interfaces:
 
 - a packing strategy (sender, rank 0): ``pack`` gives the Packing a transport drives and the
   fields the version's record carries; ``digest`` says whether the transport's digest of the
@@ -99,10 +103,28 @@ class DeltaPacking(FullPacking):
         return {"base": self.sender.base, **({"auto": policy.describe()} if policy is not None else {})}
 
 
+# transports that move bytes at memory speed: the host work of a delta (diff at the trainer,
+# apply and hash at each receiver) costs more than the bytes it saves there (measured with
+# benchmarks/delta_probe.py: shm 0.72 s full vs 2.7 s delta for 1.2 GB at 1 % changed)
+MEMORY_SPEED = frozenset({"shm", "ipc"})
+
+
+def wanted(mode: str, transport: str) -> bool:
+    """Whether a session runs delta sync: ``on`` always, ``auto`` except on memory-speed
+    transports (there it is ``off``: no snapshot, no shadow), ``off`` never."""
+    return mode == "on" or (mode == "auto" and transport not in MEMORY_SPEED)
+
+
+def host_reserve(mode: str, transport: str, plan: BucketPlan) -> int:
+    """Host bytes the sender keeps on its node beside ``transport``'s buffers for config
+    ``delta: mode``: the snapshot where the session runs delta sync (delta/sender.py), else 0."""
+    return codec.snapshot_bytes(plan.bucket_count, plan.bucket_bytes) if wanted(mode, transport) else 0
+
+
 def packing_for(mode: str, transport: str, sends: bool, plan: BucketPlan, manifest: Manifest) -> FullPacking:
     """The sender's packing strategy for config ``delta: mode`` on ``transport``; only the
     rank that sends keeps a snapshot."""
-    if sends and codec.wanted(mode, transport):
+    if sends and wanted(mode, transport):
         return DeltaPacking(plan, manifest, mode)
     return FullPacking(plan, manifest)
 

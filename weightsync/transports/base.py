@@ -24,7 +24,7 @@ from .notify import POLL_FIRST_S, Waiter, poll_sleep
 from .records import SessionRecord, VersionRecord
 
 if TYPE_CHECKING:
-    from ..coordinator.control import ControlPlane
+    from ..coordinator.client import ControlPlane
 
 # a received bucket: (index, uint8 bytes of the bucket, the sender's digest or None)
 Received = tuple[int, torch.Tensor, "int | None"]

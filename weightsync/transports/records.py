@@ -130,7 +130,7 @@ class ShmSession(SessionRecord):
 class ShmVersion(VersionRecord):
     transport: ClassVar[str] = "shm"
     mode: str = "whole"
-    segment: str  # the slot's segment reference (transports/memory/segment.py)
+    segment: str  # the slot's segment reference (transports/memory.py)
     size: int  # its bytes
     checksums: list[int] = dataclasses.field(default_factory=list)  # per bucket, once staged
     packed_bytes: int = 0  # once staged
@@ -158,7 +158,7 @@ class HostBuffer(Record):
 
     transport: ClassVar[str] = "ipc"
     kind: str = "host"
-    segment: str  # its segment reference (transports/memory/segment.py)
+    segment: str  # its segment reference (transports/memory.py)
     bytes: int
 
     def __post_init__(self) -> None:

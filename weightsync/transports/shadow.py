@@ -30,7 +30,7 @@ from .. import device as devices
 from ..config import MiB, SyncConfig
 from ..errors import CapacityError, DeadlineExceeded, VersionError
 from ..plan import BucketPlan
-from .memory.node import memory_available
+from .memory import memory_available
 from .shm.transport import spans
 
 

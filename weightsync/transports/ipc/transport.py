@@ -4,7 +4,7 @@ The sender allocates two bucket-sized buffers on its device once per session (pi
 shm's streaming mode, transports/shm/stream.py, uses up to MAX_BUFFERS in host memory)
 and shares them by handle; receivers open the handles once and load every bucket straight
 out of the shared buffer, so a version never crosses host memory on an accelerator. On
-CPU the buffers are host shared-memory segments (transports/memory/segment.py): the same protocol,
+CPU the buffers are host shared-memory segments (transports/memory.py): the same protocol,
 testable here, and the ring that shm streams through when whole versions exceed its budget.
 
 Handles cross the process boundary as plain msgpack data and handshakes run through a small
@@ -40,8 +40,7 @@ from ...errors import CapacityError, DeadlineExceeded, ProtocolError, VersionErr
 from ...plan import Packing, align_up
 from .. import notify
 from ..base import Aborted, Received, ReceiverTransport, SenderTransport, TransportContext, poll_until
-from ..memory.scan import reap_stale
-from ..memory.segment import PAGE, Segment, attach, create, digest_word
+from ..memory import PAGE, Segment, attach, create, digest_word, reap_stale
 from ..records import DeviceHandle, DeviceRecord, HostBuffer, IpcSession, IpcVersion, VersionRecord
 from .ring import Ring
 from .wire import (

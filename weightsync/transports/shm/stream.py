@@ -32,14 +32,13 @@ from collections.abc import Callable, Iterator, Mapping
 from typing import Any, ClassVar
 
 from ...config import MiB, SyncConfig
-from ...delta.packing import host_reserve
+from ...delta.strategy import host_reserve
 from ...errors import CapacityError, ProtocolError
 from ...plan import BucketPlan, align_up
 from ..base import Received, ReceiverTransport, SenderTransport, TransportContext
 from ..ipc.transport import IpcReceiver, IpcSender
 from ..ipc.wire import CONTROL_BYTES, MAX_BUFFERS, in_flight
-from ..memory.node import memory_available
-from ..memory.segment import PAGE, resolve_backing
+from ..memory import PAGE, memory_available, resolve_backing
 from ..records import ShmStreamSession, ShmStreamVersion, ShmVersion, VersionRecord, shm_session, shm_version
 from .transport import ShmReceiver, ShmSender, layout
 

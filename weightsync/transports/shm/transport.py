@@ -1,5 +1,5 @@
 """Shared-memory transport: the sender writes each version once into a host segment
-(a memfd, or a file in /dev/shm: transports/memory/segment.py) and every receiver on the node reads it
+(a memfd, or a file in /dev/shm: transports/memory.py) and every receiver on the node reads it
 from there.
 
 Segments are slots reused across versions (allocated once, not per version). The
@@ -37,8 +37,7 @@ from ...errors import DeadlineExceeded, ProtocolError
 from ...plan import BucketPlan, BucketSink, Packing, align_up
 from .. import notify
 from ..base import Received, ReceiverTransport, SenderTransport, TransportContext, poll_until
-from ..memory.scan import reap_stale
-from ..memory.segment import PAGE, Segment, attach, create, digest_word
+from ..memory import PAGE, Segment, attach, create, digest_word, reap_stale
 from ..records import ShmSession, ShmStreamVersion, ShmVersion, VersionRecord, shm_version
 
 MAGIC = 0x5753594E43534D31  # "WSYNCSM1"

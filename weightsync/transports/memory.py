@@ -10,8 +10,21 @@ Two backings (``shm_backing``):
   that memfd (the pid may have been reused), and keeps its own fd, so it is a holder too:
   when the creator is gone, a late receiver finds the segment through any other holder.
 - **files**: named files in ``shm_dir`` (a tmpfs), for platforms without memfd or to inspect
-  them. They outlive a dead job until reaped (:func:`segment_scan.reap_stale`: when the next sender
-  starts, or ``weightsync reap``).
+  them. They outlive a dead job until reaped (:func:`reap_stale`: when the next sender starts, or
+  ``weightsync reap``).
+
+How segments are found outside the process that made them: the name a creator gives a segment
+(its pid and 128 random bits), the reference parties publish (the name, or ``name@fd`` for a
+memfd), the /proc link a memfd of that name shows; which live processes hold a memfd segment
+(a scan of /proc/<pid>/fd: a late receiver attaches through any holder, and ``weightsync
+status`` and the tests' leak checks count them), which segment files sit in a directory, and
+reaping the files whose creator died (files backing only: the kernel frees a memfd with its last
+holder).
+
+How much memory a node can still give a segment: /proc/meminfo, the memory cgroup's room (shmem
+is charged to it), and the free space of a segment directory. A segment is checked against this
+before its pages are reserved, so no room is a CapacityError naming the figure, not a SIGBUS
+mid-copy (shm's mode and delta's host shadow read the same figure).
 """
 
 from __future__ import annotations
@@ -21,6 +34,8 @@ import fcntl
 import functools
 import mmap
 import os
+import re
+import secrets
 import warnings
 from collections.abc import Callable, Iterable
 from typing import TYPE_CHECKING
@@ -28,15 +43,167 @@ from typing import TYPE_CHECKING
 import numpy as np
 import torch
 
-from ... import device as devices
-from ...errors import CapacityError, ConfigError, ProtocolError
-from .node import check_space
-from .scan import SEGMENT_REF, holders, memfd_link, segment_name
+from .. import device as devices
+from ..errors import CapacityError, ConfigError, ProtocolError
 
 if TYPE_CHECKING:
-    from ...config import SyncConfig
+    from ..config import SyncConfig
 
 PAGE = 4096
+
+
+# -- names, references, holders, reaping -------------------------------------------------------
+
+PREFIX = "wsync_"
+SEGMENT_NAME = re.compile(r"^wsync_(\d+)_([0-9a-f]{32})$")  # wsync_<creator pid>_<128 random bits>
+# what parties publish: the name (files) or name@fd (memfd: the creator's fd number)
+SEGMENT_REF = re.compile(r"^(wsync_(\d+)_[0-9a-f]{32})(?:@(\d+))?$")
+
+
+def segment_name() -> str:
+    # 128 random bits: another user or job cannot guess the name; the pid lets a later
+    # process reap files whose creator died, and tells an attacher where a memfd lives
+    return f"{PREFIX}{os.getpid()}_{secrets.token_hex(16)}"
+
+
+def memfd_link(name: str) -> str:
+    """What /proc/<pid>/fd/<fd> reads for a memfd segment of this name."""
+    return f"/memfd:{name} (deleted)"
+
+
+def reap_stale(directory: str = "/dev/shm") -> list[str]:
+    """Unlink our segment files whose creating process is gone; returns what was removed."""
+    removed = []
+    try:
+        names = os.listdir(directory)
+    except FileNotFoundError:
+        return removed
+    for name in names:
+        m = SEGMENT_NAME.match(name)
+        if not m:
+            continue
+        try:
+            os.kill(int(m.group(1)), 0)
+            continue  # creator alive
+        except ProcessLookupError:
+            pass
+        except PermissionError:
+            continue  # alive, someone else's
+        try:
+            os.unlink(os.path.join(directory, name))
+            removed.append(name)
+        except FileNotFoundError:
+            pass
+    return removed
+
+
+def our_segments(directory: str = "/dev/shm") -> list[str]:
+    """Segment files (files backing) in ``directory``."""
+    try:
+        return sorted(n for n in os.listdir(directory) if SEGMENT_NAME.match(n))
+    except FileNotFoundError:
+        return []
+
+
+def holders(names: Iterable[str] | None = None, pids: Iterable[int] | None = None) -> list[tuple[int, int, str]]:
+    """(pid, fd, segment name) for each fd of a memfd segment of ours open in a live process
+    this user may inspect (of ``names`` only, and in ``pids`` only, if given)."""
+    want = set(names) if names is not None else None
+    found = []
+    for pid in (int(p) for p in os.listdir("/proc") if p.isdigit()) if pids is None else pids:
+        try:
+            fds = os.listdir(f"/proc/{pid}/fd")
+        except OSError:
+            continue  # gone, or another user's
+        for fd in fds:
+            try:
+                link = os.readlink(f"/proc/{pid}/fd/{fd}")
+            except OSError:
+                continue
+            if link.startswith("/memfd:" + PREFIX) and link.endswith(" (deleted)"):
+                name = link[len("/memfd:"): -len(" (deleted)")]
+                if SEGMENT_NAME.match(name) and (want is None or name in want):
+                    found.append((pid, int(fd), name))
+    return found
+
+
+# -- the room a node has ----------------------------------------------------------------------
+
+_UNLIMITED = 1 << 60  # cgroup limits at or above this mean "no limit"
+
+
+def meminfo(key: str) -> int | None:
+    """A /proc/meminfo field in bytes (``MemAvailable``, ``Shmem``), or None (no such field, not Linux)."""
+    try:
+        with open("/proc/meminfo", encoding="ascii") as fh:
+            for line in fh:
+                if line.startswith(key + ":"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return None
+
+
+def memory_available() -> tuple[int, str]:
+    """Bytes the kernel can still give a memfd segment, and where that figure comes from:
+    MemAvailable, or less where this process's memory cgroup is limited (shmem is charged to it)."""
+    best = meminfo("MemAvailable")
+    best, where = (meminfo("MemFree") or 0) if best is None else best, "MemAvailable"
+    headroom = _cgroup_headroom()
+    if headroom is not None and headroom < best:
+        best, where = headroom, "the memory cgroup's limit"
+    return best, where
+
+
+def _cgroup_headroom() -> int | None:
+    try:
+        with open("/proc/self/cgroup", encoding="ascii") as fh:
+            lines = fh.read().splitlines()
+    except OSError:
+        return None
+    v2 = next((ln.split("::", 1)[1] for ln in lines if ln.startswith("0::")), None)
+    # (limit, usage, stat) files: v2 under its path, v1 at the memory controller's mount
+    candidates = [(f"/sys/fs/cgroup{v2}".rstrip("/"), "memory.max", "memory.current", "file", "shmem")] if v2 else []
+    candidates.append(("/sys/fs/cgroup/memory", "memory.limit_in_bytes", "memory.usage_in_bytes",
+                       "total_cache", "total_shmem"))
+    for base, limit_f, usage_f, cache_key, shmem_key in candidates:
+        try:
+            with open(f"{base}/{limit_f}", encoding="ascii") as fh:
+                raw = fh.read().strip()
+            limit = _UNLIMITED if raw == "max" else int(raw)
+            with open(f"{base}/{usage_f}", encoding="ascii") as fh:
+                usage = int(fh.read())
+            with open(f"{base}/memory.stat", encoding="ascii") as fh:
+                stat = dict(ln.split() for ln in fh if len(ln.split()) == 2)
+        except (OSError, ValueError):
+            continue
+        if limit >= _UNLIMITED:
+            return None
+        # page cache the cgroup would reclaim counts as free; shmem (in the cache figure) does not
+        reclaimable = max(0, int(stat.get(cache_key, 0)) - int(stat.get(shmem_key, 0)))
+        return max(0, limit - usage + reclaimable)
+    return None
+
+
+def check_space(directory: str, need: int, what: str, backing: str = "files") -> None:
+    if backing == "memfd":
+        free, where = memory_available()
+        if need > free:
+            raise CapacityError(
+                f"{what} needs {need / 2**20:.1f} MiB of memory (memfd) but only {free / 2**20:.1f} MiB are "
+                f"available ({where}; free memory on the node, or pick another transport)"
+            )
+        return
+    st = os.statvfs(directory)
+    free = st.f_bavail * st.f_frsize
+    if need > free:
+        raise CapacityError(
+            f"{what} needs {need / 2**20:.1f} MiB in {directory} but only {free / 2**20:.1f} MiB are free "
+            f"(grow /dev/shm, e.g. docker --shm-size, or pick another transport)"
+        )
+
+
+# -- segments ---------------------------------------------------------------------------------
 
 
 @functools.cache
