@@ -7,7 +7,8 @@
 #
 # It uses the node's own torch (CUDA build, or torch + torch_npu) and Ray. Where Ray is not
 # installed (an offline node), the trimmed Ray that `bash ../shared/tools/gpu-kit.sh` packs into
-# .gpu/ is unpacked and used. Deadlines: T_TESTS (240 s), T_DIGEST (60 s) and T_BENCH (240 s), in seconds.
+# .gpu/ is unpacked and used. Deadlines: T_TESTS (240 s), T_DIGEST (60 s) and T_BENCH (240 s), in seconds;
+# the bench starts no row after two thirds of T_BENCH, so it writes its JSON before the timeout.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 kind="" out="" steps="tests,digest,bench"
@@ -58,6 +59,7 @@ if [[ $steps == *bench* ]]; then
     plot=(); "$py" -c "import matplotlib" 2>/dev/null && plot=(--plot "$out/bench.png")
     timeout "${T_BENCH:-240}" "$py" -m weightsync.cli bench --device "$kind" --transport ipc shm --bucket-mb 256 \
         --receivers 1 4 --checksum on off --baselines ray-numpy ray-rdt --rounds 2 --versions 3 --warmup 1 --no-progress \
+        --deadline-s $(( ${T_BENCH:-240} * 2 / 3 )) \
         --note "scripts/device_check.sh" --json "$out/bench.json" "${plot[@]}" > "$out/bench.log" 2>&1
     b=$?; echo "device_check: bench rc=$b (log: $out/bench.log)"; tail -25 "$out/bench.log"; [ $b -eq 0 ] || rc=1
 fi

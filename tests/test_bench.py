@@ -328,3 +328,14 @@ def test_bench_ab_runs_another_revs_transports_in_the_same_rounds(ray_cluster, t
     assert ab["transport"] == "shm" and ab["rev"] == head and ab["verdict"] in ("slower", "same", "faster")
     assert ab["x_against"] == pytest.approx(other["median_s"] / rows[("this", "shm")]["median_s"])
     assert set(rows[("this", "shm")]["speedup_vs"]) == {"ray-numpy"}
+
+
+def test_rows_whose_turn_comes_after_the_deadline_are_recorded_not_run(ray_cluster, tmp_path, capsys):
+    """--deadline-s: a run with a hard time limit still writes its JSON; here the deadline has
+    passed before the first row, so every row is there, marked not run, and nothing failed."""
+    out = tmp_path / "late.json"
+    rc = main(["bench", "--device", "cpu", "--model", "tiny", "--transport", "shm", "ipc", "--baselines",
+               "--rounds", "1", "--no-progress", "--deadline-s", "0", "--json", str(out)])
+    rows = json.loads(out.read_text())["sizes"][0]["rows"]
+    assert (rc, sorted((r["name"], r["error"]) for r in rows)) == (
+        0, [(n, "not run: --deadline-s 0 passed before its turn") for n in ("ipc", "shm")])

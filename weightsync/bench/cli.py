@@ -152,6 +152,8 @@ def _run_bench(args: argparse.Namespace) -> int:
     largest = max(m.total_bytes for _, m, _ in sizes_in)
 
     started = time.time()
+    # a row that has not started by then is recorded as not run (interleave.run_rounds)
+    deadline = None if args.deadline_s is None else time.monotonic() + args.deadline_s
     machine = machine_info()  # now: its load_avg_start is the load before the run
     own_ray = not ray.is_initialized()
     if own_ray:
@@ -174,7 +176,8 @@ def _run_bench(args: argparse.Namespace) -> int:
         eta = progress.Eta(total)
         with progress.overall(total, not args.no_progress):
             for label, manifest, weights_path in sizes_in:
-                sizes.append(_run_size(args, label, manifest, weights_path, device, backend, receivers, against, eta))
+                sizes.append(_run_size(args, label, manifest, weights_path, device, backend, receivers, against, eta,
+                                       deadline))
     finally:
         if own_ray:
             ray.shutdown()
@@ -194,9 +197,12 @@ def _run_bench(args: argparse.Namespace) -> int:
                  "against": {k: against[k] for k in ("rev", "asked")} if against else None,
                  "update": args.update, "delta": args.delta,
                  "baselines": args.baselines, "real_weights": bool(args.real_weights and any(w for *_, w in sizes_in)),
-                 "expect": [e.text for e in args.expect]},
+                 "expect": [e.text for e in args.expect], "deadline_s": args.deadline_s},
         "sizes": sizes,
     }
+    late = sum(1 for size in sizes for r in size["rows"] if str(r.get("error", "")).startswith(interleave.PAST_DEADLINE))
+    if late:
+        print(f"weightsync bench: --deadline-s {args.deadline_s:g} passed; {late} row(s) not run", file=sys.stderr)
     result["machine"]["load_avg_end"] = list(os.getloadavg())
     for size in sizes:
         if size["ceiling"] is not None:
@@ -252,7 +258,8 @@ def _sided(plan: list[Item], against: dict[str, str] | None) -> list[tuple[str, 
 
 
 def _run_size(args: argparse.Namespace, label: str, manifest: Any, weights_path: str | None, device: str,
-              backend: str, receivers: list[int], against: dict[str, str] | None, eta: Any = None) -> dict[str, Any]:
+              backend: str, receivers: list[int], against: dict[str, str] | None, eta: Any = None,
+              deadline: float | None = None) -> dict[str, Any]:
     """Every row of one model size, between actors that hold that model (made, then closed)."""
     import ray
     import torch
@@ -272,6 +279,8 @@ def _run_size(args: argparse.Namespace, label: str, manifest: Any, weights_path:
     }
     plan = _plan(args, receivers)
     why = _size_refusal(label, manifest, plan, max(receivers)) if device == "cpu" else None
+    if deadline is not None and time.monotonic() > deadline:
+        why = interleave.past_deadline(args.deadline_s)
     if why:
         print(f"weightsync bench: {label} ({payload / 2**30:.2f} GiB): {why}", file=sys.stderr)
         size["rows"] = [_skipped(item, payload, why) for item in plan]
@@ -322,7 +331,8 @@ def _run_size(args: argparse.Namespace, label: str, manifest: Any, weights_path:
             sided, benches, run_row, lambda item: _row_refusal(item, manifest, item[1] not in benches["this"].rdt_made),
             lambda item, why: _skipped(item, payload, why), _echo, n_rounds=args.rounds, warmup=args.warmup,
             versions=args.versions, payload=payload, rev=against["rev"] if against else None,
-            barrier_versions=args.barrier_versions, eta=eta)
+            barrier_versions=args.barrier_versions, eta=eta,
+            deadline=None if deadline is None else (deadline, args.deadline_s))
     except KeyboardInterrupt:
         for b in benches.values():
             b.interrupted = True

@@ -150,14 +150,24 @@ def check_side(bench: Any, tree: str) -> str:
 
 # -- the rounds -------------------------------------------------------------------------------
 
+PAST_DEADLINE = "not run: --deadline-s"
+
+
+def past_deadline(seconds: float) -> str:
+    """A row's reason for not running: the run's deadline passed before its turn."""
+    return f"{PAST_DEADLINE} {seconds:g} passed before its turn"
+
+
 def run_rounds(plan: list[tuple[str, Item]], benches: dict[str, Any], run_row: Callable[[Any, Item], dict],
                refusal: Callable[[Item], str | None], skipped: Callable[[Item, str], dict],
                echo: Callable[[dict, Any], None], *, n_rounds: int, warmup: int, versions: int,
                payload: int, rev: str | None, barrier_versions: int | None = None,
-               eta: progress.Eta | None = None) -> list[dict[str, Any]]:
+               eta: progress.Eta | None = None,
+               deadline: tuple[float, float] | None = None) -> list[dict[str, Any]]:
     """Every (side, item) of ``plan`` once per round, the order rotated each round; returns
     one merged row per (side, item) with the statistics over every round's versions.
-    ``eta``: the run's estimate, advanced by each row's planned versions as it ends."""
+    ``eta``: the run's estimate, advanced by each row's planned versions as it ends.
+    ``deadline``: (monotonic time, the seconds asked): a row whose turn comes later is skipped."""
     pids = {side: {"trainer": ray.get(b.trainer.pid.remote()), "rollouts": ray.get([r.pid.remote() for r in b.rollouts])}
             for side, b in benches.items()}
     done: list[dict[str, Any]] = []
@@ -172,7 +182,8 @@ def run_rounds(plan: list[tuple[str, Item]], benches: dict[str, Any], run_row: C
             bench = benches[side]
             planned = planned_versions(item, warmup, versions, barrier_versions)
             before = progress.ticked()
-            why = refusal(item)
+            late = deadline is not None and time.monotonic() > deadline[0]
+            why = past_deadline(deadline[1]) if late else refusal(item)
             if why:
                 row = skipped(item, why)
             else:

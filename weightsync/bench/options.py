@@ -121,6 +121,10 @@ def add_bench_arguments(p: argparse.ArgumentParser) -> None:
                    help="assert your own goal on the fastest matching row, e.g. x_ceiling>=0.25, "
                    "shm:x_ray-numpy>=1, growth_x@4<=2.5 ([TRANSPORT:]KEY[@RECEIVERS], >= or <=); repeatable; "
                    f"exit status 1 on a miss. Keys: {', '.join(KEYS)}")
+    p.add_argument("--deadline-s", type=float, default=None, metavar="S",
+                   help="start no row after S seconds: the rows still to run are recorded as not run, and the "
+                        "tables and --json are written from what was measured (for a job with a hard time limit; "
+                        "a row that started runs to its end)")
     p.add_argument("--json", metavar="PATH", help="write every figure as JSON (schema: docs/benchmarks.md)")
     p.add_argument("--plot", metavar="PATH.png", help="write a PNG of GB/s per transport and bucket size; with "
                    "several sizes, time per version and per GB against size")
