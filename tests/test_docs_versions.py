@@ -49,7 +49,7 @@ def test_every_engine_the_plugin_registers_and_every_verl_entry_point_has_a_row(
     for module, _ in [*WORKER_ENGINES.values(), TRAINER_ENGINE]:
         name = module if module != "weightsync_vllm.trainer" else "WeightTransferTrainerFactory"
         assert f"`{name}" in entry_points, name
-    for module in ("weightsync_verl.one_step_off", "weightsync_verl.checkpoint_engine"):
+    for module in ("weightsync_verl.one_step_off", "weightsync_verl.checkpoint_engine", "weightsync_verl.stage_ahead"):
         assert (ROOT / "integrations" / "verl" / Path(*module.split("."))).with_suffix(".py").is_file()
         assert module in entry_points, module
 

@@ -99,6 +99,7 @@ def test_doctor_says_vllm_is_absent_and_names_the_verl_entry_points_of_the_insta
     assert verl["checkpoint_engine"]["reason"] == f"verl {importlib.metadata.version('verl')} has verl.checkpoint_engine"
     assert verl["recipe_sync_group"]["available"] is False
     assert "recipe.one_step_off_policy not importable" in verl["recipe_sync_group"]["reason"]
+    assert verl["stage_ahead"]["available"] is True
     text = _doctor()
     assert "vLLM weight-transfer engines:\n  no   vLLM is not installed" in text
     assert "  checkpoint_engine  yes  checkpoint-engine backend weightsync_verl.checkpoint_engine" in text

@@ -66,6 +66,7 @@ def verl_entry_points() -> dict[str, dict[str, Any]]:
     missing = "weightsync_verl is not installed (it ships with weightsync)"
     engine = _has_module("verl.checkpoint_engine")
     recipe = _has_module("recipe.one_step_off_policy")
+    one_step_off = _has_module("verl.experimental.one_step_off_policy")
     return {
         "checkpoint_engine": {
             "available": ours and engine,
@@ -73,6 +74,15 @@ def verl_entry_points() -> dict[str, dict[str, Any]]:
                     "fully-async)",
             "reason": missing if not ours else (f"verl {version} has verl.checkpoint_engine" if engine else
                                                 f"verl {version or '(not installed)'} has no verl.checkpoint_engine"),
+        },
+        "stage_ahead": {
+            "available": ours and engine and one_step_off,
+            "what": "one-step-off stage ahead VERL_USE_EXTERNAL_MODULES=weightsync_verl.plugin_stage_ahead (verl >= 0.8, "
+                    "with the checkpoint-engine backend)",
+            "reason": missing if not ours else (f"verl {version} has verl.experimental.one_step_off_policy"
+                                                if engine and one_step_off else
+                                                f"verl {version or '(not installed)'} has no "
+                                                "verl.experimental.one_step_off_policy with a checkpoint engine"),
         },
         "recipe_sync_group": {
             "available": ours and recipe,
