@@ -32,7 +32,10 @@ from .layouts import materialize
 
 
 class ToyEngine:
-    """A model as a dict of tensors with vLLM's ``load_weights`` contract (copy in place)."""
+    """A model as a dict of tensors with vLLM's ``load_weights`` contract (copy in place): the
+    one engine stand-in of the tests, the bench and benchmarks/floors.py. Its parameters are
+    zeroed at construction, which writes every page, so the first sync pays no page faults
+    (the bench times it)."""
 
     def __init__(self, manifest: Manifest, device: str = "cpu", load_delay_s: float = 0.0):
         where = devices.resolve(device)  # the sim device registers itself here
@@ -50,6 +53,13 @@ class ToyEngine:
             done.add(name)
         self.loads += 1
         return done
+
+    def copy_in(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """``load_weights`` with nothing but the copies: no names kept, no counts, no delay.
+        The bench's loader, so a row times the transfer and not the stand-in's bookkeeping."""
+        params = self.params
+        for name, tensor in weights:
+            params[name].copy_(tensor)
 
     def post_load(self) -> None:
         self.post_loads += 1
