@@ -282,10 +282,12 @@ JOB_DEFAULTS = {"heartbeat_interval_s": 0.2, "heartbeat_timeout_s": 3.0, "sync_t
 _job_ids = itertools.count()
 
 
-def wait_until(what: str, cond: Any, timeout: float = 30.0, interval: float = 0.05) -> Any:
+def wait_until(what: str, cond: Any, timeout: float = 30.0, interval: float = 0.05, *, strict: bool = True) -> Any:
     """Poll ``cond()`` until it is truthy and return its value; a state a party or the
     coordinator reports, never time passing. A call that raises counts as not yet (a
-    restarting coordinator answers nothing for a while). TimeoutError names ``what``."""
+    restarting coordinator answers nothing for a while). TimeoutError names ``what``;
+    ``strict=False`` returns the last (falsy) value instead, for a caller whose own
+    assertion then says what was left."""
     deadline = time.monotonic() + timeout
     while True:
         try:
@@ -295,6 +297,8 @@ def wait_until(what: str, cond: Any, timeout: float = 30.0, interval: float = 0.
         if got:
             return got
         if time.monotonic() > deadline:
+            if not strict:
+                return got
             raise TimeoutError(f"timed out after {timeout:.0f} s waiting until {what}")
         time.sleep(interval)
 
