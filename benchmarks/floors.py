@@ -40,7 +40,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from weightsync.bench.actors import BenchEngine, digest
+from weightsync.bench.actors import digest
 from weightsync.bench.ceiling import host_ceiling
 from weightsync.bench.cli import machine_info
 from weightsync.bench.layout_source import resolve
@@ -49,6 +49,7 @@ from weightsync.digest import xxh3 as checksum
 from weightsync.manifest import Manifest
 from weightsync.plan import BucketPlan, Buffers, Unpacker, pack_stream, plan_buckets
 from weightsync.testing.layouts import materialize
+from weightsync.testing.parties import ToyEngine
 from weightsync.transports.shm.transport import layout, spans
 
 MiB = 1 << 20
@@ -93,7 +94,7 @@ def _host_party(role: str, k: int, model: str, bucket_mb: float, repeats: int, r
         os.unlink(path)  # every party has it mapped now: the pages go when the last one exits
     # what the trainer would announce: each bucket's xxh3
     sums = {b: checksum(w) for b, w in enumerate(windows)} if role == "apply" and k == 0 else {}
-    engine = BenchEngine(manifest) if role == "apply" else None
+    engine = ToyEngine(manifest) if role == "apply" else None
     unpacker = Unpacker(plan, manifest)
     span = spans(buf, bases, plan)
 
@@ -111,7 +112,7 @@ def _host_party(role: str, k: int, model: str, bucket_mb: float, repeats: int, r
                 verify("xxh3", b, windows[b], sums[b], 0)
                 if run is not None:
                     verified[b] = run
-            engine.load_weights(unpacker.unpack(b, windows[b], span))
+            engine.copy_in(unpacker.unpack(b, windows[b], span))
 
     times: dict[str, list[float]] = {}
     for c, (work, n, hashed) in enumerate(_host_cases(receivers)):
@@ -143,7 +144,7 @@ def _gloo_party(rank: int, model: str, bucket_mb: float, repeats: int, store_pat
         tensors = materialize(manifest, seed=0)
         list(pack_stream(plan, manifest, tensors, Buffers(lambda b: packed[bases[b]: bases[b] + plan.buckets[b].nbytes])))
     else:
-        engine = BenchEngine(manifest)  # the rollout gets its bytes from the wire
+        engine = ToyEngine(manifest)  # the rollout gets its bytes from the wire
     unpacker = Unpacker(plan, manifest)
     wires = [torch.zeros(plan.bucket_bytes, dtype=torch.uint8) for _ in range(2)]
     flat = packed[bases[0]:]  # every byte of the version, pre-packed: bcast-flat's buffer
@@ -163,7 +164,7 @@ def _gloo_party(rank: int, model: str, bucket_mb: float, repeats: int, store_pat
         for b in range(plan.bucket_count):
             works.pop(b).wait()
             if rank == 1 and load:
-                engine.load_weights(unpacker.unpack(b, wires[b % 2][: plan.buckets[b].nbytes]))
+                engine.copy_in(unpacker.unpack(b, wires[b % 2][: plan.buckets[b].nbytes]))
             if b + 2 < plan.bucket_count:
                 works[b + 2] = post(b + 2)
 

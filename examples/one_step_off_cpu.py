@@ -98,7 +98,9 @@ def pin(cpus: list[int] | None) -> None:
 
 @ray.remote(num_cpus=0)
 class Rollout:
-    """Stands in for a vLLM worker: samples with the weights it serves, tags the batch."""
+    """Stands in for a vLLM worker: samples with the weights it serves, tags the batch. Not
+    weightsync.testing's RolloutWorker: this one generates with a real policy, and the
+    example reads in one file."""
 
     def __init__(self, coordinator: Coordinator, task: Task, rank: int, cpus: list[int] | None):
         pin(cpus)

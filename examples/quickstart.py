@@ -13,7 +13,9 @@ def make_model() -> torch.nn.Module:
 
 @ray.remote(num_cpus=0)
 class Rollout:
-    """Stands in for a vLLM worker: load_weights(Iterable[(name, tensor)]) copies in place."""
+    """Stands in for a vLLM worker: load_weights(Iterable[(name, tensor)]) copies in place.
+    Written out here rather than weightsync.testing's ToyEngine: the example reads in one file
+    and its engine is the torch module the trainer trains, not a dict of zeros."""
 
     def __init__(self, coordinator: Coordinator, rank: int):
         self.model = make_model()

@@ -33,17 +33,16 @@ def ray_cluster():
     yield ray
     ray.shutdown()
     # no Ray process (raylet, GCS, workers) started by this run may outlive it
-    import time
-
     import psutil
 
-    deadline = time.monotonic() + 20
-    while True:
-        left = [p for p in psutil.Process().children(recursive=True) if p.is_running()
+    from weightsync.testing.parties import wait_until
+
+    def running() -> list:
+        return [p for p in psutil.Process().children(recursive=True) if p.is_running()
                 and p.status() != psutil.STATUS_ZOMBIE]
-        if not left or time.monotonic() > deadline:
-            break
-        time.sleep(0.5)
+
+    wait_until("every process of this run has exited", lambda: not running(), timeout=20, interval=0.5, strict=False)
+    left = running()
     assert not left, f"processes left after ray.shutdown(): {[(p.pid, p.name()) for p in left]}"
 
 
@@ -104,6 +103,8 @@ def shm_clean():
 
     import psutil
 
+    from weightsync.testing.parties import wait_until
+
     started = time.time()
     before = set(our_segments()) | {name for _, _, name in holders()}
     yield
@@ -119,16 +120,17 @@ def shm_clean():
                 pids.add(p.pid)
         return sorted(pids)
 
-    deadline = time.monotonic() + 10
-    while time.monotonic() < deadline:
+    def leftover() -> tuple[set, set]:
         reap_stale()  # segment files of processes killed on purpose by fault tests
         files = set(our_segments()) - before
         held = {(pid, name) for pid, _, name in holders(pids=this_run()) if name not in before}
-        if not files and not held:
-            return
-        time.sleep(0.5)
-    pytest.fail(f"segments left after the tests: files in /dev/shm {sorted(files)}, "
-                f"memfds held by live processes {sorted(held)}")
+        return files, held
+
+    wait_until("no segment of this run is left", lambda: not any(leftover()), timeout=10, interval=0.5, strict=False)
+    files, held = leftover()
+    if files or held:
+        pytest.fail(f"segments left after the tests: files in /dev/shm {sorted(files)}, "
+                    f"memfds held by live processes {sorted(held)}")
 
 
 # -- the reliability table (docs/reliability.md) is produced from these tests ---------------

@@ -30,9 +30,9 @@ DEADLINE_S = 30.0  # sync_timeout_s: every failure must surface well before it
 RECEIVERS = ("rollout-0", "rollout-1")
 
 
-def wait_until(what: str, cond, timeout: float = DEADLINE_S) -> Any:
+def wait_until(what: str, cond, timeout: float = DEADLINE_S, **kwargs: Any) -> Any:
     """weightsync.testing.wait_until with this job's deadline."""
-    return _wait_until(what, cond, timeout)
+    return _wait_until(what, cond, timeout, **kwargs)
 
 
 def sim_env(physical: int, lag_ms: float = 20.0, seed: int = 1) -> dict:

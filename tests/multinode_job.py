@@ -145,14 +145,14 @@ def main(path: str) -> None:
     finally:
         ray.shutdown()
         cluster.shutdown()
-        deadline = time.monotonic() + 20
-        while True:
-            left = [p for p in psutil.Process().children(recursive=True)
+
+        def running() -> list:
+            return [p for p in psutil.Process().children(recursive=True)
                     if p.is_running() and p.status() != psutil.STATUS_ZOMBIE]
-            if not left or time.monotonic() > deadline:
-                break
-            time.sleep(0.5)
-        out["left"] = [(p.pid, p.name()) for p in left]
+
+        wait_until("every process of the cluster has exited", lambda: not running(), timeout=20, interval=0.5,
+                   strict=False)
+        out["left"] = [(p.pid, p.name()) for p in running()]
         out["total_s"] = time.monotonic() - t0
         with open(path, "w") as f:
             json.dump(out, f, indent=1, default=str)

@@ -19,6 +19,7 @@ import torch
 from weightsync.bench import delta_rows, expect, memory_fit, updates
 from weightsync.bench.cli import default_store_gb
 from weightsync.testing.layouts import layout, materialize
+from weightsync.testing.parties import wait_until
 
 
 def _changed(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> tuple[int, int]:
@@ -127,10 +128,10 @@ def test_ctrl_c_stops_a_running_bench_and_leaves_nothing_behind(tmp_path):
             os.killpg(proc.pid, signal.SIGKILL)
             proc.wait()
     assert proc.returncode != 0, f"exit status {proc.returncode} after {took:.1f}s"
-    deadline = time.monotonic() + 30
-    while _session(proc.pid) and time.monotonic() < deadline:
-        time.sleep(0.5)
-    assert _session(proc.pid) == [], "Ray processes of the interrupted bench outlived it"
+    wait_until("the interrupted bench's Ray processes are gone", lambda: not _session(proc.pid), timeout=30,
+               interval=0.5, strict=False)
+    left = _session(proc.pid)
+    assert left == [], f"Ray processes of the interrupted bench outlived it: {left}"
     assert sorted(os.listdir(shm_dir)) == []
 
 

@@ -1,7 +1,6 @@
 """The version protocol over the shm transport, with real Ray actors in separate processes."""
 
 import threading
-import time
 
 import pytest
 import ray
@@ -9,7 +8,14 @@ import ray
 from weightsync import ManifestError, SyncConfig, SyncFailed, VersionError, WeightReceiver, WeightSender
 from weightsync.manifest import Manifest, TensorSpec
 from weightsync.testing.layouts import layout, materialize
-from weightsync.testing.parties import ToyEngine, assert_same_weights, assert_serves, rollout_actor, trainer_actor
+from weightsync.testing.parties import (
+    ToyEngine,
+    assert_same_weights,
+    assert_serves,
+    rollout_actor,
+    trainer_actor,
+    wait_until,
+)
 from weightsync.transports.memory import locate
 
 # tiny layout with a 64 KiB bucket: the embedding (1000 x 64 bf16 = 125 KiB) is split in chunks
@@ -199,10 +205,7 @@ def test_a_manifest_rejected_after_the_barrier_began_fails_the_version_at_once(c
         sender.stage(1, materialize(wider, seed=1))
         t = threading.Thread(target=sync)
         t.start()
-        deadline = time.monotonic() + 60
-        while coord.metrics(1)["participants"] != ["late"]:
-            assert time.monotonic() < deadline, "the barrier never began"
-            time.sleep(0.05)
+        wait_until("the barrier began", lambda: coord.metrics(1)["participants"] == ["late"], timeout=60)
         with pytest.raises(ManifestError, match="has shape"):
             receiver.apply(1)
         t.join(120)

@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import os
 import signal
-import time
 
 import psutil
 import pytest
@@ -90,9 +89,8 @@ def test_killed_job_leaves_nothing_in_ram(ray_cluster, transport):
         assert mine == set(), f"segment files of the job in /dev/shm: {mine}"
         # the kernel frees a memfd with its last holder; poll briefly for the exit to finish
         # (and for another job's file caught between the two reads of shmem())
-        deadline = time.monotonic() + 10
-        while shmem() - baseline >= TOLERANCE and time.monotonic() < deadline:
-            time.sleep(0.2)
+        wait_until("Shmem is back near its baseline", lambda: shmem() - baseline < TOLERANCE, 10, interval=0.2,
+                   strict=False)
         after = shmem() - baseline
         assert after < TOLERANCE, (f"Shmem is {after / 2**20:.1f} MiB above its baseline after the kill "
                                    f"({during / 2**20:.1f} MiB while the job ran)")

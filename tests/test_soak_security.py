@@ -14,7 +14,7 @@ import ray
 from weightsync import Coordinator, ProtocolError, WeightReceiver, transports
 from weightsync.coordinator import protocol
 from weightsync.testing.layouts import layout, materialize
-from weightsync.testing.parties import assert_serves, start_parties
+from weightsync.testing.parties import assert_serves, start_parties, wait_until
 from weightsync.transports.memory import SEGMENT_REF, holders, locate, our_segments
 
 MANIFEST = layout("tiny")
@@ -59,12 +59,7 @@ def test_soak(coordinator_factory, transport, request):
             ray.kill(p)
     assert all(n == 0 for n in coord.status()["resources"].values()), "every segment and handle was closed"
     coord.shutdown()
-    import time
-
-    deadline = time.monotonic() + 30
-    while not all(_gone(pid) for pid in pids) and time.monotonic() < deadline:
-        time.sleep(0.5)
-    assert all(_gone(pid) for pid in pids), "no process of this job is left"
+    wait_until("no process of this job is left", lambda: all(_gone(pid) for pid in pids), timeout=30, interval=0.5)
 
 
 @pytest.mark.scenario("security", "two jobs on one node sync concurrently without touching each other")

@@ -7,7 +7,6 @@ from __future__ import annotations
 import asyncio
 import sys
 import textwrap
-import time
 
 import pytest
 
@@ -133,7 +132,7 @@ def test_next_version_travels_as_soon_as_update_actor_returns(groups):
     import ray
     from weightsync_verl.testing import hf_weights
 
-    from weightsync.testing.parties import assert_same_weights
+    from weightsync.testing.parties import assert_same_weights, wait_until
 
     trainer = make_trainer(groups, trainer_config("ws-verl-ahead", weightsync={
         **SETTINGS, "transport": "broadcast", "coordinator_name": "ws-verl-ahead"}))
@@ -145,10 +144,8 @@ def test_next_version_travels_as_soon_as_update_actor_returns(groups):
         trainer.actor_wg.set_version(0)
         assert trainer.sync_rollout_weights()["weightsync/staged_ahead"] == 0.0
         parties = trainer._ws_coordinator.status
-        deadline = time.monotonic() + 30
-        while not all(p["ahead"] for p in parties()["parties"] if p["role"] == "receiver"):
-            assert time.monotonic() < deadline, "the rollout's ahead thread never came up"
-            time.sleep(0.05)
+        wait_until("the rollout's ahead thread came up",
+                   lambda: all(p["ahead"] for p in parties()["parties"] if p["role"] == "receiver"), timeout=30)
         for step in range(1, 4):
             trainer.actor_rollout_wg.update_actor(step)  # fit(): the update of step - 1 ...
             assert trainer._ws_ahead is not None and trainer._ws_ahead[0] == step

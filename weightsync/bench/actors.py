@@ -20,6 +20,7 @@ from ..manifest import Manifest
 from ..receiver import WeightReceiver
 from ..sender import WeightSender
 from ..testing.layouts import materialize
+from ..testing.parties import ToyEngine
 from .bits import digest
 from .bits import flat_bytes as _flat
 from .peak_memory import PeakTracker
@@ -33,27 +34,6 @@ def _collective():
     except ImportError:
         return None
     return collective_baselines
-
-
-class BenchEngine:
-    """A lean stand-in for an inference engine: parameters resident from the start, and
-    vLLM's ``load_weights`` contract (copy the given views in place)."""
-
-    def __init__(self, manifest: Manifest, device: str = "cpu"):
-        self.params: dict[str, torch.Tensor] = {}
-        for s in manifest:
-            t = torch.empty(s.shape, dtype=s.torch_dtype, device=device)
-            if t.numel():
-                _flat(t).fill_(0)  # touch every page now, so the first sync pays no page faults
-            self.params[s.name] = t
-
-    def load_weights(self, weights) -> None:
-        params = self.params
-        for name, tensor in weights:
-            params[name].copy_(tensor)
-
-    def post_load(self) -> None:
-        pass
 
 
 class BenchTrainer:
@@ -177,12 +157,14 @@ class BenchTrainer:
 
 
 class BenchRollout:
-    """One rollout worker: a BenchEngine fed by a WeightReceiver (or by a baseline)."""
+    """One rollout worker: the tests' engine stand-in (ToyEngine: pages resident from the
+    start) fed by a WeightReceiver (or by a baseline). Apart from the tests' RolloutWorker
+    because a bench rollout outlives its sessions (one per row) and tracks peak memory."""
 
     def __init__(self, manifest_wire: list, name: str, rank: int, device: str = "cpu"):
         self.manifest = Manifest.from_wire(manifest_wire)
         self.name, self.rank, self.device = name, rank, device
-        self.engine = BenchEngine(self.manifest, device)
+        self.engine = ToyEngine(self.manifest, device)
         self.receiver: WeightReceiver | None = None
         self.peak = PeakTracker()
         self.state: dict[str, Any] = {}
@@ -200,8 +182,9 @@ class BenchRollout:
         return self.peak.extra()
 
     def open(self, coordinator: Coordinator, config: dict) -> None:
+        # copy_in: the bare copies, so a row times the transfer, not the stand-in's counters
         self.receiver = WeightReceiver(
-            coordinator, self.engine.load_weights, name=self.name, rank=self.rank, post_load=self.engine.post_load,
+            coordinator, self.engine.copy_in, name=self.name, rank=self.rank,
             expected={s.name: s for s in self.manifest}, config=SyncConfig.load(config),
         )
         self.peak.start()
@@ -236,7 +219,7 @@ class BenchRollout:
                         s = specs[name]
                         yield name, torch.from_numpy(value).view(s.torch_dtype).view(s.shape)
 
-            self.engine.load_weights(pairs())
+            self.engine.copy_in(pairs())
         return {"end": time.monotonic()}
 
     def collective_call(self, fn: str, *args: Any, **kwargs: Any) -> Any:

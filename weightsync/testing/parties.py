@@ -32,7 +32,10 @@ from .layouts import materialize
 
 
 class ToyEngine:
-    """A model as a dict of tensors with vLLM's ``load_weights`` contract (copy in place)."""
+    """A model as a dict of tensors with vLLM's ``load_weights`` contract (copy in place): the
+    one engine stand-in of the tests, the bench and benchmarks/floors.py. Its parameters are
+    zeroed at construction, which writes every page, so the first sync pays no page faults
+    (the bench times it)."""
 
     def __init__(self, manifest: Manifest, device: str = "cpu", load_delay_s: float = 0.0):
         where = devices.resolve(device)  # the sim device registers itself here
@@ -50,6 +53,13 @@ class ToyEngine:
             done.add(name)
         self.loads += 1
         return done
+
+    def copy_in(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """``load_weights`` with nothing but the copies: no names kept, no counts, no delay.
+        The bench's loader, so a row times the transfer and not the stand-in's bookkeeping."""
+        params = self.params
+        for name, tensor in weights:
+            params[name].copy_(tensor)
 
     def post_load(self) -> None:
         self.post_loads += 1
@@ -272,10 +282,12 @@ JOB_DEFAULTS = {"heartbeat_interval_s": 0.2, "heartbeat_timeout_s": 3.0, "sync_t
 _job_ids = itertools.count()
 
 
-def wait_until(what: str, cond: Any, timeout: float = 30.0, interval: float = 0.05) -> Any:
+def wait_until(what: str, cond: Any, timeout: float = 30.0, interval: float = 0.05, *, strict: bool = True) -> Any:
     """Poll ``cond()`` until it is truthy and return its value; a state a party or the
     coordinator reports, never time passing. A call that raises counts as not yet (a
-    restarting coordinator answers nothing for a while). TimeoutError names ``what``."""
+    restarting coordinator answers nothing for a while). TimeoutError names ``what``;
+    ``strict=False`` returns the last (falsy) value instead, for a caller whose own
+    assertion then says what was left."""
     deadline = time.monotonic() + timeout
     while True:
         try:
@@ -285,6 +297,8 @@ def wait_until(what: str, cond: Any, timeout: float = 30.0, interval: float = 0.
         if got:
             return got
         if time.monotonic() > deadline:
+            if not strict:
+                return got
             raise TimeoutError(f"timed out after {timeout:.0f} s waiting until {what}")
         time.sleep(interval)
 
