@@ -1,4 +1,4 @@
-"""weightsync in 60 lines: a trainer pushes three versions of a torch model to two rollout
+"""weightsync in one page: a trainer pushes three versions of a torch model to two rollout
 workers (Ray actors) over shared memory. Run: python examples/quickstart.py"""
 
 import ray
