@@ -63,3 +63,25 @@ def after_import(owner: str, fixes: Mapping[str, Callable[[ModuleType], Any]]) -
 def remove(owner: str) -> None:
     """Take ``owner``'s finder off ``sys.meta_path`` (modules it fixed stay fixed)."""
     sys.meta_path[:] = [f for f in sys.meta_path if not (isinstance(f, AfterImport) and f.owner == owner)]
+
+
+def with_mixin(cls: type, mixin: type, home: str) -> type:
+    """``cls`` with ``mixin`` in front, its ``__module__`` ``home``; the same class back if it
+    already has it."""
+    if issubclass(cls, mixin):
+        return cls
+    return type(cls.__name__, (mixin, cls), {"__module__": home, "__qualname__": f"with_weightsync.{cls.__name__}",
+                                            "__doc__": cls.__doc__})
+
+
+def put_in_front(module: ModuleType, name: str, mixin: type, home: str) -> None:
+    """Replace the class ``module.<name>`` by ``with_mixin(cls, mixin, home)``. The original
+    stays importable as ``module._weightsync_original_<name>``: Ray pickles the new class by
+    value and its bases by reference (by value, v0.6.1's drag unpicklable globals)."""
+    cls = getattr(module, name)
+    patched = with_mixin(cls, mixin, home)
+    if patched is not cls:
+        original = f"_weightsync_original_{name}"
+        setattr(module, original, cls)
+        cls.__qualname__ = original
+        setattr(module, name, patched)

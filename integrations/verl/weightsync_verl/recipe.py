@@ -34,7 +34,7 @@ from weightsync import Coordinator
 from weightsync.config import ENV_PREFIX
 
 from .config import refuse_old_key, sync_config
-from .import_hook import after_import, remove
+from .import_hook import after_import, put_in_front, remove, with_mixin
 from .inline_group import GroupRequest, take_over_group
 from .logger_metrics import digest_metrics
 from .tagging import VersionLedger, agreed_version, next_version, stamp_all
@@ -230,26 +230,15 @@ UNSUPPORTED = (
 
 def with_weightsync(cls: type, mixin: type) -> type:
     """``cls`` with ``mixin`` in front; the same class back if it already has it."""
-    if issubclass(cls, mixin):
-        return cls
-    return type(cls.__name__, (mixin, cls), {"__module__": __name__, "__qualname__": f"with_weightsync.{cls.__name__}",
-                                            "__doc__": cls.__doc__})
+    return with_mixin(cls, mixin, __name__)
 
 
 def patch_module(module: Any) -> list[str]:
     """Replace the recipe's classes in ``module`` by their weightsync versions."""
     done = []
     for name, mixin in PATCHES.get(module.__name__, {}).items():
-        cls = getattr(module, name, None)
-        if isinstance(cls, type):
-            patched = with_weightsync(cls, mixin)
-            if patched is not cls:
-                # keep the recipe's class importable by name: Ray pickles the patched class by
-                # value and its bases by reference (by value, v0.6.1's drag unpicklable globals)
-                original = f"_weightsync_original_{name}"
-                setattr(module, original, cls)
-                cls.__qualname__ = original
-            setattr(module, name, patched)
+        if isinstance(getattr(module, name, None), type):
+            put_in_front(module, name, mixin, __name__)
             done.append(name)
     if module.__name__.endswith("ray_trainer") and "OneStepOffRayTrainer" in done:
         trainer = module.OneStepOffRayTrainer

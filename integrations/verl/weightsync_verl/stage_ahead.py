@@ -28,7 +28,7 @@ import sys
 import time
 from typing import Any
 
-from .import_hook import after_import, remove
+from .import_hook import after_import, put_in_front
 
 TRAINER_MODULE = "verl.experimental.one_step_off_policy.ray_trainer"
 BACKEND = "weightsync"
@@ -110,13 +110,8 @@ def default_receive_ahead(config: Any) -> None:
 
 
 def patch_module(module: Any) -> None:
-    cls = getattr(module, "OneStepOffRayTrainer", None)
-    if isinstance(cls, type) and not issubclass(cls, StageAheadMixin):
-        # the original stays importable by name: Ray pickles the subclass by value, its bases by reference
-        module._weightsync_original_OneStepOffRayTrainer = cls
-        cls.__qualname__ = "_weightsync_original_OneStepOffRayTrainer"
-        module.OneStepOffRayTrainer = type("OneStepOffRayTrainer", (StageAheadMixin, cls),
-                                           {"__module__": __name__, "__doc__": cls.__doc__})
+    if isinstance(getattr(module, "OneStepOffRayTrainer", None), type):
+        put_in_front(module, "OneStepOffRayTrainer", StageAheadMixin, __name__)
 
 
 def install() -> None:
@@ -124,8 +119,3 @@ def install() -> None:
     after_import(__name__, {TRAINER_MODULE: patch_module})
     if TRAINER_MODULE in sys.modules:
         patch_module(sys.modules[TRAINER_MODULE])
-
-
-def uninstall() -> None:
-    """Stop patching the trainer module as it is imported (one patched stays patched)."""
-    remove(__name__)
