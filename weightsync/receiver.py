@@ -21,14 +21,14 @@ from typing import Any
 
 import torch
 
-from . import events, transports
+from . import transports
 from .config import SyncConfig
 from .coordinator.client import Coordinator
 from .coordinator.versions import State
 from .delta.strategy import Engine, Loaders
 from .errors import ManifestError, VersionError, WeightSyncError
 from .manifest import Expected, Manifest, check_manifest
-from .party import Party
+from .party import Party, log_applied, log_apply_failed, log_bucket
 from .plan import Unpacker
 from .receive_ahead import AheadThread
 from .transports.records import VersionRecord
@@ -186,14 +186,14 @@ class WeightReceiver(Party):
             reason, loaded = f"{type(exc).__name__}: {exc}", self._buckets_loaded
             if info is not None:
                 reason += self._rollback(info, prev, prev_info, deadline)
-            events.apply_failed(self.name, v, self.transport.name, loaded,
+            log_apply_failed(self.name, v, self.transport.name, loaded,
                                 self.unpacker.plan.bucket_count, time.perf_counter() - t0, reason)
             self._report(v, ok=False, reason=reason)
             raise
         self._version, self._info, self._served = v, {"slot": target.slot, "info": target.info}, info
         self._loaders.committed(v, info)
         self._report(v, ok=True, metrics=self.last_metrics)
-        events.applied(self.name, v, self.transport.name, self.last_metrics["bytes"], self.last_metrics["total_s"])
+        log_applied(self.name, v, self.transport.name, self.last_metrics["bytes"], self.last_metrics["total_s"])
         return v
 
     def _rejoin_state(self) -> dict[str, Any]:
@@ -291,7 +291,7 @@ class WeightReceiver(Party):
                 self.load_weights(pairs)
             nbytes += buf.numel()
             self._buckets_loaded += 1
-            events.bucket(self.name, version, b, buf.numel())
+            log_bucket(self.name, version, b, buf.numel())
             t = time.perf_counter()
             verify_s += t2 - t1
             load_s += t - t2

@@ -20,7 +20,7 @@ from typing import Any
 
 import torch
 
-from . import events, transports
+from . import transports
 from .config import SyncConfig
 from .coordinator import ops
 from .coordinator.client import Coordinator, Publication
@@ -28,7 +28,7 @@ from .delta.strategy import FullPacking, packing_for
 from .device import describe
 from .errors import ConfigError, VersionError
 from .manifest import Manifest, build_manifest
-from .party import Party
+from .party import Party, log_send_failed, log_sent
 from .transports.records import VersionRecord
 from .transports.selection import choose_transport, ipc_support
 
@@ -344,7 +344,7 @@ class WeightSender(Party):
         except Exception as exc:
             self._packing.resolved(version, committed=False)
             if self.sends:
-                events.send_failed(self.name, version, transport, time.perf_counter() - t0, f"{type(exc).__name__}: {exc}")
+                log_send_failed(self.name, version, transport, time.perf_counter() - t0, f"{type(exc).__name__}: {exc}")
             raise
         finally:
             for old in [v for v in self._staged if v <= version]:
@@ -352,7 +352,7 @@ class WeightSender(Party):
         barrier_s = time.perf_counter() - t0
         result = SyncResult(version, stage_s, barrier_s, outcome.bytes, outcome.as_dict())
         if self.sends:
-            events.sent(self.name, version, transport, result.bytes, stage_s, barrier_s, outcome.committed)
+            log_sent(self.name, version, transport, result.bytes, stage_s, barrier_s, outcome.committed)
         return result
 
     def delta_state(self) -> dict[str, Any] | None:
