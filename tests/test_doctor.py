@@ -103,3 +103,11 @@ def test_doctor_says_vllm_is_absent_and_names_the_verl_entry_points_of_the_insta
     text = _doctor()
     assert "vLLM weight-transfer engines:\n  no   vLLM is not installed" in text
     assert "  checkpoint_engine  yes  checkpoint-engine backend weightsync_verl.checkpoint_engine" in text
+
+
+def test_python_dash_m_weightsync_is_the_command():
+    """Where the console script is not on PATH, ``python -m weightsync`` runs the same command."""
+    env = {k: v for k, v in os.environ.items() if k != DISABLE_IPC_VAR}
+    out = subprocess.run([sys.executable, "-m", "weightsync", "doctor", "--json"], capture_output=True, text=True,
+                         timeout=120, env=env)
+    assert out.returncode == 0 and json.loads(out.stdout)["platform"] == "cpu", out.stderr
