@@ -1,4 +1,4 @@
-"""Transport classes by name (the table is :mod:`weightsync.registry`). Each transport is one
+"""Transport classes by name (the table is in :mod:`weightsync.config`). Each transport is one
 module exposing a sender and a receiver class; modules are imported on first use, so a
 transport's optional dependencies (torch_npu, ...) are needed only when it is chosen.
 ``SyncConfig(transport=...)`` accepts exactly the registered names (and "auto"), so a
@@ -10,7 +10,9 @@ import importlib
 from collections.abc import Callable, Mapping
 from typing import Any
 
-from ..registry import entry, names, register_transport
+from ..config import register_transport
+from ..config import transport_entry as entry
+from ..config import transport_names as names
 from .base import ReceiverTransport, SenderTransport, TransportContext
 
 
