@@ -87,8 +87,11 @@ def test_a_function_level_import_closes_a_cycle(tmp_path):
     assert cycles_of(graph) == [["pkg.a", "pkg.b", "pkg.a"]]
 
 
-# one job that needs the room: every control operation's records, declared in one place
-ONE_JOB = {PKG / "coordinator" / "ops.py"}
+# modules with one job that needs the room
+ONE_JOB = {
+    PKG / "coordinator" / "ops.py",  # every control operation's records, declared in one place
+    PKG / "transports" / "selection.py",  # which transport a session gets, and building it by name
+}
 
 
 def test_no_module_over_400_lines():
