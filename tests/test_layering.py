@@ -91,6 +91,7 @@ def test_a_function_level_import_closes_a_cycle(tmp_path):
 ONE_JOB = {
     PKG / "coordinator" / "ops.py",  # every control operation's records, declared in one place
     PKG / "transports" / "selection.py",  # which transport a session gets, and building it by name
+    PKG / "transports" / "memory.py",  # host shared-memory segments, and the wake-ups on their words
 }
 
 

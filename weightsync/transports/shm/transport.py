@@ -35,7 +35,7 @@ import torch
 from ...digest import as_int, verify
 from ...errors import DeadlineExceeded, ProtocolError
 from ...plan import BucketPlan, BucketSink, Packing, align_up
-from .. import notify
+from .. import memory as notify  # wake-ups on segment words (memory.py)
 from ..base import Received, ReceiverTransport, SenderTransport, TransportContext, poll_until
 from ..memory import PAGE, Segment, attach, create, digest_word, reap_stale
 from ..records import ShmSession, ShmStreamVersion, ShmVersion, VersionRecord, shm_version
