@@ -31,8 +31,7 @@ from .manifest import Expected, Manifest, check_manifest
 from .party import Party
 from .plan import Unpacker
 from .receive_ahead import AheadThread
-from .transports.base import ReceiverTransport
-from .transports.records import VersionRecord
+from .transports.base import ReceiverTransport, VersionRecord
 from .transports.selection import receiver_class
 
 LoadWeights = Callable[[Iterable[tuple[str, torch.Tensor]]], Any]

@@ -29,8 +29,7 @@ from .device import describe
 from .errors import ConfigError, VersionError
 from .manifest import Manifest, build_manifest
 from .party import Party
-from .transports.base import SenderTransport
-from .transports.records import VersionRecord
+from .transports.base import SenderTransport, VersionRecord
 from .transports.selection import choose_transport, ipc_support, sender_class
 
 log = logging.getLogger("weightsync")

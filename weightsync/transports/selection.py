@@ -192,7 +192,7 @@ def sender_class(name: str) -> Callable[[TransportContext], SenderTransport]:
 
 def receiver_class(name: str) -> Callable[[TransportContext, Mapping[str, Any]], ReceiverTransport]:
     """What builds the receiver of ``name`` from a TransportContext and the wire form of the
-    sender's session record (parsed there: transports/records.py)."""
+    sender's session record (parsed there: transports/base.py)."""
     module, _, receiver = transport_entry(name)
     return getattr(importlib.import_module(module), receiver)
 

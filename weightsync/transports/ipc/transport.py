@@ -38,9 +38,21 @@ from ...coordinator.versions import State
 from ...digest import kind_of
 from ...errors import CapacityError, DeadlineExceeded, ProtocolError, VersionError
 from ...plan import Packing, align_up
-from ..base import Aborted, Received, ReceiverTransport, SenderTransport, TransportContext, poll_until
+from ..base import (
+    Aborted,
+    DeviceHandle,
+    DeviceRecord,
+    HostBuffer,
+    IpcSession,
+    IpcVersion,
+    Received,
+    ReceiverTransport,
+    SenderTransport,
+    TransportContext,
+    VersionRecord,
+    poll_until,
+)
 from ..memory import PAGE, Segment, Waiter, attach, create, digest_word, reap_stale, wake
-from ..records import DeviceHandle, DeviceRecord, HostBuffer, IpcSession, IpcVersion, VersionRecord
 from .ring import Ring
 from .wire import (
     BUCKET_BITS,
