@@ -17,7 +17,7 @@ from weightsync.digest import xxh3
 from weightsync.errors import ConfigError, ManifestError, ProtocolError
 from weightsync.manifest import build_manifest
 from weightsync.plan import Unpacker, plan_buckets
-from weightsync.transports.records import DeltaRecord, ShmVersion, VersionRecord
+from weightsync.transports.base import DeltaRecord, ShmVersion, VersionRecord
 
 
 def bucket(n: int, seed: int = 0) -> torch.Tensor:

@@ -151,7 +151,7 @@ def test_a_nested_record_names_its_own_field(monkeypatch):
 
 
 # a map whose keys the coordinator does not know: a transport's record in its wire form (parsed
-# strictly where it arrives, transports/records.py) or the config (SyncConfig.from_mapping)
+# strictly where it arrives, transports/base.py) or the config (SyncConfig.from_mapping)
 UNREAD = {"info", "config"}
 
 

@@ -1,4 +1,4 @@
-"""The typed records a transport's sender publishes for its receivers (transports/records.py):
+"""The typed records a transport's sender publishes for its receivers (transports/base.py):
 each survives the control plane's msgpack unchanged, and a malformed one is refused where it
 arrives with a ProtocolError naming the transport and the field."""
 
@@ -14,7 +14,7 @@ from weightsync import SyncConfig
 from weightsync.errors import ProtocolError
 from weightsync.manifest import Manifest, TensorSpec
 from weightsync.plan import plan_buckets
-from weightsync.transports import records as R
+from weightsync.transports import base as R
 from weightsync.transports.base import TransportContext
 from weightsync.transports.broadcast.transport import BroadcastReceiver
 from weightsync.transports.ipc.transport import IpcReceiver

@@ -2,6 +2,11 @@
 
 Every field is validated on construction, so a bad value fails where it is written
 (a YAML file, a Hydra override, an environment variable), not deep inside a transfer.
+
+The choices a field accepts live here too, the transports' names among them: the table of
+registered transports (name -> module, sender, receiver) is kept here, with no import of the
+transports themselves, so the config checks ``transport`` against it and the transports
+package builds a transport from it, neither importing the other.
 """
 
 from __future__ import annotations
@@ -12,7 +17,6 @@ import os
 from collections.abc import Mapping
 from typing import Any
 
-from . import registry
 from .errors import ConfigError
 
 BACKENDS = ("auto", "gloo", "nccl", "hccl", "simccl")  # simccl: the sim device's (tests)
@@ -35,6 +39,47 @@ NON_CONFIG_ENV = frozenset({
     "WEIGHTSYNC_SIM_VISIBLE_DEVICES",
 })
 MiB = 1 << 20
+
+# the registered transports: name -> (module, sender, receiver), the classes or factories
+# called with the same arguments. A module is imported only when its transport is chosen
+# (weightsync.transports.selection), so its optional dependencies (torch_npu, ...) are needed
+# only then; a plugin adds its own with register_transport
+_TRANSPORTS = {
+    # shm's two modes (whole versions, a streaming ring) are chosen by these factories
+    "shm": ("weightsync.transports.shm.stream", "open_shm_sender", "open_shm_receiver"),
+    "broadcast": ("weightsync.transports.broadcast.transport", "BroadcastSender", "BroadcastReceiver"),
+    "ipc": ("weightsync.transports.ipc.transport", "IpcSender", "IpcReceiver"),
+}
+
+
+def register_transport(name: str, module: str, sender: str, receiver: str) -> None:
+    """Make ``name`` selectable: ``module`` (imported on first use) defines the ``sender`` and
+    ``receiver`` classes. Every party of a job must register it (e.g. at import of the plugin).
+    Public as ``weightsync.transports.register_transport``.
+
+    Raises:
+        ValueError: ``name`` is "auto" or already registered.
+    """
+    if name == "auto" or name in _TRANSPORTS:
+        raise ValueError(f"transport {name!r} is already registered ({_TRANSPORTS.get(name, 'reserved')})")
+    _TRANSPORTS[name] = (module, sender, receiver)
+
+
+def transport_names() -> list[str]:
+    """The registered transport names, sorted ("auto" is not one)."""
+    return sorted(_TRANSPORTS)
+
+
+def transport_entry(name: str) -> tuple[str, str, str]:
+    """(module, sender, receiver) of the transport ``name``.
+
+    Raises:
+        ValueError: no transport of that name is registered.
+    """
+    try:
+        return _TRANSPORTS[name]
+    except KeyError:
+        raise ValueError(f"unknown transport {name!r}; known: {', '.join(transport_names())}") from None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -114,7 +159,7 @@ class SyncConfig:
     receive_ahead_max_mb: float = 0.0
 
     def __post_init__(self) -> None:
-        _check_choice("transport", self.transport, ("auto", *registry.names()))
+        _check_choice("transport", self.transport, ("auto", *transport_names()))
         _check_choice("backend", self.backend, BACKENDS)
         _check_choice("communicator", self.communicator, COMMUNICATORS)
         _check_choice("device", self.device, DEVICES)

@@ -21,7 +21,6 @@ from typing import Any
 
 import torch
 
-from . import transports
 from .config import SyncConfig
 from .coordinator.client import Coordinator
 from .coordinator.versions import State
@@ -31,7 +30,8 @@ from .manifest import Expected, Manifest, check_manifest
 from .party import Party, log_applied, log_apply_failed, log_bucket
 from .plan import Unpacker
 from .receive_ahead import AheadThread
-from .transports.records import VersionRecord
+from .transports.base import ReceiverTransport, VersionRecord
+from .transports.selection import receiver_class
 
 LoadWeights = Callable[[Iterable[tuple[str, torch.Tensor]]], Any]
 
@@ -91,7 +91,7 @@ class WeightReceiver(Party):
         self.load_weights, self.post_load = load_weights, post_load
         self.reset_cache, self.abort_load = reset_cache, abort_load
         self.expected, self.strict = expected, strict
-        self.transport: transports.ReceiverTransport | None = None
+        self.transport: ReceiverTransport | None = None
         self.unpacker: Unpacker | None = None
         self._version: int | None = None
         self._touched = False  # a bucket of the version being applied reached the model
@@ -129,7 +129,7 @@ class WeightReceiver(Party):
                 raise
         self.control.verdict(True)
         ctx = self._context(manifest, session.digest)
-        transport = transports.receiver_class(session.transport)(ctx, session.info)
+        transport = receiver_class(session.transport)(ctx, session.info)
         self.transport, self.unpacker = transport, Unpacker(ctx.plan, manifest)
         self._loaders = Loaders(self.unpacker, self.name)
         try:

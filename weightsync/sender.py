@@ -20,7 +20,6 @@ from typing import Any
 
 import torch
 
-from . import transports
 from .config import SyncConfig
 from .coordinator import ops
 from .coordinator.client import Coordinator, Publication
@@ -29,8 +28,8 @@ from .device import describe
 from .errors import ConfigError, VersionError
 from .manifest import Manifest, build_manifest
 from .party import Party, log_send_failed, log_sent
-from .transports.records import VersionRecord
-from .transports.selection import choose_transport, ipc_support
+from .transports.base import SenderTransport, VersionRecord
+from .transports.selection import choose_transport, ipc_support, sender_class
 
 log = logging.getLogger("weightsync")
 
@@ -135,7 +134,7 @@ class WeightSender(Party):
         super().__init__(coordinator, name=name or f"trainer-{rank}", rank=rank, config=config, device=device)
         self.expected_receivers = expected_receivers
         self.manifest: Manifest | None = None
-        self.transport: transports.SenderTransport | None = None
+        self.transport: SenderTransport | None = None
         self.transport_name: str | None = None
         self._staged: dict[int, StagedVersion] = {}
         self._staged_digest: dict[int, str | None] = {}  # version digests reported when staged
@@ -180,7 +179,7 @@ class WeightSender(Party):
         me = ops.Placement(host=self.host, node_id=self.node_id, device=ops.Device(**describe(self.device)),
                            ipc=ops.IpcSupport(ok=ipc.ok, reason=ipc.reason, notes=list(ipc.notes)))
         name, reason = choose_transport(self.config.transport, me, receivers, self.config.backend)
-        transport = transports.sender_class(name)(ctx)
+        transport = sender_class(name)(ctx)
         if self.config.receive_ahead == "on" and not transport.ahead_capable:
             transport.close()
             raise ConfigError(f"receive_ahead: on, but transport {name} ({transport.mode_reason or reason}) takes "

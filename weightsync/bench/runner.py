@@ -22,7 +22,7 @@ from typing import Any
 import numpy as np
 import ray
 
-from .. import transports as transport_registry
+from .. import transports
 from ..coordinator.client import Coordinator
 from ..device import ray_options
 from ..manifest import Manifest
@@ -49,13 +49,13 @@ def transport_unavailable(name: str, backend: str, device: str) -> str | None:
     """None if ``name`` can run here, else why not (a transport module may be missing)."""
     if name == "auto":
         return None
-    if name not in transport_registry.names():
+    if name not in transports.names():
         spec = importlib.util.find_spec(f"weightsync.transports.{name}")
         if spec is None:
             return f"weightsync.transports.{name} is not part of this build"
         return f"weightsync.transports.{name} exists but is not registered in weightsync.transports"
     try:
-        transport_registry.sender_class(name)
+        transports.sender_class(name)
     except Exception as exc:  # an optional dependency of the transport is missing
         return f"cannot import transport {name!r}: {type(exc).__name__}: {exc}"
     if name == "broadcast" and backend == "nccl" and device != "cuda":

@@ -32,7 +32,7 @@ import torch
 from ..digest import xxh3
 from ..manifest import Manifest
 from ..plan import BucketPlan, Unpacker
-from ..transports.records import DeltaRecord
+from ..transports.base import DeltaRecord
 from . import codec as delta
 
 

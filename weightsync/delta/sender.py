@@ -30,7 +30,7 @@ import torch
 from ..digest import version_digest
 from ..manifest import Manifest
 from ..plan import BucketPlan, BucketSink, pack_stream
-from ..transports.records import DeltaRecord
+from ..transports.base import DeltaRecord
 from . import codec as delta
 from .packing import EncodedPacking, wire_plan
 from .policy import DELTA, FULL, PRIME, AutoPolicy

@@ -30,8 +30,7 @@ import torch
 from ..digest import version_digest
 from ..manifest import Manifest
 from ..plan import BucketPlan, Packing, Unpacker
-from ..transports.base import ReceiverTransport
-from ..transports.records import VersionRecord
+from ..transports.base import ReceiverTransport, VersionRecord
 from . import codec
 from .policy import FULL
 from .receiver import DeltaReceiver

@@ -1,4 +1,5 @@
-"""The transport choice: which transport a session uses, and what this machine can run.
+"""The transport choice: which transport a session uses, building it by name, and what this
+machine can run.
 
 **The choice** is a pure function of the config and where parties run. Each party is described
 by an ``ops.Placement``: ``node_id`` (its Ray node id), ``host`` (node address), ``device``
@@ -19,6 +20,10 @@ The chain for ``auto``, best first:
       -> broadcast, to every receiver (shm within the sender's node beside a broadcast
          across nodes is not built: receivers on the sender's node join the broadcast)
 
+**Building it by name**: :func:`sender_class` / :func:`receiver_class` import the module the
+transport table names (``weightsync.config``, where plugins add theirs) on first use, so a
+transport's optional dependencies (torch_npu, ...) are needed only when it is chosen.
+
 **What this machine can run** (the sender's ``ipc`` above, and ``weightsync doctor``):
 platform facts, component versions, and per-transport verdicts with the reason behind each.
 Version facts are read from files and package metadata, never by importing heavy stacks where
@@ -30,17 +35,22 @@ without the hardware.
 from __future__ import annotations
 
 import dataclasses
+import importlib
 import importlib.metadata
 import os
 import platform as _platform
 import re
 import shutil
 import subprocess
-from collections.abc import Mapping, Sequence
-from typing import Any
+from collections.abc import Callable, Mapping, Sequence
+from typing import TYPE_CHECKING, Any
 
+from ..config import transport_entry
 from ..coordinator.ops import Device, IpcSupport, Placement
 from ..errors import ConfigError
+
+if TYPE_CHECKING:  # the interface's module imports torch, which the doctor's facts need not
+    from .base import ReceiverTransport, SenderTransport, TransportContext
 
 COLOCATED, SAME_NODE, REMOTE = "colocated", "same node", "remote"
 ACCELERATORS = ("cuda", "npu", "sim")  # sim: the tests' simulated accelerator (weightsync/sim)
@@ -172,6 +182,19 @@ def choose_transport(requested: str, sender: Placement, receivers: Sequence[Plac
         why += (f" to every receiver, {_describe(receivers, where, COLOCATED, SAME_NODE)} on the sender's node included "
                 f"(shm within a node beside broadcast across nodes is not built yet)")
     return "broadcast", why
+
+
+def sender_class(name: str) -> Callable[[TransportContext], SenderTransport]:
+    """What builds the sender of transport ``name`` from a TransportContext (a class or a factory)."""
+    module, sender, _ = transport_entry(name)
+    return getattr(importlib.import_module(module), sender)
+
+
+def receiver_class(name: str) -> Callable[[TransportContext, Mapping[str, Any]], ReceiverTransport]:
+    """What builds the receiver of ``name`` from a TransportContext and the wire form of the
+    sender's session record (parsed there: transports/base.py)."""
+    module, _, receiver = transport_entry(name)
+    return getattr(importlib.import_module(module), receiver)
 
 
 # -- what this machine can run ------------------------------------------------------------------

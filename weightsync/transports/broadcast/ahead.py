@@ -14,8 +14,7 @@ from typing import Any
 import torch
 
 from ...errors import ChecksumError, VersionError
-from ..base import Received, ReceiverTransport
-from ..records import BroadcastVersion, VersionRecord
+from ..base import BroadcastVersion, Received, ReceiverTransport, VersionRecord
 from ..shadow import Shadow
 
 

@@ -46,8 +46,16 @@ from ... import device as devices
 from ...coordinator.ops import BroadcastGroup
 from ...errors import ConfigError, DeadlineExceeded, VersionError, WeightSyncError
 from ...plan import BucketPlan, BucketSink, Packing
-from ..base import Aborted, Received, ReceiverTransport, SenderTransport, TransportContext
-from ..records import BroadcastSession, BroadcastVersion, VersionRecord
+from ..base import (
+    Aborted,
+    BroadcastSession,
+    BroadcastVersion,
+    Received,
+    ReceiverTransport,
+    SenderTransport,
+    TransportContext,
+    VersionRecord,
+)
 from ..shadow import Shadow
 from .ahead import AheadReceiver
 from .communicators import choose_backend, comm_device

@@ -11,7 +11,7 @@ import torch
 from ... import device as devices
 from ...digest import as_int, compute
 from ...plan import BucketPlan, BucketSink
-from .. import notify
+from ..memory import wake
 from .wire import Watch, ready_word, tag
 
 
@@ -82,5 +82,5 @@ class Ring(BucketSink):
                 self.sums.append(as_int(compute(s.digest_kind, s.buffers[k][:n]) if d is None else d))
                 w[ready_word(k) + 1] = self.sums[-1]
             w[ready_word(k)] = tag(self.version, b)
-            notify.wake(w, ready_word(k))  # receivers sleeping on the word (transports/notify.py)
+            wake(w, ready_word(k))  # receivers sleeping on the word (transports/memory.py)
             self.published = b

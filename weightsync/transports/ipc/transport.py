@@ -38,10 +38,21 @@ from ...coordinator.versions import State
 from ...digest import kind_of
 from ...errors import CapacityError, DeadlineExceeded, ProtocolError, VersionError
 from ...plan import Packing, align_up
-from .. import notify
-from ..base import Aborted, Received, ReceiverTransport, SenderTransport, TransportContext, poll_until
-from ..memory import PAGE, Segment, attach, create, digest_word, reap_stale
-from ..records import DeviceHandle, DeviceRecord, HostBuffer, IpcSession, IpcVersion, VersionRecord
+from ..base import (
+    Aborted,
+    DeviceHandle,
+    DeviceRecord,
+    HostBuffer,
+    IpcSession,
+    IpcVersion,
+    Received,
+    ReceiverTransport,
+    SenderTransport,
+    TransportContext,
+    VersionRecord,
+    poll_until,
+)
+from ..memory import PAGE, Segment, Waiter, attach, create, digest_word, reap_stale, wake
 from .ring import Ring
 from .wire import (
     BUCKET_BITS,
@@ -164,7 +175,7 @@ class IpcSender(SenderTransport):
             lambda: DeadlineExceeded(
                 f"{self.name}: receiver(s) {', '.join(watch.pending(w, need, k))} did not finish bucket {b} of version "
                 f"{version} before the deadline (stalled in load_weights, or never called apply?)"),
-            waiter=notify.Waiter(w, RELEASED),  # receivers ring it after each release
+            waiter=Waiter(w, RELEASED),  # receivers ring it after each release
         )
 
     def close(self) -> None:
@@ -297,10 +308,10 @@ class IpcReceiver(ReceiverTransport):
                 raise ProtocolError(f"{self.name}: bucket {b} of version {version} was overwritten while it was loaded "
                                     f"(the sender gave up waiting for receiver '{self.ctx.name}')")
             w[mine + 2 + k] = want
-            # ring the sender's doorbell: any change of the word wakes it (notify.py), so racing
+            # ring the sender's doorbell: any change of the word wakes it (memory.py), so racing
             # receivers need no atomic increment
             w[RELEASED] = int(w[RELEASED]) + 1
-            notify.wake(w, RELEASED)
+            wake(w, RELEASED)
 
     def _check_member(self, version: int) -> None:
         """Refuse a version whose sender does not wait for us, before touching the model: it
@@ -327,7 +338,7 @@ class IpcReceiver(ReceiverTransport):
 
         poll_until(arrived, deadline, check,
                    lambda: DeadlineExceeded(f"ipc: bucket {b} of version {version} was not written "
-                                            f"before the deadline"), waiter=notify.Waiter(w, word))
+                                            f"before the deadline"), waiter=Waiter(w, word))
 
     def close(self) -> None:
         if self.slot is not None and getattr(self, "control", None) is not None:

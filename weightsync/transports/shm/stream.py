@@ -35,11 +35,21 @@ from ...config import MiB, SyncConfig
 from ...delta.strategy import host_reserve
 from ...errors import CapacityError, ProtocolError
 from ...plan import BucketPlan, align_up
-from ..base import Received, ReceiverTransport, SenderTransport, TransportContext
+from ..base import (
+    Received,
+    ReceiverTransport,
+    SenderTransport,
+    ShmStreamSession,
+    ShmStreamVersion,
+    ShmVersion,
+    TransportContext,
+    VersionRecord,
+    shm_session,
+    shm_version,
+)
 from ..ipc.transport import IpcReceiver, IpcSender
 from ..ipc.wire import CONTROL_BYTES, MAX_BUFFERS, in_flight
 from ..memory import PAGE, memory_available, resolve_backing
-from ..records import ShmStreamSession, ShmStreamVersion, ShmVersion, VersionRecord, shm_session, shm_version
 from .transport import ShmReceiver, ShmSender, layout
 
 AUTO_FRACTION = 0.5

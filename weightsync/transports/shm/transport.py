@@ -35,10 +35,20 @@ import torch
 from ...digest import as_int, verify
 from ...errors import DeadlineExceeded, ProtocolError
 from ...plan import BucketPlan, BucketSink, Packing, align_up
-from .. import notify
-from ..base import Received, ReceiverTransport, SenderTransport, TransportContext, poll_until
+from .. import memory as notify  # wake-ups on segment words (memory.py)
+from ..base import (
+    Received,
+    ReceiverTransport,
+    SenderTransport,
+    ShmSession,
+    ShmStreamVersion,
+    ShmVersion,
+    TransportContext,
+    VersionRecord,
+    poll_until,
+    shm_version,
+)
 from ..memory import PAGE, Segment, attach, create, digest_word, reap_stale
-from ..records import ShmSession, ShmStreamVersion, ShmVersion, VersionRecord, shm_version
 
 MAGIC = 0x5753594E43534D31  # "WSYNCSM1"
 # Threads that digest written buckets ahead of the one being loaded. xxh3 releases the GIL, so
