@@ -87,7 +87,8 @@ def test_a_function_level_import_closes_a_cycle(tmp_path):
     assert cycles_of(graph) == [["pkg.a", "pkg.b", "pkg.a"]]
 
 
-# one job that needs the room: every control operation's records, declared in one place
+# one job that needs the room: what goes on the wire between a party and the coordinator (every
+# control operation's records, declared in one place, and their msgpack encoding and strict decoding)
 ONE_JOB = {PKG / "coordinator" / "ops.py"}
 
 

@@ -12,7 +12,7 @@ import typing
 import pytest
 
 from weightsync.config import SyncConfig
-from weightsync.coordinator import client, ops, protocol
+from weightsync.coordinator import client, ops
 from weightsync.coordinator.actor import CoordinatorActor
 from weightsync.errors import ProtocolError
 
@@ -26,7 +26,7 @@ def sample(tp):
     if typing.get_origin(tp) in (types.UnionType, typing.Union):
         return sample(next(a for a in typing.get_args(tp) if a is not type(None)))
     if dataclasses.is_dataclass(tp):
-        hints = protocol.hints_of(tp)
+        hints = ops.hints_of(tp)
         return tp(**{f.name: sample(hints[f.name]) for f in dataclasses.fields(tp)})
     origin = typing.get_origin(tp) or tp
     return {int: 1, float: 1.5, str: "x", bool: True, list: [], dict: {}}.get(origin, "x")
@@ -55,11 +55,11 @@ def served(op: str, args) -> dict:
 
     async def call() -> bytes:
         try:
-            return await actor.rpc(protocol.encode({"op": op, "token": TOKEN, "args": args}))
+            return await actor.rpc(ops.encode({"op": op, "token": TOKEN, "args": args}))
         finally:
             actor._monitor.cancel()
 
-    return protocol.decode(asyncio.run(call()))
+    return ops.decode(asyncio.run(call()))
 
 
 @pytest.mark.parametrize("cls", REQUESTS, ids=lambda c: c.__name__)
@@ -80,7 +80,7 @@ def test_request_missing_a_field_is_refused_naming_it(cls):
 @pytest.mark.parametrize("cls", [c for c in REQUESTS if dataclasses.fields(c)], ids=lambda c: c.__name__)
 def test_request_with_a_field_of_the_wrong_type_is_refused_naming_it(cls):
     f = first_field(cls)
-    wire = {**sample(cls).to_wire(), f.name: wrong(protocol.hints_of(cls)[f.name])}
+    wire = {**sample(cls).to_wire(), f.name: wrong(ops.hints_of(cls)[f.name])}
     assert served(cls.__name__, wire)["error"].startswith(f"control: {cls.__name__} field {f.name!r} is ")
 
 
@@ -95,7 +95,7 @@ class Answer:
     """An actor handle whose ``rpc`` answers with one fixed reply."""
 
     def __init__(self, reply: dict):
-        self.rpc = types.SimpleNamespace(remote=lambda payload: protocol.encode(reply))
+        self.rpc = types.SimpleNamespace(remote=lambda payload: ops.encode(reply))
 
 
 def asked(monkeypatch, request: ops.Request, type_name: str, result) -> ops.Message:
@@ -133,7 +133,7 @@ def test_reply_missing_a_field_is_refused_naming_it(monkeypatch, cls):
 @pytest.mark.parametrize("cls", [c for c in REPLIES if dataclasses.fields(c)], ids=lambda c: c.__name__)
 def test_reply_with_a_field_of_the_wrong_type_is_refused_naming_it(monkeypatch, cls):
     f = first_field(cls)
-    wire = {**sample(cls).to_wire(), f.name: wrong(protocol.hints_of(cls)[f.name])}
+    wire = {**sample(cls).to_wire(), f.name: wrong(ops.hints_of(cls)[f.name])}
     with pytest.raises(ProtocolError, match=rf"^control: {cls.__name__} field '{f.name}' is "):
         asked(monkeypatch, request_for(cls), cls.__name__, wire)
 
@@ -157,7 +157,7 @@ UNREAD = {"info", "config"}
 
 def test_only_maps_forwarded_unread_stay_untyped():
     records = [c for c in vars(ops).values() if isinstance(c, type) and issubclass(c, ops.Message)]
-    untyped = sorted(f"{c.__name__}.{name}" for c in records for name, tp in protocol.hints_of(c).items()
+    untyped = sorted(f"{c.__name__}.{name}" for c in records for name, tp in ops.hints_of(c).items()
                      if "dict[str, typing.Any]" in str(tp) and name not in UNREAD)
     assert untyped == []
 

@@ -18,7 +18,7 @@ from typing import Any
 
 from ..config import SyncConfig
 from ..errors import DeadlineExceeded, ManifestError, ProtocolError, SyncFailed, VersionError, WeightSyncError
-from . import ops, protocol
+from . import ops
 from .membership import BroadcastGroups
 from .membership_ops import BroadcastMembership
 from .ops import handles
@@ -61,7 +61,7 @@ class CoordinatorActor:
         if self._monitor is None:
             self._monitor = asyncio.get_running_loop().create_task(self._watch())
         try:
-            msg = protocol.decode(payload)
+            msg = ops.decode(payload)
             if not isinstance(msg, dict) or not isinstance(msg.get("op"), str):
                 raise ProtocolError("control message must be a map with an 'op'")
             if not hmac.compare_digest(str(msg.get("token", "")), self.token):
@@ -71,12 +71,12 @@ class CoordinatorActor:
                 raise ProtocolError(f"unknown op {msg['op']!r}")
             self.calls[kind.op] = self.calls.get(kind.op, 0) + 1
             result = await ops.HANDLERS[kind](self, kind.from_wire(msg.get("args", {})))
-            return protocol.encode({"ok": True, "type": type(result).__name__, "result": result.to_wire()})
+            return ops.encode({"ok": True, "type": type(result).__name__, "result": result.to_wire()})
         except WeightSyncError as exc:
             sync = dict(failed=exc.failed, committed=exc.committed, version=exc.version) if isinstance(exc, SyncFailed) else {}
-            return protocol.encode({"ok": False, **ops.Failure(kind=type(exc).__name__, error=str(exc), **sync).to_wire()})
+            return ops.encode({"ok": False, **ops.Failure(kind=type(exc).__name__, error=str(exc), **sync).to_wire()})
         except TypeError as exc:
-            return protocol.encode({"ok": False, **ops.Failure(kind="ProtocolError", error=f"bad arguments: {exc}").to_wire()})
+            return ops.encode({"ok": False, **ops.Failure(kind="ProtocolError", error=f"bad arguments: {exc}").to_wire()})
 
     # -- liveness ------------------------------------------------------------------------
 

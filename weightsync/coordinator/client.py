@@ -29,7 +29,7 @@ import ray
 from .. import errors
 from ..config import SyncConfig
 from ..errors import DeadlineExceeded, ProtocolError, SessionLost, SyncFailed, WeightSyncError
-from . import ops, protocol
+from . import ops
 from .actor import CoordinatorActor
 from .ops import Publication, SessionInfo, Target, VersionState
 
@@ -145,7 +145,7 @@ class Coordinator:
             WeightSyncError: The coordinator is unreachable, or the call failed there (the
                 coordinator's own error class is raised, e.g. SyncFailed, VersionError).
         """
-        payload = protocol.encode({"op": type(request).__name__, "token": self.token, "args": request.to_wire()})
+        payload = ops.encode({"op": type(request).__name__, "token": self.token, "args": request.to_wire()})
         ref = self.actor.rpc.remote(payload)
         # the call itself may wait up to its timeout field; allow it that plus slack
         limit = ((rpc_timeout if rpc_timeout is not None else self.config.connect_timeout_s)
@@ -156,7 +156,7 @@ class Coordinator:
             raise DeadlineExceeded(f"coordinator '{self.name}' did not answer {request.op!r} within {limit:.1f}s") from None
         except ray.exceptions.RayActorError as exc:
             raise WeightSyncError(f"coordinator '{self.name}' is unreachable (actor died?): {exc}") from None
-        reply = protocol.decode(raw)
+        reply = ops.decode(raw)
         if not isinstance(reply, dict):
             raise ProtocolError(f"control: the reply to {type(request).__name__} is not a map")
         if reply.get("ok") is not True:
