@@ -4,7 +4,7 @@ Parties (senders, receivers) talk to it through one ``rpc(bytes) -> bytes`` meth
 a request record of :mod:`weightsync.coordinator.ops` as msgpack (see :mod:`weightsync.coordinator.client` for the
 client), present the session token, and send heartbeats; each request type has exactly one
 handler here, marked ``@handles(Request)``, which answers with the request's reply record. A
-monitor task turns a silent party into an error that names it. What a version may do next is decided by :class:`~weightsync.coordinator.versions.VersionTable`;
+monitor task turns a silent party into an error that names it. What a version may do next is decided by :class:`~weightsync.coordinator.state.VersionTable`;
 this module adds the session registry, liveness, waits with deadlines and wake-ups.
 """
 
@@ -22,9 +22,7 @@ from . import ops
 from .membership import BroadcastGroups
 from .membership_ops import BroadcastMembership
 from .ops import handles
-from .roster import Parties, PartyRecord
-from .signals import Signals
-from .versions import Candidate, State, Version, VersionTable, choose_slot, pinned_slots
+from .state import Candidate, Parties, PartyRecord, Signals, State, Version, VersionTable, choose_slot, pinned_slots
 
 
 class CoordinatorActor:

@@ -3,7 +3,7 @@ reaches the actor and calls it (:class:`Coordinator`), and one party's typed vie
 (:class:`ControlPlane`), where every control-plane operation is a method.
 
 The actor itself (``weightsync.coordinator.actor``) owns the session and the version state machine
-(``weightsync.coordinator.versions``). The handle is what parties and drivers hold; it is picklable,
+(``weightsync.coordinator.state``). The handle is what parties and drivers hold; it is picklable,
 so a driver creates it and hands it to its workers.
 
 A misspelled operation or argument fails where it is written (an AttributeError or TypeError in
