@@ -150,16 +150,51 @@ def test_a_nested_record_names_its_own_field(monkeypatch):
         asked(monkeypatch, ops.Receivers(party=1, count=1, timeout=1.0), "Placements", wire)
 
 
-# a map whose keys the coordinator does not know: a transport's record in its wire form (parsed
-# strictly where it arrives, transports/records.py) or the config (SyncConfig.from_mapping)
-UNREAD = {"info", "config"}
-
-
-def test_only_maps_forwarded_unread_stay_untyped():
+# a map whose keys the coordinator does not know (a transport's record in its wire form, parsed
+# strictly where it arrives, transports/records.py; the config, SyncConfig.from_mapping) is a
+# WireMap: plain msgpack data, checked on arrival; no record field is left ``Any``
+def test_no_record_field_is_left_untyped():
     records = [c for c in vars(ops).values() if isinstance(c, type) and issubclass(c, ops.Message)]
     untyped = sorted(f"{c.__name__}.{name}" for c in records for name, tp in ops.hints_of(c).items()
-                     if "dict[str, typing.Any]" in str(tp) and name not in UNREAD)
+                     if "Any" in str(tp) or tp in (dict, list))
     assert untyped == []
+
+
+def test_every_forwarded_record_and_the_config_are_wire_maps():
+    records = [c for c in vars(ops).values() if isinstance(c, type) and issubclass(c, ops.Message)]
+    found = {(c.__name__, name): str(tp) for c in records for name, tp in ops.hints_of(c).items()
+             if name in ("info", "config")}
+    assert len(found) == 11
+    assert {k: v for k, v in found.items() if v not in ("dict[str, Wire]", "dict[str, Wire] | None")} == {}
+
+
+@pytest.mark.parametrize(("bad", "why"), [
+    ({"ring": {"slots": [1, {2: "x"}]}}, r"\['ring'\]\['slots'\]\[1\] has a key of type int \(2\), not str"),
+    ({"ring": {"slots": [1, [None, True, 1.5, b"x", {"deep": {}}]]}, "at": None}, None),
+])
+def test_a_wire_map_is_checked_on_arrival_naming_the_record_and_the_field(bad, why):
+    wire = {"party": 1, "version": 3, "info": bad, "stage_s": 0.5}
+    if why is None:
+        assert ops.Staged.from_wire(wire).info == bad
+    else:
+        with pytest.raises(ProtocolError, match=rf"^control: Staged field 'info'{why}$"):
+            ops.Staged.from_wire(wire)
+
+
+def test_a_wire_value_that_is_no_plain_data_or_nests_without_end_is_refused():
+    with pytest.raises(ProtocolError, match=r"^x\['a'\]\[0\] is set, not a wire value"):
+        ops.wire_value({"a": [set()]}, "x")
+    deep: dict = {}
+    for _ in range(ops.MAX_WIRE_DEPTH + 1):
+        deep = {"a": deep}
+    with pytest.raises(ProtocolError, match=rf"nests deeper than {ops.MAX_WIRE_DEPTH} levels$"):
+        ops.wire_value(deep, "x")
+
+
+def test_a_request_whose_info_is_no_wire_map_is_refused_by_the_coordinator():
+    args = {**sample(ops.StageInfo).to_wire(), "info": {"x": {b"k": 1}}}
+    assert served("StageInfo", args)["error"] == (
+        "control: StageInfo field 'info'['x'] has a key of type bytes (b'k'), not str")
 
 
 def failed_with(monkeypatch, reply: dict):

@@ -14,7 +14,6 @@ import asyncio
 import hmac
 import secrets
 import time
-from typing import Any
 
 from ..config import SyncConfig
 from ..errors import DeadlineExceeded, ManifestError, ProtocolError, SyncFailed, VersionError, WeightSyncError
@@ -28,7 +27,7 @@ from .state import Candidate, Parties, PartyRecord, Signals, State, Version, Ver
 class CoordinatorActor:
     """The actor body. Use :class:`weightsync.Coordinator` to create or reach it."""
 
-    def __init__(self, config: dict[str, Any], token: str):
+    def __init__(self, config: ops.WireMap, token: str):
         self.config = SyncConfig.from_mapping(config)
         self.token = token
         self.session = secrets.token_hex(8)
@@ -38,12 +37,12 @@ class CoordinatorActor:
         self.parties = Parties(first_pid=(int(self.session, 16) >> 32 << 20) + 1)
         self.table = VersionTable()
         self.bcast = BroadcastGroups()
-        self.manifest: list[Any] | None = None
+        self.manifest: list[ops.Wire] | None = None
         self.digest: str | None = None
         self.payload_bytes = 0
         self.transport: str | None = None
         self.transport_reason = ""
-        self.transport_info: dict[str, Any] = {}  # the transport's own, for receivers only
+        self.transport_info: ops.WireMap = {}  # the transport's own, for receivers only
         self.pipelined = self.keeps_versions = False  # the transport's traits (SenderTransport)
         self.resources: dict[str, int] = {}
         self.signals = Signals()

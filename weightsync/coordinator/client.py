@@ -296,12 +296,12 @@ class ControlPlane:
         """Open ``version``; returns the storage slot it takes."""
         return self._send(ops.BeginStage(party=self._party(), version=version)).slot
 
-    def stage_info(self, version: int, info: dict[str, Any], readable: bool = False) -> None:
+    def stage_info(self, version: int, info: ops.WireMap, readable: bool = False) -> None:
         """More of ``version``'s info; ``readable``: receivers of a pipelined transport may
         start reading it (the sender is still writing)."""
         self._send(ops.StageInfo(party=self._party(), version=version, info=info, readable=readable))
 
-    def staged(self, version: int, info: dict[str, Any], stage_s: float) -> None:
+    def staged(self, version: int, info: ops.WireMap, stage_s: float) -> None:
         self._send(ops.Staged(party=self._party(), version=version, info=info, stage_s=stage_s))
 
     def abort(self, version: int, reason: str) -> None:
@@ -311,7 +311,7 @@ class ControlPlane:
         """The barrier; returns the participants of ``version``."""
         return self._send(ops.BeginSync(party=self._party(), version=version)).participants
 
-    def wait_outcome(self, version: int, timeout: float, info: dict[str, Any] | None = None) -> ops.Metrics:
+    def wait_outcome(self, version: int, timeout: float, info: ops.WireMap | None = None) -> ops.Metrics:
         """The committed version's metrics; raises SyncFailed naming each failed party.
         ``info``: more of the version's info first (as stage_info), in the same call."""
         return self._send(ops.WaitOutcome(party=self._party(), version=version, timeout=timeout, info=info))

@@ -16,8 +16,9 @@ the bytes between processes, but what they decode to is plain data (dicts, lists
 float, bytes), never code.
 
 A map the coordinator stores and forwards unread (a transport's records, transports/records.py,
-parsed where they arrive) is a :data:`WireMap`: on arrival it is checked to be plain msgpack
-data, str keys all the way down, and nothing more.
+parsed where they arrive; the config, checked by ``SyncConfig.from_mapping``) is a
+:data:`WireMap`: on arrival it is checked to be plain msgpack data, str keys all the way down,
+and nothing more.
 """
 
 from __future__ import annotations
@@ -31,10 +32,23 @@ from collections.abc import Awaitable, Callable, Mapping
 from typing import Any, ClassVar, TypeVar
 
 import msgpack
+from typing_extensions import TypeAliasType  # typing's own from Python 3.12
 
 from ..errors import ProtocolError
 
 MAX_MESSAGE_BYTES = 64 << 20
+
+# -- wire values: plain msgpack data ----------------------------------------------------------
+#
+# What a field holds when the coordinator stores and forwards it unread (a transport's record in
+# its wire form, merged in parts; the config): plain data, maps with str keys all the way down.
+# ``parse`` checks a Wire field on arrival (``wire_value``), so such a map cannot smuggle an
+# object, a non-str key or a nesting that has no end past the boundary.
+# A named alias (TypeAliasType), not a plain union: typing.get_type_hints would unroll a plain
+# recursive union into copies ``parse`` could not tell from any other union.
+Wire = TypeAliasType("Wire", None | bool | int | float | str | bytes | list["Wire"] | dict[str, "Wire"])
+WireMap = dict[str, Wire]
+MAX_WIRE_DEPTH = 32  # far below msgpack's and Python's stacks; records nest a few levels
 
 
 def _refuse_ext(code: int, data: bytes) -> Any:
@@ -69,7 +83,7 @@ def decode(payload: Any) -> Any:
 # field, at the first message, not a KeyError deep in a transfer.
 
 
-def to_wire(record: Any) -> dict:
+def to_wire(record: Any) -> WireMap:
     """``record``'s fields as plain msgpack-able data (nested records as their own maps)."""
     return {f.name: _out(getattr(record, f.name)) for f in dataclasses.fields(record)}
 
@@ -122,6 +136,8 @@ def hints_of(cls: type) -> dict[str, Any]:
 
 def parse(tp: Any, value: Any, where: str) -> Any:
     """``value`` checked against the annotation ``tp``; raises ProtocolError naming ``where``."""
+    if tp is Wire:
+        return wire_value(value, where)
     origin = typing.get_origin(tp)
     if origin in (types.UnionType, typing.Union):
         why = []
@@ -141,7 +157,8 @@ def parse(tp: Any, value: Any, where: str) -> Any:
             (item,) = typing.get_args(tp) or (Any,)
             return [parse(item, v, f"{where}[{i}]") for i, v in enumerate(value)]
     elif origin is dict or tp is dict:
-        if isinstance(value, Mapping) and all(isinstance(k, str) for k in value):
+        if isinstance(value, Mapping):
+            _str_keys(value, where)
             key, item = typing.get_args(tp) or (str, Any)
             return {k: parse(item, v, f"{where}[{k!r}]") for k, v in value.items()}
     elif tp is Any:
@@ -162,6 +179,32 @@ def parse(tp: Any, value: Any, where: str) -> Any:
     raise ProtocolError(f"{where} is {type(value).__name__}, not {name}")
 
 
+def _str_keys(value: Mapping, where: str) -> None:
+    for k in value:
+        if not isinstance(k, str):
+            raise ProtocolError(f"{where} has a key of type {type(k).__name__} ({k!r:.40}), not str")
+
+
+def wire_value(value: Any, where: str, depth: int = 0) -> Wire:
+    """``value`` checked to be :data:`Wire` (plain msgpack data, maps with str keys); raises
+    ProtocolError naming ``where`` and the path to the first value that is not."""
+    if value is None or isinstance(value, (bool, int, float, str, bytes)):
+        return value
+    if depth >= MAX_WIRE_DEPTH:
+        raise ProtocolError(f"{where} nests deeper than {MAX_WIRE_DEPTH} levels")
+    if isinstance(value, (list, tuple)):
+        for i, v in enumerate(value):
+            wire_value(v, f"{where}[{i}]", depth + 1)
+        return value
+    if isinstance(value, Mapping):
+        _str_keys(value, where)
+        for k, v in value.items():
+            wire_value(v, f"{where}[{k!r}]", depth + 1)
+        return value
+    raise ProtocolError(f"{where} is {type(value).__name__}, not a wire value "
+                        f"(None, bool, int, float, str, bytes, a list or a map of them)")
+
+
 M = TypeVar("M", bound="Message")
 # a receiver's measurements of one version (seconds, bytes, its digest, whether it came ahead)
 Scalar = bool | int | float | str | None
@@ -171,7 +214,7 @@ Scalar = bool | int | float | str | None
 class Message:
     """A record of the control plane: a strict wire form, decoded by its fields."""
 
-    def to_wire(self) -> dict[str, Any]:
+    def to_wire(self) -> WireMap:
         return to_wire(self)
 
     @classmethod
@@ -244,15 +287,15 @@ class Placements(Message):
 class Registered(Message):
     party: int
     session: str
-    config: dict[str, Any]
+    config: WireMap  # SyncConfig.to_dict()
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class SessionInfo(Message):
-    manifest: list
+    manifest: list[Wire]  # Manifest.to_wire()
     digest: str
     transport: str
-    info: dict[str, Any]  # Publication.info, as published
+    info: WireMap  # Publication.info, as published
     session: str
 
 
@@ -274,14 +317,14 @@ class Target(Message):
     state: str | None = None
     slot: int | None = None
     # the wire form of the version's record (transports/records.py), parts merged by the coordinator
-    info: dict[str, Any] = dataclasses.field(default_factory=dict)
+    info: WireMap = dataclasses.field(default_factory=dict)
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class VersionState(Message):
     state: str
     reason: str
-    info: dict[str, Any]
+    info: WireMap
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -298,7 +341,7 @@ class Metrics(Message):
     phases_s: dict[str, float]
     receivers: dict[str, dict[str, Scalar]]  # each receiver's report (its metrics)
     bytes: int
-    info: dict[str, Any]
+    info: WireMap
     # whole-version digests (docs/digest.md): the sender's and each receiver's, equal when
     # they hold the same bytes; None with digests off
     digest: str | None
@@ -351,7 +394,7 @@ class Status(Message):
     versions: list[Metrics]
     resources: dict[str, int]
     calls: dict[str, int]  # control-plane calls served, by op (docs/benchmarks.md)
-    config: dict[str, Any]
+    config: WireMap  # SyncConfig.to_dict()
 
     def as_dict(self) -> dict[str, Any]:
         out = self.to_wire()
@@ -419,7 +462,7 @@ class Served(Message):
     """Where the bytes of the version a re-registering receiver serves are: slot and record."""
 
     slot: int | None = 0
-    info: dict[str, Any] = dataclasses.field(default_factory=dict)
+    info: WireMap = dataclasses.field(default_factory=dict)
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -464,14 +507,14 @@ class Resource(Request):
 class Publication(Message):
     """What sender rank 0 fixes for the session: layout and transport."""
 
-    manifest: list
+    manifest: list[Wire]  # Manifest.to_wire()
     digest: str
     payload_bytes: int
     transport: str
     reason: str  # why this transport was chosen
     # the wire form of the transport's session record (transports/records.py): the coordinator
     # stores and forwards it unread; the receivers' transports parse it
-    info: dict[str, Any]
+    info: WireMap
     pipelined: bool = False  # see SenderTransport.pipelined
     keeps_versions: bool = False  # see SenderTransport.keeps_versions
 
@@ -526,7 +569,7 @@ class StageInfo(Request):
 
     party: int
     version: int
-    info: dict[str, Any]
+    info: WireMap
     readable: bool = False
 
 
@@ -534,7 +577,7 @@ class StageInfo(Request):
 class Staged(Request):
     party: int
     version: int
-    info: dict[str, Any]
+    info: WireMap
     stage_s: float
 
 
@@ -563,7 +606,7 @@ class WaitOutcome(Request):
     party: int
     version: int
     timeout: float
-    info: dict[str, Any] | None = None
+    info: WireMap | None = None
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)

@@ -30,10 +30,9 @@ import dataclasses
 import enum
 import time
 from collections.abc import Callable, Iterable
-from typing import Any
 
 from ..errors import ProtocolError, SessionLost, VersionError
-from .ops import BroadcastGroup, Device, Metrics, PartyStatus
+from .ops import BroadcastGroup, Device, Metrics, PartyStatus, WireMap
 
 # -- versions ---------------------------------------------------------------------------------
 
@@ -58,7 +57,7 @@ class Version:
     state: State
     slot: int
     started: float
-    info: dict[str, Any] = dataclasses.field(default_factory=dict)
+    info: WireMap = dataclasses.field(default_factory=dict)
     participants: list[str] = dataclasses.field(default_factory=list)
     committed: list[str] = dataclasses.field(default_factory=list)
     failed: dict[str, str] = dataclasses.field(default_factory=dict)
@@ -132,7 +131,7 @@ class VersionTable:
         """A party that outlived a coordinator restart used ``version``: never reuse it."""
         self.floor = max(self.floor, int(version))
 
-    def restore_committed(self, version: int, slot: int, info: dict[str, Any], now: float) -> None:
+    def restore_committed(self, version: int, slot: int, info: WireMap, now: float) -> None:
         """A receiver that outlived a restart serves ``version``: its bytes stay pinned."""
         self.raise_floor(version)
         if version not in self.versions:
@@ -165,7 +164,7 @@ class VersionTable:
             if v.state == State.TRANSFERRING:
                 raise VersionError(f"version {version} cannot start while version {v.version} is still transferring")
 
-    def staged(self, version: int, info: dict[str, Any], stage_s: float) -> Version:
+    def staged(self, version: int, info: WireMap, stage_s: float) -> Version:
         """The sender wrote the whole version. An aborted version stays aborted."""
         v = self[version]
         if v.state == State.STAGING:
