@@ -87,9 +87,14 @@ def test_a_function_level_import_closes_a_cycle(tmp_path):
     assert cycles_of(graph) == [["pkg.a", "pkg.b", "pkg.a"]]
 
 
-# modules with one job that needs the room
+# modules whose one job needs the room
 ONE_JOB = {
-    PKG / "coordinator" / "ops.py",  # every control operation's records, declared in one place
+    # what goes on the wire between a party and the coordinator: every control operation's
+    # records, declared in one place, and their msgpack encoding and strict decoding
+    PKG / "coordinator" / "ops.py",
+    # the coordinator's state and its wake-ups: the version table, the roster of parties, and
+    # the signals that wake its waiting ops
+    PKG / "coordinator" / "state.py",
     PKG / "transports" / "selection.py",  # which transport a session gets, and building it by name
     PKG / "transports" / "memory.py",  # host shared-memory segments, and the wake-ups on their words
     PKG / "transports" / "base.py",  # what a transport is: its interface and the typed records it publishes

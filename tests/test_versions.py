@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from weightsync.coordinator.membership import BroadcastGroups, Member, group_rank
-from weightsync.coordinator.versions import IN_FLIGHT, Candidate, State, VersionTable, choose_slot, pinned_slots
+from weightsync.coordinator.state import IN_FLIGHT, Candidate, State, VersionTable, choose_slot, pinned_slots
 from weightsync.errors import VersionError
 
 

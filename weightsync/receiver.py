@@ -23,7 +23,7 @@ import torch
 
 from .config import SyncConfig
 from .coordinator.client import Coordinator
-from .coordinator.versions import State
+from .coordinator.state import State
 from .delta.strategy import Engine, Loaders
 from .errors import ManifestError, VersionError, WeightSyncError
 from .manifest import Expected, Manifest, check_manifest

@@ -4,7 +4,7 @@ Parties (senders, receivers) talk to it through one ``rpc(bytes) -> bytes`` meth
 a request record of :mod:`weightsync.coordinator.ops` as msgpack (see :mod:`weightsync.coordinator.client` for the
 client), present the session token, and send heartbeats; each request type has exactly one
 handler here, marked ``@handles(Request)``, which answers with the request's reply record. A
-monitor task turns a silent party into an error that names it. What a version may do next is decided by :class:`~weightsync.coordinator.versions.VersionTable`;
+monitor task turns a silent party into an error that names it. What a version may do next is decided by :class:`~weightsync.coordinator.state.VersionTable`;
 this module adds the session registry, liveness, waits with deadlines and wake-ups.
 """
 
@@ -14,23 +14,20 @@ import asyncio
 import hmac
 import secrets
 import time
-from typing import Any
 
 from ..config import SyncConfig
 from ..errors import DeadlineExceeded, ManifestError, ProtocolError, SyncFailed, VersionError, WeightSyncError
-from . import ops, protocol
+from . import ops
 from .membership import BroadcastGroups
 from .membership_ops import BroadcastMembership
 from .ops import handles
-from .roster import Parties, PartyRecord
-from .signals import Signals
-from .versions import Candidate, State, Version, VersionTable, choose_slot, pinned_slots
+from .state import Candidate, Parties, PartyRecord, Signals, State, Version, VersionTable, choose_slot, pinned_slots
 
 
 class CoordinatorActor:
     """The actor body. Use :class:`weightsync.Coordinator` to create or reach it."""
 
-    def __init__(self, config: dict[str, Any], token: str):
+    def __init__(self, config: ops.WireMap, token: str):
         self.config = SyncConfig.from_mapping(config)
         self.token = token
         self.session = secrets.token_hex(8)
@@ -40,12 +37,12 @@ class CoordinatorActor:
         self.parties = Parties(first_pid=(int(self.session, 16) >> 32 << 20) + 1)
         self.table = VersionTable()
         self.bcast = BroadcastGroups()
-        self.manifest: list[Any] | None = None
+        self.manifest: list[ops.Wire] | None = None
         self.digest: str | None = None
         self.payload_bytes = 0
         self.transport: str | None = None
         self.transport_reason = ""
-        self.transport_info: dict[str, Any] = {}  # the transport's own, for receivers only
+        self.transport_info: ops.WireMap = {}  # the transport's own, for receivers only
         self.pipelined = self.keeps_versions = False  # the transport's traits (SenderTransport)
         self.resources: dict[str, int] = {}
         self.signals = Signals()
@@ -61,7 +58,7 @@ class CoordinatorActor:
         if self._monitor is None:
             self._monitor = asyncio.get_running_loop().create_task(self._watch())
         try:
-            msg = protocol.decode(payload)
+            msg = ops.decode(payload)
             if not isinstance(msg, dict) or not isinstance(msg.get("op"), str):
                 raise ProtocolError("control message must be a map with an 'op'")
             if not hmac.compare_digest(str(msg.get("token", "")), self.token):
@@ -71,12 +68,12 @@ class CoordinatorActor:
                 raise ProtocolError(f"unknown op {msg['op']!r}")
             self.calls[kind.op] = self.calls.get(kind.op, 0) + 1
             result = await ops.HANDLERS[kind](self, kind.from_wire(msg.get("args", {})))
-            return protocol.encode({"ok": True, "type": type(result).__name__, "result": result.to_wire()})
+            return ops.encode({"ok": True, "type": type(result).__name__, "result": result.to_wire()})
         except WeightSyncError as exc:
             sync = dict(failed=exc.failed, committed=exc.committed, version=exc.version) if isinstance(exc, SyncFailed) else {}
-            return protocol.encode({"ok": False, **ops.Failure(kind=type(exc).__name__, error=str(exc), **sync).to_wire()})
+            return ops.encode({"ok": False, **ops.Failure(kind=type(exc).__name__, error=str(exc), **sync).to_wire()})
         except TypeError as exc:
-            return protocol.encode({"ok": False, **ops.Failure(kind="ProtocolError", error=f"bad arguments: {exc}").to_wire()})
+            return ops.encode({"ok": False, **ops.Failure(kind="ProtocolError", error=f"bad arguments: {exc}").to_wire()})
 
     # -- liveness ------------------------------------------------------------------------
 

@@ -3,7 +3,7 @@ reaches the actor and calls it (:class:`Coordinator`), and one party's typed vie
 (:class:`ControlPlane`), where every control-plane operation is a method.
 
 The actor itself (``weightsync.coordinator.actor``) owns the session and the version state machine
-(``weightsync.coordinator.versions``). The handle is what parties and drivers hold; it is picklable,
+(``weightsync.coordinator.state``). The handle is what parties and drivers hold; it is picklable,
 so a driver creates it and hands it to its workers.
 
 A misspelled operation or argument fails where it is written (an AttributeError or TypeError in
@@ -29,7 +29,7 @@ import ray
 from .. import errors
 from ..config import SyncConfig
 from ..errors import DeadlineExceeded, ProtocolError, SessionLost, SyncFailed, WeightSyncError
-from . import ops, protocol
+from . import ops
 from .actor import CoordinatorActor
 from .ops import Publication, SessionInfo, Target, VersionState
 
@@ -145,7 +145,7 @@ class Coordinator:
             WeightSyncError: The coordinator is unreachable, or the call failed there (the
                 coordinator's own error class is raised, e.g. SyncFailed, VersionError).
         """
-        payload = protocol.encode({"op": type(request).__name__, "token": self.token, "args": request.to_wire()})
+        payload = ops.encode({"op": type(request).__name__, "token": self.token, "args": request.to_wire()})
         ref = self.actor.rpc.remote(payload)
         # the call itself may wait up to its timeout field; allow it that plus slack
         limit = ((rpc_timeout if rpc_timeout is not None else self.config.connect_timeout_s)
@@ -156,7 +156,7 @@ class Coordinator:
             raise DeadlineExceeded(f"coordinator '{self.name}' did not answer {request.op!r} within {limit:.1f}s") from None
         except ray.exceptions.RayActorError as exc:
             raise WeightSyncError(f"coordinator '{self.name}' is unreachable (actor died?): {exc}") from None
-        reply = protocol.decode(raw)
+        reply = ops.decode(raw)
         if not isinstance(reply, dict):
             raise ProtocolError(f"control: the reply to {type(request).__name__} is not a map")
         if reply.get("ok") is not True:
@@ -296,12 +296,12 @@ class ControlPlane:
         """Open ``version``; returns the storage slot it takes."""
         return self._send(ops.BeginStage(party=self._party(), version=version)).slot
 
-    def stage_info(self, version: int, info: dict[str, Any], readable: bool = False) -> None:
+    def stage_info(self, version: int, info: ops.WireMap, readable: bool = False) -> None:
         """More of ``version``'s info; ``readable``: receivers of a pipelined transport may
         start reading it (the sender is still writing)."""
         self._send(ops.StageInfo(party=self._party(), version=version, info=info, readable=readable))
 
-    def staged(self, version: int, info: dict[str, Any], stage_s: float) -> None:
+    def staged(self, version: int, info: ops.WireMap, stage_s: float) -> None:
         self._send(ops.Staged(party=self._party(), version=version, info=info, stage_s=stage_s))
 
     def abort(self, version: int, reason: str) -> None:
@@ -311,7 +311,7 @@ class ControlPlane:
         """The barrier; returns the participants of ``version``."""
         return self._send(ops.BeginSync(party=self._party(), version=version)).participants
 
-    def wait_outcome(self, version: int, timeout: float, info: dict[str, Any] | None = None) -> ops.Metrics:
+    def wait_outcome(self, version: int, timeout: float, info: ops.WireMap | None = None) -> ops.Metrics:
         """The committed version's metrics; raises SyncFailed naming each failed party.
         ``info``: more of the version's info first (as stage_info), in the same call."""
         return self._send(ops.WaitOutcome(party=self._party(), version=version, timeout=timeout, info=info))

@@ -14,9 +14,7 @@ import time
 from ..errors import DeadlineExceeded, VersionError
 from .membership import BroadcastGroups, Member, group_rank
 from .ops import BroadcastGroup, Formed, GroupCheck, Reason
-from .roster import Parties, PartyRecord
-from .signals import Signals
-from .versions import State, VersionTable
+from .state import Parties, PartyRecord, Signals, State, VersionTable
 
 
 class BroadcastMembership:

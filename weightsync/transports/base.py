@@ -29,7 +29,7 @@ import torch
 
 from .. import digest
 from ..config import SyncConfig
-from ..coordinator import protocol
+from ..coordinator import ops
 from ..delta.codec import FULL, KINDS, SKIP
 from ..delta.packing import wire_plan
 from ..errors import ProtocolError, VersionError
@@ -58,7 +58,7 @@ class Record:
 
     def to_wire(self) -> dict[str, Any]:
         """Plain data (dicts, lists, str, int, float, bool, bytes, None) for the control plane."""
-        return protocol.to_wire(self)
+        return ops.to_wire(self)
 
     @classmethod
     def from_wire(cls: type[R], wire: Any) -> R:
@@ -68,7 +68,7 @@ class Record:
             ProtocolError: a field is missing, unknown or of the wrong type; names the
                 transport and the field.
         """
-        return protocol.from_wire(cls, wire, f"{cls.transport}: {cls.__name__}", cls.foreign)
+        return ops.from_wire(cls, wire, f"{cls.transport}: {cls.__name__}", cls.foreign)
 
     def _check(self, name: str, ok: bool, want: str) -> None:
         if not ok:

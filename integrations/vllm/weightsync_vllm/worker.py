@@ -31,7 +31,7 @@ import torch
 from vllm.distributed.weight_transfer.base import WeightTransferEngine
 
 from weightsync.coordinator.client import Coordinator
-from weightsync.coordinator.versions import State
+from weightsync.coordinator.state import State
 from weightsync.receiver import WeightReceiver
 
 from .info import WeightsyncInitInfo, WeightsyncUpdateInfo

@@ -34,7 +34,7 @@ import numpy as np
 import torch
 
 from ... import device as devices
-from ...coordinator.versions import State
+from ...coordinator.state import State
 from ...digest import kind_of
 from ...errors import CapacityError, DeadlineExceeded, ProtocolError, VersionError
 from ...plan import Packing, align_up

@@ -31,7 +31,7 @@ import torch
 import xxhash
 
 from ... import device as devices
-from ...coordinator.versions import State
+from ...coordinator.state import State
 from ...errors import CapacityError, ConfigError, ProtocolError
 from ...manifest import dtype_name, dtype_of
 from ..base import Aborted, TransportContext
