@@ -46,8 +46,7 @@ from weightsync.bench.cli import machine_info
 from weightsync.bench.layout_source import resolve
 from weightsync.digest import verify
 from weightsync.digest import xxh3 as checksum
-from weightsync.manifest import Manifest
-from weightsync.plan import BucketPlan, Buffers, Unpacker, pack_stream, plan_buckets
+from weightsync.manifest import BucketPlan, Buffers, Manifest, Unpacker, pack_stream, plan_buckets
 from weightsync.testing.layouts import materialize
 from weightsync.testing.parties import ToyEngine
 from weightsync.transports.shm.transport import layout, spans

@@ -11,8 +11,7 @@ import pytest
 import torch
 
 from weightsync.digest import xxh3 as checksum
-from weightsync.manifest import Manifest, TensorSpec
-from weightsync.plan import Buffers, Unpacker, pack_stream, plan_buckets
+from weightsync.manifest import Buffers, Manifest, TensorSpec, Unpacker, pack_stream, plan_buckets
 from weightsync.testing.layouts import layout, materialize
 
 pytest.importorskip("pytest_benchmark")

@@ -19,8 +19,7 @@ import ray
 
 from weightsync import SyncFailed
 from weightsync.device import ray_options
-from weightsync.manifest import Manifest
-from weightsync.plan import plan_buckets
+from weightsync.manifest import Manifest, plan_buckets
 from weightsync.testing.parties import JOB_DEFAULTS, new_coordinator, rollout_actor, serves, stop_actors, trainer_actor
 from weightsync.testing.parties import wait_until as _wait_until
 

@@ -29,7 +29,7 @@ CFG = {"transport": "broadcast", "bucket_mb": BUCKET_MB, "sync_timeout_s": 30.0,
 
 def test_plan_has_a_tensor_larger_than_a_bucket():
     from weightsync.config import SyncConfig
-    from weightsync.plan import plan_buckets
+    from weightsync.manifest import plan_buckets
 
     plan = plan_buckets(TINY, SyncConfig(bucket_mb=BUCKET_MB).bucket_bytes)
     assert max(len(s) for s in plan.tensor_slices) >= 3

@@ -83,7 +83,7 @@ def _corrupt(coord, version, bucket_offset):
 @pytest.mark.scenario("bad input", "bucket corrupted in transit")
 @pytest.mark.parametrize("where", ["first-bucket", "later-bucket"])
 def test_corrupted_bucket_is_not_applied(start_job, where):
-    from weightsync.plan import plan_buckets
+    from weightsync.manifest import plan_buckets
     from weightsync.transports.shm.transport import layout as seg_layout
 
     coord, rs, trainer = start_job(CFG, 2)
@@ -263,7 +263,7 @@ def test_more_buckets_than_one_header_page_holds(coordinator_factory):
     """A segment's header grows with the bucket count: an 8B model in 16 MiB buckets has
     about a thousand buckets, more than one 4 KiB page of ready words and checksums."""
     config = {**CFG, "bucket_mb": 1 / 1024}  # 1 KiB buckets: about 400 of them
-    from weightsync.plan import plan_buckets
+    from weightsync.manifest import plan_buckets
 
     assert plan_buckets(MANIFEST, 1024).bucket_count > 4096 // 16
     coord = coordinator_factory(config)
@@ -290,7 +290,7 @@ def test_more_buckets_than_one_header_page_holds(coordinator_factory):
 
 def test_each_bucket_is_verified_once_per_node(start_job):
     """Receivers read the same pages: one hashes a bucket and marks it, the others load it."""
-    from weightsync.plan import plan_buckets
+    from weightsync.manifest import plan_buckets
 
     buckets = plan_buckets(MANIFEST, int(CFG["bucket_mb"] * 2**20), 256).bucket_count
     coord, rs, trainer = start_job(CFG, 3)
@@ -312,7 +312,7 @@ def test_two_threads_of_one_receiver_hash_each_bucket_once():
 
     import torch
 
-    from weightsync.plan import Packing, plan_buckets
+    from weightsync.manifest import Packing, plan_buckets
     from weightsync.transports.base import TransportContext
     from weightsync.transports.shm.transport import ShmReceiver, ShmSender
 
@@ -348,7 +348,7 @@ def test_two_threads_of_one_receiver_hash_each_bucket_once():
 def test_prefetch_verifies_ahead_and_apply_only_loads(start_job):
     """prefetch() while the engine would generate: the barrier is left with loading only; a
     bucket corrupted before the prefetch stays unmarked and apply() still refuses it."""
-    from weightsync.plan import plan_buckets
+    from weightsync.manifest import plan_buckets
     from weightsync.transports.shm.transport import layout as seg_layout
 
     plan = plan_buckets(MANIFEST, int(CFG["bucket_mb"] * 2**20), 256)

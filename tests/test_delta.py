@@ -15,8 +15,7 @@ from weightsync.delta.sender import DeltaSender
 from weightsync.delta.strategy import DeltaPacking, FullPacking, Loaders, packing_for, wanted
 from weightsync.digest import xxh3
 from weightsync.errors import ConfigError, ManifestError, ProtocolError
-from weightsync.manifest import build_manifest
-from weightsync.plan import Unpacker, plan_buckets
+from weightsync.manifest import Unpacker, build_manifest, plan_buckets
 from weightsync.transports.base import DeltaRecord, ShmVersion, VersionRecord
 
 

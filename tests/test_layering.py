@@ -95,6 +95,7 @@ ONE_JOB = {
     # the coordinator's state and its wake-ups: the version table, the roster of parties, and
     # the signals that wake its waiting ops
     PKG / "coordinator" / "state.py",
+    PKG / "manifest.py",  # a version's layout: the manifest and the bucket plan derived from it, packing, unpacking
     PKG / "transports" / "selection.py",  # which transport a session gets, and building it by name
     PKG / "transports" / "memory.py",  # host shared-memory segments, and the wake-ups on their words
     PKG / "transports" / "base.py",  # what a transport is: its interface and the typed records it publishes

@@ -10,7 +10,7 @@ from faultjob import DEADLINE_S, RECEIVERS, Job, apply_fails, sync_failed, wait_
 
 from weightsync.config import SyncConfig
 from weightsync.errors import CapacityError, ConfigError
-from weightsync.plan import plan_buckets
+from weightsync.manifest import plan_buckets
 from weightsync.testing.layouts import layout
 from weightsync.transports.shadow import Shadow
 

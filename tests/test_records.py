@@ -12,8 +12,7 @@ import torch
 
 from weightsync import SyncConfig
 from weightsync.errors import ProtocolError
-from weightsync.manifest import Manifest, TensorSpec
-from weightsync.plan import plan_buckets
+from weightsync.manifest import Manifest, TensorSpec, plan_buckets
 from weightsync.transports import base as R
 from weightsync.transports.base import TransportContext
 from weightsync.transports.broadcast.transport import BroadcastReceiver

@@ -22,7 +22,7 @@ from faultjob import RECEIVERS, Job, sync_failed, wait_until
 
 from weightsync import SyncConfig
 from weightsync.errors import CapacityError
-from weightsync.plan import plan_buckets
+from weightsync.manifest import plan_buckets
 from weightsync.testing.layouts import layout
 from weightsync.transports.base import TransportContext
 from weightsync.transports.shm.stream import choose_mode, open_shm_sender

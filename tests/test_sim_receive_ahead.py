@@ -16,7 +16,7 @@ from faultjob import RECEIVERS, Job
 from weightsync import device as devices
 from weightsync.config import SyncConfig
 from weightsync.device import resolve
-from weightsync.plan import plan_buckets
+from weightsync.manifest import plan_buckets
 from weightsync.transports.shadow import Shadow
 
 pytestmark = pytest.mark.sim

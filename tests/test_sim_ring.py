@@ -19,8 +19,7 @@ from weightsync import sim
 from weightsync.config import SyncConfig
 from weightsync.device import resolve
 from weightsync.digest import verify
-from weightsync.manifest import Manifest, TensorSpec
-from weightsync.plan import Packing, Unpacker, plan_buckets
+from weightsync.manifest import Manifest, Packing, TensorSpec, Unpacker, plan_buckets
 from weightsync.testing.layouts import materialize
 from weightsync.testing.parties import same_bits
 from weightsync.transports.base import TransportContext

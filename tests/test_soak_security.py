@@ -174,7 +174,7 @@ def test_rendezvous_store_binds_to_configured_address():
     import torch
 
     from weightsync import SyncConfig
-    from weightsync.plan import plan_buckets
+    from weightsync.manifest import plan_buckets
     from weightsync.transports.base import TransportContext
     from weightsync.transports.broadcast.transport import BroadcastSender
 

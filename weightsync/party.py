@@ -23,8 +23,7 @@ from .config import SyncConfig
 from .coordinator import ops
 from .coordinator.client import ControlPlane, Coordinator
 from .device import describe, resolve
-from .manifest import Manifest
-from .plan import plan_buckets
+from .manifest import Manifest, plan_buckets
 from .transports.base import TransportContext
 
 log = logging.getLogger("weightsync")

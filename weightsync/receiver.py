@@ -26,9 +26,8 @@ from .coordinator.client import Coordinator
 from .coordinator.state import State
 from .delta.strategy import Engine, Loaders
 from .errors import ManifestError, VersionError, WeightSyncError
-from .manifest import Expected, Manifest, check_manifest
+from .manifest import Expected, Manifest, Unpacker, check_manifest
 from .party import Party, log_applied, log_apply_failed, log_bucket
-from .plan import Unpacker
 from .receive_ahead import AheadThread
 from .transports.base import ReceiverTransport, VersionRecord
 from .transports.selection import receiver_class

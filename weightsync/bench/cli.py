@@ -74,7 +74,7 @@ def _row_need(item: Item, manifest: Any, first_use: bool = True) -> tuple[int, i
     import dataclasses
 
     from ..errors import CapacityError
-    from ..plan import plan_buckets
+    from ..manifest import plan_buckets
     from ..transports.shm.stream import choose_mode
 
     _, name, n, mb, _, _ = item

@@ -16,7 +16,7 @@ from collections.abc import Iterator
 import torch
 
 from .. import digest as digests
-from ..plan import Bucket, BucketPlan, BucketSink, Packing
+from ..manifest import Bucket, BucketPlan, BucketSink, Packing
 
 
 def wire_plan(plan: BucketPlan, lengths: list[int]) -> BucketPlan:

@@ -30,8 +30,7 @@ from typing import Any
 import torch
 
 from ..digest import xxh3
-from ..manifest import Manifest
-from ..plan import BucketPlan, Unpacker
+from ..manifest import BucketPlan, Manifest, Unpacker
 from ..transports.base import DeltaRecord
 from . import codec as delta
 

@@ -28,8 +28,7 @@ from collections.abc import Iterable, Mapping
 import torch
 
 from ..digest import version_digest
-from ..manifest import Manifest
-from ..plan import BucketPlan, BucketSink, pack_stream
+from ..manifest import BucketPlan, BucketSink, Manifest, pack_stream
 from ..transports.base import DeltaRecord
 from . import codec as delta
 from .packing import EncodedPacking, wire_plan

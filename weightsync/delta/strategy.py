@@ -28,8 +28,7 @@ from typing import Any
 import torch
 
 from ..digest import version_digest
-from ..manifest import Manifest
-from ..plan import BucketPlan, Packing, Unpacker
+from ..manifest import BucketPlan, Manifest, Packing, Unpacker
 from ..transports.base import ReceiverTransport, VersionRecord
 from . import codec
 from .policy import FULL

@@ -33,8 +33,7 @@ from ..coordinator import ops
 from ..delta.codec import FULL, KINDS, SKIP
 from ..delta.packing import wire_plan
 from ..errors import ProtocolError, VersionError
-from ..manifest import Manifest
-from ..plan import BucketPlan, Packing
+from ..manifest import BucketPlan, Manifest, Packing
 from .memory import POLL_FIRST_S, Waiter, poll_sleep
 
 if TYPE_CHECKING:

@@ -29,7 +29,7 @@ import torch
 from .. import device as devices
 from ..config import MiB, SyncConfig
 from ..errors import CapacityError, DeadlineExceeded, VersionError
-from ..plan import BucketPlan
+from ..manifest import BucketPlan
 from .memory import memory_available
 from .shm.transport import spans
 

@@ -45,7 +45,7 @@ import torch.distributed as dist
 from ... import device as devices
 from ...coordinator.ops import BroadcastGroup
 from ...errors import ConfigError, DeadlineExceeded, VersionError, WeightSyncError
-from ...plan import BucketPlan, BucketSink, Packing
+from ...manifest import BucketPlan, BucketSink, Packing
 from ..base import (
     Aborted,
     BroadcastSession,

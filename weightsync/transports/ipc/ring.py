@@ -10,7 +10,7 @@ import torch
 
 from ... import device as devices
 from ...digest import as_int, compute
-from ...plan import BucketPlan, BucketSink
+from ...manifest import BucketPlan, BucketSink
 from ..memory import wake
 from .wire import Watch, ready_word, tag
 

@@ -37,7 +37,7 @@ from ... import device as devices
 from ...coordinator.state import State
 from ...digest import kind_of
 from ...errors import CapacityError, DeadlineExceeded, ProtocolError, VersionError
-from ...plan import Packing, align_up
+from ...manifest import Packing, align_up
 from ..base import (
     Aborted,
     DeviceHandle,

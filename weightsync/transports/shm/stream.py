@@ -34,7 +34,7 @@ from typing import Any, ClassVar
 from ...config import MiB, SyncConfig
 from ...delta.strategy import host_reserve
 from ...errors import CapacityError, ProtocolError
-from ...plan import BucketPlan, align_up
+from ...manifest import BucketPlan, align_up
 from ..base import (
     Received,
     ReceiverTransport,

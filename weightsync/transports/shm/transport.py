@@ -34,7 +34,7 @@ import torch
 
 from ...digest import as_int, verify
 from ...errors import DeadlineExceeded, ProtocolError
-from ...plan import BucketPlan, BucketSink, Packing, align_up
+from ...manifest import BucketPlan, BucketSink, Packing, align_up
 from .. import memory as notify  # wake-ups on segment words (memory.py)
 from ..base import (
     Received,
