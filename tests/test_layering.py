@@ -139,8 +139,8 @@ def test_a_second_handler_of_one_request_fails_at_import():
 # what a transport publishes for its peers is a typed record (transports/records.py): no
 # ``dict[str, Any]`` in the signatures through which it passes; the one place a wire dict is
 # taken is where it is parsed (a receiver's constructor and parse_version, named ``wire``)
-TRANSPORTS = ("base", "shm/transport", "shm/stream", "ipc/transport", "broadcast/transport", "broadcast/ends",
-              "__init__")
+TRANSPORTS = ("base", "shm/transport", "shm/stream", "ipc/transport", "ipc/ring", "broadcast/transport",
+              "broadcast/ends", "__init__")
 
 
 def untyped_published(path: Path) -> list[str]:

@@ -14,13 +14,14 @@ follow the sender's choice as it published it:
              page-aligned), clamped to [2, ipc.wire.MAX_BUFFERS] and to the bucket count; a
              budget without room for 2 buffers is a CapacityError that says what to set
 
-Streaming is the ipc transport's host-buffer protocol (ipc/transport.py, ipc/wire.py: control
-block, per-receiver release words, the sender overwrites a buffer only once every participating
-receiver released it, failed receivers are not waited for) with K buffers kept in host shared
-memory even on an accelerator node, so the digest is xxh3 as for whole versions. It gives up
-what ipc gives up: nothing is kept (no rollback to the previous version, a late joiner waits for
-the next version, the coordinator pins no slot), and the bytes move in ``sync()``, so the
-trainer's tensors are read then and must not change until it returns.
+A streaming sender and its receivers each own one end of the ring the ipc transport moves its
+versions through (ipc/ring.py: control block, per-receiver release words, the sender overwrites
+a buffer only once every participating receiver released it, failed receivers are not waited
+for), with K buffers kept in host shared memory even on an accelerator node, so the digest is
+xxh3 as for whole versions. It gives up what ipc gives up: nothing is kept (no rollback to the
+previous version, a late joiner waits for the next version, the coordinator pins no slot), and
+the bytes move in ``sync()``, so the trainer's tensors are read then and must not change until
+it returns.
 """
 
 from __future__ import annotations
@@ -29,14 +30,14 @@ import dataclasses
 import math
 import os
 from collections.abc import Callable, Iterator, Mapping
-from typing import Any, ClassVar
+from typing import Any
 
 from ...config import MiB, SyncConfig
 from ...delta.strategy import host_reserve
 from ...errors import CapacityError, ProtocolError
-from ...plan import BucketPlan, align_up
+from ...plan import BucketPlan, Packing, align_up
 from ..base import Received, ReceiverTransport, SenderTransport, TransportContext
-from ..ipc.transport import IpcReceiver, IpcSender
+from ..ipc.ring import RingReader, RingWriter
 from ..ipc.wire import CONTROL_BYTES, MAX_BUFFERS, in_flight
 from ..memory import PAGE, memory_available, resolve_backing
 from ..records import ShmStreamSession, ShmStreamVersion, ShmVersion, VersionRecord, shm_session, shm_version
@@ -108,28 +109,47 @@ def choose_mode(plan: BucketPlan, config: SyncConfig, capacity: Callable[[SyncCo
                    f"rollback, late joiners wait for the next version, tensors are read during sync())")
 
 
-class ShmStreamSender(IpcSender):
-    """shm in streaming mode: ipc's sender over K host buffers."""
+class ShmStreamSender(SenderTransport):
+    """shm in streaming mode: the writing end of a ring of K host buffers."""
 
     name = "shm"
     session_record = ShmStreamSession
     version_record = ShmStreamVersion
-    host_buffers: ClassVar[bool] = True
-    resource: ClassVar[str] = "shm_ring"
 
     def __init__(self, ctx: TransportContext, mode: ShmMode):
-        super().__init__(ctx, nbuf=mode.buffers)
+        super().__init__(ctx)
         self.mode_reason = mode.reason
+        # in host shared memory even on an accelerator node (buffer_device: the host)
+        self.ring = RingWriter(ctx, self.name, "shm_ring", self.buffer_device(), mode.buffers, self.digest_kind)
+
+    def session_info(self) -> ShmStreamSession:
+        return self.ring.session(ShmStreamSession)
+
+    def stage(self, version: int, slot: int, packing: Packing,
+              announce: Callable[[VersionRecord], None]) -> ShmStreamVersion:
+        self.ring.stage(version, packing)  # written in send(), at the barrier
+        # the rendezvous rides along: receivers of a restarted trainer follow its new ring
+        return ShmStreamVersion(session=self.session_info())
+
+    def send(self, version: int, deadline: float) -> None:
+        sums = self.ring.send(version, deadline)
+        if sums is not None:
+            self._record(version, sums)
+
+    def close(self) -> None:
+        self.ring.close()
 
 
-class ShmStreamReceiver(IpcReceiver):
-    """shm in streaming mode: ipc's receiver, mapping the sender's K host buffers."""
+class ShmStreamReceiver(ReceiverTransport):
+    """shm in streaming mode: a reading end of the sender's ring, loading onto any device."""
 
     name = "shm"
     session_record = ShmStreamSession
     version_record = ShmStreamVersion
-    host_buffers: ClassVar[bool] = True
-    resource: ClassVar[str] = "shm_ring"
+
+    def __init__(self, ctx: TransportContext, wire: Mapping[str, Any]):
+        super().__init__(ctx, wire)
+        self.ring = RingReader(ctx, self.name, "shm_ring", self.session, loads_from_host=True)
 
     def parse_version(self, wire: Mapping[str, Any]) -> ShmVersion | ShmStreamVersion:
         return shm_version(wire)  # either mode: receive() tells a mode change from a malformed record
@@ -141,7 +161,12 @@ class ShmStreamReceiver(IpcReceiver):
             # were built for the ring
             raise ProtocolError(f"shm: version {version} is published in whole-version mode, but this receiver "
                                 f"attached to a streaming session; restart the receiver")
-        yield from super().receive(version, info, deadline, check)
+        buckets = self.ring.receive(version, info.session, self.plan_of(info), deadline, check)
+        self.kind = self.ring.kind  # a restarted sender's, where the ring followed one
+        yield from buckets
+
+    def close(self) -> None:
+        self.ring.close()
 
 
 def open_shm_sender(ctx: TransportContext) -> SenderTransport:
