@@ -87,8 +87,10 @@ def test_a_function_level_import_closes_a_cycle(tmp_path):
     assert cycles_of(graph) == [["pkg.a", "pkg.b", "pkg.a"]]
 
 
-# one job that needs the room: every control operation's records, declared in one place
-ONE_JOB = {PKG / "coordinator" / "ops.py"}
+# one job each that needs the room: every control operation's records, declared in one place;
+# the shm transport, its two modes (whole versions in segments, one end of a streaming ring)
+# and the choice between them, so one shm version walks one file
+ONE_JOB = {PKG / "coordinator" / "ops.py", PKG / "transports" / "shm" / "transport.py"}
 
 
 def test_no_module_over_400_lines():
@@ -139,8 +141,8 @@ def test_a_second_handler_of_one_request_fails_at_import():
 # what a transport publishes for its peers is a typed record (transports/records.py): no
 # ``dict[str, Any]`` in the signatures through which it passes; the one place a wire dict is
 # taken is where it is parsed (a receiver's constructor and parse_version, named ``wire``)
-TRANSPORTS = ("base", "shm/transport", "shm/stream", "ipc/transport", "ipc/ring", "broadcast/transport",
-              "broadcast/ends", "__init__")
+TRANSPORTS = ("base", "shm/transport", "ipc/transport", "ipc/ring", "broadcast/transport", "broadcast/ends",
+              "__init__")
 
 
 def untyped_published(path: Path) -> list[str]:

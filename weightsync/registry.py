@@ -11,7 +11,7 @@ from __future__ import annotations
 
 _MODULES = {
     # shm's two modes (whole versions, a streaming ring) are chosen by these factories
-    "shm": ("weightsync.transports.shm.stream", "open_shm_sender", "open_shm_receiver"),
+    "shm": ("weightsync.transports.shm.transport", "open_shm_sender", "open_shm_receiver"),
     "broadcast": ("weightsync.transports.broadcast.transport", "BroadcastSender", "BroadcastReceiver"),
     "ipc": ("weightsync.transports.ipc.transport", "IpcSender", "IpcReceiver"),
 }
