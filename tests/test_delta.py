@@ -303,7 +303,7 @@ def test_failed_staging_leaves_the_snapshot():
 
 
 def test_the_auto_shm_budget_leaves_room_for_the_trainer_snapshot():
-    from weightsync.transports.shm.stream import choose_mode
+    from weightsync.transports.shm.transport import choose_mode
     from weightsync.transports.shm.transport import layout as segment_layout
 
     m = build_manifest({f"w{i}": torch.zeros(30000, dtype=torch.bfloat16) for i in range(6)})

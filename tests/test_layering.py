@@ -98,6 +98,9 @@ ONE_JOB = {
     PKG / "manifest.py",  # a version's layout: the manifest and the bucket plan derived from it, packing, unpacking
     PKG / "transports" / "selection.py",  # which transport a session gets, and building it by name
     PKG / "transports" / "memory.py",  # host shared-memory segments, and the wake-ups on their words
+    # the shm transport, its two modes (whole versions in segments, one end of a streaming ring)
+    # and the choice between them
+    PKG / "transports" / "shm" / "transport.py",
     PKG / "transports" / "base.py",  # what a transport is: its interface and the typed records it publishes
 }
 
@@ -151,7 +154,7 @@ def test_a_second_handler_of_one_request_fails_at_import():
 # ``dict[str, Any]`` in the signatures through which it passes; the one place a wire dict is
 # taken is where it is parsed (a receiver's constructor and parse_version, named ``wire``), the
 # one place it is made a record's ``to_wire``
-TRANSPORTS = ("base", "shm/transport", "shm/stream", "ipc/transport", "broadcast/transport", "broadcast/ends",
+TRANSPORTS = ("base", "shm/transport", "ipc/transport", "ipc/ring", "broadcast/transport", "broadcast/ends",
               "__init__")
 
 

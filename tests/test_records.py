@@ -17,8 +17,7 @@ from weightsync.transports import base as R
 from weightsync.transports.base import TransportContext
 from weightsync.transports.broadcast.transport import BroadcastReceiver
 from weightsync.transports.ipc.transport import IpcReceiver
-from weightsync.transports.shm.stream import ShmStreamReceiver, open_shm_receiver
-from weightsync.transports.shm.transport import ShmReceiver
+from weightsync.transports.shm.transport import ShmReceiver, ShmStreamReceiver, open_shm_receiver
 
 HOST = R.HostBuffer(segment="memfd:1234:5", bytes=4096)
 # the values ipc.wire.export_handle takes from torch's reduce_tensor for a CUDA buffer

@@ -1,5 +1,5 @@
 """Bounded shm: a budget below two whole versions makes the shm transport stream through a
-ring of bucket buffers (transports/shm/stream.py). Real Ray actors, a real tmpfs.
+ring of bucket buffers (transports/shm/transport.py). Real Ray actors, a real tmpfs.
 
 The job's segments are files (shm_backing: files; the bound is the same for memfds, whose
 sizes cannot be sampled by directory) in a directory of their own under /dev/shm, so the peak shared memory
@@ -25,8 +25,7 @@ from weightsync.errors import CapacityError
 from weightsync.manifest import plan_buckets
 from weightsync.testing.layouts import layout
 from weightsync.transports.base import TransportContext
-from weightsync.transports.shm.stream import choose_mode, open_shm_sender
-from weightsync.transports.shm.transport import ShmSender
+from weightsync.transports.shm.transport import ShmSender, choose_mode, open_shm_sender
 from weightsync.transports.shm.transport import layout as segment_layout
 
 MANIFEST = layout("tiny")  # 7 buckets of 64 KiB at bucket_mb=1/16: one version is 412 KiB in a segment

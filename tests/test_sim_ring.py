@@ -1,4 +1,4 @@
-"""The ipc ring (ipc.ring.Ring and IpcReceiver.receive) on the simulated accelerator, in one
+"""The ipc ring (ipc/ring.py: RingWriter.send and RingReader.receive) on the simulated accelerator, in one
 process: a sender and two receivers, each on a stream of its own whose copies, digests and
 loads complete 0 .. lag ms late in a seeded order. Tensors span buckets (the sender asks for
 bucket b + 1's buffer before bucket b is handed out), the case that hung on a real GPU: every

@@ -46,7 +46,7 @@ MiB = 1 << 20
 # only then; a plugin adds its own with register_transport
 _TRANSPORTS = {
     # shm's two modes (whole versions, a streaming ring) are chosen by these factories
-    "shm": ("weightsync.transports.shm.stream", "open_shm_sender", "open_shm_receiver"),
+    "shm": ("weightsync.transports.shm.transport", "open_shm_sender", "open_shm_receiver"),
     "broadcast": ("weightsync.transports.broadcast.transport", "BroadcastSender", "BroadcastReceiver"),
     "ipc": ("weightsync.transports.ipc.transport", "IpcSender", "IpcReceiver"),
 }

@@ -75,7 +75,7 @@ def _row_need(item: Item, manifest: Any, first_use: bool = True) -> tuple[int, i
 
     from ..errors import CapacityError
     from ..manifest import plan_buckets
-    from ..transports.shm.stream import choose_mode
+    from ..transports.shm.transport import choose_mode
 
     _, name, n, mb, _, _ = item
     config = SyncConfig.from_env()  # the parties read WEIGHTSYNC_SHM_BUDGET_MB and friends too

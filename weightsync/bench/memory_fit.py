@@ -5,7 +5,7 @@ halfway through a run (Ray's memory monitor or the kernel's OOM killer).
 A size holds, for all its rows, the trainer's copy of the model and one engine copy per
 receiver. A row adds its transport's buffers: shm one whole-version segment per slot it
 cycles through (``shm_max_segments``), or its ring of bucket buffers where whole versions
-exceed the shm budget (transports/shm/stream.py: the transport decides the same way), ipc (on a host) two bucket files in /dev/shm, broadcast
+exceed the shm budget (transports/shm/transport.py: the transport decides the same way), ipc (on a host) two bucket files in /dev/shm, broadcast
 two bucket buffers and a scratch bucket per party; the Ray baselines the object in the store
 (and with torch tensors a deserialized copy per receiver and the trainer's pickle). Pure
 functions: the caller passes what /proc/meminfo and statvfs said.
@@ -36,7 +36,7 @@ def models_bytes(payload: int, receivers: int) -> int:
 def row_bytes(name: str, payload: int, bucket_bytes: int, receivers: int, shm_segments: int,
               shm_need: int | None = None, first_use: bool = True) -> tuple[int, int]:
     """(node bytes, of which in the shm directory) that one row adds over the models.
-    ``shm_need``: what shm holds in the mode its transport picks (shm_stream.choose_mode);
+    ``shm_need``: what shm holds in the mode its transport picks (shm.transport.choose_mode);
     None: ``shm_segments`` whole versions. ``first_use``: a row with actors of its own
     (ray-rdt-*) makes them now, so their models count too."""
     parties = receivers + 1
@@ -105,7 +105,7 @@ def keep_baselines(payload: int, receivers: int, groups: int, shm_segments: int,
     (~15 s each on the 0.5B layout on the shared 2-core VM): "rdt" (RDT pairs, which then start
     beside the bench's actors) and "groups" (the ``groups`` collective baselines' groups). Only
     where the node holds them beside the bench's models and still twice what shm's whole
-    versions need, so the shm rows keep their mode (shm_stream.choose_mode takes half of what
+    versions need, so the shm rows keep their mode (shm.transport.choose_mode takes half of what
     the node can give and streams through a ring when whole versions do not fit: another mode,
     measured as shm). ``available`` / ``total``: the node's, now (default: psutil's). ``store``:
     the object store baselines run, whose pages stay resident in /dev/shm once written (about

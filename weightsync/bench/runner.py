@@ -77,7 +77,7 @@ class Bench:
         """``rdt``: Ray Direct Transport baselines whose actors start now, beside this bench's own
         (rdt_rows.RdtPair). ``keep_baselines``: whose own actors ("rdt": RDT pairs, "groups":
         collective groups) stay from their first round to the last; the others' rows make and end their own,
-        so the memory they hold never shrinks what the shm rows may use (shm_stream.budget
+        so the memory they hold never shrinks what the shm rows may use (shm.transport.budget
         picks a streaming ring, another mode, when the node has too little free). ``groups``:
         (collective baseline, backend) whose kept group starts now too (baseline_rows.start)."""
         self.manifest = manifest

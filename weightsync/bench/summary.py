@@ -56,7 +56,7 @@ def barrier_lines(size: dict[str, Any]) -> list[str]:
 
 def _mode(row: dict[str, Any]) -> str:
     """shm holding less than one version streamed through its ring of bucket buffers: the node
-    had too little memory free for whole versions (shm_stream.choose_mode), so the trainer could
+    had too little memory free for whole versions (shm.transport.choose_mode), so the trainer could
     not stage ahead and there was nothing to prefetch. Said, since it is another mode than shm's."""
     if row.get("transport") in ("shm", "auto") and row.get("shm_bytes") is not None \
             and row["shm_bytes"] < row.get("payload_bytes", 0):

@@ -15,7 +15,7 @@ Msgpack only, so no message that crossed a process boundary is ever unpickled: R
 the bytes between processes, but what they decode to is plain data (dicts, lists, str, int,
 float, bytes), never code.
 
-A map the coordinator stores and forwards unread (a transport's records, transports/records.py,
+A map the coordinator stores and forwards unread (a transport's records, transports/base.py,
 parsed where they arrive; the config, checked by ``SyncConfig.from_mapping``) is a
 :data:`WireMap`: on arrival it is checked to be plain msgpack data, str keys all the way down,
 and nothing more.
@@ -78,7 +78,7 @@ def decode(payload: Any) -> Any:
 #
 # A record is a dataclass; its wire form is plain data, field name -> value. Decoding is driven
 # by the fields and their type hints, so a record declares its shape once and the control plane
-# (the records below) and the transports' records (transports/records.py) check it the same way:
+# (the records below) and the transports' records (transports/base.py) check it the same way:
 # a field missing, unknown or of the wrong type is a ProtocolError naming the record and the
 # field, at the first message, not a KeyError deep in a transfer.
 
@@ -316,7 +316,7 @@ class Target(Message):
     version: int | None
     state: str | None = None
     slot: int | None = None
-    # the wire form of the version's record (transports/records.py), parts merged by the coordinator
+    # the wire form of the version's record (transports/base.py), parts merged by the coordinator
     info: WireMap = dataclasses.field(default_factory=dict)
 
 
@@ -512,7 +512,7 @@ class Publication(Message):
     payload_bytes: int
     transport: str
     reason: str  # why this transport was chosen
-    # the wire form of the transport's session record (transports/records.py): the coordinator
+    # the wire form of the transport's session record (transports/base.py): the coordinator
     # stores and forwards it unread; the receivers' transports parse it
     info: WireMap
     pipelined: bool = False  # see SenderTransport.pipelined

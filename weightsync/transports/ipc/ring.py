@@ -1,51 +1,198 @@
-"""The ipc sender's ring for one version (ipc/transport.py): where each bucket is packed,
-and when it is published to the receivers. ``sender`` is the IpcSender (not imported: ipc.py
-imports this module)."""
+"""A ring of K bucket buffers and its control block, both ends: what the ipc transport moves
+every version through, and what shm streams through when whole versions exceed its budget.
+Each of those transports owns one ring end and delegates to it; an end knows its transport
+only by the ``owner`` name its errors start with and the ``resource`` its segments and handles
+count as in status() (``<resource>_control``, ``<resource>_handles``):
+
+  RingWriter   .session(record), .stage(version, packing), .send(version, deadline) -> digests
+  RingReader   .kind, .receive(version, session, plan, deadline, check) -> buckets in order
+
+Control words and handles on the wire: ipc/wire.py. Bucket b of a version goes to buffer
+b % nbuf. Before overwriting a buffer the writer waits until every receiver taking part in the
+version released the bucket it held; one the coordinator declared failed or dead is no longer
+waited for, and a receiver that is not waited for (registered after the barrier, or declared
+failed) refuses the version before loading anything, so it keeps the complete version it
+serves. Every version's record repeats the rendezvous: readers attached to a trainer that died
+follow its restarted successor's new ring.
+"""
 
 from __future__ import annotations
 
-from typing import Any
+import fcntl
+import os
+from collections.abc import Callable, Iterator
+from typing import Any, TypeVar
 
+import numpy as np
 import torch
 
 from ... import device as devices
-from ...digest import as_int, compute
-from ...manifest import BucketPlan, BucketSink
-from ..memory import wake
-from .wire import Watch, ready_word, tag
+from ...digest import as_int, compute, kind_of
+from ...errors import CapacityError, DeadlineExceeded, ProtocolError, VersionError
+from ...manifest import BucketPlan, BucketSink, Packing, align_up
+from ..base import Aborted, DeviceHandle, DeviceRecord, HostBuffer, IpcSession, Received, TransportContext, poll_until
+from ..memory import PAGE, Segment, Waiter, attach, create, digest_word, reap_stale, wake
+from .wire import (
+    BUCKET_BITS,
+    CONTROL_BYTES,
+    KIND_CODE,
+    MAGIC,
+    MAX_BUFFERS,
+    MAX_RECEIVERS,
+    RELEASED,
+    Watch,
+    check_nd,
+    export_handle,
+    find_slot,
+    import_handle,
+    must_wait_for_me,
+    owner_word,
+    ready_word,
+    slot_word,
+    tag,
+)
+
+S = TypeVar("S", bound=IpcSession)
 
 
-class Ring(BucketSink):
-    """One version packed into the sender's ring: bucket b goes to buffer b % nbuf once every
+class RingWriter:
+    """The sender's end: a control block and ``nbuf`` bucket buffers on ``device`` (host
+    shared-memory segments on CPU, device memory shared by handle elsewhere), allocated once."""
+
+    def __init__(self, ctx: TransportContext, owner: str, resource: str, device: torch.device, nbuf: int,
+                 digest_kind: str | None):
+        self.ctx, self.owner, self.resource, self.device, self.digest_kind = ctx, owner, resource, device, digest_kind
+        reap_stale(ctx.config.shm_dir)
+        if not 1 <= nbuf <= MAX_BUFFERS:
+            raise ValueError(f"{owner}: {nbuf} buffers; the control block has room for 1 .. {MAX_BUFFERS}")
+        self.nbuf = max(1, min(nbuf, ctx.plan.bucket_count))
+        self.capacity = max([b.nbytes for b in ctx.plan.buckets] + [1])
+        self.segments: list[Segment] = []
+        self.buffers: list[torch.Tensor] = []
+        self.handles: list[HostBuffer | DeviceHandle] = []
+        self.control: Segment | None = None
+        self._pending: dict[int, Packing] = {}
+        try:
+            self.control = self._segment(CONTROL_BYTES, f"an {owner} control block", f"{resource}_control")
+            w = self.control.words
+            w[0], w[1], w[2], w[3], w[4], w[5] = (MAGIC, digest_word(ctx.digest), self.nbuf, MAX_RECEIVERS,
+                                                   os.getpid(), KIND_CODE[digest_kind])
+            for _ in range(self.nbuf):
+                self._allocate()
+        except BaseException:
+            self.close()
+            raise
+
+    def _segment(self, size: int, what: str, kind: str) -> Segment:
+        seg = create(self.ctx.config, size, what, writable=True)
+        self.segments.append(seg)
+        self.ctx.account(kind, +1)
+        return seg
+
+    def _allocate(self) -> None:
+        if self.device.type == "cpu":
+            size = align_up(self.capacity, PAGE)
+            seg = self._segment(size, f"a {self.owner} bucket of {self.capacity} bytes", f"{self.resource}_handles")
+            seg.pin(self.ctx.device)  # reused for every bucket of every version: page-locked once
+            self.buffers.append(seg.bytes[: self.capacity])
+            self.handles.append(HostBuffer(segment=seg.ref, bytes=self.capacity))
+            return
+        devices.set_current(self.ctx.device)
+        t = torch.empty(self.capacity, dtype=torch.uint8, device=self.ctx.device)
+        check_nd(t)
+        self.handles.append(DeviceHandle.from_wire(export_handle(t)))
+        self.buffers.append(t)
+        self.ctx.account(f"{self.resource}_handles", +1)
+
+    def session(self, record: type[S]) -> S:
+        return record(control=self.control.ref, buffers=list(self.handles), nbuf=self.nbuf, capacity=self.capacity,
+                      digest_kind=self.digest_kind, device=DeviceRecord(**devices.describe(self.device)))
+
+    def stage(self, version: int, packing: Packing) -> None:
+        """Keep ``packing`` for send(): the ring is written at the barrier, bucket by bucket."""
+        if not 0 <= version < 1 << (63 - BUCKET_BITS) or self.ctx.plan.bucket_count >= 1 << BUCKET_BITS:
+            raise VersionError(f"{self.owner}: version {version} is out of range (0 .. 2**39)")
+        self._pending = {version: packing}  # a newer version supersedes one staged but never sent
+
+    def send(self, version: int, deadline: float) -> list[int] | None:
+        """Pack the staged ``version`` through the ring: its bucket digests, or None where the
+        coordinator aborted it (it has the reason; sync() reports it through wait_outcome)."""
+        packing = self._pending.pop(version, None)
+        if packing is None:
+            raise VersionError(f"{self.owner}: version {version} was not staged on this transport (superseded?)")
+        devices.set_current(self.ctx.device)
+        try:
+            sink = _VersionSink(self, version, Watch(self.ctx, version), deadline, packing.plan)
+            for b in packing.into(sink, self.digest_kind):
+                sink.publish_through(b)
+            sink.publish_through(packing.plan.bucket_count - 1)
+            return sink.sums
+        except Aborted:
+            return None
+
+    def wait_released(self, version: int, b: int, k: int, watch: Watch, deadline: float,
+                      owed: Callable[[], None] | None = None) -> None:
+        """Wait until every receiver released bucket ``b`` of ``version`` from buffer ``k``;
+        ``owed`` runs first if it has to wait: what the receivers may be waiting for."""
+        need, w = tag(version, b), self.control.words
+        if not watch.pending(w, need, k):
+            return
+        if owed is not None:
+            owed()
+            if not watch.pending(w, need, k):
+                return
+        poll_until(
+            lambda: not watch.pending(w, need, k), deadline, watch.refresh,
+            lambda: DeadlineExceeded(
+                f"{self.owner}: receiver(s) {', '.join(watch.pending(w, need, k))} did not finish bucket {b} of "
+                f"version {version} before the deadline (stalled in load_weights, or never called apply?)"),
+            waiter=Waiter(w, RELEASED),  # receivers ring it after each release
+        )
+
+    def close(self) -> None:
+        self._pending.clear()
+        self.buffers.clear()  # device memory is freed once receivers dropped their mappings too
+        if self.device.type != "cpu":
+            for _ in self.handles:
+                self.ctx.account(f"{self.resource}_handles", -1)
+        self.handles.clear()
+        for seg in self.segments:
+            seg.close()
+            self.ctx.account(f"{self.resource}_control" if seg is self.control else f"{self.resource}_handles", -1)
+        self.segments.clear()
+
+
+class _VersionSink(BucketSink):
+    """One version packed into the writer's ring: bucket b goes to buffer b % nbuf once every
     receiver released the bucket it held there; a bucket is published (digest, then ready
     word) once its copies have landed. On a device an event per bucket says so (Fences): the
     host queues bucket b's copies while b - 1's are still in flight, and blocks on one only
     when its buffer is needed again."""
 
-    def __init__(self, sender: Any, version: int, watch: Watch, deadline: float, plan: BucketPlan):
+    def __init__(self, ring: RingWriter, version: int, watch: Watch, deadline: float, plan: BucketPlan):
         self.plan = plan  # the packing's wire lengths (shorter where its buckets are encoded)
-        self.sender, self.version, self.watch, self.deadline = sender, version, watch, deadline
+        self.ring, self.version, self.watch, self.deadline = ring, version, watch, deadline
         self.published = self.fenced = -1
         self.asked: set[int] = set()
         self.digests: dict[int, Any] = {}  # from pack_stream, by bucket, until published
         self.sums: list[int] = []
-        self.fences = devices.Fences(sender.buffer_device())
+        self.fences = devices.Fences(ring.device)
 
     def buffer(self, b: int) -> torch.Tensor:
         # plan order is monotonic: when bucket b is asked for, every bucket before it is full
         # (a tensor split over several buckets would otherwise hold them all unpublished)
-        s = self.sender
+        r = self.ring
         self.publish_through(b - 1, block=False)
         self.asked.add(b)
-        k = b % s.nbuf
-        if b >= s.nbuf:
-            self.publish_through(b - s.nbuf)  # receivers release only what they saw published
+        k = b % r.nbuf
+        if b >= r.nbuf:
+            self.publish_through(b - r.nbuf)  # receivers release only what they saw published
             # a receiver may be waiting for bucket b - 1 before it releases anything (its own
             # loads land late too): publish every full bucket before waiting on the receivers
-            s._wait_released(self.version, b - s.nbuf, k, self.watch, self.deadline,
-                             owed=lambda: self.publish_through(b - 1))
-        s.control.words[ready_word(k)] = 0  # receivers that outlived their turn see the overwrite
-        return s.buffers[k][: self.plan.buckets[b].nbytes]
+            r.wait_released(self.version, b - r.nbuf, k, self.watch, self.deadline,
+                            owed=lambda: self.publish_through(b - 1))
+        r.control.words[ready_word(k)] = 0  # receivers that outlived their turn see the overwrite
+        return r.buffers[k][: self.plan.buckets[b].nbytes]
 
     def done(self, b: int, digest: int | torch.Tensor | None) -> None:
         if digest is not None:
@@ -71,16 +218,172 @@ class Ring(BucketSink):
         if last <= self.published:
             return
         self._fence(last)
-        s, w = self.sender, self.sender.control.words
+        r, w = self.ring, self.ring.control.words
         while self.published < last:
             b = self.published + 1
             if not self.fences.done(b, block):
                 return
-            k, n = b % s.nbuf, self.plan.buckets[b].nbytes
-            if s.digest_kind:
+            k, n = b % r.nbuf, self.plan.buckets[b].nbytes
+            if r.digest_kind:
                 d = self.digests.pop(b, None)
-                self.sums.append(as_int(compute(s.digest_kind, s.buffers[k][:n]) if d is None else d))
+                self.sums.append(as_int(compute(r.digest_kind, r.buffers[k][:n]) if d is None else d))
                 w[ready_word(k) + 1] = self.sums[-1]
             w[ready_word(k)] = tag(self.version, b)
             wake(w, ready_word(k))  # receivers sleeping on the word (transports/memory.py)
             self.published = b
+
+
+class RingReader:
+    """A receiver's end: maps the writer's control block and buffers, takes a receiver slot,
+    and reads each version bucket by bucket. ``loads_from_host``: buffers in host memory may be
+    loaded onto any device (shm); otherwise the writer's device type must be this receiver's."""
+
+    def __init__(self, ctx: TransportContext, owner: str, resource: str, session: IpcSession,
+                 loads_from_host: bool = False):
+        self.ctx, self.owner, self.resource, self.loads_from_host = ctx, owner, resource, loads_from_host
+        self.mappings: list[Segment] = []
+        self.buffers: list[torch.Tensor] = []
+        self.opened = 0  # device handles opened (host ones are counted as mappings)
+        self.slot: int | None = None
+        self.control: Segment | None = None
+        self.kind: str | None = None
+        self._attach(session)
+
+    def _attach(self, info: IpcSession) -> None:
+        """Open the writer's control block and buffers and take a receiver slot."""
+        ctx = self.ctx
+        sender_dev = info.device.type
+        if sender_dev != ctx.device.type and not (self.loads_from_host and sender_dev == "cpu"):
+            raise ProtocolError(f"{self.owner}: the sender's buckets are in {sender_dev} memory but receiver "
+                                f"'{ctx.name}' runs on {ctx.device.type}; both must share one device")
+        if not 1 <= info.nbuf <= MAX_BUFFERS:
+            raise ProtocolError(f"{self.owner}: session announces {info.nbuf} buffers")
+        self.nbuf, self.capacity = info.nbuf, info.capacity
+        self.kind = info.digest_kind if kind_of(ctx.config, ctx.device) is not None else None
+        try:
+            self.control = self._map(info.control, CONTROL_BYTES, writable=True, kind=f"{self.resource}_control")
+            w = self.control.words
+            if int(w[0]) != MAGIC or int(w[1]) != digest_word(ctx.digest):
+                raise ProtocolError(f"{self.owner} control block {self.control.name} belongs to another session layout")
+            self._claim()
+            devices.set_current(ctx.device)
+            for h in info.buffers:
+                if isinstance(h, HostBuffer):
+                    seg = self._map(h.segment, h.bytes, writable=False, kind=f"{self.resource}_handles")
+                    seg.pin(ctx.device)
+                    self.buffers.append(seg.bytes[: self.capacity])
+                else:
+                    self.buffers.append(import_handle(h.to_wire()))
+                    self.opened += 1
+                    ctx.account(f"{self.resource}_handles", +1)
+        except BaseException:
+            self.close()
+            raise
+
+    def _map(self, name: str, size: int, writable: bool, kind: str) -> Segment:
+        seg = attach(name, self.ctx.config.shm_dir, size, writable=writable)
+        self.mappings.append(seg)
+        self.ctx.account(kind, +1)
+        return seg
+
+    def _claim(self) -> None:
+        """Take a receiver slot in the control block (the same one again after a restart)."""
+        me = owner_word(self.ctx.name)
+        w = self.control.words
+        fcntl.flock(self.control.fd, fcntl.LOCK_EX)  # receivers attach concurrently
+        try:
+            r = find_slot(w, me)
+            if r is None:
+                r = find_slot(w, 0)
+                if r is None:
+                    raise CapacityError(f"{self.owner}: all {MAX_RECEIVERS} receiver slots of the session are taken")
+            base = slot_word(r)
+            w[base + 2: base + 2 + MAX_BUFFERS] = 0
+            w[base + 1] = os.getpid()
+            w[base] = me
+            self.slot = r
+        finally:
+            fcntl.flock(self.control.fd, fcntl.LOCK_UN)
+
+    def receive(self, version: int, session: IpcSession, plan: BucketPlan, deadline: float,
+                check: Callable[[], None]) -> Iterator[Received]:
+        """The buckets of ``version`` (``plan``: the lengths it moves), from the ring its record's
+        ``session`` names: a version from another control block than ours comes from a restarted
+        trainer, whose new ring this end follows (dropping the dead one's mappings) now, before
+        the first bucket is asked for: ``kind`` is then that sender's."""
+        if self.control is None or session.control != self.control.ref:
+            self.close()
+            self._attach(session)
+        must_wait_for_me(self.ctx, self.owner, version)
+        return self._read(version, plan, deadline, check)
+
+    def _read(self, version: int, plan: BucketPlan, deadline: float, check: Callable[[], None]) -> Iterator[Received]:
+        w = self.control.words
+        loaded = devices.Fences(self.ctx.device)  # the engine's copies out of each bucket
+        held: list[int] = []  # buckets loaded from and not yet released
+        for b, bucket in enumerate(plan.buckets):
+            k = b % self.nbuf
+            want = tag(version, b)
+            word = ready_word(k)
+            self._release(version, held, loaded, need=b - self.nbuf)  # the sender writes b there
+            if int(w[word]) != want:
+                # the sender may be waiting for a bucket we hold before it publishes b: hand
+                # every one back (their loads land on their own) before waiting on the sender
+                self._release(version, held, loaded, need=b - 1)
+                self._wait(w, word, want, version, b, deadline, check)
+            expected = int(w[word + 1]) if self.kind else None
+            yield b, self.buffers[k][: bucket.nbytes], expected
+            loaded.mark(b)
+            held.append(b)
+        self._release(version, held, loaded, need=self.ctx.plan.bucket_count - 1)
+
+    def _release(self, version: int, held: list[int], loaded: devices.Fences, need: int) -> None:
+        """Hand buckets back to the sender once the engine's copies out of them landed: those
+        up to ``need`` waiting for that (the sender needs their buffers next), later ones only
+        if they already did (on a device, an event per bucket instead of a synchronize)."""
+        w, mine = self.control.words, slot_word(self.slot)
+        while held and loaded.done(held[0], block=held[0] <= need):
+            b = held.pop(0)
+            k, want = b % self.nbuf, tag(version, b)
+            if int(w[ready_word(k)]) != want:
+                raise ProtocolError(f"{self.owner}: bucket {b} of version {version} was overwritten while it was "
+                                    f"loaded (the sender gave up waiting for receiver '{self.ctx.name}')")
+            w[mine + 2 + k] = want
+            # ring the sender's doorbell: any change of the word wakes it (memory.py), so racing
+            # receivers need no atomic increment
+            w[RELEASED] = int(w[RELEASED]) + 1
+            wake(w, RELEASED)
+
+    def _wait(self, w: np.ndarray, word: int, want: int, version: int, b: int, deadline: float,
+              check: Callable[[], None]) -> None:
+        def arrived() -> bool:
+            got = int(w[word])
+            if got > want:
+                raise ProtocolError(f"{self.owner}: the sender is past bucket {b} of version {version}; this receiver "
+                                    f"joined the transfer late and catches up with the next version")
+            return got == want
+
+        poll_until(arrived, deadline, check,
+                   lambda: DeadlineExceeded(f"{self.owner}: bucket {b} of version {version} was not written "
+                                            f"before the deadline"), waiter=Waiter(w, word))
+
+    def close(self) -> None:
+        if self.slot is not None and self.control is not None:
+            w = self.control.words
+            base = slot_word(self.slot)
+            fcntl.flock(self.control.fd, fcntl.LOCK_EX)
+            try:
+                if int(w[base]) == owner_word(self.ctx.name):
+                    w[base] = 0  # free the slot; the sender stops looking at it
+            finally:
+                fcntl.flock(self.control.fd, fcntl.LOCK_UN)
+            self.slot = None
+        self.buffers.clear()
+        for _ in range(self.opened):
+            self.ctx.account(f"{self.resource}_handles", -1)
+        self.opened = 0
+        for seg in self.mappings:
+            seg.close()
+            self.ctx.account(f"{self.resource}_control" if seg is self.control else f"{self.resource}_handles", -1)
+        self.mappings.clear()
+        self.control = None

@@ -32,7 +32,7 @@ import xxhash
 
 from ... import device as devices
 from ...coordinator.state import State
-from ...errors import CapacityError, ConfigError, ProtocolError
+from ...errors import CapacityError, ConfigError, ProtocolError, VersionError
 from ...manifest import dtype_name, dtype_of
 from ..base import Aborted, TransportContext
 
@@ -225,3 +225,17 @@ class Watch:
             if int(words[slot_word(r) + 2 + k]) < need:
                 out.append(name)
         return out
+
+
+def must_wait_for_me(ctx: TransportContext, owner: str, version: int) -> None:
+    """A receiver refuses a version whose sender does not wait for it, before touching the
+    model: the sender may overwrite a bucket while it loads, and it would serve nothing instead
+    of the complete version it holds. Participants are fixed when the sender reaches the barrier."""
+    if ctx.control is None:
+        return
+    m = ctx.control.metrics(version)
+    late = ctx.name not in m.participants or ctx.name in m.failed
+    if m.state in (State.TRANSFERRING, State.COMMITTED) and late:
+        raise VersionError(f"{owner}: receiver '{ctx.name}' is not a participant of version {version}: it registered "
+                           f"(or came back) after the sender reached the barrier, so the sender does not wait for "
+                           f"it; it joins the next version")
