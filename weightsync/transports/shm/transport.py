@@ -46,10 +46,12 @@ from __future__ import annotations
 
 import concurrent.futures
 import dataclasses
+import errno
 import fcntl
 import math
 import os
 import threading
+import time
 from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
@@ -89,6 +91,26 @@ from ..memory import (
     resolve_backing,
     wake,
 )
+
+
+def lock_word(fd: int, word: int) -> None:
+    """Take the byte-range lock on control word ``word`` of the segment, waiting for its holder.
+
+    POSIX record locks belong to the process, not the thread, so the kernel's deadlock check
+    sees one waiter where our hash threads are several: receiver A's thread holds bucket 3 and
+    its other thread waits for bucket 4, held by receiver B, whose other thread now asks for
+    bucket 3: EDEADLK, though A's first thread releases bucket 3 as soon as its hash is done.
+    Seen with four receivers on an H200 node. Each thread holds one word at a time, so no
+    true deadlock exists: ask again until the holder is done."""
+    while True:
+        try:
+            fcntl.lockf(fd, fcntl.LOCK_EX, 8, 8 * word)
+            return
+        except OSError as exc:
+            if exc.errno != errno.EDEADLK:
+                raise
+            time.sleep(0.001)
+
 
 MAGIC = 0x5753594E43534D31  # "WSYNCSM1"
 # Threads that digest written buckets ahead of the one being loaded. xxh3 releases the GIL, so
@@ -346,7 +368,7 @@ class ShmReceiver(ReceiverTransport):
             return False
         with self._hashing[b]:
             # a byte-range lock on the word: one hasher per bucket; the kernel drops it if we die
-            fcntl.lockf(seg.fd, fcntl.LOCK_EX, 8, 8 * word)
+            lock_word(seg.fd, word)
             try:
                 if seg.control[word] == mark:
                     return False
