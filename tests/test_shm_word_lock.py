@@ -6,57 +6,69 @@ threads each, in the order the kernel refuses."""
 
 from __future__ import annotations
 
-import errno
 import fcntl
-import multiprocessing as mp
+import os
+import subprocess
+import sys
 import threading
 import time
+from pathlib import Path
 
+# the other receiver: its first thread holds bucket 2's word; on "go" its second thread asks for
+# bucket 1's, first with a plain lockf, then with lock_word
+OTHER = """
+import errno, fcntl, sys, threading
 from weightsync.transports.shm.transport import lock_word
-
-
-def _other_receiver(path: str, holding, go, done, out) -> None:
-    fd = open(path, "r+b")  # noqa: SIM115  (held for the life of this process)
-    holder = threading.Thread(target=lambda: (fcntl.lockf(fd, fcntl.LOCK_EX, 8, 8 * 2), holding.set(), done.wait(30),
-                                              fcntl.lockf(fd, fcntl.LOCK_UN, 8, 8 * 2)))
-    holder.start()
-    go.wait(30)
-    try:
-        fcntl.lockf(fd, fcntl.LOCK_EX, 8, 8 * 1)  # the plain call: refused while the first process waits on us
-        out.put("acquired at once")
-    except OSError as exc:
-        out.put("EDEADLK" if exc.errno == errno.EDEADLK else errno.errorcode[exc.errno])
-        lock_word(fd.fileno(), 1)
-        out.put("acquired by lock_word")
-    fcntl.lockf(fd, fcntl.LOCK_UN, 8, 8 * 1)
-    done.set()
-    holder.join(30)
+fd = open(sys.argv[1], "r+b")
+done, holding = threading.Event(), threading.Event()
+def hold():
+    fcntl.lockf(fd, fcntl.LOCK_EX, 8, 16)
+    holding.set()
+    done.wait(30)
+    fcntl.lockf(fd, fcntl.LOCK_UN, 8, 16)
+holder = threading.Thread(target=hold)
+holder.start()
+holding.wait(30)
+print("holding", flush=True)
+sys.stdin.readline()
+try:
+    fcntl.lockf(fd, fcntl.LOCK_EX, 8, 8)
+    print("acquired at once", flush=True)
+except OSError as exc:
+    print("EDEADLK" if exc.errno == errno.EDEADLK else errno.errorcode[exc.errno], flush=True)
+    lock_word(fd.fileno(), 1)
+    print("acquired by lock_word", flush=True)
+fcntl.lockf(fd, fcntl.LOCK_UN, 8, 8)
+done.set()
+holder.join(30)
+"""
 
 
 def test_a_false_deadlock_between_hash_threads_is_waited_out(tmp_path):
     path = tmp_path / "segment"
     path.write_bytes(bytes(64))
-    ctx = mp.get_context("spawn")
-    holding, go, done, out = ctx.Event(), ctx.Event(), ctx.Event(), ctx.Queue()
-    child = ctx.Process(target=_other_receiver, args=(str(path), holding, go, done, out))
-    child.start()
+    root = str(Path(__file__).resolve().parents[1])
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([root, os.environ.get("PYTHONPATH", "")])}
+    child = subprocess.Popen([sys.executable, "-c", OTHER, str(path)], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                             text=True, env=env)
     fd = open(path, "r+b")  # noqa: SIM115
     try:
         fcntl.lockf(fd, fcntl.LOCK_EX, 8, 8 * 1)  # our first hash thread holds bucket 1
-        assert holding.wait(60)  # the other receiver's first thread holds bucket 2
+        assert child.stdout.readline().strip() == "holding"  # the other's first thread holds bucket 2
         waiter = threading.Thread(target=lambda: (fcntl.lockf(fd, fcntl.LOCK_EX, 8, 8 * 2),
                                                   fcntl.lockf(fd, fcntl.LOCK_UN, 8, 8 * 2)))
         waiter.start()  # our second thread waits for bucket 2
         time.sleep(0.3)
-        go.set()  # the other receiver's second thread asks for bucket 1
-        first = out.get(timeout=30)
+        child.stdin.write("go\n")  # the other's second thread asks for bucket 1
+        child.stdin.flush()
+        first = child.stdout.readline().strip()
         time.sleep(0.2)
         fcntl.lockf(fd, fcntl.LOCK_UN, 8, 8 * 1)  # our first thread's hash is done
-        second = out.get(timeout=30)
+        second = child.stdout.readline().strip()
         waiter.join(30)
-        child.join(30)
-        assert (first, second, waiter.is_alive(), child.exitcode) == ("EDEADLK", "acquired by lock_word", False, 0)
+        assert (first, second, waiter.is_alive(), child.wait(30)) == ("EDEADLK", "acquired by lock_word", False, 0)
     finally:
         fd.close()
-        if child.is_alive():
+        if child.poll() is None:
             child.kill()
+            child.wait(10)
