@@ -11,8 +11,9 @@ import os
 import subprocess
 import sys
 import threading
-import time
 from pathlib import Path
+
+from weightsync.testing.parties import wait_until
 
 # the other receiver: its first thread holds bucket 2's word; on "go" its second thread asks for
 # bucket 1's, first with a plain lockf, then with lock_word
@@ -44,6 +45,11 @@ holder.join(30)
 """
 
 
+def _blocked(pid: int) -> bool:
+    # /proc/locks lists a waiter as "N: -> POSIX ADVISORY WRITE <pid> ..."
+    return any("-> POSIX" in line and line.split()[5] == str(pid) for line in Path("/proc/locks").read_text().splitlines())
+
+
 def test_a_false_deadlock_between_hash_threads_is_waited_out(tmp_path):
     path = tmp_path / "segment"
     path.write_bytes(bytes(64))
@@ -57,12 +63,11 @@ def test_a_false_deadlock_between_hash_threads_is_waited_out(tmp_path):
         assert child.stdout.readline().strip() == "holding"  # the other's first thread holds bucket 2
         waiter = threading.Thread(target=lambda: (fcntl.lockf(fd, fcntl.LOCK_EX, 8, 8 * 2),
                                                   fcntl.lockf(fd, fcntl.LOCK_UN, 8, 8 * 2)))
-        waiter.start()  # our second thread waits for bucket 2
-        time.sleep(0.3)
+        waiter.start()  # our second thread waits for bucket 2: the kernel lists it blocked
+        wait_until("our second thread blocked on bucket 2", lambda: _blocked(os.getpid()), timeout=30)
         child.stdin.write("go\n")  # the other's second thread asks for bucket 1
         child.stdin.flush()
         first = child.stdout.readline().strip()
-        time.sleep(0.2)
         fcntl.lockf(fd, fcntl.LOCK_UN, 8, 8 * 1)  # our first thread's hash is done
         second = child.stdout.readline().strip()
         waiter.join(30)
