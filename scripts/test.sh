@@ -7,6 +7,10 @@
 # differ from the main venv's: vLLM's model code, vLLM's CPU engine, ...) and runs its tests.
 # Without arguments every tier runs; with arguments none, unless named. WEIGHTSYNC_TIERS picks
 # them ("vllm gen", or "none"); WEIGHTSYNC_VLLM_TIER=0 still leaves out the vllm tiers (0.11.0, 0.10.1).
+# `scripts/tiers/<name>.sh --prepare` only builds what the tier needs. About a third of a fresh run
+# was those builds one after another; they now go on in the background, in the order the tiers
+# run, while the tiers that need none (sim, conformance first) run: a tier that reaches a venv
+# still being built waits for it (scripts/lib/venv.sh holds one lock per venv).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh dev,verl
@@ -23,20 +27,32 @@ status=0
 python -m pytest "$@" || status=$?
 deactivate
 
-all_tiers=$(cd scripts/tiers && ls ./*.sh | sed 's|^\./||; s|\.sh$||' | sort | tr '\n' ' ')
+# those that run in the main venv first, so the others' venvs build meanwhile
+all_tiers="sim conformance $(cd scripts/tiers && ls ./*.sh | sed 's|^\./||; s|\.sh$||' | grep -vx 'sim\|conformance' | sort | tr '\n' ' ')"
 tiers="${WEIGHTSYNC_TIERS:-$([ $# -eq 0 ] && echo "$all_tiers" || echo none)}"
 [ "${WEIGHTSYNC_VLLM_TIER:-}" = "0" ] && tiers=$(echo " $tiers " | sed 's/ vllm / /; s/ vllm-0.10 / /')
 [ "${WEIGHTSYNC_VLLM_TIER:-}" = "1" ] && [ "$tiers" = "none" ] && tiers=vllm
+for tier in $tiers; do
+    [ "$tier" = "none" ] || [ -f "scripts/tiers/$tier.sh" ] || { echo "no tier '$tier' (tiers: $all_tiers)" >&2; exit 2; }
+done
+prepare_log="$(mktemp)"
+# a session of its own, so that leaving early (an error, Ctrl-C) stops every pip it started
+setsid bash -c 'for t in "$@"; do [ "$t" = none ] || bash "scripts/tiers/$t.sh" --prepare || exit 1; done' _ $tiers \
+    > "$prepare_log" 2>&1 &
+prepare=$!
+trap 'kill -- -"$prepare" 2>/dev/null || true; rm -rf "$site" "$prepare_log"' EXIT
 failed=""
 for tier in $tiers; do
     [ "$tier" = "none" ] && continue
-    [ -f "scripts/tiers/$tier.sh" ] || { echo "no tier '$tier' (tiers: $all_tiers)" >&2; exit 2; }
     echo "=== tier $tier" >&2
     rc=0
     bash "scripts/tiers/$tier.sh" "$@" || rc=$?
     [ "$rc" -eq 5 ] && rc=0  # every test of the tier deselected by the arguments (e.g. -m cuda)
     [ "$rc" -eq 0 ] || failed="$failed $tier"
 done
+# a failed background build shows here; the tier itself built again in the foreground and said why
+if ! wait "$prepare"; then echo "background preparation of the tiers failed:" >&2; tail -n 20 "$prepare_log" >&2; fi
+grep "ready in" "$prepare_log" >&2 || true
 [ -z "$failed" ] || echo "tiers failed:$failed" >&2
 [ "$status" -ne 0 ] && exit "$status"
 [ -z "$failed" ] || exit 1

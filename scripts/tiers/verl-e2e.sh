@@ -5,6 +5,7 @@
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 vpython=$(bash scripts/verl_e2e_env.sh | tail -n 1)
+[ "${1:-}" = "--prepare" ] && exit 0
 # vLLM's engine keeps its message queues in multiprocessing shared memory (/dev/shm/psm_*, 400 MB
 # a server); when Ray kills the server at the end of the run nothing unlinks them. Those the run
 # created and no live process maps any more are removed; segments of other jobs are left alone.
