@@ -1,9 +1,9 @@
 """The package's shape, as the architecture promises it: no import cycles (every import counts:
 at module level, inside functions, under ``if TYPE_CHECKING``), no module over 400 lines outside
 the benchmark, at most twelve modules at the top of the package (the rest in folders by role), at
-most eleven import floors (scripts/import_floors.py), and every control operation declared once:
+most eleven import floors (scripts/import_floors.py), every control operation declared once:
 one request record, one reply record, one handler found by the request's type, no coordinator
-call or dispatch named by a string."""
+call or dispatch named by a string; and every module outside the public surface marked internal."""
 
 from __future__ import annotations
 
@@ -117,6 +117,32 @@ def test_at_most_twelve_modules_at_the_top():
     # the tree shows the architecture
     top = sorted(p.name for p in PKG.glob("*.py") if p.name != "__init__.py")
     assert len(top) <= 12, top
+
+
+# the public surface (docs/api.md): the package, its errors, the transport plugin interface and
+# ``python -m weightsync``; every other module says "Internal." first (PEP 8: an undocumented or
+# internal-declared module carries no compatibility promise), so a reader knows at the top line
+PUBLIC = {"weightsync/__init__.py", "weightsync/__main__.py", "weightsync/errors.py",
+          "weightsync/transports/__init__.py"}
+
+
+def marking(path: Path) -> bool:
+    """Whether the module's docstring declares it internal."""
+    return (ast.get_docstring(ast.parse(path.read_text())) or "").startswith("Internal.")
+
+
+def test_every_module_outside_the_public_surface_is_marked_internal():
+    paths = {str(p.relative_to(ROOT)): p for p in PKG.rglob("*.py")}
+    assert PUBLIC <= set(paths)
+    wrong = {name: ("public, marked internal" if name in PUBLIC else "internal, not marked")
+             for name, p in paths.items() if marking(p) == (name in PUBLIC)}
+    assert wrong == {}
+
+
+def test_an_unmarked_module_is_found(tmp_path):
+    (tmp_path / "plain.py").write_text('"""What a plain module does."""\n')
+    (tmp_path / "marked.py").write_text('"""Internal. What a marked module does."""\n')
+    assert [marking(tmp_path / n) for n in ("plain.py", "marked.py")] == [False, True]
 
 
 def test_coordinator_calls_go_through_the_typed_control_plane():

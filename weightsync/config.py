@@ -1,4 +1,4 @@
-"""One config object for the whole service, loadable from a mapping or the environment.
+"""Internal. One config object for the whole service, loadable from a mapping or the environment.
 
 Every field is validated on construction, so a bad value fails where it is written
 (a YAML file, a Hydra override, an environment variable), not deep inside a transfer.

@@ -1,4 +1,4 @@
-"""Everything device-specific that is not a transport: which platform this process runs on
+"""Internal. Everything device-specific that is not a transport: which platform this process runs on
 and which physical device it holds. Kept in one place so the rest stays device-agnostic."""
 
 from __future__ import annotations

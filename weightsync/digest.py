@@ -1,4 +1,4 @@
-"""Bucket digests: one per bucket per transport, checked by every receiver before it loads.
+"""Internal. Bucket digests: one per bucket per transport, checked by every receiver before it loads.
 
 Two kinds:
 

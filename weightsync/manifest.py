@@ -1,4 +1,4 @@
-"""A version's layout: the manifest, the ordered (name, dtype, shape) list a version carries,
+"""Internal. A version's layout: the manifest, the ordered (name, dtype, shape) list a version carries,
 and the bucket plan every party derives from it, with the packing and unpacking over it.
 
 Pure functions over tensors and byte buffers: building a manifest from tensors and checking it

@@ -1,4 +1,4 @@
-"""What senders and receivers share: registration, heartbeats, the transport context, and the
+"""Internal. What senders and receivers share: registration, heartbeats, the transport context, and the
 log lines of a version's life.
 
 Each party writes one line per version through :mod:`logging` (logger ``weightsync``): INFO when

@@ -1,4 +1,4 @@
-"""A receiver's ahead thread (config ``receive_ahead``): takes each version as soon as the
+"""Internal. A receiver's ahead thread (config ``receive_ahead``): takes each version as soon as the
 sender makes it readable, while the engine still serves the version before, so that
 ``apply()`` at the barrier only loads, runs the post-load hook and resets the cache.
 

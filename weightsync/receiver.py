@@ -1,4 +1,4 @@
-"""Rollout side. A receiver serves exactly one complete version at a time, or none.
+"""Internal. Rollout side. A receiver serves exactly one complete version at a time, or none.
 
 One version, end to end:  apply(v)
   -> coordinator.session(): manifest, checked against the model before any byte moves

@@ -1,4 +1,4 @@
-"""Trainer side. Rank 0 stages and sends; other trainer ranks iterate in lockstep only.
+"""Internal. Trainer side. Rank 0 stages and sends; other trainer ranks iterate in lockstep only.
 
 One version, end to end:  stage(v, named_tensors)
   -> manifest check and bucket plan (first version only; reused afterwards)

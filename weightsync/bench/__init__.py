@@ -1,4 +1,4 @@
-"""``weightsync bench``: sync throughput of the transports against Ray's object store, a
+"""Internal. ``weightsync bench``: sync throughput of the transports against Ray's object store, a
 per-tensor collective broadcast and the machine's copy ceiling, measured in one run.
 
 Modules: cli (arguments, the run), interleave (rows in rotated rounds, load and CPU per

@@ -1,4 +1,4 @@
-"""The benchmark's parties: one trainer and N rollout workers as Ray actors.
+"""Internal. The benchmark's parties: one trainer and N rollout workers as Ray actors.
 
 They hold their model for the whole run, so every row (each transport, bucket size and
 baseline) moves the same bytes between the same processes; only the session changes. The

@@ -1,4 +1,4 @@
-"""Drives the collective broadcast baselines of :mod:`weightsync.bench.collective_baselines` for the
+"""Internal. Drives the collective broadcast baselines of :mod:`weightsync.bench.collective_baselines` for the
 benchmark. Those functions start their own group of Ray actors (sender rank 0 + N receivers,
 the broadcast transport's group construction) over the same layout and device; each
 baseline row says why when it cannot run here."""

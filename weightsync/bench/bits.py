@@ -1,4 +1,4 @@
-"""The bit-exact check every benchmark row ends with: a digest of a model's tensors, compared
+"""Internal. The bit-exact check every benchmark row ends with: a digest of a model's tensors, compared
 between the trainer and each receiver. Its own module: the bench's actors and the collective
 baselines' actors both use it, and neither should import the other for it."""
 

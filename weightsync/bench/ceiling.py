@@ -1,4 +1,4 @@
-"""The copy ceiling: how fast this machine can copy the payload's bytes at all.
+"""Internal. The copy ceiling: how fast this machine can copy the payload's bytes at all.
 
 Every transport must at least read and write each byte once, so the fastest copy between
 two preallocated buffers, using every core, is the bar a sync is measured against. We take

@@ -1,4 +1,4 @@
-"""``weightsync bench``: arguments and the run from start to report."""
+"""Internal. ``weightsync bench``: arguments and the run from start to report."""
 
 from __future__ import annotations
 

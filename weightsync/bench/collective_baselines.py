@@ -1,4 +1,4 @@
-"""Collective baselines for the broadcast transport, measured with real Ray actors over the
+"""Internal. Collective baselines for the broadcast transport, measured with real Ray actors over the
 same group construction the transport uses (:class:`weightsync.transports.broadcast.groups.Group`).
 
 - :func:`raw_broadcast`: the version's bytes pre-packed in one flat buffer, sent by a single

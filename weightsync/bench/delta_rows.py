@@ -1,4 +1,4 @@
-"""Delta rows of ``weightsync bench --delta``: their names, and each one beside the full row of
+"""Internal. Delta rows of ``weightsync bench --delta``: their names, and each one beside the full row of
 the same transport, bucket size, receivers and checksum, with the ratio of their medians.
 Pure functions over plain rows (no Ray, no timing)."""
 

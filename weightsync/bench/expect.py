@@ -1,4 +1,4 @@
-"""What a run shows about its fastest configuration, and ``--expect KEY>=VALUE`` checks on it.
+"""Internal. What a run shows about its fastest configuration, and ``--expect KEY>=VALUE`` checks on it.
 
 The benchmark states comparisons (x the copy ceiling, x each baseline, barrier x one copy,
 time growth with more receivers); it holds no targets of its own. A user who has one passes

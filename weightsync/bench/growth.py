@@ -1,4 +1,4 @@
-"""How time and memory grow with the model: the growth table over a run's sizes (``weightsync
+"""Internal. How time and memory grow with the model: the growth table over a run's sizes (``weightsync
 bench --layout A B C``), its terminal form and its plot. Pure functions over the result dict
 (schema: docs/benchmarks.md)."""
 

@@ -1,4 +1,4 @@
-"""Runs a size's rows in interleaved rounds (weightsync.bench.rounds) and measures, per row and
+"""Internal. Runs a size's rows in interleaved rounds (weightsync.bench.rounds) and measures, per row and
 round, what a shared machine does to it: the 1-minute load average, the parties' own CPU
 seconds (a neighbour stretches wall time far more than the CPU our processes burn) and the
 CPU seconds everyone else used meanwhile. With ``--against REV`` a second set of actors runs

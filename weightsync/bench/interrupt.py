@@ -1,4 +1,4 @@
-"""Stopping the benchmark when asked (Ctrl-C), and the progress bars it draws meanwhile.
+"""Internal. Stopping the benchmark when asked (Ctrl-C), and the progress bars it draws meanwhile.
 
 Ctrl-C raised KeyboardInterrupt in the driver's ``ray.get``, and the rows' ``finally`` blocks
 then asked every actor to close its session: calls queued behind the version the actor was

@@ -1,4 +1,4 @@
-"""Benchmark layouts: a built-in name, or the layout (and optionally the weights) of a
+"""Internal. Benchmark layouts: a built-in name, or the layout (and optionally the weights) of a
 safetensors file or folder, read from the file headers without loading any tensor."""
 
 from __future__ import annotations

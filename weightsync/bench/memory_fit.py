@@ -1,4 +1,4 @@
-"""Will a benchmark size, or one row of it, fit in this node's memory? Estimates of what each
+"""Internal. Will a benchmark size, or one row of it, fit in this node's memory? Estimates of what each
 holds, so the bench skips what would not fit, with a message, instead of being OOM-killed
 halfway through a run (Ray's memory monitor or the kernel's OOM killer).
 

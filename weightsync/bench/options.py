@@ -1,4 +1,4 @@
-"""``weightsync bench``'s options and its presets (quick, the default, and full): what a run
+"""Internal. ``weightsync bench``'s options and its presets (quick, the default, and full): what a run
 measures unless the command line says otherwise."""
 
 from __future__ import annotations

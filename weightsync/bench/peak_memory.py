@@ -1,4 +1,4 @@
-"""Resident-memory high-water marks of the calling process.
+"""Internal. Resident-memory high-water marks of the calling process.
 
 Linux lets a process reset its own peak (VmHWM) by writing 5 to /proc/self/clear_refs,
 so each benchmark row measures its own peak instead of the process's lifetime peak.

@@ -1,4 +1,4 @@
-"""How far a benchmark run is and how long it has left: one overall bar with an ETA across
+"""Internal. How far a benchmark run is and how long it has left: one overall bar with an ETA across
 every row and round (tqdm, on a terminal), and the same estimate in the line each row prints
 when it ends (logs and pipes see no bar).
 

@@ -1,4 +1,4 @@
-"""The Ray Direct Transport baselines (``ray-rdt-*``): what a Ray user writes today to move
+"""Internal. The Ray Direct Transport baselines (``ray-rdt-*``): what a Ray user writes today to move
 weights from a trainer actor to a rollout actor without an object-store copy.
 
 The trainer's method returns the version's tensors with ``tensor_transport=...``; the driver

@@ -1,4 +1,4 @@
-"""Turns benchmark rows into ratios, a terminal table with comparisons, JSON and a PNG plot.
+"""Internal. Turns benchmark rows into ratios, a terminal table with comparisons, JSON and a PNG plot.
 Pure functions over the result dict (schema: docs/benchmarks.md, "JSON schema")."""
 
 from __future__ import annotations

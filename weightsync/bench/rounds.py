@@ -1,4 +1,4 @@
-"""Interleaved rounds: the order rows run in, the statistics of a row over its rounds, and the
+"""Internal. Interleaved rounds: the order rows run in, the statistics of a row over its rounds, and the
 A/B comparison of two checkouts' rows. Pure functions over plain rows (no Ray, no timing).
 
 Why rounds: on a shared machine the neighbours' load drifts within minutes. Rows run one

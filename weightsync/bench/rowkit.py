@@ -1,4 +1,4 @@
-"""What every module that makes benchmark rows shares (runner, rdt_rows, baseline_rows): the
+"""Internal. What every module that makes benchmark rows shares (runner, rdt_rows, baseline_rows): the
 row deadline, the text of a remote error, and whether a device collective has its devices.
 Its own module so that the row modules need not import the runner that calls them."""
 

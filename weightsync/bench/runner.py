@@ -1,4 +1,4 @@
-"""Runs the benchmark rows: weightsync transports, Ray object store baselines and collective
+"""Internal. Runs the benchmark rows: weightsync transports, Ray object store baselines and collective
 baselines, all between the same trainer and rollout actors, over the same bytes.
 
 One version's time is the wall time from the start of ``stage()`` on the trainer to the

@@ -1,4 +1,4 @@
-"""The run's closing lines: what the rollout waits for with each transport, and one sentence
+"""Internal. The run's closing lines: what the rollout waits for with each transport, and one sentence
 that answers "is this faster than what I would do?". Pure functions over a size's result.
 
 What the rollout waits for: in one-step-off the trainer stages version v while the rollout

@@ -1,4 +1,4 @@
-"""What one training step does to the weights a trainer sends: ``weightsync bench --update``.
+"""Internal. What one training step does to the weights a trainer sends: ``weightsync bench --update``.
 
 ``random``: every byte of every tensor changes each version (the worst case for a delta; what
 a full sync moves anyway). ``adamw-1e-6`` / ``adamw-1e-5``: the step of an RL trainer. Each

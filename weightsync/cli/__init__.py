@@ -1,4 +1,4 @@
-"""The ``weightsync`` command. Each subcommand lives in its own module."""
+"""Internal. The ``weightsync`` command. Each subcommand lives in its own module."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""``python -m weightsync.cli``: the ``weightsync`` command (cli/__init__.py)."""
+"""Internal. ``python -m weightsync.cli``: the ``weightsync`` command (cli/__init__.py)."""
 
 import sys
 

@@ -1,4 +1,4 @@
-"""``weightsync doctor``: what this machine is, which transports can run on it and which vLLM
+"""Internal. ``weightsync doctor``: what this machine is, which transports can run on it and which vLLM
 weight-transfer engines and verl entry points it has (:mod:`weightsync.cli.doctor_entry`), in a
 form a person can paste into a bug report (or ``--json`` for tools).
 

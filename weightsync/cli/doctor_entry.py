@@ -1,4 +1,4 @@
-"""The entry points ``weightsync doctor`` reports: which vLLM weight-transfer engines this
+"""Internal. The entry points ``weightsync doctor`` reports: which vLLM weight-transfer engines this
 environment has (vLLM's own factory registries, after vLLM's own plugin loader ran, so the
 names are the ones ``weight_transfer_config={"backend": ...}`` accepts here, ours included),
 and which of our verl entry points the installed verl can use.

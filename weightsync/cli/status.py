@@ -1,4 +1,4 @@
-"""``weightsync status`` and ``weightsync reap``."""
+"""Internal. ``weightsync status`` and ``weightsync reap``."""
 
 from __future__ import annotations
 

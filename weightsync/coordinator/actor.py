@@ -1,4 +1,4 @@
-"""The coordinator actor: one named Ray actor per job. It never touches tensor bytes.
+"""Internal. The coordinator actor: one named Ray actor per job. It never touches tensor bytes.
 
 Parties (senders, receivers) talk to it through one ``rpc(bytes) -> bytes`` method carrying
 a request record of :mod:`weightsync.coordinator.ops` as msgpack (see :mod:`weightsync.coordinator.client` for the

@@ -1,4 +1,4 @@
-"""What a party or a driver reaches the coordinator through: the handle that creates or
+"""Internal. What a party or a driver reaches the coordinator through: the handle that creates or
 reaches the actor and calls it (:class:`Coordinator`), and one party's typed view of it
 (:class:`ControlPlane`), where every control-plane operation is a method.
 

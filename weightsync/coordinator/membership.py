@@ -1,4 +1,4 @@
-"""Who takes part in each broadcast version, and when the collective group must be re-formed.
+"""Internal. Who takes part in each broadcast version, and when the collective group must be re-formed.
 
 A collective needs exactly the parties that take part in a version, each knowing its group
 rank. Sender rank 0 fixes the group at the barrier (``form``); receivers learn their rank from

@@ -1,4 +1,4 @@
-"""The coordinator's broadcast-membership operations, owned by ``CoordinatorActor``.
+"""Internal. The coordinator's broadcast-membership operations, owned by ``CoordinatorActor``.
 
 The broadcast transport needs exactly the parties that take part in a version in its
 collective group, each knowing its rank; :mod:`weightsync.coordinator.membership` decides the group and its

@@ -1,4 +1,4 @@
-"""What goes on the wire between a party and the coordinator: every control-plane operation
+"""Internal. What goes on the wire between a party and the coordinator: every control-plane operation
 declared once (its request record and its reply record), and their msgpack encoding and strict
 decoding.
 

@@ -1,4 +1,4 @@
-"""The one-step-off staleness bound, as a pure function."""
+"""Internal. The one-step-off staleness bound, as a pure function."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""The coordinator's state and its wake-ups, one job: what the actor knows and how its waiting
+"""Internal. The coordinator's state and its wake-ups, one job: what the actor knows and how its waiting
 ops learn that it changed. No Ray, no I/O: the table and the roster have no clock of their own
 (callers pass ``now``, time.monotonic()) and the signals are plain asyncio events; the actor
 (actor.py) owns one of each and wraps every call with its waits, so everything here can be

@@ -1,4 +1,4 @@
-"""Human-readable rendering of the coordinator's status()."""
+"""Internal. Human-readable rendering of the coordinator's status()."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Delta encoding of packed buckets: pure functions over uint8 bucket tensors.
+"""Internal. Delta encoding of packed buckets: pure functions over uint8 bucket tensors.
 
 Between two RL steps most bf16 weights keep their bits, so a bucket of version v is sent as
 the smallest of: nothing (``SKIP``: no word changed), the changed words (``SPARSE``:

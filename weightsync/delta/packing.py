@@ -1,4 +1,4 @@
-"""What a transport sees of a delta version: a wire plan and a Packing of encoded buckets.
+"""Internal. What a transport sees of a delta version: a wire plan and a Packing of encoded buckets.
 
 A delta version keeps the session plan's buckets, in the same order, with their lengths
 replaced by the encoded lengths (0 for a skipped bucket, which still passes through the

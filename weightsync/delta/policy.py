@@ -1,4 +1,4 @@
-"""``delta: auto``: per version, send a delta or the whole version, from what each took here.
+"""Internal. ``delta: auto``: per version, send a delta or the whole version, from what each took here.
 
 Whether a delta pays depends on the link, not on the bytes alone: over gloo on loopback (2 GB/s)
 diffing 1.2 GB on the trainer costs more than the 1.1 GB it saves (docs/delta.md), across a

@@ -1,4 +1,4 @@
-"""Rollout side of delta sync: a host shadow of the served version that each delta version is
+"""Internal. Rollout side of delta sync: a host shadow of the served version that each delta version is
 applied to in place, bucket by bucket (delta/codec.py).
 
 Per bucket: the received encoding is applied to the shadow (keeping an undo record), the

@@ -1,4 +1,4 @@
-"""Trainer side of delta sync: a host snapshot of the last committed version, and each new
+"""Internal. Trainer side of delta sync: a host snapshot of the last committed version, and each new
 version diffed against it bucket by bucket (delta/codec.py).
 
 Memory: the snapshot holds every bucket at ``bucket_bytes`` stride (``bucket_count x

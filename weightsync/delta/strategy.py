@@ -1,4 +1,4 @@
-"""How a version is packed and loaded: the full strategies, and delta sync's beside them.
+"""Internal. How a version is packed and loaded: the full strategies, and delta sync's beside them.
 
 The sender and the receiver walk one version the same way whatever the strategy; what differs
 lives here, behind two small interfaces, and so does the choice between them: whether a

@@ -1,4 +1,4 @@
-"""A simulated asynchronous accelerator, device kind ``sim``: for tests only.
+"""Internal. A simulated asynchronous accelerator, device kind ``sim``: for tests only.
 
 CI has no GPU and no NPU, and on the CPU every copy is synchronous and every event complete
 at once, so the branches weightsync takes only on an accelerator (``device.Fences``,

@@ -1,4 +1,4 @@
-"""The sim device's streams and events (weightsync/sim): each stream a queue of device work run
+"""Internal. The sim device's streams and events (weightsync/sim): each stream a queue of device work run
 in order by a thread of its own, each item no earlier than a seeded random lag after it was
 queued, so completions come late and in stream order, as on CUDA and NPU."""
 

@@ -1,2 +1,2 @@
-"""Stand-in trainers and engines, model layouts and a span recorder, for tests, the benchmark
+"""Internal. Stand-in trainers and engines, model layouts and a span recorder, for tests, the benchmark
 and the examples."""

@@ -1,4 +1,4 @@
-"""Fault points installed from outside a party, on its transport object, so production classes
+"""Internal. Fault points installed from outside a party, on its transport object, so production classes
 carry no test hooks (parties.py uses them; so does the vLLM tier's trainer).
 
 - On the wire (``edit_packed``): a sender transport's staged Packing is wrapped so that once

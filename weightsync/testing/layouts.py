@@ -1,4 +1,4 @@
-"""Built-in model layouts: (name, dtype, shape) lists shaped like real models, so the
+"""Internal. Built-in model layouts: (name, dtype, shape) lists shaped like real models, so the
 benchmark and the tests need no download."""
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Stand-ins for a trainer and an inference engine, used by the tests, the benchmark and the
+"""Internal. Stand-ins for a trainer and an inference engine, used by the tests, the benchmark and the
 README example. Real weightsync parties, real Ray actors; only the model is a dict.
 
 Fault points, so a test decides where a fault lands instead of betting on a sleep: a rollout

@@ -1,4 +1,4 @@
-"""A tiny span recorder and a PNG renderer for "who was busy when" pictures.
+"""Internal. A tiny span recorder and a PNG renderer for "who was busy when" pictures.
 
 Spans are (actor, phase, start, end) with wall-clock times from ``time.time()``: the actors
 of one example run in different processes on one machine, and only the wall clock is shared

@@ -1,4 +1,4 @@
-"""What a transport is: the small interface every transport implements, and the typed records
+"""Internal. What a transport is: the small interface every transport implements, and the typed records
 it publishes.
 
 A transport only moves bucket bytes. Planning, packing, checksums, unpacking, loading and

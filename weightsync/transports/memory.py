@@ -1,4 +1,4 @@
-"""Host shared-memory segments, mapped by every party of a node. The shm transport keeps
+"""Internal. Host shared-memory segments, mapped by every party of a node. The shm transport keeps
 versions in them; the ipc transport's control block and its host bucket buffers are segments too.
 
 Two backings (``shm_backing``):

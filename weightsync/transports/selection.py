@@ -1,4 +1,4 @@
-"""The transport choice: which transport a session uses, building it by name, and what this
+"""Internal. The transport choice: which transport a session uses, building it by name, and what this
 machine can run.
 
 **The choice** is a pure function of the config and where parties run. Each party is described

@@ -1,4 +1,4 @@
-"""A receiver's shadow of one version (config ``receive_ahead``): the version's buckets, back
+"""Internal. A receiver's shadow of one version (config ``receive_ahead``): the version's buckets, back
 to back, taken and verified while the engine still serves the version before, so the
 barrier only loads. One version at a time: the next one overwrites it, which is safe because
 a version is only staged once the one before has settled on every receiver.

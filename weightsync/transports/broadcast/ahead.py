@@ -1,4 +1,4 @@
-"""The broadcast receiver's side of ``receive_ahead``: a version the sender sent in stage() is
+"""Internal. The broadcast receiver's side of ``receive_ahead``: a version the sender sent in stage() is
 taken by the receiver's ahead thread (receive_ahead.py) through the same collective as at the
 barrier, into a shadow (shadow.py), every bucket verified as it lands; apply() then yields
 the buckets from the shadow, so the barrier moves no byte over the wire and hashes nothing.

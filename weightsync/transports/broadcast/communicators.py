@@ -1,4 +1,4 @@
-"""Which communicator builds the broadcast transport's group, and the communicators themselves:
+"""Internal. Which communicator builds the broadcast transport's group, and the communicators themselves:
 the only per-device part of that transport.
 
 Five constructions, one interface (``broadcast(tensor, timeout) -> work``, ``abort``):

@@ -1,4 +1,4 @@
-"""What both ends of the broadcast transport (broadcast/transport.py) share: the bucket's
+"""Internal. What both ends of the broadcast transport (broadcast/transport.py) share: the bucket's
 digest trailer, the session's store, the current group and the two bucket buffers."""
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""How the broadcast transport's group is built, waited on and retired: the rendezvous of one
+"""Internal. How the broadcast transport's group is built, waited on and retired: the rendezvous of one
 epoch's group (checked by a first broadcast), waiting on its collectives while asking the
 coordinator whether the version is still on, and letting a broken group's ops end off the
 caller's path. Which communicator it runs on is :mod:`.communicators`; the store is

@@ -1,4 +1,4 @@
-"""The broadcast transport's rendezvous store: the sender hosts a TCPStore on the address the
+"""Internal. The broadcast transport's rendezvous store: the sender hosts a TCPStore on the address the
 coordinator hands out, every party connects to it, and each group is built on a PrefixStore of it."""
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Broadcast transport: a collective broadcast from sender rank 0 to every receiver over a
+"""Internal. Broadcast transport: a collective broadcast from sender rank 0 to every receiver over a
 standalone process group, the same code for HCCL (Ascend), NCCL (CUDA) and gloo (CPU).
 
 The group is never the default ``torch.distributed`` world (vLLM and FSDP own it in these

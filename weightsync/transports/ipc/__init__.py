@@ -1,1 +1,1 @@
-"""The ipc transport: bucket buffers on the sender's device, shared by handle."""
+"""Internal. The ipc transport: bucket buffers on the sender's device, shared by handle."""

@@ -1,4 +1,4 @@
-"""A ring of K bucket buffers and its control block, both ends: what the ipc transport moves
+"""Internal. A ring of K bucket buffers and its control block, both ends: what the ipc transport moves
 every version through, and what shm streams through when whole versions exceed its budget.
 Each of those transports owns one ring end and delegates to it; an end knows its transport
 only by the ``owner`` name its errors start with and the ``resource`` its segments and handles

@@ -1,4 +1,4 @@
-"""IPC transport for colocated parties: sender and receivers on the same physical device.
+"""Internal. IPC transport for colocated parties: sender and receivers on the same physical device.
 
 The sender allocates two bucket-sized buffers on its device once per session (ping-pong, a
 ring: ipc/ring.py, which shm's streaming mode owns one of too, with up to MAX_BUFFERS in host

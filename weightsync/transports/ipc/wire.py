@@ -1,4 +1,4 @@
-"""What crosses the process boundary in the ipc transport: device handles as plain data, and
+"""Internal. What crosses the process boundary in the ipc transport: device handles as plain data, and
 the control block's words.
 
 Handles cross the process boundary as plain msgpack data: ``reduce_tensor`` (torch_npu

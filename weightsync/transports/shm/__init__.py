@@ -1,1 +1,1 @@
-"""The shm transport: whole versions in host segments, or a streaming ring when they do not fit."""
+"""Internal. The shm transport: whole versions in host segments, or a streaming ring when they do not fit."""

@@ -1,4 +1,4 @@
-"""Shared-memory transport: the sender writes each version once into a host segment
+"""Internal. Shared-memory transport: the sender writes each version once into a host segment
 (a memfd, or a file in /dev/shm: transports/memory.py) and every receiver on the node reads it
 from there; or, when whole versions do not fit the node's shared-memory budget, it streams each
 version through a ring of K host bucket buffers instead.
