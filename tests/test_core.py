@@ -384,7 +384,7 @@ def test_prefetch_verifies_ahead_and_apply_only_loads(start_job):
 def test_a_party_joins_the_session_when_opened_not_when_built(coordinator_factory):
     """Building a party touches no network: registration and the heartbeat begin in open(), after
     a subclass has set what registration tells the coordinator."""
-    from weightsync.party import Party
+    from weightsync.coordinator.client import Party
 
     class Trainer(Party):
         role = "sender"

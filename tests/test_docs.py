@@ -185,7 +185,7 @@ def _api_callables() -> list[tuple[str, object, object]]:
     import inspect
 
     import weightsync
-    from weightsync.party import Party
+    from weightsync.coordinator.client import Party
 
     found = [(f.__name__, f, f) for f in (weightsync.build_manifest, weightsync.check_staleness)]
     for cls in (weightsync.Coordinator, weightsync.WeightSender, weightsync.WeightReceiver, weightsync.StagedVersion,

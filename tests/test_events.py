@@ -1,4 +1,4 @@
-"""Each party logs one line per version through ``logging`` (weightsync/party.py): INFO when
+"""Each party logs one line per version through ``logging`` (weightsync/sender.py, weightsync/receiver.py): INFO when
 it committed, WARNING naming the failure when it did not."""
 
 from __future__ import annotations

@@ -102,6 +102,9 @@ ONE_JOB = {
     # and the choice between them
     PKG / "transports" / "shm" / "transport.py",
     PKG / "transports" / "base.py",  # what a transport is: its interface and the typed records it publishes
+    # a party's side of the coordinator: the handle, the typed calls, and the party's membership
+    # (registration, heartbeat, rejoin), the two halves of one retry
+    PKG / "coordinator" / "client.py",
 }
 
 

@@ -338,6 +338,11 @@ def align_up(n: int, a: int) -> int:
     return (n + a - 1) // a * a
 
 
+def size_text(nbytes: int) -> str:
+    """``nbytes`` as the parties' log lines print it: GiB from 1 GiB up, else MiB."""
+    return f"{nbytes / (1 << 30):.2f} GiB" if nbytes >= 1 << 30 else f"{nbytes / (1 << 20):.1f} MiB"
+
+
 def plan_buckets(manifest: Manifest, bucket_bytes: int, align: int = 256) -> BucketPlan:
     """Place tensors in order; one larger than a bucket is split into element-aligned chunks."""
     if align < 16 or align & (align - 1):

@@ -10,10 +10,16 @@ On a failure after the first bucket was loaded, the loader loads the previous ve
 where it can (from the transport, or the shadow's undo records), else the receiver serves
 nothing until it catches up.
 With receive_ahead, an ahead thread (receive_ahead.py) takes each version before apply() does.
+
+Each version ends in one line through :mod:`logging` (logger ``weightsync``): INFO once served,
+WARNING where it failed there, DEBUG per bucket:
+
+    weightsync: receiver rollout-1 v7 failed shm after 3/104 buckets 0.081s: ChecksumError: ...; rolled back to version 6
 """
 
 from __future__ import annotations
 
+import logging
 import threading
 import time
 from collections.abc import Callable, Iterable
@@ -22,15 +28,16 @@ from typing import Any
 import torch
 
 from .config import SyncConfig
-from .coordinator.client import Coordinator
+from .coordinator.client import Coordinator, Party
 from .coordinator.state import State
 from .delta.strategy import Engine, Loaders
 from .errors import ManifestError, VersionError, WeightSyncError
-from .manifest import Expected, Manifest, Unpacker, check_manifest
-from .party import Party, log_applied, log_apply_failed, log_bucket
+from .manifest import Expected, Manifest, Unpacker, check_manifest, size_text
 from .receive_ahead import AheadThread
-from .transports.base import ReceiverTransport, VersionRecord
+from .transports.base import ReceiverTransport, TransportContext, VersionRecord
 from .transports.selection import receiver_class
+
+log = logging.getLogger("weightsync")
 
 LoadWeights = Callable[[Iterable[tuple[str, torch.Tensor]]], Any]
 
@@ -127,7 +134,8 @@ class WeightReceiver(Party):
                 self.control.verdict(False, why=str(exc))
                 raise
         self.control.verdict(True)
-        ctx = self._context(manifest, session.digest)
+        ctx = TransportContext.of(self.config, manifest, session.digest, self.session, self.name, self.rank,
+                                  self.device, self._account, self.control)
         transport = receiver_class(session.transport)(ctx, session.info)
         self.transport, self.unpacker = transport, Unpacker(ctx.plan, manifest)
         self._loaders = Loaders(self.unpacker, self.name)
@@ -185,14 +193,14 @@ class WeightReceiver(Party):
             reason, loaded = f"{type(exc).__name__}: {exc}", self._buckets_loaded
             if info is not None:
                 reason += self._rollback(info, prev, prev_info, deadline)
-            log_apply_failed(self.name, v, self.transport.name, loaded,
+            _log_apply_failed(self.name, v, self.transport.name, loaded,
                                 self.unpacker.plan.bucket_count, time.perf_counter() - t0, reason)
             self._report(v, ok=False, reason=reason)
             raise
         self._version, self._info, self._served = v, {"slot": target.slot, "info": target.info}, info
         self._loaders.committed(v, info)
         self._report(v, ok=True, metrics=self.last_metrics)
-        log_applied(self.name, v, self.transport.name, self.last_metrics["bytes"], self.last_metrics["total_s"])
+        _log_applied(self.name, v, self.transport.name, self.last_metrics["bytes"], self.last_metrics["total_s"])
         return v
 
     def _rejoin_state(self) -> dict[str, Any]:
@@ -290,7 +298,7 @@ class WeightReceiver(Party):
                 self.load_weights(pairs)
             nbytes += buf.numel()
             self._buckets_loaded += 1
-            log_bucket(self.name, version, b, buf.numel())
+            _log_bucket(self.name, version, b, buf.numel())
             t = time.perf_counter()
             verify_s += t2 - t1
             load_s += t - t2
@@ -357,3 +365,18 @@ class WeightReceiver(Party):
             self._ahead.stop()
         if self.transport is not None:
             self.transport.close()
+
+
+def _log_applied(party: str, version: int, transport: str | None, nbytes: int, seconds: float) -> None:
+    log.info("receiver %s v%d committed %s %s %.3fs", party, version, transport, size_text(nbytes), seconds)
+
+
+def _log_apply_failed(party: str, version: int, transport: str | None, buckets: int, total: int, seconds: float,
+                      why: str) -> None:
+    log.warning("receiver %s v%d failed %s after %d/%d buckets %.3fs: %s", party, version, transport, buckets, total,
+                seconds, why)
+
+
+def _log_bucket(party: str, version: int, index: int, nbytes: int) -> None:
+    if log.isEnabledFor(logging.DEBUG):
+        log.debug("%s v%d bucket %d %s", party, version, index, size_text(nbytes))

@@ -1,6 +1,8 @@
 """Internal. What a party or a driver reaches the coordinator through: the handle that creates or
-reaches the actor and calls it (:class:`Coordinator`), and one party's typed view of it
-(:class:`ControlPlane`), where every control-plane operation is a method.
+reaches the actor and calls it (:class:`Coordinator`), one party's typed view of it
+(:class:`ControlPlane`), where every control-plane operation is a method, and the party itself
+(:class:`Party`, what WeightSender and WeightReceiver share): its registration, heartbeat and
+rejoin, the other half of the control plane's retry.
 
 The actor itself (``weightsync.coordinator.actor``) owns the session and the version state machine
 (``weightsync.coordinator.state``). The handle is what parties and drivers hold; it is picklable,
@@ -20,7 +22,10 @@ rejoin works the same everywhere.
 from __future__ import annotations
 
 import dataclasses
+import os
 import secrets
+import socket
+import threading
 from collections.abc import Callable
 from typing import Any
 
@@ -28,12 +33,13 @@ import ray
 
 from .. import errors
 from ..config import SyncConfig
+from ..device import describe, resolve
 from ..errors import DeadlineExceeded, ProtocolError, SessionLost, SyncFailed, WeightSyncError
 from . import ops
 from .actor import CoordinatorActor
 from .ops import Publication, SessionInfo, Target, VersionState
 
-__all__ = ["ControlPlane", "Coordinator", "Publication", "SessionInfo", "Target", "VersionState"]
+__all__ = ["ControlPlane", "Coordinator", "Party", "Publication", "SessionInfo", "Target", "VersionState"]
 
 _ERRORS = {n: c for n, c in vars(errors).items() if isinstance(c, type) and issubclass(c, WeightSyncError)}
 
@@ -361,3 +367,118 @@ class ControlPlane:
     def bcast_failed(self, version: int, error: str, timeout: float) -> str:
         """Returns the reason the version was aborted with, naming the party at fault."""
         return self._send(ops.BcastFailed(party=self._party(), version=version, error=error, timeout=timeout)).reason
+
+
+def node_identity() -> tuple[str, str]:
+    """(host address, Ray node id). Parties with equal node ids share a node (its /dev/shm, its
+    devices); the host decides only without Ray (selection.on_one_node)."""
+    if ray.is_initialized():
+        try:
+            return ray.util.get_node_ip_address(), ray.get_runtime_context().get_node_id()
+        except Exception:
+            pass
+    return socket.gethostname(), ""
+
+
+class Party:
+    """A sender or receiver: built without touching the network, joined by :meth:`open`.
+    A subclass sets every field it tells the coordinator (``_rejoin_state``) before it opens:
+    registration and the heartbeat thread read them from the first call on."""
+
+    role = "party"
+
+    def __init__(self, coordinator: Coordinator, *, name: str, rank: int,
+                 config: SyncConfig | None = None, device: str | None = None):
+        self.coordinator = coordinator
+        self.config = config or coordinator.config
+        self.name, self.rank = name, rank
+        self.device = resolve(device or self.config.device)
+        self.host, self.node_id = node_identity()
+        self._closed = False
+        self._rejoin_lock = threading.Lock()
+        self.control = ControlPlane(coordinator, lambda: self.party, self._rejoin)
+        self.party: int | None = None  # set by open(): the coordinator's id for this party
+        self.session: str | None = None
+        self._stop = threading.Event()
+        self._beat: threading.Thread | None = None
+
+    def open(self) -> Party:
+        """Register with the coordinator and start the heartbeat. Idempotent; WeightSender and
+        WeightReceiver call it at the end of their constructors, so users never need to.
+
+        Returns:
+            This party.
+
+        Raises:
+            WeightSyncError: The coordinator is unreachable or refused the registration.
+        """
+        if self._beat is None:
+            self._register()
+            self._beat = threading.Thread(target=self._heartbeat, name=f"weightsync-heartbeat-{self.name}",
+                                          daemon=True)
+            self._beat.start()
+        return self
+
+    def _register(self) -> None:
+        state = self._rejoin_state()
+        if isinstance(state.get("served"), dict):
+            state["served"] = ops.Served(**state["served"])
+        reply = self.coordinator.call(ops.Register(
+            role=self.role, name=self.name, rank=self.rank, host=self.host, os_pid=os.getpid(), node_id=self.node_id,
+            device=ops.Device(**describe(self.device)), **state,
+        ), rpc_timeout=self.config.connect_timeout_s)
+        self.party: int = reply.party
+        self.session: str = reply.session
+
+    def _rejoin_state(self) -> dict[str, Any]:
+        """What a restarted coordinator must learn from this party (fields of ops.Register)."""
+        return {}
+
+    def _rejoined(self) -> None:
+        """Called after re-registering with a restarted coordinator."""
+
+    def _rejoin(self, stale: int) -> None:
+        """The coordinator restarted and lost the session: join again. Only the first thread
+        to notice re-registers (heartbeat and caller race here)."""
+        with self._rejoin_lock:
+            if self.party == stale:
+                self._register()
+                self._rejoined()
+
+    def _heartbeat(self) -> None:
+        interval = self.config.heartbeat_interval_s
+        while not self._stop.wait(interval):
+            try:
+                self.control.heartbeat(rpc_timeout=interval * 2)
+            except Exception:
+                pass  # the coordinator reports us silent if this keeps failing
+
+    def _account(self, kind: str, delta: int) -> None:
+        try:
+            self.control.resource(kind, delta)
+        except Exception:
+            pass  # accounting must never break a transfer or a shutdown
+
+    def _close_transport(self) -> None:
+        pass
+
+    def close(self) -> None:
+        """Release transport resources and leave the session. Idempotent; a ``with`` block
+        calls it on exit."""
+        if self._closed:
+            return
+        self._closed = True
+        self._close_transport()
+        self._stop.set()
+        if self.party is None:
+            return  # never opened: the coordinator does not know it
+        try:
+            self.control.leave()
+        except Exception:
+            pass
+
+    def __enter__(self):
+        return self.open()
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()

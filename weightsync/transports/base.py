@@ -33,7 +33,7 @@ from ..coordinator import ops
 from ..delta.codec import FULL, KINDS, SKIP
 from ..delta.packing import wire_plan
 from ..errors import ProtocolError, VersionError
-from ..manifest import BucketPlan, Manifest, Packing
+from ..manifest import BucketPlan, Manifest, Packing, plan_buckets
 from .memory import POLL_FIRST_S, Waiter, poll_sleep
 
 if TYPE_CHECKING:
@@ -175,6 +175,15 @@ class TransportContext:
     # the party's typed view of the coordinator (control.ControlPlane), for transports that
     # need membership (broadcast, ipc); None where a transport runs without a coordinator
     control: ControlPlane | None = None
+
+    @classmethod
+    def of(cls, config: SyncConfig, manifest: Manifest, digest: str, session: str, name: str, rank: int,
+           device: torch.device, account: Callable[[str, int], None], control: ControlPlane) -> TransportContext:
+        """A party's context for its session's transport, the bucket plan derived from the manifest
+        by the config, as every party derives it (so no plan crosses the wire)."""
+        return cls(config=config, plan=plan_buckets(manifest, config.bucket_bytes, config.align_bytes),
+                   manifest=manifest, digest=digest, session=session, name=name, rank=rank, device=device,
+                   account=account, control=control)
 
 
 class SenderTransport(abc.ABC):
