@@ -159,7 +159,10 @@ class BenchTrainer:
 class BenchRollout:
     """One rollout worker: the tests' engine stand-in (ToyEngine: pages resident from the
     start) fed by a WeightReceiver (or by a baseline). Apart from the tests' RolloutWorker
-    because a bench rollout outlives its sessions (one per row) and tracks peak memory."""
+    because a bench rollout outlives its sessions (one per row) and tracks peak memory, and
+    because this revision's runner drives an ``--against`` revision's actors by these methods
+    (interleave.py): their names and replies are an interface between revisions, the tests'
+    stand-ins are free to change."""
 
     def __init__(self, manifest_wire: list, name: str, rank: int, device: str = "cpu"):
         self.manifest = Manifest.from_wire(manifest_wire)
