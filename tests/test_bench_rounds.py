@@ -19,9 +19,34 @@ def test_every_row_takes_every_position_once_per_cycle_of_rounds():
         assert sorted(order) == sorted(plan)
     for item in plan:
         assert sorted(order.index(item) for order in orders) == list(range(len(plan)))
-    # the same follower never: each row's predecessor changes from round to round (except the wrap)
-    assert rounds.round_order(plan, len(plan) + 1) == orders[1]
+    assert rounds.round_order(plan, len(plan) + 1) == orders[1], "the cycle repeats"
     assert rounds.round_order([], 3) == []
+
+
+def _twins(a, b):
+    return a[0] == "this" and b[0] == "against" and a[1] == b[1]
+
+
+def test_an_ab_pair_runs_back_to_back_and_takes_turns_going_first():
+    plan = [("this", "ray-numpy"), ("this", "shm"), ("against", "shm"), ("this", "ipc"), ("against", "ipc")]
+    orders = [rounds.round_order(plan, k, twins=_twins) for k in range(6)]
+    assert orders[0] == plan
+    for order in orders:
+        assert sorted(order) == sorted(plan)
+        for name in ("shm", "ipc"):
+            assert abs(order.index(("this", name)) - order.index(("against", name))) == 1, order
+    assert [o.index(("this", "shm")) < o.index(("against", "shm")) for o in orders] == [True, False] * 3
+
+
+def test_over_two_rounds_each_side_of_a_pair_follows_its_twin_once():
+    plan = [("this", "ray-numpy"), ("this", "shm"), ("against", "shm"), ("this", "ipc"), ("against", "ipc")]
+    after_twin = {"this": 0, "against": 0}
+    for k in range(2, 4):  # two rounds in which shm's pair is not the first slot
+        order = rounds.round_order(plan, k, twins=_twins)
+        for side, other in (("this", "against"), ("against", "this")):
+            i = order.index((side, "shm"))
+            after_twin[side] += i > 0 and order[i - 1] == (other, "shm")
+    assert after_twin == {"this": 1, "against": 1}
 
 
 def test_spread_is_median_min_and_numpys_quartiles():

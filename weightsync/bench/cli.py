@@ -250,10 +250,13 @@ def default_store_gb(want_gb: float, shm_dir: str = "/dev/shm") -> float:
 
 def _sided(plan: list[Item], against: dict[str, str] | None) -> list[tuple[str, Item]]:
     """The plan's items as (side, item): this checkout's, and with --against the other rev's full
-    transport rows, which take their turns with ours (baselines and delta rows run on this side)."""
-    sided = [("this", item) for item in plan]
-    if against:
-        sided += [("against", item) for item in plan if item[0] == "transport" and item[5] == "off"]
+    transport rows, each right after ours of the same item, so the two run back to back
+    (rounds.round_order; baselines and delta rows run on this side only)."""
+    sided: list[tuple[str, Item]] = []
+    for item in plan:
+        sided.append(("this", item))
+        if against and item[0] == "transport" and item[5] == "off":
+            sided.append(("against", item))
     return sided
 
 

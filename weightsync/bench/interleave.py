@@ -158,13 +158,20 @@ def past_deadline(seconds: float) -> str:
     return f"{PAST_DEADLINE} {seconds:g} passed before its turn"
 
 
+def _twins(a: tuple[int, tuple[str, Any]], b: tuple[int, tuple[str, Any]]) -> bool:
+    """Whether ``b`` is the --against side's run of ``a``'s row (an A/B pair)."""
+    (_, (side_a, item_a)), (_, (side_b, item_b)) = a, b
+    return side_a == "this" and side_b == "against" and item_a == item_b
+
+
 def run_rounds(plan: list[tuple[str, Item]], benches: dict[str, Any], run_row: Callable[[Any, Item], dict],
                refusal: Callable[[Item], str | None], skipped: Callable[[Item, str], dict],
                echo: Callable[[dict, Any], None], *, n_rounds: int, warmup: int, versions: int,
                payload: int, rev: str | None, barrier_versions: int | None = None,
                eta: progress.Eta | None = None,
                deadline: tuple[float, float] | None = None) -> list[dict[str, Any]]:
-    """Every (side, item) of ``plan`` once per round, the order rotated each round; returns
+    """Every (side, item) of ``plan`` once per round, the order rotated each round (an A/B pair
+    back to back, which side first alternating: rounds.round_order); returns
     one merged row per (side, item) with the statistics over every round's versions.
     ``eta``: the run's estimate, advanced by each row's planned versions as it ends.
     ``deadline``: (monotonic time, the seconds asked): a row whose turn comes later is skipped."""
@@ -174,7 +181,7 @@ def run_rounds(plan: list[tuple[str, Item]], benches: dict[str, Any], run_row: C
     if eta is not None:
         eta.begin()
     for k in range(n_rounds):
-        order = rounds.round_order(list(enumerate(plan)), k)
+        order = rounds.round_order(list(enumerate(plan)), k, twins=_twins)
         print(f"weightsync bench: round {k + 1}/{n_rounds}", file=sys.stderr)
         for position, (index, (side, item)) in enumerate(order):
             check()  # a Ctrl-C that a row's error handling swallowed stops the bench here
