@@ -105,7 +105,7 @@ def add_bench_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--device", default="auto", choices=("auto", "cpu", "cuda", "npu"),
                    help="where trainer tensors and engine weights live")
     p.add_argument("--baselines", nargs="*", default=preset, choices=BASELINE_CHOICES, metavar="B",
-                   help=f"baselines to run, any of {', '.join(BASELINE_CHOICES)} (none: no baselines); ray-rdt is "
+                   help=f"baselines to run, any of {', '.join(BASELINE_CHOICES)} (the option with no value: none); ray-rdt is "
                         "Ray Direct Transport over GLOO on cpu, over CUDA_IPC and NCCL on cuda "
                         f"{_preset_help('baselines')}")
     p.add_argument("--ceiling-repeats", type=int, default=preset,

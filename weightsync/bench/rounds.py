@@ -28,9 +28,9 @@ def round_order(items: list[T], round_index: int, twins: Callable[[T, T], bool] 
     rows that are compared (an A/B pair: ``twins(a, b)`` for ``a`` right before ``b`` in the
     plan) run back to back as one slot, and which of them goes first alternates by round: each
     then follows its twin in one round and the slot before in the next, and neither always
-    runs after the same neighbour's after-effects (page cache, memory freed, a burst). Apart,
-    with the other side's rows after all of ours, a side's row followed the same row every
-    round, and the order alone made one side look 7-24% faster (docs/benchmarks.md)."""
+    runs after the same neighbour's after-effects (page cache, memory freed, a burst). Before,
+    with the other side's rows after all of ours, each row followed the same row every round
+    (docs/benchmarks.md: the A/B's side bias)."""
     slots: list[list[T]] = []
     for item in items:
         if twins is not None and slots and len(slots[-1]) == 1 and twins(slots[-1][0], item):
