@@ -66,13 +66,13 @@ def test_ten_versions_bit_exact_one_group(start_job, actors):
         other = follower.step.remote(v)
         out = ray.get(sender.sync.remote(v), timeout=60)
         assert ray.get(applied, timeout=60) == [v, v, v]
-        assert ray.get(other, timeout=60)["version"] == v
-        assert out["metrics"]["state"] == "COMMITTED"
-        assert out["metrics"]["info"]["group"] == {"epoch": 1, "members": ["rollout-0", "rollout-1", "rollout-2"]}
+        assert ray.get(other, timeout=60).version == v
+        assert out.metrics["state"] == "COMMITTED"
+        assert out.metrics["info"]["group"] == {"epoch": 1, "members": ["rollout-0", "rollout-1", "rollout-2"]}
         for r in rollouts:
             assert_serves(r, TINY, v)
     counters = ray.get([r.counters.remote() for r in rollouts])
-    assert [c["post_loads"] for c in counters] == [10, 10, 10]
+    assert [c.post_loads for c in counters] == [10, 10, 10]
     status = coord.status()
     assert status["transport"] == "broadcast"
     assert status["group"] == {"backend": "gloo", "communicator": "torch",

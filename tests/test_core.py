@@ -30,12 +30,12 @@ def test_twenty_versions_bit_exact(start_job):
         applied = [r.apply.remote(v) for r in rs]
         result = ray.get(trainer.step.remote(v))
         assert ray.get(applied) == [v, v]
-        assert result["metrics"]["state"] == "COMMITTED"
-        assert sorted(result["metrics"]["committed"]) == ["rollout-0", "rollout-1"]
+        assert result.metrics["state"] == "COMMITTED"
+        assert sorted(result.metrics["committed"]) == ["rollout-0", "rollout-1"]
         for r in rs:
             assert_serves(r, MANIFEST, v)
     counters = ray.get(rs[0].counters.remote())
-    assert counters["post_loads"] == 20, "post-load hook runs once per version"
+    assert counters.post_loads == 20, "post-load hook runs once per version"
     status = coord.status()
     assert status["latest_committed"] == 20
     assert {p["name"]: p["serving"] for p in status["parties"] if p["role"] == "receiver"} == {
@@ -49,7 +49,7 @@ def test_prestaged_version_then_barrier(start_job):
     assert coord.metrics(5)["state"] == "STAGED"
     applied = rs[0].apply.remote(5)
     result = ray.get(trainer.sync.remote(5))
-    assert ray.get(applied) == 5 and result["metrics"]["state"] == "COMMITTED"
+    assert ray.get(applied) == 5 and result.metrics["state"] == "COMMITTED"
     assert_serves(rs[0], MANIFEST, 5)
 
 
@@ -138,7 +138,7 @@ def test_manifest_mismatch_fails_before_anything_is_applied(coordinator_factory,
     with pytest.raises(ManifestError, match=pattern):
         ray.get(applied)
     counters = ray.get(good.counters.remote())
-    assert counters["loads"] == 0 and ray.get(good.version.remote()) is None, "not a byte was loaded"
+    assert counters.loads == 0 and ray.get(good.version.remote()) is None, "not a byte was loaded"
     assert any(p["manifest"] == "rejected" for p in coord.status()["parties"])
 
 
@@ -298,7 +298,7 @@ def test_each_bucket_is_verified_once_per_node(start_job):
         applied = [r.apply.remote(v) for r in rs]
         ray.get(trainer.step.remote(v))
         assert ray.get(applied) == [v, v, v]
-        skipped = [ray.get(r.counters.remote())["metrics"]["peer_verified_buckets"] for r in rs]
+        skipped = [ray.get(r.counters.remote()).metrics["peer_verified_buckets"] for r in rs]
         # 3 receivers x every bucket, of which exactly one hash per bucket happened
         assert sum(skipped) == 2 * buckets, f"version {v}: buckets left to a peer {skipped} of {buckets}"
         for r in rs:
@@ -357,10 +357,10 @@ def test_prefetch_verifies_ahead_and_apply_only_loads(start_job):
     assert ray.get(rs[0].prefetch.remote()) == 1
     assert ray.get(rs[1].prefetch.remote(1)) == 1  # everything marked already: nothing to hash
     applied = [r.apply.remote(1) for r in rs]
-    assert ray.get(trainer.sync.remote(1))["metrics"]["state"] == "COMMITTED"
+    assert ray.get(trainer.sync.remote(1)).metrics["state"] == "COMMITTED"
     assert ray.get(applied) == [1, 1]
     for r in rs:
-        assert ray.get(r.counters.remote())["metrics"]["peer_verified_buckets"] == plan.bucket_count
+        assert ray.get(r.counters.remote()).metrics["peer_verified_buckets"] == plan.bucket_count
         assert_serves(r, MANIFEST, 1)
     assert ray.get(rs[0].prefetch.remote(1)) is None, "nothing newer than what it serves"
 

@@ -90,7 +90,7 @@ def serves(job: Job, name: str) -> int | None:
 
 
 def wire_bytes(job: Job, name: str) -> int:
-    return ray.get(job.rollouts[name].counters.remote())["metrics"]["bytes"]
+    return ray.get(job.rollouts[name].counters.remote()).metrics["bytes"]
 
 
 def fresh(job: Job) -> int:
@@ -132,7 +132,7 @@ def assert_delta_version(job: Job, v: int) -> None:
     assert step(job, v) == {n: v for n in RECEIVERS}
     for name in RECEIVERS:
         assert serves(job, name) == v
-        m = ray.get(job.rollouts[name].counters.remote())["metrics"]
+        m = ray.get(job.rollouts[name].counters.remote()).metrics
         assert m["bytes"] < FULL / 4, (name, m["bytes"], FULL)
         assert m["digest"] == full_digest(v), name
 

@@ -31,14 +31,14 @@ def test_ipc_two_receivers_ten_versions_bit_exact(ray_cluster, start_job):
     for v in range(1, 11):
         applied, out = job.step(v)
         assert applied == [v, v]
-        assert sorted(out["metrics"]["committed"]) == ["rollout-0", "rollout-1"]
+        assert sorted(out.metrics["committed"]) == ["rollout-0", "rollout-1"]
         [assert_serves(x, m, v) for x in rs]
     status = coord.status()
     assert status["transport"] == "ipc"
     assert status["latest_committed"] == 10
     # sender: control block + 2 buffers; each receiver maps the same three
     assert _ipc_resources(status) == {"ipc_control": 3, "ipc_handles": 6}
-    assert ray.get(rs[0].counters.remote())["post_loads"] == 10
+    assert ray.get(rs[0].counters.remote()).post_loads == 10
     ray.get([a.close.remote() for a in rs + [t]])
     status = coord.status()
     assert _ipc_resources(status) == {"ipc_control": 0, "ipc_handles": 0}

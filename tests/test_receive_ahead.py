@@ -33,7 +33,7 @@ def ahead_ready(job: Job) -> None:
 
 
 def loads(job: Job) -> list[int]:
-    return [ray.get(job.rollouts[n].counters.remote())["loads"] for n in RECEIVERS]
+    return [ray.get(job.rollouts[n].counters.remote()).loads for n in RECEIVERS]
 
 
 def test_versions_travel_before_the_barrier_bit_exact(job):

@@ -46,8 +46,8 @@ def test_the_ahead_transfer_is_queued_on_a_stream_of_its_own(job):
     assert [ray.get(job.rollouts[n].prefetch.remote(v), timeout=60) for n in RECEIVERS] == [v, v]
     after = {n: ray.get(job.rollouts[n].sim_queued.remote()) for n in RECEIVERS}
     for n in RECEIVERS:
-        assert after[n]["ahead"] is not None and not after[n]["same"], after[n]
-        queued = {"engine": after[n]["engine"] - before[n]["engine"], "ahead": after[n]["ahead"] - before[n]["ahead"]}
+        assert after[n].ahead is not None and not after[n].same, after[n]
+        queued = {"engine": after[n].engine - before[n].engine, "ahead": after[n].ahead - before[n].ahead}
         assert queued["engine"] == 0 and queued["ahead"] >= 3 * job.buckets, (n, queued)
 
 

@@ -12,6 +12,7 @@ flip a bit of its delta shadow (``corrupt_shadow``).
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import os
 import threading
@@ -26,7 +27,7 @@ from ..config import SyncConfig
 from ..coordinator.client import Coordinator
 from ..manifest import Manifest
 from ..receiver import WeightReceiver
-from ..sender import WeightSender
+from ..sender import SyncResult, WeightSender
 from .faults import edit_packed, hold_receive, tampering
 from .layouts import materialize
 
@@ -87,6 +88,25 @@ class Gate:
             self.reached.set()
             if not self.release.wait(self.HOLD_S):
                 raise TimeoutError(f"fault point {self.at} was never released")
+
+
+@dataclasses.dataclass(frozen=True)
+class Counters:
+    """What a rollout worker's engine counted, and its receiver's metrics of the last version."""
+
+    loads: int  # load_weights calls
+    post_loads: int  # post-load hook runs
+    metrics: dict[str, Any]  # WeightReceiver.last_metrics
+
+
+@dataclasses.dataclass(frozen=True)
+class Queued:
+    """On the sim device: ops queued so far on the stream a rollout worker's calls run on (the
+    engine's loads), and on its receiver's receive-ahead stream (None: none)."""
+
+    engine: int
+    ahead: int | None
+    same: bool  # the ahead stream is the engine's
 
 
 class _Party:
@@ -160,19 +180,16 @@ class RolloutWorker(_Party):
     def weights(self) -> dict[str, torch.Tensor]:
         return {n: t.cpu().clone() for n, t in self.engine.params.items()}
 
-    def counters(self) -> dict[str, Any]:
-        return {"loads": self.engine.loads, "post_loads": self.engine.post_loads,
-                "metrics": self.receiver.last_metrics}
+    def counters(self) -> Counters:
+        return Counters(self.engine.loads, self.engine.post_loads, dict(self.receiver.last_metrics))
 
-    def sim_queued(self) -> dict[str, Any]:
-        """On the sim device: how many ops were queued so far on the stream this actor's calls
-        (the engine's load) run on, and on the receiver's receive-ahead stream (None: none)."""
+    def sim_queued(self) -> Queued:
         from .. import sim
 
         shadow = getattr(self.receiver.transport, "shadow", None)
         ahead = shadow.stream if shadow is not None else None
         engine = sim.current_stream()
-        return {"engine": engine.mark(), "ahead": None if ahead is None else ahead.mark(), "same": ahead is engine}
+        return Queued(engine.mark(), None if ahead is None else ahead.mark(), ahead is engine)
 
     def _party(self) -> WeightReceiver:
         return self.receiver
@@ -215,12 +232,10 @@ class TrainerWorker(_Party):
         on the session's transport: the trainer staged a version before)."""
         edit_packed(self.sender.transport, tampering(version, bucket, how))
 
-    def sync(self, version: int, timeout: float | None = None) -> dict[str, Any]:
-        r = self.sender.sync(version, timeout=timeout)
-        return {"version": r.version, "stage_s": r.stage_s, "barrier_s": r.barrier_s, "bytes": r.bytes,
-                "metrics": r.metrics}
+    def sync(self, version: int, timeout: float | None = None) -> SyncResult:
+        return self.sender.sync(version, timeout=timeout)
 
-    def step(self, version: int, seed: int | None = None) -> dict[str, Any]:
+    def step(self, version: int, seed: int | None = None) -> SyncResult:
         self.stage(version, seed)
         return self.sync(version)
 
@@ -337,7 +352,7 @@ class Job(NamedTuple):
     def parties(self) -> list:
         return [*self.rollouts, self.trainer]
 
-    def step(self, version: int, seed: int | None = None, timeout: float = 120.0) -> tuple[list, dict[str, Any]]:
+    def step(self, version: int, seed: int | None = None, timeout: float = 120.0) -> tuple[list, SyncResult]:
         """Every rollout applies ``version`` while the trainer stages and syncs it: (the versions
         the rollouts applied, the trainer's sync result)."""
         import ray
