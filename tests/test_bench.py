@@ -14,6 +14,8 @@ from weightsync.bench.cli import exit_status
 from weightsync.bench.runner import transport_unavailable
 from weightsync.cli import main
 
+pytestmark = pytest.mark.bench  # the bench tier runs them (scripts/tiers/bench.sh)
+
 
 def test_bench_tiny_shm_end_to_end(ray_cluster, tmp_path):
     out, png = tmp_path / "bench.json", tmp_path / "bench.png"

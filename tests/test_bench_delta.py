@@ -21,6 +21,8 @@ from weightsync.bench.cli import default_store_gb
 from weightsync.testing.layouts import layout, materialize
 from weightsync.testing.parties import wait_until
 
+pytestmark = pytest.mark.bench  # the bench tier runs them (scripts/tiers/bench.sh)
+
 
 def _changed(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> tuple[int, int]:
     """Elements and bytes that differ, counted directly on the bits."""

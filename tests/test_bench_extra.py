@@ -21,6 +21,8 @@ import sys
 for name in ("tqdm", "safetensors", "safetensors.torch"):
     sys.modules[name] = None
 from weightsync.cli import main
+
+pytestmark = pytest.mark.bench  # the bench tier runs them (scripts/tiers/bench.sh)
 sys.exit(main(sys.argv[1:]))
 """
 

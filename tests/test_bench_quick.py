@@ -7,9 +7,13 @@ from __future__ import annotations
 import argparse
 import json
 
+import pytest
+
 from weightsync.bench import rdt_rows, summary
 from weightsync.bench.options import PRESETS, add_bench_arguments, apply_preset
 from weightsync.cli import main
+
+pytestmark = pytest.mark.bench  # the bench tier runs them (scripts/tiers/bench.sh)
 
 
 def _parsed(*argv: str) -> argparse.Namespace:
