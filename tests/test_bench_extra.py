@@ -14,6 +14,8 @@ from weightsync import cli
 from weightsync.bench import layout_source
 from weightsync.testing.layouts import layout
 
+pytestmark = pytest.mark.bench  # the bench tier runs them (scripts/tiers/bench.sh)
+
 # the command line with tqdm and safetensors unimportable (a None entry in sys.modules makes
 # `import tqdm` raise ImportError, as on a machine without them)
 HIDDEN = """
@@ -21,8 +23,6 @@ import sys
 for name in ("tqdm", "safetensors", "safetensors.torch"):
     sys.modules[name] = None
 from weightsync.cli import main
-
-pytestmark = pytest.mark.bench  # the bench tier runs them (scripts/tiers/bench.sh)
 sys.exit(main(sys.argv[1:]))
 """
 
