@@ -14,9 +14,9 @@ import ray
 PER_VERSION = {
     "shm": {"begin_stage": 1, "stage_info": 1, "staged": 1, "begin_sync": 1, "wait_outcome": 1,
             "wait_version": 1, "report": 1},
-    # metrics: the sender's view of the participants when send() starts, the receiver's
-    # membership check before it loads
-    "ipc": {"begin_stage": 1, "staged": 1, "begin_sync": 1, "metrics": 2, "wait_outcome": 1,
+    # the sender learns the participants from its begin_sync, the receivers from the ring's
+    # control block (the roster): no metrics call on either side (before issue 45: 2)
+    "ipc": {"begin_stage": 1, "staged": 1, "begin_sync": 1, "wait_outcome": 1,
             "wait_version": 1, "report": 1},
     "broadcast": {"begin_stage": 1, "staged": 1, "begin_sync": 1, "bcast_form": 1, "wait_outcome": 1,
                   "wait_version": 1, "bcast_group": 1, "report": 1},
@@ -52,3 +52,25 @@ def test_calls_per_version(start_job, transport):
     expected = PER_VERSION[transport]
     seen = {op: min(n, expected.get(op, 0)) if op in TIMED else n for op, n in made.items()}
     assert {op: n for op, n in seen.items() if n} == expected
+
+
+# what each party calls at a pre-staged barrier (stage() done before the rollout asks): the
+# sender's begin_sync and wait_outcome, the receiver's wait_version and report. broadcast adds
+# its group's membership on each side (bcast_form, bcast_group)
+BARRIER_CALLS = {"shm": (2, 2), "ipc": (2, 2), "broadcast": (3, 3)}
+
+
+@pytest.mark.parametrize("transport", list(BARRIER_CALLS))
+def test_calls_per_party_at_a_prestaged_barrier(start_job, transport):
+    """Each party counts its own calls (SyncResult.sync_calls, the receiver's metrics["calls"])."""
+    config = {"transport": transport, "bucket_mb": 1 / 16, "device": "cpu"}
+    coord, rs, trainer = start_job(config, 1)
+    seen = set()
+    for v in range(1, 1 + WARMUP + VERSIONS):
+        ray.get(trainer.stage.remote(v))
+        applied = rs[0].apply.remote(v)
+        result = ray.get(trainer.sync.remote(v))
+        assert ray.get(applied) == v
+        if v > WARMUP:
+            seen.add((result.sync_calls, ray.get(rs[0].counters.remote()).metrics["calls"]))
+    assert seen == {BARRIER_CALLS[transport]}

@@ -26,13 +26,14 @@ DIGESTS = ("auto", "xxh3", "torch", "off")
 SHM_BACKINGS = ("auto", "memfd", "files")
 DELTAS = ("off", "auto", "on")
 RECEIVE_AHEADS = ("off", "auto", "on")
+CONTROL_CHANNELS = ("socket", "ray")
 ENV_PREFIX = "WEIGHTSYNC_"
 # WEIGHTSYNC_ variables that are not config fields: read by the scripts, the test tiers and
 # the capability probe; every other WEIGHTSYNC_ variable must name a field (typos fail loudly)
 # read by the scripts, the test tiers and the capability probe: a shell that exports one (e.g.
 # ``WEIGHTSYNC_TIERS=gen bash scripts/test.sh``) must not make every config load fail
 NON_CONFIG_ENV = frozenset({
-    "WEIGHTSYNC_CONFORMANCE_DIR", "WEIGHTSYNC_DISABLE_IPC", "WEIGHTSYNC_SOAK_VERSIONS", "WEIGHTSYNC_TIERS",
+    "WEIGHTSYNC_CONFORMANCE_DIR", "WEIGHTSYNC_DIGEST_KERNEL", "WEIGHTSYNC_DISABLE_IPC", "WEIGHTSYNC_SOAK_VERSIONS", "WEIGHTSYNC_TIERS",
     "WEIGHTSYNC_TORCH", "WEIGHTSYNC_VERL_E2E_TORCH", "WEIGHTSYNC_VERL_E2E_VENV", "WEIGHTSYNC_VERL_SRC",
     "WEIGHTSYNC_VERL_VLLM", "WEIGHTSYNC_VLLM_CPU", "WEIGHTSYNC_VLLM_TIER", "WEIGHTSYNC_VLLM_VENV",
     "WEIGHTSYNC_VLLM_VERSION", "WEIGHTSYNC_NOTIFY", "WEIGHTSYNC_RING_BUFFERS", "WEIGHTSYNC_SIM_LAG_MS", "WEIGHTSYNC_SIM_SEED",
@@ -132,6 +133,10 @@ class SyncConfig:
     # Ray actor name (and namespace) of the coordinator; one per job
     coordinator_name: str = "weightsync"
     namespace: str = ""
+    # how parties reach the coordinator: "socket", a TCP port of the coordinator's own (one Ray
+    # call only to learn it, a restarted coordinator reached through Ray); "ray", every call an
+    # actor call (no port beside Ray's: for nodes that reach each other on Ray's ports only)
+    control_channel: str = "socket"
     # what backs shared-memory segments: memfd (freed by the kernel when the last holder
     # exits), files in shm_dir (outlive a dead job until reaped), auto = memfd where it works
     shm_backing: str = "auto"
@@ -167,6 +172,7 @@ class SyncConfig:
         _check_choice("shm_backing", self.shm_backing, SHM_BACKINGS)
         _check_choice("delta", self.delta, DELTAS)
         _check_choice("receive_ahead", self.receive_ahead, RECEIVE_AHEADS)
+        _check_choice("control_channel", self.control_channel, CONTROL_CHANNELS)
         if not self.bucket_mb > 0:
             raise ConfigError(f"bucket_mb must be > 0, got {self.bucket_mb!r}")
         a = self.align_bytes

@@ -1,6 +1,6 @@
 """Internal. The coordinator actor: one named Ray actor per job. It never touches tensor bytes.
 
-Parties (senders, receivers) talk to it through one ``rpc(bytes) -> bytes`` method carrying
+Parties (senders, receivers) talk to it through one ``rpc(bytes) -> bytes`` method (through Ray, or the control channel of :mod:`weightsync.coordinator.channel`) carrying
 a request record of :mod:`weightsync.coordinator.ops` as msgpack (see :mod:`weightsync.coordinator.client` for the
 client), present the session token, and send heartbeats; each request type has exactly one
 handler here, marked ``@handles(Request)``, which answers with the request's reply record. A
@@ -17,7 +17,7 @@ import time
 
 from ..config import SyncConfig
 from ..errors import DeadlineExceeded, ManifestError, ProtocolError, SyncFailed, VersionError, WeightSyncError
-from . import ops
+from . import channel, ops
 from .membership import BroadcastGroups
 from .membership_ops import BroadcastMembership
 from .ops import handles
@@ -51,12 +51,14 @@ class CoordinatorActor:
         # control-plane calls served, by op: status() shows them, so the calls one version
         # costs can be counted (docs/benchmarks.md)
         self.calls: dict[str, int] = {}
+        self.channel = channel.Server(self.rpc)
 
     # -- the one entry point -------------------------------------------------------------
 
     async def rpc(self, payload: bytes) -> bytes:
         if self._monitor is None:
             self._monitor = asyncio.get_running_loop().create_task(self._watch())
+        self.channel.served += 1
         try:
             msg = ops.decode(payload)
             if not isinstance(msg, dict) or not isinstance(msg.get("op"), str):
@@ -280,7 +282,7 @@ class CoordinatorActor:
             for p in eligible:
                 p.reported_dead = p.reported_dead or not p.alive  # named in this version, not again
         self._poke(v)
-        return ops.Participants(participants=list(v.participants))
+        return ops.Participants(participants=list(v.participants), failed=sorted(v.failed))
 
     @handles(ops.WaitVersion)
     async def wait_version(self, req: ops.WaitVersion) -> ops.Target:
@@ -368,6 +370,10 @@ class CoordinatorActor:
         check_staleness(req.batch_version, req.step, limit)
         return ops.Lag(lag=req.step - req.batch_version)
 
+    @handles(ops.Channel)
+    async def open_channel(self, req: ops.Channel) -> ops.ChannelAddress:
+        return await self.channel.open(self.config.control_channel)
+
     # -- reading -------------------------------------------------------------------------
 
     @handles(ops.GetStatus)
@@ -385,6 +391,7 @@ class CoordinatorActor:
             versions=[v.public(self.payload_bytes) for v in self.table.recent(20)],
             resources=dict(self.resources),
             calls=dict(self.calls),
+            via=self.channel.via(),
             config=self.config.to_dict(),
         )
 

@@ -26,6 +26,7 @@ import os
 import secrets
 import socket
 import threading
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -37,6 +38,7 @@ from ..device import describe, resolve
 from ..errors import DeadlineExceeded, ProtocolError, SessionLost, SyncFailed, WeightSyncError
 from . import ops
 from .actor import CoordinatorActor
+from .channel import Broken, Link, Unreachable
 from .ops import Publication, SessionInfo, Target, VersionState
 
 __all__ = ["ControlPlane", "Coordinator", "Party", "Publication", "SessionInfo", "Target", "VersionState"]
@@ -54,7 +56,9 @@ class Coordinator:
     """Client handle of the coordinator actor; picklable, so it can be handed to workers.
 
     ``Coordinator.create()`` starts the actor in the driver; workers receive the handle (or
-    call ``Coordinator.connect(name, token)``). Every call presents the session token.
+    call ``Coordinator.connect(name, token)``). Every call presents the session token; with
+    ``control_channel: socket`` it goes over the coordinator's control channel
+    (coordinator/channel.py), whose address the handle learns through Ray at its first call.
     Build one with ``create()`` or ``connect()``, not with the constructor.
 
     Args:
@@ -67,6 +71,19 @@ class Coordinator:
 
     def __init__(self, actor: Any, name: str, namespace: str, token: str, config: SyncConfig):
         self.actor, self.name, self.namespace, self.token, self.config = actor, name, namespace, token, config
+        # False once the coordinator refused the channel, or its port could not be reached:
+        # then every call goes through Ray
+        self._direct = config.control_channel == "socket"
+        self._link: Link | None = None
+
+    def __getstate__(self) -> dict[str, Any]:
+        # the link's sockets belong to the threads of the process that opened them; a worker
+        # learns the address itself (a restarted coordinator's, where it restarted meanwhile)
+        return {k: v for k, v in self.__dict__.items() if k != "_link"}
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        # a handle made by another revision (bench --against) may lack what this one adds: Ray then
+        self.__dict__.update({"_direct": False, **state, "_link": None})
 
     @classmethod
     def create(cls, config: SyncConfig | dict | None = None, *, name: str | None = None,
@@ -152,16 +169,19 @@ class Coordinator:
                 coordinator's own error class is raised, e.g. SyncFailed, VersionError).
         """
         payload = ops.encode({"op": type(request).__name__, "token": self.token, "args": request.to_wire()})
-        ref = self.actor.rpc.remote(payload)
         # the call itself may wait up to its timeout field; allow it that plus slack
         limit = ((rpc_timeout if rpc_timeout is not None else self.config.connect_timeout_s)
                  + float(getattr(request, "timeout", 0) or 0) + 5.0)
-        try:
-            raw = ray.get(ref, timeout=limit)
-        except ray.exceptions.GetTimeoutError:
-            raise DeadlineExceeded(f"coordinator '{self.name}' did not answer {request.op!r} within {limit:.1f}s") from None
-        except ray.exceptions.RayActorError as exc:
-            raise WeightSyncError(f"coordinator '{self.name}' is unreachable (actor died?): {exc}") from None
+        raw = None
+        if self._direct and not isinstance(request, ops.Channel):
+            raw = self._over_channel(request, payload, limit, rpc_timeout)
+        if raw is None:
+            try:
+                raw = ray.get(self.actor.rpc.remote(payload), timeout=limit)
+            except ray.exceptions.GetTimeoutError:
+                raise DeadlineExceeded(self._late(request, limit)) from None
+            except ray.exceptions.RayActorError as exc:
+                raise WeightSyncError(f"coordinator '{self.name}' is unreachable (actor died?): {exc}") from None
         reply = ops.decode(raw)
         if not isinstance(reply, dict):
             raise ProtocolError(f"control: the reply to {type(request).__name__} is not a map")
@@ -172,6 +192,38 @@ class Coordinator:
             raise ProtocolError(f"control: {type(request).__name__} was answered with {reply.get('type')!r}, "
                                 f"not {want.__name__} (the two ends run different weightsync versions?)")
         return want.from_wire(reply.get("result"))
+
+    def _late(self, request: ops.Request, limit: float) -> str:
+        return f"coordinator '{self.name}' did not answer {request.op!r} within {limit:.1f}s"
+
+    def _over_channel(self, request: ops.Request, payload: bytes, limit: float,
+                      rpc_timeout: float | None) -> bytes | None:
+        """The reply over the control channel; None: send the call through Ray."""
+        link = self._link
+        fresh = link is None
+        if link is None:
+            try:
+                address = self.call(ops.Channel(), rpc_timeout=rpc_timeout)
+            except DeadlineExceeded:  # slow or restarting: this call goes through Ray, the next one asks again
+                return None
+            except WeightSyncError:  # refused (an older coordinator, control_channel: ray), or gone for good
+                self._direct = False
+                return None
+            link = self._link = Link((address.host, address.port))
+        try:
+            return link.call(payload, time.monotonic() + limit)
+        except TimeoutError:
+            raise DeadlineExceeded(self._late(request, limit)) from None
+        except Broken as exc:
+            # the actor died or restarted: this call goes through Ray, which waits for the new
+            # incarnation (it answers SessionLost where it lost the party), and the next call
+            # learns the new address. A port never reached since it was learned is closed to
+            # this node (a firewall): Ray from now on, not a failed connect before every call.
+            if self._link is link:
+                self._link = None
+            if fresh and isinstance(exc, Unreachable):
+                self._direct = False
+            return None
 
     def register(self, *, role: str, name: str, rank: int, host: str, os_pid: int, node_id: str = "",
                  device: dict | None = None, last_version: int | None = None, serving: int | None = None,
@@ -259,22 +311,35 @@ class ControlPlane:
     a coordinator restart (None: SessionLost reaches the caller)."""
 
     def __init__(self, coordinator: Coordinator, party: Callable[[], int],
-                 rejoin: Callable[[int], None] | None = None):
+                 rejoin: Callable[[int], None] | None = None, _made: threading.local | None = None):
         self.coordinator, self._party, self._rejoin = coordinator, party, rejoin
+        # calls made, per thread: a version's own count (its metrics show it) is the calls its
+        # thread made, whatever the heartbeat or an ahead thread did meanwhile
+        self._made = threading.local() if _made is None else _made
+        self._barriers: dict[int, ops.Participants] = {}
 
     def without_rejoin(self) -> ControlPlane:
         """For calls made while rejoining: a second SessionLost then reaches the caller."""
-        return ControlPlane(self.coordinator, self._party)
+        return ControlPlane(self.coordinator, self._party, _made=self._made)
+
+    def made(self) -> int:
+        """Calls the calling thread made through this party so far (a retry counts again)."""
+        return getattr(self._made, "n", 0)
+
+    def _count(self) -> None:
+        self._made.n = self.made() + 1
 
     def _send(self, request: Any, rpc_timeout: float | None = None) -> Any:
         """``request``'s reply; its ``party`` field is this party's id, replaced by the new
         one when the call is retried after a rejoin."""
+        self._count()
         try:
             return self.coordinator.call(request, rpc_timeout=rpc_timeout)
         except SessionLost:
             if self._rejoin is None:
                 raise
             self._rejoin(request.party)
+            self._count()
             return self.coordinator.call(dataclasses.replace(request, party=self._party()), rpc_timeout=rpc_timeout)
 
     # -- every party ---------------------------------------------------------------------
@@ -313,9 +378,17 @@ class ControlPlane:
     def abort(self, version: int, reason: str) -> None:
         self._send(ops.Abort(party=self._party(), version=version, reason=reason))
 
-    def begin_sync(self, version: int) -> list[str]:
-        """The barrier; returns the participants of ``version``."""
-        return self._send(ops.BeginSync(party=self._party(), version=version)).participants
+    def begin_sync(self, version: int) -> ops.Participants:
+        """The barrier; returns the participants of ``version``, kept for :meth:`barrier`."""
+        reply = self._send(ops.BeginSync(party=self._party(), version=version))
+        self._barriers = {v: r for v, r in self._barriers.items() if v > version - 4}
+        self._barriers[version] = reply
+        return reply
+
+    def barrier(self, version: int) -> ops.Participants | None:
+        """What this party's begin_sync of ``version`` answered (None: it made none): the
+        transport learns the participants once per sync, without a call of its own."""
+        return self._barriers.get(version)
 
     def wait_outcome(self, version: int, timeout: float, info: ops.WireMap | None = None) -> ops.Metrics:
         """The committed version's metrics; raises SyncFailed naming each failed party.
@@ -348,6 +421,7 @@ class ControlPlane:
 
     def metrics(self, version: int) -> ops.Metrics:
         """The version as status() shows it (participants, committed, failed, state)."""
+        self._count()
         return self.coordinator.call(ops.GetMetrics(version=version))
 
     # -- broadcast transport: group membership (broadcast_groups.py) ---------------------------

@@ -307,6 +307,7 @@ class Slot(Message):
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class Participants(Message):
     participants: list[str]
+    failed: list[str] = dataclasses.field(default_factory=list)  # of them, those failed already
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -394,6 +395,7 @@ class Status(Message):
     versions: list[Metrics]
     resources: dict[str, int]
     calls: dict[str, int]  # control-plane calls served, by op (docs/benchmarks.md)
+    via: dict[str, int]  # payloads served by the way they came: "ray" or "socket" (the control channel)
     config: WireMap  # SyncConfig.to_dict()
 
     def as_dict(self) -> dict[str, Any]:
@@ -433,6 +435,14 @@ class GroupCheck(Message):
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class Reason(Message):
     reason: str
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class ChannelAddress(Message):
+    """Where the coordinator serves its control channel (coordinator/channel.py)."""
+
+    host: str
+    port: int
 
 
 # -- requests -------------------------------------------------------------------------------
@@ -666,6 +676,14 @@ class GetMetrics(Request):
     reply: ClassVar[type[Message]] = Metrics
     op: ClassVar[str] = "metrics"
     version: int
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class Channel(Request):
+    """The address of the control channel, opened at the first ask; a coordinator whose config
+    says ``control_channel: ray`` refuses (ProtocolError), and clients keep to Ray."""
+
+    reply: ClassVar[type[Message]] = ChannelAddress
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)

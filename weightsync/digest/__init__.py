@@ -51,7 +51,8 @@ import numpy as np
 import torch
 import xxhash
 
-from .errors import ChecksumError, ConfigError
+from ..errors import ChecksumError, ConfigError
+from . import kernel
 
 KINDS = ("xxh3", "torch")
 CHOICES = ("auto", "xxh3", "torch", "off")
@@ -229,6 +230,8 @@ def torch_digest(buf: torch.Tensor) -> torch.Tensor:
         raise TypeError(f"torch_digest needs a 1-D uint8 tensor, got {buf.dtype} of shape {tuple(buf.shape)}")
     device, n = buf.device, buf.numel()
     words = _words(buf)
+    if kernel.enabled(device):
+        return kernel.digest(words, buf, n, _tables_for(device), _signed(n * LENGTH_MIX))
     nw = words.numel()
     full_rows, rest = divmod(nw, COLS)
     tail = n - nw * 4
