@@ -1,18 +1,22 @@
-"""How fast the torch digest runs on a device, and which way of computing it is fastest there.
+"""How fast the torch digest runs on a device, against the copy of the same bytes.
 
-    python benchmarks/digest_device.py [--device cuda] [--gib 1.17] [--bucket-mb 256] [--reps 7]
-        [--json out.json]
+    python benchmarks/digest_device.py [--device cuda] [--gib 1.17] [--bucket-mb 256] [--reps 9]
+        [--tiles 1024x4 2048x2 ...] [--host] [--json out.json]
 
-Every way computes the same value (checked here on the device, and in tests/test_digest.py on
-CPU); the rows are interleaved per repetition so a clock or neighbour change hits all of them
-alike. Reference rows: one device-to-device copy of the same bytes (what a receiver's load
-costs at least) and xxh3 after a copy to the host (what the host digest would cost there).
+Rows: the one-pass kernel (weightsync/digest/kernel.py) with each tile asked for, the torch ops
+way (flat row sums, 16 Mi-word steps: the way before the kernel, and the way on NPU), one
+device-to-device copy of the same bytes (the floor a receiver's load costs at least), and with
+``--host`` xxh3 after a copy to the host. Every digest row must give the same values (checked
+here, on every bucket, against the host's computation; tests/test_digest_kernel.py checks the
+kernel on CPU); rows are interleaved per repetition, so a clock or neighbour change hits all
+of them alike.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import sys
 import time
@@ -24,6 +28,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from weightsync import digest as D  # noqa: E402
+from weightsync.digest import kernel  # noqa: E402
 
 
 def _sync(device: torch.device) -> None:
@@ -31,29 +36,19 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def _with(row_sums: Callable | None, chunk_words: int | None, fn: Callable) -> Callable:
-    """``fn`` run with the device's row-sum way and step size set for the call."""
+def _with_env(value: str, fn: Callable) -> Callable:
+    """``fn`` run with WEIGHTSYNC_DIGEST_KERNEL set to ``value`` (a tile, or off)."""
     def run(*a):
-        saved_rs, saved_chunk = dict(D.ROW_SUMS), D.DEVICE_CHUNK_WORDS
+        saved = os.environ.get(kernel.ENV)
+        os.environ[kernel.ENV] = value
         try:
-            if row_sums is not None:
-                D.ROW_SUMS["cuda"] = D.ROW_SUMS["npu"] = row_sums
-            if chunk_words is not None:
-                D.DEVICE_CHUNK_WORDS = chunk_words
             return fn(*a)
         finally:
-            D.ROW_SUMS.clear()
-            D.ROW_SUMS.update(saved_rs)
-            D.DEVICE_CHUNK_WORDS = saved_chunk
+            if saved is None:
+                os.environ.pop(kernel.ENV, None)
+            else:
+                os.environ[kernel.ENV] = saved
     return run
-
-
-def ways() -> dict[str, Callable | None]:
-    found = {"pairs": D._row_sums_pairs, "swap": D._row_sums_swap}
-    flat = getattr(D, "_row_sums_flat", None)
-    if flat is not None:
-        found["flat"] = flat
-    return found
 
 
 def main() -> int:
@@ -61,7 +56,9 @@ def main() -> int:
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--gib", type=float, default=1.17)
     p.add_argument("--bucket-mb", type=int, default=256)
-    p.add_argument("--reps", type=int, default=7)
+    p.add_argument("--reps", type=int, default=9)
+    p.add_argument("--tiles", nargs="*", default=["1024x4", "2048x2", "2048x4", "512x8", "4096x1"])
+    p.add_argument("--host", action="store_true", help="also xxh3 after a copy to the host (seconds per rep)")
     p.add_argument("--json", default=None)
     args = p.parse_args()
     device = torch.device(args.device)
@@ -71,24 +68,30 @@ def main() -> int:
     buckets = [data[i:i + bucket] for i in range(0, nbytes, bucket)]
     dest = torch.empty_like(data)
 
-    def digest_all() -> list[int]:
-        vals = [D.torch_digest(b) for b in buckets]
-        return [D.as_int(v) for v in vals]
+    def digest_all() -> list[torch.Tensor]:
+        return [D.torch_digest(b) for b in buckets]
 
     rows: dict[str, Callable] = {}
-    for name, rs in ways().items():
-        for chunk in (1 << 22, 1 << 24):
-            rows[f"torch-{name}-{chunk >> 20}Mw"] = _with(rs, chunk, digest_all)
+    if kernel.enabled(device) or os.environ.get(kernel.ENV) == "on":
+        for tile in args.tiles:
+            rows[f"kernel-{tile}"] = _with_env(tile, digest_all)
+    rows["torch-ops"] = _with_env("off", digest_all)
     rows["copy-d2d"] = lambda: dest.copy_(data)
-    if nbytes <= 4 << 30:
+    if args.host:
         rows["xxh3-via-host"] = lambda: [D.xxh3(b) for b in buckets]
 
-    # the same value every way (the reference: the host's computation of the first bucket)
-    ref = D.as_int(D.torch_digest(buckets[0].cpu()))
-    values = {name: fn()[0] for name, fn in rows.items() if name.startswith("torch-")}
-    wrong = {k: f"{v:016x}" for k, v in values.items() if v != ref}
-    print(f"reference {ref:016x}; ways that differ: {wrong or 'none'}", flush=True)
+    # the same value every way, on every bucket (the reference: the host's torch ops way)
+    ref = [D.as_int(_with_env("off", D.torch_digest)(b.cpu())) for b in buckets]
+    wrong = {}
+    for name, fn in rows.items():
+        if name.startswith(("kernel-", "torch-")):
+            got = [D.as_int(v) for v in fn()]
+            if got != ref:
+                wrong[name] = [f"{v:016x}" for v in got]
+    print(f"reference {ref[0]:016x}...; ways that differ: {sorted(wrong) or 'none'}", flush=True)
 
+    for fn in rows.values():  # compile and warm every row once before timing
+        fn()
     times: dict[str, list[float]] = {k: [] for k in rows}
     for _ in range(args.reps):
         for name, fn in rows.items():
@@ -99,13 +102,16 @@ def main() -> int:
             times[name].append(time.perf_counter() - t0)
     out = {"device": str(device), "name": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
            "torch": torch.__version__, "bytes": nbytes, "bucket_bytes": bucket, "reps": args.reps,
-           "differ": wrong, "rows": {}}
+           "default_tile": f"{kernel.BLOCK}x{kernel.ROWS}", "differ": sorted(wrong), "rows": {}}
+    copy = statistics.median(times["copy-d2d"])
     print(f"{nbytes / 2**30:.2f} GiB in {len(buckets)} buckets of {args.bucket_mb} MiB on {out['name']}")
     for name, ts in times.items():
         q = statistics.quantiles(ts, n=4) if len(ts) > 1 else [ts[0]] * 3
         med = statistics.median(ts)
-        out["rows"][name] = {"median_s": med, "iqr_s": q[2] - q[0], "gb_s": nbytes / med / 1e9, "times_s": ts}
-        print(f"  {name:24s} median {med * 1e3:8.2f} ms  IQR {(q[2] - q[0]) * 1e3:6.2f} ms  {nbytes / med / 1e9:8.1f} GB/s")
+        out["rows"][name] = {"median_s": med, "iqr_s": q[2] - q[0], "gb_s": nbytes / med / 1e9,
+                             "x_copy": med / copy, "times_s": ts}
+        print(f"  {name:16s} median {med * 1e3:8.3f} ms  IQR {(q[2] - q[0]) * 1e3:6.3f} ms  "
+              f"{nbytes / med / 1e9:8.1f} GB/s  {med / copy:6.2f}x the copy")
     if args.json:
         Path(args.json).write_text(json.dumps(out, indent=1))
     return 1 if wrong else 0

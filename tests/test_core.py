@@ -312,6 +312,7 @@ def test_two_threads_of_one_receiver_hash_each_bucket_once():
 
     import torch
 
+    from weightsync.digest import Checks
     from weightsync.manifest import Packing, plan_buckets
     from weightsync.transports.base import TransportContext
     from weightsync.transports.shm.transport import ShmReceiver, ShmSender
@@ -331,8 +332,9 @@ def test_two_threads_of_one_receiver_hash_each_bucket_once():
 
         def verify_all(mine: list[int]) -> None:
             start.wait()
+            checks = Checks(1)
             for b, buf, expected in receiver.receive(1, info, float("inf"), lambda: None):
-                mine[b] += receiver.verify_bucket(1, info, b, buf, expected)
+                mine[b] += receiver.verify_bucket(1, info, b, buf, expected, checks)
 
         threads = [threading.Thread(target=verify_all, args=(h,)) for h in hashed]
         for t in threads:

@@ -1,10 +1,20 @@
 """The one-pass digest kernel (weightsync/digest/kernel.py) gives the torch ops way's value bit for
-bit: on CPU under Triton's interpreter (TRITON_INTERPRET=1: the kernel's own code, run by
-numpy), and on a GPU where one is lent (-m cuda)."""
+bit: on CPU under Triton's interpreter (the kernel's own code, run by numpy), and on a GPU where
+one is lent (-m cuda).
+
+The interpreter runs in a process of its own: Triton decides at import whether its library
+functions (``tl.sum`` and the like) are interpreted, so a suite in which torch imported Triton
+first could not interpret the kernel."""
 
 from __future__ import annotations
 
+import functools
 import importlib.util
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -18,45 +28,19 @@ pytestmark = pytest.mark.skipif(importlib.util.find_spec("triton") is None,
 
 WORD = 4
 ROW = 4 * D.COLS  # bytes of one row of the definition
-
-
-@pytest.fixture
-def interpreted(monkeypatch):
-    """The kernel on CPU tensors through Triton's interpreter (decorated anew, and again after)."""
-    monkeypatch.setenv("TRITON_INTERPRET", "1")
-    monkeypatch.setenv(kernel.ENV, "on")
-    kernel._triton.cache_clear()
-    assert kernel.enabled(torch.device("cpu"))
-    yield
-    kernel._triton.cache_clear()
-
-
-def _torch_way(buf: torch.Tensor, monkeypatch) -> int:
-    with monkeypatch.context() as m:
-        m.setenv(kernel.ENV, "off")
-        return D.as_int(D.torch_digest(buf))
+# 1-word and shorter buckets, every tail length, a row and around it, several rows with a tail
+SIZES = [0, 1, 2, 3, WORD, WORD + 1, 7, 1000, ROW - 1, ROW, ROW + 2, 3 * ROW + 3, 9 * ROW + 1]
+TILES = ["1024x1", "1024x4", "2048x2"]
 
 
 def _random(nbytes: int, seed: int) -> torch.Tensor:
     return torch.randint(0, 256, (nbytes,), dtype=torch.uint8, generator=torch.Generator().manual_seed(seed))
 
 
-# 1-word and shorter buckets, every tail length, a row and around it, several rows with a tail
-SIZES = [0, 1, 2, 3, WORD, WORD + 1, 7, 1000, ROW - 1, ROW, ROW + 2, 3 * ROW + 3, 9 * ROW + 1]
-
-
-@pytest.mark.parametrize("nbytes", SIZES)
-def test_kernel_gives_the_torch_digest_of_random_buckets(interpreted, monkeypatch, nbytes):
-    buf = _random(nbytes, nbytes)
-    assert D.as_int(D.torch_digest(buf)) == _torch_way(buf, monkeypatch)
-
-
-@pytest.mark.parametrize("dtype", sorted(DTYPES))
-def test_kernel_gives_the_torch_digest_of_every_dtypes_bytes(interpreted, monkeypatch, dtype):
-    """Each dtype's bytes as a bucket holds them: special values (NaN, -0.0, inf) and an odd
-    element count, so most end in a tail."""
-    t = DTYPES[dtype]
-    n = 1001
+def _dtype_bytes(name: str) -> torch.Tensor:
+    """A dtype's bytes as a bucket holds them: special values (NaN, -0.0, inf) and an odd element
+    count, so most end in a tail."""
+    t, n = DTYPES[name], 1001
     if t.is_floating_point:
         vals = torch.randn(n, generator=torch.Generator().manual_seed(3)) * 1e3
         vals[:4] = torch.tensor([float("nan"), -0.0, float("inf"), -float("inf")])
@@ -67,28 +51,58 @@ def test_kernel_gives_the_torch_digest_of_every_dtypes_bytes(interpreted, monkey
         x = _random(n, 3) & 1 == 1
     else:
         x = _random(n * t.itemsize, 3).view(t)
-    buf = x.reshape(-1).view(torch.uint8)
-    assert D.as_int(D.torch_digest(buf)) == _torch_way(buf, monkeypatch)
+    return x.reshape(-1).view(torch.uint8)
 
 
-def test_kernel_digests_an_odd_start_as_the_torch_way_does(interpreted, monkeypatch):
-    buf = _random(2 * ROW + 9, 11)[1:]  # words copied first: the kernel reads the tail from the original
-    assert D.as_int(D.torch_digest(buf)) == _torch_way(buf, monkeypatch)
+@functools.cache
+def cases() -> dict[str, tuple[torch.Tensor, str | None]]:
+    """Every bucket digested here, by name: (its bytes, the tile to use or None: the default)."""
+    out: dict[str, tuple[torch.Tensor, str | None]] = {f"size-{n}": (_random(n, n), None) for n in SIZES}
+    out.update({f"dtype-{name}": (_dtype_bytes(name), None) for name in sorted(DTYPES)})
+    # an odd start: the words are copied first, the tail is read from the original
+    out["odd-start"] = (_random(2 * ROW + 9, 11)[1:], None)
+    flipped = _random(ROW + 3, 5)
+    out["tail-before"] = (flipped.clone(), None)
+    flipped[-1] ^= 0x80
+    out["tail-after"] = (flipped, None)
+    out.update({f"tile-{tile}": (_random(3 * ROW + 6, 13), tile) for tile in TILES})
+    return out
 
 
-def test_kernel_sees_a_single_flipped_bit_in_the_tail(interpreted):
-    buf = _random(ROW + 3, 5)
-    before = D.as_int(D.torch_digest(buf))
-    buf[-1] ^= 0x80
-    assert D.as_int(D.torch_digest(buf)) != before
+def _interpreted() -> None:
+    """In the child: each case's digest by the kernel, as JSON on stdout."""
+    values = {}
+    for name, (buf, tile) in cases().items():
+        os.environ[kernel.ENV] = tile or "on"
+        assert kernel.enabled(buf.device)
+        values[name] = D.as_int(D.torch_digest(buf))
+    print(json.dumps(values))
 
 
-@pytest.mark.parametrize("tile", ["1024x1", "1024x4", "2048x2"])
-def test_any_tile_gives_the_same_value(interpreted, monkeypatch, tile):
-    """The tile is a tuning knob (WEIGHTSYNC_DIGEST_KERNEL=<block>x<rows>), never a change of value."""
-    buf = _random(3 * ROW + 6, 13)
-    monkeypatch.setenv(kernel.ENV, tile)
-    assert D.as_int(D.torch_digest(buf)) == _torch_way(buf, monkeypatch)
+@pytest.fixture(scope="module")
+def by_kernel() -> dict[str, int]:
+    env = {**os.environ, "TRITON_INTERPRET": "1", kernel.ENV: "on"}
+    here = Path(__file__).resolve().parent
+    done = subprocess.run([sys.executable, "-c", "import test_digest_kernel as t; t._interpreted()"], cwd=here,
+                          env=env, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+def _torch_way(buf: torch.Tensor, monkeypatch) -> int:
+    with monkeypatch.context() as m:
+        m.setenv(kernel.ENV, "off")
+        return D.as_int(D.torch_digest(buf))
+
+
+@pytest.mark.parametrize("name", list(cases()))
+def test_kernel_gives_the_torch_digest(by_kernel, monkeypatch, name):
+    """Random buckets of every size class, every dtype's bytes, an odd start, every tile."""
+    assert by_kernel[name] == _torch_way(cases()[name][0], monkeypatch)
+
+
+def test_kernel_sees_a_single_flipped_bit_in_the_tail(by_kernel):
+    assert by_kernel["tail-before"] != by_kernel["tail-after"]
 
 
 def test_the_kernel_stays_off_on_a_cpu_unless_asked(monkeypatch):

@@ -231,7 +231,7 @@ def torch_digest(buf: torch.Tensor) -> torch.Tensor:
     device, n = buf.device, buf.numel()
     words = _words(buf)
     if kernel.enabled(device):
-        return kernel.digest(words, buf, n, _tables_for(device), _signed(n * LENGTH_MIX))
+        return kernel.digest(words, buf, n, _tables_for(device), _signed(n * LENGTH_MIX), COLS)
     nw = words.numel()
     full_rows, rest = divmod(nw, COLS)
     tail = n - nw * 4
@@ -284,8 +284,64 @@ def verify(kind: str, bucket_index: int, buf: torch.Tensor, expected: int, versi
     """Raise ChecksumError if ``buf`` does not digest to what the sender wrote."""
     got = as_int(compute(kind, buf))
     if got != expected & MASK:
-        raise ChecksumError(f"bucket {bucket_index} of version {version} is corrupted: {kind} digest {got:016x}, "
-                            f"sender wrote {expected & MASK:016x}")
+        raise _mismatch(kind, bucket_index, version, got, expected & MASK)
+
+
+def _mismatch(kind: str, bucket_index: int, version: int, got: int, expected: int) -> ChecksumError:
+    return ChecksumError(f"bucket {bucket_index} of version {version} is corrupted: {kind} digest {got:016x}, "
+                         f"sender wrote {expected:016x}")
+
+
+def _host_now(value: Any) -> Any:
+    """A digest computed on the host is read now (no wait); a device one stays for later."""
+    return as_int(value) if isinstance(value, torch.Tensor) and value.device.type == "cpu" else value
+
+
+class Checks:
+    """A receiver's digest checks of one version, bucket by bucket in plan order.
+
+    A bucket in host memory is checked at once, before it is loaded. A bucket in device memory
+    is digested on the current stream, behind the copy that filled it and ahead of the loads
+    out of it, and compared when the version is complete (:meth:`finish`): one read of every
+    bucket's value instead of a host wait per bucket, so the host keeps queueing the next
+    bucket's loads while the device digests. A bad bucket still fails the version with the
+    same ChecksumError before it is committed (before the post-load hook); what was loaded of
+    it is rolled back as any failure after the first load is."""
+
+    def __init__(self, version: int):
+        self.version = version
+        # per bucket: (index, kind, its digest here or None where settled, the sender's)
+        self._seen: list[tuple[int, str, Any, Any]] = []
+
+    def add(self, kind: str, b: int, expected: int | torch.Tensor, buf: torch.Tensor | None = None) -> None:
+        """Bucket ``b`` with the sender's ``kind`` digest ``expected`` (an int, or a device value
+        read at the end); ``buf``: its bytes, to digest here (None: a peer on the node did)."""
+        got = None if buf is None else _host_now(compute(kind, buf))
+        expected = _host_now(expected)
+        if not isinstance(got, torch.Tensor) and not isinstance(expected, torch.Tensor):
+            if got is not None and got != expected & MASK:
+                raise _mismatch(kind, b, self.version, got, expected & MASK)
+            got = None  # settled here
+        self._seen.append((b, kind, got, expected))
+
+    def finish(self) -> list[int]:
+        """Compare what was deferred (one host read for all of it); the sender's digests of every
+        bucket added, in order, as unsigned ints.
+
+        Raises:
+            ChecksumError: the first bucket, in plan order, whose bytes differ from the sender's.
+        """
+        deferred = [v for _, _, got, exp in self._seen for v in (got, exp) if isinstance(v, torch.Tensor)]
+        values = iter(torch.stack([v.reshape(()) for v in deferred]).cpu().tolist() if deferred else ())
+        out = []
+        for b, kind, got, exp in self._seen:
+            if isinstance(got, torch.Tensor):
+                got = next(values) & MASK
+            exp = (next(values) if isinstance(exp, torch.Tensor) else exp) & MASK
+            if got is not None and got != exp:
+                raise _mismatch(kind, b, self.version, got, exp)
+            out.append(exp)
+        return out
 
 
 def version_digest(kind: str | None, bucket_digests: Sequence[int] | Iterable[int]) -> str | None:

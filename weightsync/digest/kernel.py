@@ -26,9 +26,11 @@ import torch
 
 ENV = "WEIGHTSYNC_DIGEST_KERNEL"
 # the tile of words one program digests, columns x rows: a 256 MiB bucket (1024 rows of 64 Ki
-# words) makes 64 x 256 programs, many per SM of an H100 or H200; each reads 16 KiB of data
-# against 8 KiB of column weights. WEIGHTSYNC_DIGEST_KERNEL=<block>x<rows> tries another tile
-BLOCK, ROWS = 1024, 4
+# words) makes 32 x 512 programs, many per SM of an H100; each reads 16 KiB of data against 16
+# KiB of column weights (from L2). On one H100 this tile digested 1.17 GiB in 0.62 ms, 0.69x one
+# device copy of the bytes; 1024x4 took 0.85 ms, 512x8, 2048x4 and 4096x1 0.63-0.65 ms
+# (benchmarks/digest_device.py, docs/digest.md). WEIGHTSYNC_DIGEST_KERNEL=<block>x<rows> tries another
+BLOCK, ROWS = 2048, 2
 
 
 @functools.cache
@@ -70,7 +72,7 @@ def _triton() -> Any:
 
 
 def _shape() -> tuple[int, int]:
-    raw = os.environ.get(ENV, "")
+    raw = os.environ.get("WEIGHTSYNC_DIGEST_KERNEL", "")
     if "x" in raw:
         block, rows = (int(x) for x in raw.split("x", 1))
         return block, rows
@@ -81,7 +83,7 @@ def enabled(device: torch.device) -> bool:
     """Whether buckets on ``device`` are digested by the kernel: CUDA with Triton, unless turned
     off; anywhere with ``WEIGHTSYNC_DIGEST_KERNEL=on`` (the tests run it on CPU tensors under
     ``TRITON_INTERPRET=1``)."""
-    setting = os.environ.get(ENV, "auto")
+    setting = os.environ.get("WEIGHTSYNC_DIGEST_KERNEL", "auto")
     if setting == "off":
         return False
     if setting == "auto" and device.type != "cuda":
@@ -89,23 +91,21 @@ def enabled(device: torch.device) -> bool:
     return _triton() is not None
 
 
-def digest(words: torch.Tensor, raw: torch.Tensor, n: int, tables: Any, length_term: int) -> torch.Tensor:
+def digest(words: torch.Tensor, raw: torch.Tensor, n: int, tables: Any, length_term: int, cols: int) -> torch.Tensor:
     """The digest of a bucket of ``n`` bytes as a 0-dim int64 tensor on its device, no host
     synchronization. ``words``: its whole int32 words; ``raw``: its bytes (for the tail);
     ``tables``: the device's weight tables (digest._Tables); ``length_term``: n * LENGTH_MIX as
-    a signed int64."""
-    from . import COLS
-
+    a signed int64; ``cols``: words per row (digest.COLS)."""
     kernel = _triton()
     block, rows_per = _shape()
     nw = words.numel()
     tail = n - nw * 4
     padded = nw + (1 if tail else 0)
-    nrows = max(1, -(-padded // COLS))
-    col_blocks = min(COLS // block, max(1, -(-padded // block)))
+    nrows = max(1, -(-padded // cols))
+    col_blocks = min(cols // block, max(1, -(-padded // block)))
     row_groups = -(-nrows // rows_per)
     row_weights = tables.rows_upto(nrows)
     out = torch.empty(col_blocks * row_groups, dtype=torch.int64, device=words.device)
     kernel[(col_blocks, row_groups)](words, raw, tables.cols[0], tables.cols[1], row_weights, out, nw, tail,
-                                     nrows, length_term, COLS=COLS, BLOCK=block, ROWS=rows_per)
+                                     nrows, length_term, COLS=cols, BLOCK=block, ROWS=rows_per)
     return out.sum()

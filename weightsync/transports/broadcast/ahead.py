@@ -13,8 +13,10 @@ from typing import Any
 
 import torch
 
+from ... import digest
+from ...digest import as_int
 from ...errors import ChecksumError, VersionError
-from ..base import BroadcastVersion, Received, ReceiverTransport, VersionRecord
+from ..base import BroadcastVersion, Received, VersionRecord
 from ..shadow import Shadow
 
 
@@ -22,6 +24,7 @@ class AheadReceiver:
     """Mixed into BroadcastReceiver, before its collective end and ReceiverTransport."""
 
     ctx: Any
+    kind: str | None
     session: Any
     device: torch.device
     shadow: Shadow | None
@@ -60,11 +63,13 @@ class AheadReceiver:
                 for b, wire, expected in self._collective(version, info, deadline, check):
                     into = shadow.bucket(b, wire.numel())
                     into.copy_(wire)
+                    expected = None if expected is None else as_int(expected)
                     shadow.digests.append(expected)
-                    if bad is None:
+                    if bad is None and expected is not None and self.kind is not None:
                         try:
-                            # the shadow's copy is what the barrier loads: verify that one
-                            ReceiverTransport.verify_bucket(self, version, info, b, into, expected)
+                            # the shadow's copy is what the barrier loads: verify that one, now
+                            # (off the barrier: this thread may wait for the device)
+                            digest.verify(self.kind, b, into, expected, version)
                         except ChecksumError as exc:
                             bad = exc
             except BaseException as exc:
@@ -87,10 +92,13 @@ class AheadReceiver:
     def received_ahead(self, version: int, info: VersionRecord) -> bool:
         return isinstance(info, BroadcastVersion) and info.ahead
 
-    def verify_bucket(self, version: int, info: VersionRecord, b: int, buf: torch.Tensor, expected: int | None) -> bool:
+    def verify_bucket(self, version: int, info: VersionRecord, b: int, buf: torch.Tensor,
+                      expected: int | torch.Tensor | None, checks: digest.Checks) -> bool:
         if self.received_ahead(version, info):
+            if expected is not None and self.kind is not None:
+                checks.add(self.kind, b, expected)  # for the version's digest
             return False  # verified in the shadow as it arrived, by this very receiver
-        return super().verify_bucket(version, info, b, buf, expected)  # type: ignore[misc]
+        return super().verify_bucket(version, info, b, buf, expected, checks)  # type: ignore[misc]
 
     def span(self, version: int, info: VersionRecord) -> Callable[[int, int, int], torch.Tensor | None] | None:
         if self.received_ahead(version, info) and self.shadow is not None:

@@ -13,6 +13,7 @@ import torch
 from ...coordinator.ops import BroadcastGroup
 from ...digest import compute, kind_of
 from ...errors import ConfigError, ProtocolError, WeightSyncError
+from ...manifest import PackViews
 from ..base import Aborted, TransportContext
 from ..ipc.wire import in_flight
 from .communicators import choose_communicator, comm_device
@@ -36,8 +37,13 @@ def put_checksum(buf: torch.Tensor, n: int, value: int | torch.Tensor | None = N
     return value
 
 
-def get_checksum(buf: torch.Tensor, n: int) -> int:
-    return struct.unpack("<Q", buf[n: n + TRAILER].cpu().numpy().tobytes())[0]
+def get_checksum(buf: torch.Tensor, n: int) -> int | torch.Tensor:
+    """The trailer's digest: an int from host memory; from a device buffer a copy of it on the
+    device (the buffer takes the next bucket soon), read with the version's other digests at
+    its end (digest.Checks) instead of a host wait per bucket."""
+    if buf.device.type != "cpu":
+        return buf[n: n + TRAILER].clone().view(torch.int64)[0]
+    return struct.unpack("<Q", buf[n: n + TRAILER].numpy().tobytes())[0]
 
 
 class BroadcastEnd:
@@ -55,6 +61,8 @@ class BroadcastEnd:
         self.trailer = TRAILER if kind_of(ctx.config, self.device) else 0
         self.group: Group | None = None
         self.buffers: list[torch.Tensor] | None = None
+        self.generation = 0  # bumped whenever the buffers go (ReceiverTransport.buffers_generation)
+        self.views = PackViews()  # the sender's: where each bucket's tensors go in each buffer
         self.pending: list[Any] = []  # ops posted and not yet settled
 
     def _buffers(self) -> list[torch.Tensor]:
@@ -95,6 +103,8 @@ class BroadcastEnd:
         if self.pending and self.buffers is not None:
             self.ctx.account("bcast_buffers", -BUFFERS)
             self.buffers = None
+            self.generation += 1
+            self.views.clear()
         retire(self.group, self.pending, self.ctx.name)
         self.group, self.pending = None, []
 
@@ -121,3 +131,5 @@ class BroadcastEnd:
         if self.buffers is not None:
             self.ctx.account("bcast_buffers", -BUFFERS)
             self.buffers = None
+            self.generation += 1
+            self.views.clear()
