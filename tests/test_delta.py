@@ -321,10 +321,14 @@ def test_the_auto_shm_budget_leaves_room_for_the_trainer_snapshot():
 
 
 class _Transport:
-    """What a loader asks of a receiver transport: a span (none here: reassemble)."""
+    """What a loader asks of a receiver transport: a span (none here: reassemble), and whether its
+    buffers changed (never here)."""
 
     def span(self, version, info):
         return None
+
+    def buffers_generation(self):
+        return 0
 
 
 def _through(packing, loaders: Loaders, model: _Model, v: int, fields) -> VersionRecord:

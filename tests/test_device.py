@@ -42,6 +42,20 @@ def test_colocated_on_one_device_bit_exact(start_job, kind, transport, chosen, d
     assert ("shm streaming" in status["transport_reason"]) == (transport == "shm-stream")
 
 
+@pytest.mark.parametrize("transport", ["ipc", "shm"])
+@pytest.mark.parametrize("kind", KINDS)
+def test_batched_loads_keep_every_nan_payload(start_job, kind, transport):
+    """Random bits (NaNs with every payload among them) packed and loaded by batched copies
+    (weightsync.CopyInto) on the device: bit for bit, though CUDA's batched copy of bf16 elements
+    goes through float32, which keeps no NaN payload (the sim device does the same)."""
+    m = layout("tiny")
+    cfg = {**CFG, "device": kind, "transport": transport}
+    on_device = {"device": kind}
+    job = start_job(cfg, 2, m, options=_share(kind, 3), rollout={**on_device, "batched": True}, trainer=on_device)
+    job.run(m, range(1, 4))
+    assert job.coordinator.status()["latest_committed"] == 3
+
+
 @pytest.mark.parametrize("kind", KINDS)
 def test_broadcast_refuses_two_ranks_on_one_device(ray_cluster, start_job, kind):
     # NCCL / HCCL cannot hold one device twice; the session says so instead of hanging

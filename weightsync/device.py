@@ -57,6 +57,15 @@ def resolve(device: str = "auto") -> torch.device:
     raise ValueError(f"unknown device kind {device!r}")
 
 
+def address(t: torch.Tensor) -> int:
+    """Where ``t``'s bytes start in memory: views of the same bytes give the same address."""
+    if t.device.type == SIM:
+        from . import sim
+
+        return sim.host_of(t).data_ptr()
+    return t.data_ptr()
+
+
 def set_current(device: torch.device) -> None:
     """Make ``device`` current in the calling thread (the NPU current device is per thread)."""
     if device.type == "cuda":

@@ -22,24 +22,22 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable
 from typing import Any
-
-import torch
 
 from .config import SyncConfig
 from .coordinator.client import Coordinator, Party
 from .coordinator.state import State
 from .delta.strategy import Engine, Loaders
+from .digest import Checks
 from .errors import ManifestError, VersionError, WeightSyncError
 from .manifest import Expected, Manifest, Unpacker, check_manifest, size_text
 from .receive_ahead import AheadThread
+from .targets import LoadWeights
 from .transports.base import ReceiverTransport, TransportContext, VersionRecord
 from .transports.selection import receiver_class
 
 log = logging.getLogger("weightsync")
-
-LoadWeights = Callable[[Iterable[tuple[str, torch.Tensor]]], Any]
 
 
 class WeightReceiver(Party):
@@ -175,6 +173,7 @@ class WeightReceiver(Party):
             if version == self._version:
                 return self._version
             raise VersionError(f"receiver '{self.name}' serves version {self._version}; version {version} goes backwards")
+        made = self.control.made()
         target = self.control.wait_version(version, timeout, wait=wait)
         v = target.version
         if v is None or v == self._version:
@@ -200,6 +199,7 @@ class WeightReceiver(Party):
         self._version, self._info, self._served = v, {"slot": target.slot, "info": target.info}, info
         self._loaders.committed(v, info)
         self._report(v, ok=True, metrics=self.last_metrics)
+        self.last_metrics["calls"] = self.control.made() - made  # coordinator calls of this version, report included
         _log_applied(self.name, v, self.transport.name, self.last_metrics["bytes"], self.last_metrics["total_s"])
         return v
 
@@ -278,17 +278,15 @@ class WeightReceiver(Party):
         t0 = time.perf_counter()
         wait_s = verify_s = load_s = 0.0
         nbytes = peer_verified = 0
-        verified: list[int] = []  # bucket digests, verified here or by a peer on the node
+        checks = Checks(version)  # host buckets checked at once, device ones in one read at the end
         loader = self._loaders.of(info)
         loader.begin(version, info, self.transport)
         t = time.perf_counter()
         for b, buf, expected in self.transport.receive(version, info, deadline, check):
             t1 = time.perf_counter()
             wait_s += t1 - t
-            if not self.transport.verify_bucket(version, info, b, buf, expected) and expected is not None:
+            if not self.transport.verify_bucket(version, info, b, buf, expected, checks) and expected is not None:
                 peer_verified += 1  # another receiver on the node hashed these very bytes
-            if expected is not None:
-                verified.append(expected)
             t2 = time.perf_counter()
             pairs = loader.unpack(version, info, b, buf)
             if pairs:
@@ -303,16 +301,21 @@ class WeightReceiver(Party):
             verify_s += t2 - t1
             load_s += t - t2
         t3 = time.perf_counter()
+        # bucket digests, verified here or by a peer on the node; a bad device bucket raises here,
+        # before the version is committed
+        verified = checks.finish()
+        t4 = time.perf_counter()
+        verify_s += t4 - t3
         if self.post_load is not None:
             self.post_load()
-        t4 = time.perf_counter()
+        t5 = time.perf_counter()
         # part of the load, so a failed reset fails (and rolls back) the version: the engine
         # must not answer from KV blocks computed with other weights than the ones committed
         if self.reset_cache is not None and self.reset_cache() is False:
             raise VersionError(f"receiver '{self.name}': the engine did not reset its cache after loading "
                                f"version {version} (reset_cache returned False: requests still running?)")
-        reset_s = time.perf_counter() - t4
-        post_s = t4 - t3
+        reset_s = time.perf_counter() - t5
+        post_s = t5 - t4
         total = time.perf_counter() - t0
         kind = self.transport.kind if len(verified) == self.unpacker.plan.bucket_count else None
         return {"wait_s": wait_s, "verify_s": verify_s, "load_s": load_s, "post_load_s": post_s,

@@ -51,6 +51,8 @@ class SyncResult:
         barrier_s: Seconds from the barrier until every receiver committed.
         bytes: Payload bytes of the version.
         metrics: The coordinator's per-version record (as ``Coordinator.metrics`` gives it).
+        stage_calls: Coordinator calls this sender made to stage the version.
+        sync_calls: Coordinator calls this sender made in ``sync()``.
     """
 
     version: int
@@ -58,6 +60,8 @@ class SyncResult:
     barrier_s: float
     bytes: int
     metrics: dict[str, Any]
+    stage_calls: int = 0
+    sync_calls: int = 0
 
     @property
     def gbps(self) -> float:
@@ -142,6 +146,7 @@ class WeightSender(Party):
         self.transport: SenderTransport | None = None
         self.transport_name: str | None = None
         self._staged: dict[int, StagedVersion] = {}
+        self._stage_calls: dict[int, int] = {}  # coordinator calls each staged version took
         self._staged_digest: dict[int, str | None] = {}  # version digests reported when staged
         self._pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix=f"weightsync-stage-{self.name}")
         # full, or delta sync's snapshot and diff with config delta: auto / on (delta/strategy.py)
@@ -278,7 +283,13 @@ class WeightSender(Party):
             self.control.without_rejoin().publish(self._published)
 
     def _stage(self, version: int, named: NamedTensors) -> float:
-        t0 = time.perf_counter()
+        t0, made = time.perf_counter(), self.control.made()
+        try:
+            return self._stage_counted(version, named, t0)
+        finally:
+            self._stage_calls[version] = self.control.made() - made  # in the thread that staged
+
+    def _stage_counted(self, version: int, named: NamedTensors, t0: float) -> float:
         if not self.sends:
             for _ in (named.items() if isinstance(named, Mapping) else named):
                 pass  # lockstep: the iteration itself may be a collective on this rank
@@ -332,7 +343,7 @@ class WeightSender(Party):
             raise VersionError(f"sync({version}) was called but {self.name} never staged version {version}")
         stage_s = handle.wait()
         timeout = self.config.sync_timeout_s if timeout is None else timeout
-        t0 = time.perf_counter()
+        t0, made = time.perf_counter(), self.control.made()
         transport = self.transport.name if self.transport is not None else None
         try:
             late = None
@@ -355,7 +366,10 @@ class WeightSender(Party):
             for old in [v for v in self._staged if v <= version]:
                 del self._staged[old]
         barrier_s = time.perf_counter() - t0
-        result = SyncResult(version, stage_s, barrier_s, outcome.bytes, outcome.as_dict())
+        stage_calls = self._stage_calls.pop(version, 0)
+        self._stage_calls = {v: n for v, n in self._stage_calls.items() if v > version}
+        result = SyncResult(version, stage_s, barrier_s, outcome.bytes, outcome.as_dict(), stage_calls=stage_calls,
+                            sync_calls=self.control.made() - made)
         if self.sends:
             _log_sent(self.name, version, transport, result.bytes, stage_s, barrier_s, outcome.committed)
         return result

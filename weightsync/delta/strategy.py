@@ -148,6 +148,7 @@ class FullLoader:
     def __init__(self, unpacker: Unpacker):
         self.unpacker = unpacker
         self._span: Span | None = None
+        self._generation = 0  # of the transport's buffers the unpacker's views show
 
     def holds_base(self, info: VersionRecord) -> bool:
         """Whether this receiver can load the version over what it serves."""
@@ -156,6 +157,9 @@ class FullLoader:
     def begin(self, version: int, info: VersionRecord, transport: ReceiverTransport) -> None:
         """Before any byte moves; raises to refuse the version."""
         self._span = transport.span(version, info)
+        if transport.buffers_generation() != self._generation:
+            self._generation = transport.buffers_generation()
+            self.unpacker.forget()  # their buffers went: views of them would keep them mapped
 
     def unpack(self, version: int, info: VersionRecord, b: int, buf: torch.Tensor) -> Pairs:
         """Bucket ``b``, verified as received: the pairs to load now."""

@@ -143,7 +143,7 @@ def _dispatch(func: Any, args: Any, kwargs: Any) -> Any:
     hargs, hkwargs = tree_map(_host, args), tree_map(_host, kwargs)
     if func is aten._foreach_copy_.default:
         s = current_stream()
-        s.enqueue(lambda: func(*hargs, **hkwargs))
+        s.enqueue(lambda: _foreach_copy(args, hargs[0], hargs[1]))
         blocking = not (args[2] if len(args) > 2 else kwargs.get("non_blocking", False))
         crosses = any(not isinstance(t, SimTensor) for t in [*args[0], *args[1]])
         if blocking and crosses:
@@ -152,6 +152,8 @@ def _dispatch(func: Any, args: Any, kwargs: Any) -> Any:
     _check_devices(func, args, kwargs)
     if _writes(func):  # in place (out= included): queued; the arguments it writes are its result
         current_stream().enqueue(lambda: func(*hargs, **hkwargs))
+        if not func._schema.returns:  # the in-place foreach ops (_foreach_zero_ & co.) return nothing
+            return None
         written = [a.name for a in func._schema.arguments if a.alias_info is not None and a.alias_info.is_write]
         named = dict(zip([a.name for a in func._schema.arguments], args)) | kwargs
         outs = [named[n] for n in written if n in named]
@@ -174,6 +176,22 @@ def _dispatch(func: Any, args: Any, kwargs: Any) -> Any:
 
     current_stream().enqueue(run)
     return tree_unflatten(allocated, spec)
+
+
+# CUDA's _foreach_copy_ kernel (its fast path: every tensor on one device, one dtype, the same
+# sizes and strides pairwise) computes in the dtype's opmath type: these go through float32 and
+# back, which makes every NaN the canonical one. Modelled, so a batched copy that would lose NaN
+# payloads on a GPU loses them here too
+_THROUGH_FLOAT = {torch.float16, torch.bfloat16} | {getattr(torch, n) for n in (
+    "float8_e4m3fn", "float8_e4m3fnuz", "float8_e5m2", "float8_e5m2fnuz") if hasattr(torch, n)}
+
+
+def _foreach_copy(args: Any, dst: list[torch.Tensor], src: list[torch.Tensor]) -> None:
+    fast = (all(isinstance(t, SimTensor) for t in [*args[0], *args[1]])
+            and len({t.dtype for t in [*dst, *src]}) == 1
+            and all(d.size() == s.size() and d.stride() == s.stride() for d, s in zip(dst, src)))
+    for d, s in zip(dst, src):
+        d.copy_(s.float() if fast and d.dtype in _THROUGH_FLOAT else s)
 
 
 def _copy(dst: Any, src: Any, non_blocking: bool) -> Any:

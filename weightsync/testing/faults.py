@@ -5,8 +5,9 @@ carry no test hooks (parties.py uses them; so does the vLLM tier's trainer).
   bucket b is packed and its digest taken, an edit changes its bytes before the transport
   may publish it. The seam is the BucketSink contract (manifest.py): ``done(b, digest)`` comes
   once b's last byte is in and its digest computed, before the next buffer is asked for;
-  every transport publishes bucket b only after that (shm after pack_stream yields b, the
-  ipc ring from ``buffer(b + 1)`` or after the yield, broadcast launches b in
+  every transport publishes bucket b only after that (shm after pack_stream yields b; shm on
+  an accelerator copies b from its device staging buffer to the segment from ``buffer(b + 1)``
+  on; the ipc ring from ``buffer(b + 1)`` or after the yield, broadcast launches b in
   ``buffer(b + 1)`` or ``finish()``). Full and delta versions alike: both pack through
   ``Packing.into(sink, kind)``.
 - In a receiver's load (``hold_receive``): the receiver's view of its transport is wrapped so

@@ -28,6 +28,7 @@ from ..coordinator.client import Coordinator
 from ..manifest import Manifest
 from ..receiver import WeightReceiver
 from ..sender import SyncResult, WeightSender
+from ..targets import CopyInto
 from .faults import edit_packed, hold_receive, tampering
 from .layouts import materialize
 
@@ -44,6 +45,7 @@ class ToyEngine:
         self.loads = 0
         self.post_loads = 0
         self.load_delay_s = load_delay_s  # a slow engine, so faults can land mid-transfer
+        self._batched = CopyInto(self.params)
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
         if self.load_delay_s:
@@ -56,11 +58,10 @@ class ToyEngine:
         return done
 
     def copy_in(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
-        """``load_weights`` with nothing but the copies: no names kept, no counts, no delay.
-        The bench's loader, so a row times the transfer and not the stand-in's bookkeeping."""
-        params = self.params
-        for name, tensor in weights:
-            params[name].copy_(tensor)
+        """``load_weights`` with nothing but the copies, batched (weightsync.CopyInto): no names
+        kept, no counts, no delay. The bench's loader for every row, baselines included, so a
+        row times the transfer and not the stand-in's bookkeeping."""
+        self._batched.load_weights(weights)
 
     def post_load(self) -> None:
         self.post_loads += 1
@@ -140,13 +141,15 @@ class RolloutWorker(_Party):
 
     def __init__(self, coordinator: Coordinator, manifest_wire: list, name: str, rank: int = 0,
                  config: dict | None = None, check: bool = True, expected_wire: list | None = None,
-                 load_delay_s: float = 0.0, device: str = "cpu"):
+                 load_delay_s: float = 0.0, device: str = "cpu", batched: bool = False):
         manifest = Manifest.from_wire(manifest_wire)
         model = Manifest.from_wire(expected_wire) if expected_wire is not None else manifest
         self.engine = ToyEngine(model, device=device, load_delay_s=load_delay_s)
         cfg = SyncConfig.load(config) if config is not None else None
+        # batched: the engine loads through weightsync.CopyInto (one batched copy per bucket)
         self.receiver = WeightReceiver(
-            coordinator, self.engine.load_weights, name=name, rank=rank, post_load=self.engine.post_load,
+            coordinator, self.engine.copy_in if batched else self.engine.load_weights, name=name, rank=rank,
+            post_load=self.engine.post_load,
             expected={s.name: s for s in model} if check else None, config=cfg,
         )
         self.gate = Gate()

@@ -129,8 +129,9 @@ class VersionRecord(Record):
 
 # -- the interface -----------------------------------------------------------------------------
 
-# a received bucket: (index, uint8 bytes of the bucket, the sender's digest or None)
-Received = tuple[int, torch.Tensor, "int | None"]
+# a received bucket: (index, uint8 bytes of the bucket, the sender's digest or None: an int, or
+# a device value where reading it would wait for the device, as from a broadcast trailer)
+Received = tuple[int, torch.Tensor, "int | torch.Tensor | None"]
 
 
 class Aborted(VersionError):
@@ -207,14 +208,20 @@ class SenderTransport(abc.ABC):
 
     def __init__(self, ctx: TransportContext):
         self.ctx = ctx
-        # the digest of this transport's buckets (None: off), from where its buffers live
-        self.digest_kind: str | None = digest.kind_of(ctx.config, self.buffer_device())
+        # the digest of this transport's buckets (None: off), from where they are hashed
+        self.digest_kind: str | None = digest.kind_of(ctx.config, self.digest_device())
         # version -> digest of the whole version (digest.version_digest), once it was packed
         self.version_digests: dict[int, str | None] = {}
 
     def buffer_device(self) -> torch.device:
         """Where this transport's bucket buffers live (host for shm)."""
         return torch.device("cpu")
+
+    def digest_device(self) -> torch.device:
+        """Where this transport digests its buckets (config ``digest: auto`` picks the kind for
+        it): where its buffers live, unless it hashes them elsewhere on their way (shm on an
+        accelerator node: on the device, before the copy to the host)."""
+        return self.buffer_device()
 
     def _record(self, version: int, bucket_digests: list[Any]) -> str | None:
         value = digest.version_digest(self.digest_kind, bucket_digests) if self.digest_kind else None
@@ -280,17 +287,26 @@ class ReceiverTransport(abc.ABC):
         the next one is requested. ``check()`` raises if the version was aborted; call it
         while waiting. Raise DeadlineExceeded past ``deadline`` (time.monotonic())."""
 
+    def buffers_generation(self) -> int:
+        """Changes whenever buffers this transport yielded before were closed or replaced, so
+        views of them that outlive a version (the receiver keeps its unpacked views per buffer)
+        are dropped instead of keeping the memory mapped. A transport whose buffers never
+        change keeps the default."""
+        return 0
+
     def plan_of(self, info: VersionRecord) -> BucketPlan:
         """The bucket lengths a version moves, as its record says (VersionRecord.moves)."""
         return info.moves(self.ctx.plan)
 
-    def verify_bucket(self, version: int, info: VersionRecord, b: int, buf: torch.Tensor, expected: int | None) -> bool:
-        """Raise ChecksumError if bucket b does not match the sender's digest (None: no
-        digest). True if it was digested here; a transport whose receivers share the bytes
-        may let one of them verify for all (shm)."""
+    def verify_bucket(self, version: int, info: VersionRecord, b: int, buf: torch.Tensor,
+                      expected: int | torch.Tensor | None, checks: digest.Checks) -> bool:
+        """Check bucket b against the sender's digest (None: no digest) through the version's
+        ``checks``: at once where it is in host memory (ChecksumError), at the end of the
+        version on a device (digest.Checks). True if it was digested here; a transport whose
+        receivers share the bytes may let one of them verify for all (shm)."""
         if expected is None or self.kind is None:
             return False
-        digest.verify(self.kind, b, buf, expected, version)
+        checks.add(self.kind, b, expected, buf)
         return True
 
     def prefetch(self, version: int, info: VersionRecord, deadline: float, check: Callable[[], None]) -> bool:

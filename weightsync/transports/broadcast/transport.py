@@ -214,6 +214,7 @@ class _Launch(BucketSink):
     def __init__(self, sender: BroadcastSender, version: int, deadline: float, failed: bool = False,
                  plan: BucketPlan | None = None):
         self.sender, self.version, self.deadline = sender, version, deadline
+        self.views = sender.views
         self.plan = sender.ctx.plan if plan is None else plan  # the packing's wire lengths (shorter where its buckets are encoded)
         self.group: Group | None = None
         self.launched: list[Any] = []
@@ -355,6 +356,9 @@ class BroadcastReceiver(AheadReceiver, BroadcastEnd, ReceiverTransport):
                 # stopped part-way (a failure above, or load_weights / a checksum failed in
                 # the consumer): our posted ops are out of step with the group, retire it
                 self._drop()
+
+    def buffers_generation(self) -> int:
+        return self.generation
 
     def close(self) -> None:
         self._close_end()

@@ -29,7 +29,7 @@ import torch
 from ... import device as devices
 from ...digest import as_int, compute, kind_of
 from ...errors import CapacityError, DeadlineExceeded, ProtocolError, VersionError
-from ...manifest import BucketPlan, BucketSink, Packing, align_up
+from ...manifest import BucketPlan, BucketSink, Packing, PackViews, align_up
 from ..base import Aborted, DeviceHandle, DeviceRecord, HostBuffer, IpcSession, Received, TransportContext, poll_until
 from ..memory import PAGE, Segment, Waiter, attach, create, digest_word, reap_stale, wake
 from .wire import (
@@ -72,6 +72,7 @@ class RingWriter:
         self.handles: list[HostBuffer | DeviceHandle] = []
         self.control: Segment | None = None
         self._pending: dict[int, Packing] = {}
+        self.views = PackViews()  # where each bucket's tensors go in each buffer, made once
         try:
             self.control = self._segment(CONTROL_BYTES, f"an {owner} control block", f"{resource}_control")
             w = self.control.words
@@ -122,9 +123,11 @@ class RingWriter:
             raise VersionError(f"{self.owner}: version {version} was not staged on this transport (superseded?)")
         devices.set_current(self.ctx.device)
         try:
-            sink = _VersionSink(self, version, Watch(self.ctx, version), deadline, packing.plan)
+            watch = Watch(self.ctx, version)
+            watch.write_roster(self.control.words)
+            sink = _VersionSink(self, version, watch, deadline, packing.plan)
             for b in packing.into(sink, self.digest_kind):
-                sink.publish_through(b)
+                sink.publish_through(b - 1)  # b's copies are queued: waiting for b - 1 keeps the device busy
             sink.publish_through(packing.plan.bucket_count - 1)
             return sink.sums
         except Aborted:
@@ -151,6 +154,7 @@ class RingWriter:
 
     def close(self) -> None:
         self._pending.clear()
+        self.views.clear()
         self.buffers.clear()  # device memory is freed once receivers dropped their mappings too
         if self.device.type != "cpu":
             for _ in self.handles:
@@ -177,6 +181,7 @@ class _VersionSink(BucketSink):
         self.digests: dict[int, Any] = {}  # from pack_stream, by bucket, until published
         self.sums: list[int] = []
         self.fences = devices.Fences(ring.device)
+        self.views = ring.views
 
     def buffer(self, b: int) -> torch.Tensor:
         # plan order is monotonic: when bucket b is asked for, every bucket before it is full
@@ -197,6 +202,7 @@ class _VersionSink(BucketSink):
     def done(self, b: int, digest: int | torch.Tensor | None) -> None:
         if digest is not None:
             self.digests[b] = digest
+        self._fence(b)  # the event right behind b's copies and digest: b is published once they land
 
     def _fence(self, last: int) -> None:
         """Buckets up to ``last`` are fully queued: mark them, their device digests copied behind."""
@@ -247,6 +253,7 @@ class RingReader:
         self.slot: int | None = None
         self.control: Segment | None = None
         self.kind: str | None = None
+        self.generation = 0  # bumped whenever the buffers go (ReceiverTransport.buffers_generation)
         self._attach(session)
 
     def _attach(self, info: IpcSession) -> None:
@@ -314,7 +321,6 @@ class RingReader:
         if self.control is None or session.control != self.control.ref:
             self.close()
             self._attach(session)
-        must_wait_for_me(self.ctx, self.owner, version)
         return self._read(version, plan, deadline, check)
 
     def _read(self, version: int, plan: BucketPlan, deadline: float, check: Callable[[], None]) -> Iterator[Received]:
@@ -331,6 +337,8 @@ class RingReader:
                 # every one back (their loads land on their own) before waiting on the sender
                 self._release(version, held, loaded, need=b - 1)
                 self._wait(w, word, want, version, b, deadline, check)
+            if b == 0:
+                must_wait_for_me(self.ctx, self.owner, version, w)  # before anything is loaded
             expected = int(w[word + 1]) if self.kind else None
             yield b, self.buffers[k][: bucket.nbytes], expected
             loaded.mark(b)
@@ -359,6 +367,8 @@ class RingReader:
         def arrived() -> bool:
             got = int(w[word])
             if got > want:
+                if b == 0:
+                    must_wait_for_me(self.ctx, self.owner, version, w)  # not waited for: that is why
                 raise ProtocolError(f"{self.owner}: the sender is past bucket {b} of version {version}; this receiver "
                                     f"joined the transfer late and catches up with the next version")
             return got == want
@@ -379,6 +389,7 @@ class RingReader:
                 fcntl.flock(self.control.fd, fcntl.LOCK_UN)
             self.slot = None
         self.buffers.clear()
+        self.generation += 1
         for _ in range(self.opened):
             self.ctx.account(f"{self.resource}_handles", -1)
         self.opened = 0

@@ -76,5 +76,8 @@ class IpcReceiver(ReceiverTransport):
         self.kind = self.ring.kind  # a restarted sender's, where the ring followed one
         yield from buckets
 
+    def buffers_generation(self) -> int:
+        return self.ring.generation
+
     def close(self) -> None:
         self.ring.close()

@@ -18,6 +18,9 @@ coordinator round trip per bucket:
             on the device for device buffers (digest: auto), so device ipc is verified too
   [48 + 16r] receiver slot r: owner (hash of the receiver's name), [+1] pid,
              [+2 + k] tag of the last bucket the receiver finished with in buffer k
+  [ROSTER] version + 1 of the roster below, [+1] its length, [+2 ...] the owner words of the
+           receivers the sender waits for in that version: written before its first bucket is
+           published, so a receiver learns whether it takes part without asking the coordinator
 """
 
 from __future__ import annotations
@@ -149,13 +152,14 @@ def in_flight(default: int) -> int:
     return n
 
 
-MAGIC = 0x5753594E43495043  # "WSYNCIPC"
+MAGIC = 0x5753594E43495032  # "WSYNCIP2": with the roster (a sender without one is another version)
 NBUF = in_flight(2)  # ring depth
 RELEASED = 6
 MAX_RECEIVERS = 256
 BUF0, BUF_WORDS = 16, 4
 SLOT0, SLOT_WORDS = BUF0 + MAX_BUFFERS * BUF_WORDS, 16
-CONTROL_BYTES = (SLOT0 + MAX_RECEIVERS * SLOT_WORDS) * 8
+ROSTER = SLOT0 + MAX_RECEIVERS * SLOT_WORDS
+CONTROL_BYTES = (ROSTER + 2 + MAX_RECEIVERS) * 8
 BUCKET_BITS = 24
 KIND_CODE = {None: 0, "xxh3": 1, "torch": 2}
 
@@ -186,7 +190,9 @@ def find_slot(words: np.ndarray, owner: int) -> int | None:
 # -- whom the sender waits for ----------------------------------------------------------------
 
 class Watch:
-    """The sender's view of who takes part in a version, refreshed while it waits."""
+    """The sender's view of who takes part in a version: the participants the barrier named
+    (the sender's own begin_sync reply, no call of its own), refreshed from the coordinator
+    only while it waits longer than a tick."""
 
     def __init__(self, ctx: TransportContext, version: int):
         self.ctx, self.version = ctx, version
@@ -194,7 +200,11 @@ class Watch:
         self.done: set[str] = set()
         self.known = ctx.control is not None
         self.slots: dict[str, int] = {}
-        self.refresh()
+        barrier = ctx.control.barrier(version) if self.known else None
+        if barrier is not None:
+            self.names, self.done = list(barrier.participants), set(barrier.failed)
+        else:
+            self.refresh()
 
     def refresh(self) -> None:
         if not self.known:
@@ -204,6 +214,15 @@ class Watch:
             raise Aborted(f"version {self.version} was aborted: {m.reason}")
         self.names = list(m.participants)
         self.done = set(m.failed) | set(m.committed)
+
+    def write_roster(self, words: np.ndarray) -> None:
+        """Tell the receivers whom this version waits for (before its first bucket is published)."""
+        if not self.known:
+            return
+        waited = [owner_word(n) for n in self.names if n not in self.done][:MAX_RECEIVERS]
+        words[ROSTER + 2: ROSTER + 2 + len(waited)] = waited
+        words[ROSTER + 1] = len(waited)
+        words[ROSTER] = self.version + 1
 
     def pending(self, words: np.ndarray, need: int, k: int) -> list[str]:
         """Receivers still holding the bucket tagged ``need`` in buffer ``k``."""
@@ -227,15 +246,16 @@ class Watch:
         return out
 
 
-def must_wait_for_me(ctx: TransportContext, owner: str, version: int) -> None:
+def must_wait_for_me(ctx: TransportContext, owner: str, version: int, words: np.ndarray) -> None:
     """A receiver refuses a version whose sender does not wait for it, before touching the
     model: the sender may overwrite a bucket while it loads, and it would serve nothing instead
-    of the complete version it holds. Participants are fixed when the sender reaches the barrier."""
-    if ctx.control is None:
-        return
-    m = ctx.control.metrics(version)
-    late = ctx.name not in m.participants or ctx.name in m.failed
-    if m.state in (State.TRANSFERRING, State.COMMITTED) and late:
+    of the complete version it holds. The sender wrote whom it waits for (the participants
+    fixed at its barrier, less those failed there) before publishing the first bucket; call
+    this once that bucket is seen."""
+    if ctx.control is None or int(words[ROSTER]) != version + 1:
+        return  # no coordinator: the sender waits for every attached receiver
+    roster = words[ROSTER + 2: ROSTER + 2 + int(words[ROSTER + 1])]
+    if not (roster == np.uint64(owner_word(ctx.name))).any():
         raise VersionError(f"{owner}: receiver '{ctx.name}' is not a participant of version {version}: it registered "
                            f"(or came back) after the sender reached the barrier, so the sender does not wait for "
                            f"it; it joins the next version")

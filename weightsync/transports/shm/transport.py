@@ -60,9 +60,9 @@ import torch
 
 from ...config import MiB, SyncConfig
 from ...delta.strategy import host_reserve
-from ...digest import as_int, verify
+from ...digest import Checks, as_int, verify
 from ...errors import CapacityError, DeadlineExceeded, ProtocolError
-from ...manifest import BucketPlan, BucketSink, Packing, align_up
+from ...manifest import BucketPlan, BucketSink, Packing, PackViews, align_up
 from ..base import (
     Received,
     ReceiverTransport,
@@ -91,6 +91,7 @@ from ..memory import (
     resolve_backing,
     wake,
 )
+from .staging import DeviceStage, StagedSink, hashes_on_device, receive_staged
 
 
 def lock_word(fd: int, word: int) -> None:
@@ -160,8 +161,8 @@ def spans(buf: torch.Tensor, bases: list[int], plan: BucketPlan) -> Callable[[in
 class _SegmentSink(BucketSink):
     """Packs into a slot's segment, bucket b at its page-aligned base."""
 
-    def __init__(self, seg: Segment, bases: list[int], plan: BucketPlan):
-        self.seg, self.bases, self.plan = seg, bases, plan
+    def __init__(self, seg: Segment, bases: list[int], plan: BucketPlan, views: PackViews):
+        self.seg, self.bases, self.plan, self.views = seg, bases, plan, views
         self.digests: dict[int, Any] = {}
 
     def buffer(self, b: int) -> torch.Tensor:
@@ -185,10 +186,13 @@ class ShmSender(SenderTransport):
         super().__init__(ctx)
         # why whole versions (open_shm_sender decides the mode; shown in status())
         self.mode_reason = mode_reason
+        # on an accelerator node each bucket is digested on the device before its copy to the host
+        self.stage_on_device = DeviceStage(ctx) if hashes_on_device(ctx, self.digest_kind) else None
         self.directory = ctx.config.shm_dir
         reap_stale(self.directory)
         self.size, self.bases = layout(ctx.plan)
         self.slots: dict[int, Segment] = {}
+        self.views = PackViews()  # where each bucket's tensors go in each slot, made once
         # bytes this sender packed into segments, all versions together: everything the
         # trainer writes happens in stage(); tests check that the barrier adds nothing
         self.packed_bytes = 0
@@ -217,21 +221,39 @@ class ShmSender(SenderTransport):
         early = ShmVersion(segment=seg.ref, size=self.size)
         announce(early)
         sums: list[int] = []
-        sink = _SegmentSink(seg, self.bases, packing.plan)  # the packing's wire lengths (shorter where its buckets are encoded)
-        packed, ready = 0, np.uint64(version + 1)
-        for b in packing.into(sink, self.digest_kind):
-            n = packing.plan.buckets[b].nbytes
-            word = _ready_word(b)
-            if self.digest_kind:  # pack_stream digested the bucket while packing it
-                sums.append(as_int(sink.digests.pop(b)))
-                head[word + 1] = sums[-1]
+        ready = np.uint64(version + 1)
+        packed = 0
+
+        def publish(b: int, value: int | None) -> None:
+            nonlocal packed
+            n, word = packing.plan.buckets[b].nbytes, _ready_word(b)
+            if value is not None:
+                sums.append(value)
+                head[word + 1] = value
             head[word] = ready
             wake(head, word)  # receivers sleeping on the word (transports/memory.py)
             packed += n
             self.packed_bytes += n
+
+        # the packing's wire lengths (shorter where its buckets are encoded)
+        sink = _SegmentSink(seg, self.bases, packing.plan, self.views)
+        if self.stage_on_device is not None:
+            staged = StagedSink(self.stage_on_device, packing.plan, sink.buffer, publish)
+            for _ in packing.into(staged, self.digest_kind):
+                pass  # published by the sink as each bucket's copy to the host lands
+            staged.publish_through(packing.plan.bucket_count - 1)
+        else:
+            for b in packing.into(sink, self.digest_kind):  # pack_stream digested each bucket as it packed it
+                publish(b, as_int(sink.digests.pop(b)) if self.digest_kind else None)
         return dataclasses.replace(early, checksums=sums, packed_bytes=packed, digest=self._record(version, sums))
 
+    def digest_device(self) -> torch.device:
+        return self.ctx.device  # hashed where the tensors are (staging.py); host memory on a CPU
+
     def close(self) -> None:
+        self.views.clear()
+        if self.stage_on_device is not None:
+            self.stage_on_device.close()
         for seg in self.slots.values():
             seg.close()
             self.ctx.account("shm_segments", -1)
@@ -259,6 +281,12 @@ class ShmReceiver(ReceiverTransport):
         self._ahead: dict[tuple[int, int], concurrent.futures.Future] = {}
         self._ahead_lock = threading.Lock()
         self._pool: concurrent.futures.ThreadPoolExecutor | None = None
+        self._generation = 0  # bumped whenever a mapping goes (buffers_generation)
+        # torch digests on an accelerator: each bucket is copied to the device and checked there
+        self.stage_on_device = DeviceStage(ctx) if hashes_on_device(ctx, self.kind) else None
+
+    def buffers_generation(self) -> int:
+        return self._generation
 
     def _attach(self, name: str) -> Segment:
         with self._attach_lock:  # prefetch() may run in a thread beside apply()
@@ -276,6 +304,7 @@ class ShmReceiver(ReceiverTransport):
                 # the sender recycles at most shm_max_segments slots; drop the oldest mapping
                 oldest = next(iter(self.attached))
                 self.attached.pop(oldest).close()
+                self._generation += 1
                 self.ctx.account("shm_mappings", -1)
             seg.pin(self.ctx.device)
             self.attached[name] = seg
@@ -298,16 +327,23 @@ class ShmReceiver(ReceiverTransport):
         head = seg.header
         ready = version + 1
         sums = info.checksums or None
-        buckets = self.plan_of(info).buckets
+        plan = self.plan_of(info)
+        buckets = plan.buckets
+        if self.stage_on_device is not None:
+            def wait_ready(b: int) -> int | None:
+                word = _ready_word(b)
+                self._wait_ready(head, word, ready, version, b, deadline, check)
+                return self._expected(head, word, sums, version, b)
+
+            yield from receive_staged(self.stage_on_device, plan, lambda b, n: self._view(seg, b, n), wait_ready,
+                                      lambda b: int(head[_ready_word(b)]) == ready, version)
+            return
         started: list[tuple[int, int]] = []
         try:
             for b, bucket in enumerate(buckets):
                 word = _ready_word(b)
                 self._wait_ready(head, word, ready, version, b, deadline, check)
-                expected = int(head[word + 1]) if self.kind else None
-                if sums is not None and expected is not None and sums[b] != expected:
-                    raise ProtocolError(f"bucket {b} of version {version}: header checksum differs from the "
-                                        f"sender's report")
+                expected = self._expected(head, word, sums, version, b)
                 if expected is not None:
                     started += self._hash_ahead(version, info, seg, buckets, b)
                 yield b, self._view(seg, b, bucket.nbytes), expected
@@ -320,6 +356,13 @@ class ShmReceiver(ReceiverTransport):
             for f in pending:
                 f.cancel()
             concurrent.futures.wait(pending)
+
+    def _expected(self, head: np.ndarray, word: int, sums: list[int] | None, version: int, b: int) -> int | None:
+        """The digest the sender wrote for bucket b (None: digests off here)."""
+        expected = int(head[word + 1]) if self.kind else None
+        if sums is not None and expected is not None and sums[b] != expected:
+            raise ProtocolError(f"bucket {b} of version {version}: header checksum differs from the sender's report")
+        return expected
 
     def _hash_ahead(self, version: int, info: ShmVersion, seg: Segment, buckets: Any, b: int) -> list[tuple[int, int]]:
         """Start the digest check of the written buckets from b on, up to HASH_THREADS + 1 of
@@ -350,16 +393,20 @@ class ShmReceiver(ReceiverTransport):
                    lambda: DeadlineExceeded(f"bucket {b} of version {version} was not written before the deadline"),
                    waiter=Waiter(head, word))
 
-    def verify_bucket(self, version: int, info: ShmVersion, b: int, buf: torch.Tensor, expected: int | None) -> bool:
+    def verify_bucket(self, version: int, info: ShmVersion, b: int, buf: torch.Tensor, expected: int | None,
+                      checks: Checks) -> bool:
         """Verify bucket b unless another receiver on the node already did (see module doc).
         True if this receiver hashed it."""
+        if self.stage_on_device is not None:
+            return super().verify_bucket(version, info, b, buf, expected, checks)  # the device copy: checked here
         if expected is None or self.kind is None:
             return False
         with self._ahead_lock:
             started = self._ahead.pop((version, b), None)
-        if started is not None:
-            return started.result()  # its ChecksumError, if any, is raised here, in bucket order
-        return self._verify_here(version, info, b, buf, expected)
+        # a ChecksumError is raised here, in bucket order
+        here = started.result() if started is not None else self._verify_here(version, info, b, buf, expected)
+        checks.add(self.kind, b, expected)  # verified, here or by a peer: recorded for the version's digest
+        return here
 
     def _verify_here(self, version: int, info: ShmVersion, b: int, buf: torch.Tensor, expected: int) -> bool:
         seg = self._attach(info.segment)
@@ -379,7 +426,10 @@ class ShmReceiver(ReceiverTransport):
                 fcntl.lockf(seg.fd, fcntl.LOCK_UN, 8, 8 * word)
 
     def open_ahead(self) -> int | None:
-        # the segment holds the whole version already: ahead is verifying it (prefetch)
+        # the segment holds the whole version already: ahead is verifying it (prefetch); what a
+        # receiver digesting on its device checks is its own copy, made at the barrier
+        if self.stage_on_device is not None:
+            return None
         return 0 if self.ctx.config.receive_ahead != "off" and self.kind is not None else None
 
     def prefetch(self, version: int, info: ShmVersion, deadline: float, check: Callable[[], None]) -> bool:
@@ -387,9 +437,12 @@ class ShmReceiver(ReceiverTransport):
         receive_ahead, also map every page of it into this process (one byte read per page):
         the receiver that did not hash a bucket would otherwise take its page faults in the
         barrier's load."""
+        if self.stage_on_device is not None:
+            return False  # its check is of the copy on the device, made when the version is loaded
         touch = self.ctx.config.receive_ahead != "off"
+        checks = Checks(version)
         for b, buf, expected in self.receive(version, info, deadline, check):
-            self.verify_bucket(version, info, b, buf, expected)
+            self.verify_bucket(version, info, b, buf, expected, checks)
             if touch and buf.numel():
                 buf[::PAGE_BYTES].max()
         self.verified_ahead = version
@@ -399,8 +452,8 @@ class ShmReceiver(ReceiverTransport):
         return getattr(self, "verified_ahead", None) == version
 
     def span(self, version: int, info: VersionRecord) -> Callable[[int, int, int], torch.Tensor | None] | None:
-        if not isinstance(info, ShmVersion):
-            return None  # receive() says why
+        if not isinstance(info, ShmVersion) or self.stage_on_device is not None:
+            return None  # receive() says why; or loads come from the staging buffers, bucket by bucket
         return spans(self._attach(info.segment).bytes, self.bases, self.ctx.plan)
 
     def can_replay(self, version: int, info: VersionRecord) -> bool:
@@ -416,12 +469,16 @@ class ShmReceiver(ReceiverTransport):
         )
 
     def close(self) -> None:
+        if self.stage_on_device is not None:
+            self.stage_on_device.close()
+            self._generation += 1
         if self._pool is not None:
             self._pool.shutdown(wait=True, cancel_futures=True)  # before the mappings they read go
         for seg in self.attached.values():
             seg.close()
             self.ctx.account("shm_mappings", -1)
         self.attached.clear()
+        self._generation += 1
 
 
 # -- the mode: whole versions or a streaming ring, from the budget ---------------------------------
@@ -550,6 +607,9 @@ class ShmStreamReceiver(ReceiverTransport):
         buckets = self.ring.receive(version, info.session, self.plan_of(info), deadline, check)
         self.kind = self.ring.kind  # a restarted sender's, where the ring followed one
         yield from buckets
+
+    def buffers_generation(self) -> int:
+        return self.ring.generation
 
     def close(self) -> None:
         self.ring.close()
