@@ -9,6 +9,8 @@
 # installed (an offline node), the trimmed Ray that `bash ../shared/tools/gpu-kit.sh` packs into
 # .gpu/ is unpacked and used. Deadlines: T_TESTS (240 s), T_DIGEST (60 s) and T_BENCH (240 s), in seconds;
 # the bench starts no row after two thirds of T_BENCH, so it writes its JSON before the timeout.
+# A shorter check (a lent device's minutes are few): K picks tests (pytest -k), ROUNDS and
+# BASELINES override the bench's (2; "ray-numpy ray-rdt").
 set -uo pipefail
 cd "$(dirname "$0")/.."
 kind="" out="" steps="tests,digest,bench"
@@ -46,7 +48,7 @@ mkdir -p "$out"
 } > "$out/env.txt" 2>&1
 rc=0
 if [[ $steps == *tests* ]]; then
-    timeout "${T_TESTS:-240}" "$py" -m pytest -m "$kind" -p no:cacheprovider -rs --timeout=90 \
+    timeout "${T_TESTS:-240}" "$py" -m pytest -m "$kind" ${K:+-k "$K"} -p no:cacheprovider -rs --timeout=90 \
         -o faulthandler_timeout=80 tests > "$out/tests.log" 2>&1
     t=$?; echo "device_check: tests rc=$t (log: $out/tests.log)"; tail -5 "$out/tests.log"; [ $t -eq 0 ] || rc=1
 fi
@@ -58,7 +60,9 @@ fi
 if [[ $steps == *bench* ]]; then
     plot=(); "$py" -c "import matplotlib" 2>/dev/null && plot=(--plot "$out/bench.png")
     timeout "${T_BENCH:-240}" "$py" -m weightsync.cli bench --device "$kind" --transport ipc shm --bucket-mb 256 \
-        --receivers 1 4 --checksum on off --baselines ray-numpy ray-rdt --rounds 2 --versions 3 --warmup 1 --no-progress \
+        --receivers 1 4 --checksum on off --baselines ${BASELINES:-ray-numpy ray-rdt} --rounds "${ROUNDS:-2}" --versions 3 \
+        --warmup 1 --no-progress \
+        --fixed-cost --fixed-cost-receivers 1 \
         --deadline-s $(( ${T_BENCH:-240} * 2 / 3 )) \
         --note "scripts/device_check.sh" --json "$out/bench.json" "${plot[@]}" > "$out/bench.log" 2>&1
     b=$?; echo "device_check: bench rc=$b (log: $out/bench.log)"; tail -25 "$out/bench.log"; [ $b -eq 0 ] || rc=1

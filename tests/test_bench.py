@@ -19,8 +19,9 @@ pytestmark = pytest.mark.bench  # the bench tier runs them (scripts/tiers/bench.
 
 def test_bench_tiny_shm_end_to_end(ray_cluster, tmp_path):
     out, png = tmp_path / "bench.json", tmp_path / "bench.png"
-    # --full: its pre-staged barriers (2 x versions per round), the rest as given here
-    rc = main(["bench", "--full", "--device", "cpu", "--model", "tiny", "--transport", "shm", "--receivers", "1", "2", "--bucket-mb", "0.25",
+    # --full: its pre-staged barriers (2 x versions per round), the rest as given here (its
+    # fixed-cost rows: test_a_fixed_cost_row_times_the_prestaged_barrier_of_a_layout_without_bytes)
+    rc = main(["bench", "--full", "--fixed-cost", "off", "--device", "cpu", "--model", "tiny", "--transport", "shm", "--receivers", "1", "2", "--bucket-mb", "0.25",
                "--versions", "2", "--rounds", "2", "--warmup", "1", "--baselines", "ray-user", "ray-numpy", "--ceiling-repeats", "2",
                "--checksum", "on", "off", "--no-progress", "--note", "pytest smoke", "--expect", "x_ray-user>=0", "--json", str(out), "--plot", str(png)])
     assert rc == 0
@@ -59,6 +60,7 @@ def test_bench_tiny_shm_end_to_end(ray_cluster, tmp_path):
     assert sorted(first.values()) == list(range(8))
     assert all(r["rounds"][1]["position"] == (first[k] - 1) % 8 for k, r in rows.items())
     assert shm["phases_s"]["total_s"] > 0
+    assert shm["calls_per_version"]["receiver"] >= 1  # every weightsync row counts its coordinator calls
     assert set(shm["speedup_vs"]) == {"ray-user", "ray-numpy"}
     assert shm["speedup_vs"]["ray-user"] == pytest.approx(rows[("ray-user", 1)]["median_s"] / shm["median_s"])
     one, two = res["comparisons"]
@@ -97,7 +99,7 @@ def test_bench_tiny_broadcast_collective_baselines_and_delta_rows(ray_cluster, t
     assert rows["bcast-flat-load"]["cpu_s_per_version"] > 0
 
     # delta rows (--update / --delta): the schema, the update model's fraction, the pairing
-    assert top["schema"] == results.SCHEMA == "weightsync.bench/5"
+    assert top["schema"] == results.SCHEMA == "weightsync.bench/6"
     assert top["args"]["update"] == "adamw-1e-6" and top["args"]["delta"] == ["off", "on"]
     assert size["update"]["model"] == "adamw-1e-6" and 0 < size["update"]["changed_fraction"] < 1
     for r in (rows["broadcast"], rows["broadcast (delta on)"]):
@@ -343,3 +345,39 @@ def test_rows_whose_turn_comes_after_the_deadline_are_recorded_not_run(ray_clust
     rows = json.loads(out.read_text())["sizes"][0]["rows"]
     assert (rc, sorted((r["name"], r["error"]) for r in rows)) == (
         0, [(n, "not run: --deadline-s 0 passed before its turn") for n in ("ipc", "shm")])
+
+
+def test_a_fixed_cost_row_times_the_prestaged_barrier_of_a_layout_without_bytes(ray_cluster, tmp_path, capsys):
+    """--fixed-cost only: the shm row between actors that hold the tiny layout cut to <= 1024
+    elements a tensor, its pre-staged barriers split into the receiver's phases, the sender's
+    sync() and the coordinator calls of a version (weightsync.bench.fixed_cost)."""
+    from weightsync.testing.layouts import fixed_cost, layout
+
+    out = tmp_path / "fixed.json"
+    rc = main(["bench", "--device", "cpu", "--model", "tiny", "--transport", "shm", "--receivers", "1",
+               "--fixed-cost", "only", "--fixed-cost-versions", "3", "--rounds", "1", "--warmup", "1",
+               "--no-progress", "--json", str(out)])
+    assert rc == 0
+    top = json.loads(out.read_text())
+    assert (top["args"]["fixed_cost"], top["args"]["fixed_cost_versions"]) == ("only", 3)
+    (size,) = top["sizes"]
+    payload = sum(s.nbytes for s in fixed_cost(layout("tiny")))
+    assert size["fixed_cost_layout"] == {"name": "tiny-fixed", "tensors": size["layout"]["tensors"],
+                                         "payload_bytes": payload}
+    assert size["ceiling"] is None  # only these rows: no copy to compare with
+    (row,) = size["rows"]
+    assert (row["kind"], row["name"], row["error"], row["verified"]) == ("fixed-cost", "shm fixed-cost", None, True)
+    assert row["payload_bytes"] == payload and row["gbps"] is None
+    assert row["versions"] == 3 and row["seconds"] == row["prestaged_s"] and row["prefetched_s"] == []
+    assert row["barrier_s"] == row["median_s"] > 0
+    # the sender's sync() and the receiver's apply() both lie inside the barrier the driver times
+    assert 0 < row["sender_barrier_s"] <= row["barrier_s"]
+    phases = row["phases_s"]
+    assert set(phases) == {"wait_s", "verify_s", "load_s", "post_load_s", "total_s"}
+    assert all(v >= 0 for v in phases.values()) and 0 < phases["total_s"] <= row["barrier_s"]
+    calls = row["calls_per_version"]
+    assert set(calls) == {"sender_stage", "sender_sync", "receiver", "barrier"}
+    assert calls["sender_stage"] >= 1 and calls["sender_sync"] >= 1 and calls["receiver"] >= 1
+    assert calls["barrier"] >= calls["receiver"] + 1  # the sender's sync() calls at least once
+    text = capsys.readouterr().out
+    assert "fixed cost of a version (tiny-fixed: " in text and "shm fixed-cost x1: barrier " in text

@@ -36,6 +36,11 @@ def _collective():
     return collective_baselines
 
 
+def _calls(result: Any) -> dict[str, int | None]:
+    """A version's coordinator calls from its SyncResult; None where the sender does not count them."""
+    return {"stage_calls": getattr(result, "stage_calls", None), "sync_calls": getattr(result, "sync_calls", None)}
+
+
 class BenchTrainer:
     """Trainer rank 0: holds the model, makes each version from the one before by the run's
     update model (weightsync.bench.updates: every byte, or an AdamW step) and sends."""
@@ -87,15 +92,18 @@ class BenchTrainer:
         stage_s = self.sender.stage(version, self.tensors).wait()
         r = self.sender.sync(version)
         return {"t0": t0, "end": time.monotonic(), "stage_s": stage_s, "barrier_s": r.barrier_s,
-                "metrics": r.metrics, "changed_fraction": changed}
+                "metrics": r.metrics, "changed_fraction": changed, **_calls(r)}
 
     def stage(self, version: int) -> float:
+        # the reply stays a float, as every revision's stage() gives it (the runner drives an
+        # --against revision's actors by it); the staging's calls come with sync()'s reply
         self.bump(version)
         return self.sender.stage(version, self.tensors).wait()
 
     def sync(self, version: int) -> dict[str, Any]:
         r = self.sender.sync(version)
-        return {"end": time.monotonic(), "stage_s": r.stage_s, "barrier_s": r.barrier_s, "metrics": r.metrics}
+        return {"end": time.monotonic(), "stage_s": r.stage_s, "barrier_s": r.barrier_s, "metrics": r.metrics,
+                **_calls(r)}
 
     def shm_bytes(self) -> int:
         """Bytes of this process's segments: memfds it holds, files in the shm directory (0 for

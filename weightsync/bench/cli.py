@@ -15,10 +15,12 @@ from typing import Any
 from ..config import SyncConfig
 from ..device import backend_for
 from . import memory_fit
-from .delta_rows import delta_suffix
+from . import plan as plans
 from .expect import evaluate, fastest
+from .fixed_cost import DEVICE_SHARE, FIXED_COST, versions_per_round
 from .interrupt import INTERRUPTED, remember_ctrl_c
 from .options import BASELINE_CHOICES, PRESETS, TRANSPORTS, add_bench_arguments, apply_preset
+from .plan import Item
 
 __all__ = ["BASELINE_CHOICES", "PRESETS", "TRANSPORTS", "add_bench_arguments", "apply_preset", "run_bench"]
 
@@ -44,30 +46,6 @@ def machine_info() -> dict[str, Any]:
         "platform": platform.platform(), "python": platform.python_version(), "torch": torch.__version__,
         "ray": ray.__version__, "weightsync": weightsync.__version__,
     }
-
-
-Item = tuple[str, str, int, "float | None", bool, str]
-
-
-def _plan(args: argparse.Namespace, receivers: list[int]) -> list[Item]:
-    """Every row of one size, in run order: (kind, name, receivers, bucket MiB, checksum, delta)."""
-    items: list[Item] = []
-    for n in receivers:
-        items += [("baseline", b, n, None, True, "off") for b in args.baselines]
-        items += [("transport", t, n, mb, ck == "on", d) for t in args.transport for mb in args.bucket_mb
-                  for ck in dict.fromkeys(args.checksum) for d in dict.fromkeys(args.delta)]
-    return items
-
-
-def _skipped(item: Item, payload: int, why: str) -> dict[str, Any]:
-    kind, name, n, mb, ck, delta = item
-    transport = name if kind == "transport" else None
-    if kind == "transport":  # as the row that runs is named
-        name += ("" if ck else " (no digest)") + delta_suffix(delta)
-    return {"kind": "unavailable", "name": name, "transport": transport,
-            "bucket_mb": mb, "receivers": n, "checksum": ck if kind == "transport" else None,
-            "delta": delta if kind == "transport" else None,
-            "payload_bytes": payload, "seconds": [], "median_s": None, "gbps": None, "error": why}
 
 
 def _row_need(item: Item, manifest: Any, first_use: bool = True) -> tuple[int, int, str]:
@@ -141,10 +119,13 @@ def _run_bench(args: argparse.Namespace) -> int:
     sizes_in = sorted((layout_source.resolve(m, args.dtype) for m in dict.fromkeys(args.model)),
                       key=lambda s: s[1].total_bytes)
     receivers = sorted(set(args.receivers))
-    if min(receivers) < 1:
-        raise SystemExit("weightsync bench: --receivers must be >= 1")
+    if min(receivers + plans.fixed_receivers(args, receivers)) < 1:
+        raise SystemExit("weightsync bench: --receivers and --fixed-cost-receivers must be >= 1")
     if args.versions < 1 or args.warmup < 0 or args.rounds < 1 or (args.barrier_versions or 0) < 0:
         raise SystemExit("weightsync bench: --versions and --rounds must be >= 1, --warmup and --barrier-versions >= 0")
+    if (args.fixed_cost_versions or 1) < 1:
+        raise SystemExit("weightsync bench: --fixed-cost-versions must be >= 1")
+    args.fixed_versions = versions_per_round(args.rounds, args.fixed_cost_versions)
     if args.against and args.update != "random":
         raise SystemExit("weightsync bench: --against runs with --update random only (the other rev's trainer "
                          "knows no update model)")
@@ -170,9 +151,10 @@ def _run_bench(args: argparse.Namespace) -> int:
         if args.against:
             tree, short = interleave.extract_rev(args.against)
             against = {"rev": short, "tree": tree, "asked": args.against}
-        plan = _sided(_plan(args, receivers), against)
+        plan = plans.sided(plans.rows(args, receivers), against)
         total = len(sizes_in) * args.rounds * sum(
-            interleave.planned_versions(item, args.warmup, args.versions, args.barrier_versions) for _, item in plan)
+            interleave.planned_versions(item, args.warmup, args.versions, args.barrier_versions, args.fixed_versions)
+            for _, item in plan)
         eta = progress.Eta(total)
         with progress.overall(total, not args.no_progress):
             for label, manifest, weights_path in sizes_in:
@@ -195,7 +177,9 @@ def _run_bench(args: argparse.Namespace) -> int:
                  "digest": args.digest, "versions": args.versions, "warmup": args.warmup, "device": device,
                  "rounds": args.rounds, "preset": args.preset, "barrier_versions": args.barrier_versions,
                  "against": {k: against[k] for k in ("rev", "asked")} if against else None,
-                 "update": args.update, "delta": args.delta,
+                 "update": args.update, "delta": args.delta, "fixed_cost": args.fixed_cost,
+                 "fixed_cost_versions": args.fixed_versions if args.fixed_cost != "off" else None,
+                 "fixed_cost_receivers": plans.fixed_receivers(args, receivers),
                  "baselines": args.baselines, "real_weights": bool(args.real_weights and any(w for *_, w in sizes_in)),
                  "expect": [e.text for e in args.expect], "deadline_s": args.deadline_s},
         "sizes": sizes,
@@ -248,26 +232,17 @@ def default_store_gb(want_gb: float, shm_dir: str = "/dev/shm") -> float:
     return want_gb if free is None else max(0.1, min(want_gb, free / 1e9 / 2))
 
 
-def _sided(plan: list[Item], against: dict[str, str] | None) -> list[tuple[str, Item]]:
-    """The plan's items as (side, item): this checkout's, and with --against the other rev's full
-    transport rows, each right after ours of the same item, so the two run back to back
-    (rounds.round_order; baselines and delta rows run on this side only)."""
-    sided: list[tuple[str, Item]] = []
-    for item in plan:
-        sided.append(("this", item))
-        if against and item[0] == "transport" and item[5] == "off":
-            sided.append(("against", item))
-    return sided
-
-
 def _run_size(args: argparse.Namespace, label: str, manifest: Any, weights_path: str | None, device: str,
               backend: str, receivers: list[int], against: dict[str, str] | None, eta: Any = None,
               deadline: float | None = None) -> dict[str, Any]:
-    """Every row of one model size, between actors that hold that model (made, then closed)."""
+    """Every row of one model size, between actors that hold that model (made, then closed); its
+    fixed-cost rows between actors of their own that hold its fixed-cost layout."""
     import ray
     import torch
 
-    from . import interleave
+    from ..manifest import Manifest
+    from ..testing.layouts import fixed_cost as fixed_cost_specs
+    from . import fixed_cost, interleave
     from .actors import BenchRollout, BenchTrainer
     from .ceiling import device_ceilings, host_ceiling
     from .peak_memory import NodeShmem
@@ -280,38 +255,59 @@ def _run_size(args: argparse.Namespace, label: str, manifest: Any, weights_path:
                    "largest_tensor_bytes": max((s.nbytes for s in specs), default=0)},
         "payload_bytes": payload, "ceiling": None, "device_ceilings": {}, "rows": [],
     }
-    plan = _plan(args, receivers)
-    why = _size_refusal(label, manifest, plan, max(receivers)) if device == "cpu" else None
+    plan = plans.rows(args, receivers)
+    main_plan = [item for item in plan if item[0] != FIXED_COST]
+    fixed_plan = [item for item in plan if item[0] == FIXED_COST]
+    fixed_manifest = Manifest(tuple(fixed_cost_specs(specs)))
+    if fixed_plan:
+        size["fixed_cost_layout"] = {"name": fixed_cost.layout_label(label), "tensors": len(specs),
+                                     "payload_bytes": fixed_manifest.total_bytes}
+
+    def skip(item: Item, why: str) -> dict[str, Any]:
+        return plans.skipped(item, fixed_manifest.total_bytes if item[0] == FIXED_COST else payload, why)
+
+    why = _size_refusal(label, manifest, main_plan, max(receivers)) if device == "cpu" and main_plan else None
     if deadline is not None and time.monotonic() > deadline:
         why = interleave.past_deadline(args.deadline_s)
     if why:
         print(f"weightsync bench: {label} ({payload / 2**30:.2f} GiB): {why}", file=sys.stderr)
-        size["rows"] = [_skipped(item, payload, why) for item in plan]
+        size["rows"] = [skip(item, why) for item in plan]
         return size
-    print(f"weightsync bench: {label}, {len(specs)} tensors, {payload / 2**30:.2f} GiB, device={device}; "
-          f"measuring the copy ceiling ...", file=sys.stderr)
-    size["ceiling"] = host_ceiling(payload, repeats=args.ceiling_repeats)
-    if device != "cpu":
-        size["device_ceilings"] = device_ceilings(payload, torch.device(device), args.ceiling_repeats)
+    if main_plan:
+        print(f"weightsync bench: {label}, {len(specs)} tensors, {payload / 2**30:.2f} GiB, device={device}; "
+              f"measuring the copy ceiling ...", file=sys.stderr)
+        size["ceiling"] = host_ceiling(payload, repeats=args.ceiling_repeats)
+        if device != "cpu":
+            size["device_ceilings"] = device_ceilings(payload, torch.device(device), args.ceiling_repeats)
+    else:  # what a version costs beyond its bytes needs no copy ceiling
+        print(f"weightsync bench: {label}, fixed-cost rows only ({size['fixed_cost_layout']['name']}), "
+              f"device={device}", file=sys.stderr)
     common = {"receivers": max(receivers), "device": device, "versions": args.versions, "warmup": args.warmup,
               "barrier_versions": args.barrier_versions,
               "weights_path": weights_path if args.real_weights else None, "progress": not args.no_progress,
               "check": not args.no_verify}
-    keep = memory_fit.keep_baselines(manifest.total_bytes, max(receivers), sum(b.startswith("bcast-") for b in args.baselines),
-                                     SyncConfig.from_env().shm_max_segments,
-                                     store=any(b in ("ray-user", "ray-numpy") for b in args.baselines)
-                                     ) if device == "cpu" else frozenset({"rdt", "groups"})
-    size["baseline_actors_kept"] = sorted(keep)  # the others' rows made theirs each round
-    benches = {"this": Bench(manifest, **common, update=args.update, keep_baselines=keep,
-                             rdt=_rdt_early(args, device) if "rdt" in keep else (),
-                             groups=_groups_early(args, manifest, device, backend, receivers) if "groups" in keep else ())}
-    size["update"] = ray.get(benches["this"].trainer.update_info.remote())
-    sided = _sided(plan, against)
+    # random bits, every version new: the fixed-cost rows time what does not depend on the bytes
+    fixed_common = {**common, "receivers": max((item[2] for item in fixed_plan), default=1), "versions": 0, "barrier_versions":
+                    args.fixed_versions, "weights_path": None, "fixed_cost": True, "device_share": DEVICE_SHARE}
+    benches: dict[str, Any] = {}
+    if main_plan:
+        keep = memory_fit.keep_baselines(manifest.total_bytes, max(receivers), sum(b.startswith("bcast-") for b in args.baselines),
+                                         SyncConfig.from_env().shm_max_segments,
+                                         store=any(b in ("ray-user", "ray-numpy") for b in args.baselines)
+                                         ) if device == "cpu" else frozenset({"rdt", "groups"})
+        size["baseline_actors_kept"] = sorted(keep)  # the others' rows made theirs each round
+        # beside fixed-cost actors on the device, a little less than half of it (Bench's device_share)
+        share = 0.5 - DEVICE_SHARE if fixed_plan else 0.5
+        benches["this"] = Bench(manifest, **common, update=args.update, keep_baselines=keep, device_share=share,
+                                rdt=_rdt_early(args, device) if "rdt" in keep else (),
+                                groups=_groups_early(args, manifest, device, backend, receivers) if "groups" in keep else ())
+        size["update"] = ray.get(benches["this"].trainer.update_info.remote())
+    sided = plans.sided(plan, against)
 
     def run_row(bench: Any, item: Item) -> dict[str, Any]:
         kind, name, n, mb, ck, delta = item
         with NodeShmem() as shm:
-            if kind == "transport":
+            if kind in ("transport", FIXED_COST):
                 row = bench.sync_row(name, mb, n, backend=backend if name == "broadcast" else "auto",
                                      checksum=ck, digest=args.digest, delta=delta)
             elif name.startswith("ray-rdt"):
@@ -323,19 +319,30 @@ def _run_size(args: argparse.Namespace, label: str, manifest: Any, weights_path:
         row["node_shmem_extra_bytes"] = shm.extra()
         return row
 
+    def refusal(item: Item) -> str | None:  # the fixed-cost rows' actors exist from the start
+        fixed = item[0] == FIXED_COST
+        return _row_refusal(item, *((fixed_manifest, False) if fixed else (manifest, item[1] not in benches["this"].rdt_made)))
+
     try:
+        if fixed_plan:
+            benches["this fixed"] = Bench(fixed_manifest, **fixed_common)
         if against:
             tree = against["tree"]
-            benches["against"] = Bench(manifest, **common, runtime_env=interleave.side_runtime_env(tree),
-                                       classes=(interleave.side_class(tree, BenchTrainer),
-                                                interleave.side_class(tree, BenchRollout)))
-            interleave.check_side(benches["against"], tree)
+            env = interleave.side_runtime_env(tree)
+            side = {"runtime_env": env, "coordinator": interleave.side_coordinator(tree, env), "classes": (
+                interleave.side_class(tree, BenchTrainer), interleave.side_class(tree, BenchRollout))}
+            if main_plan:
+                benches["against"] = Bench(manifest, **common, **side)
+                interleave.check_side(benches["against"], tree)
+            if fixed_plan:
+                benches["against fixed"] = Bench(fixed_manifest, **fixed_common, **side)
+                interleave.check_side(benches["against fixed"], tree)
         size["rows"] = interleave.run_rounds(
-            sided, benches, run_row, lambda item: _row_refusal(item, manifest, item[1] not in benches["this"].rdt_made),
-            lambda item, why: _skipped(item, payload, why), _echo, n_rounds=args.rounds, warmup=args.warmup,
+            sided, benches, run_row, refusal, skip, _echo, n_rounds=args.rounds, warmup=args.warmup,
             versions=args.versions, payload=payload, rev=against["rev"] if against else None,
             barrier_versions=args.barrier_versions, eta=eta,
-            deadline=None if deadline is None else (deadline, args.deadline_s))
+            deadline=None if deadline is None else (deadline, args.deadline_s), fixed_versions=args.fixed_versions,
+            bench_key=lambda side, item: f"{side} fixed" if item[0] == FIXED_COST else side)
     except KeyboardInterrupt:
         for b in benches.values():
             b.interrupted = True
@@ -383,7 +390,7 @@ def _echo(row: dict[str, Any], bench: Any = None) -> None:
     elif row.get("error"):
         msg = f"FAILED: {row['error']}"
     else:
-        msg = f"median {row['median_s']:.3f}s, {row['gbps']:.2f} GB/s"
+        msg = f"median {row['median_s']:.3f}s" + (f", {row['gbps']:.2f} GB/s" if row.get("gbps") else "")
     bucket = f" {row['bucket_mb']:g}MiB" if row.get("bucket_mb") else ""
     print(f"  {row['name']}{bucket} x{row['receivers']}: {msg}{row.get('eta_text', '')}", file=sys.stderr)
     if bench is not None and row.get("error") and row["kind"] != "unavailable":

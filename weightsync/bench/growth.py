@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from .fixed_cost import FIXED_COST
 from .results import _f, _mib, _ok
 
 _CONFIG = ("name", "bucket_mb", "receivers", "backend", "checksum", "digest")
@@ -24,7 +25,7 @@ def table(sizes: list[dict[str, Any]]) -> list[dict[str, Any]]:
     for size in sorted(sizes, key=lambda s: s["payload_bytes"]):
         gb = size["payload_bytes"] / 1e9
         for r in size["rows"]:
-            if not _ok(r):
+            if not _ok(r) or r["kind"] == FIXED_COST:  # its bytes do not grow with the model: no s/GB
                 continue
             s_per_gb = r["median_s"] / gb
             base = first.setdefault(_config(r), s_per_gb)

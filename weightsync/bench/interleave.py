@@ -20,9 +20,10 @@ import psutil
 import ray
 
 from . import progress, rounds
+from .fixed_cost import FIXED_COST
 from .interrupt import check
 
-# (kind, name, receivers, bucket MiB, checksum, delta), as cli._plan makes them, plus the side
+# (kind, name, receivers, bucket MiB, checksum, delta), as plan.rows makes them, plus the side
 Item = tuple[str, str, int, float | None, bool, str]
 
 
@@ -59,14 +60,20 @@ class Probe:
                 "others_cpu_s": max(0.0, busy - party), "load_avg_1m": (self.load0 + os.getloadavg()[0]) / 2}
 
 
-def planned_versions(item: Item, warmup: int, versions: int, barrier_versions: int | None = None) -> int:
-    """What a plan item (cli._plan) will move when it runs: the unit of the run's progress."""
-    return versions_run("transport" if item[0] == "transport" else "baseline", warmup, versions, barrier_versions)
+def planned_versions(item: Item, warmup: int, versions: int, barrier_versions: int | None = None,
+                     fixed_versions: int = 0) -> int:
+    """What a plan item (plan.rows) will move when it runs: the unit of the run's progress."""
+    kind = item[0] if item[0] in ("transport", FIXED_COST) else "baseline"
+    return versions_run(kind, warmup, versions, barrier_versions, fixed_versions)
 
 
-def versions_run(kind: str, warmup: int, versions: int, barrier_versions: int | None = None) -> int:
+def versions_run(kind: str, warmup: int, versions: int, barrier_versions: int | None = None,
+                 fixed_versions: int = 0) -> int:
     """Versions a row call moves in all: a sync row adds its pre-staged / prefetched barriers
-    (``barrier_versions``, 2 x versions unless a preset says otherwise)."""
+    (``barrier_versions``, 2 x versions unless a preset says otherwise); a fixed-cost row moves
+    its warm-up and ``fixed_versions`` pre-staged barriers."""
+    if kind == FIXED_COST:
+        return warmup + fixed_versions
     barriers = 2 * versions if barrier_versions is None else barrier_versions
     return warmup + versions + (barriers if kind == "transport" else 0)
 
@@ -139,6 +146,49 @@ def side_class(tree: str, cls: type) -> type:
     return type(f"{name}AtRev", (), ns)
 
 
+_HOOK = """\
+# written by weightsync bench --against: this process imports weightsync from {tree!r}
+import importlib.machinery
+import sys
+
+
+class _Side:
+    @staticmethod
+    def find_spec(name, path=None, target=None):
+        return importlib.machinery.PathFinder.find_spec(name, [{tree!r}]) if name == "weightsync" else None
+
+
+sys.meta_path.insert(0, _Side)
+"""
+
+
+def side_coordinator(tree: str, runtime_env: dict[str, Any]) -> Callable[[dict, str], Any]:
+    """``Coordinator.create`` for the other side's rows, made by the other side's code: the
+    control protocol between a coordinator and its parties may change from one revision to the
+    next (a reply's new field is refused by an older party), so each side's parties talk to a
+    coordinator of their own revision. The coordinator's actor is started by that revision's
+    ``create``, out of reach of ``_enter``: a ``sitecustomize`` first on its PYTHONPATH (which it
+    inherits from the task that makes it) imports ``weightsync`` from the tree in every process
+    it starts. Detached: the task ends at once."""
+    hook = Path(tree) / ".weightsync-side"
+    hook.mkdir(exist_ok=True)
+    (hook / "sitecustomize.py").write_text(_HOOK.format(tree=tree))
+    env = dict(runtime_env.get("env_vars", {}))
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(hook), env.get("PYTHONPATH", "")) if p)
+
+    @ray.remote(num_cpus=0)
+    def make(config: dict, name: str) -> Any:
+        _enter(tree)
+        from weightsync import Coordinator
+
+        return Coordinator.create(config, name=name, detached=True)
+
+    def create(config: dict, name: str) -> Any:
+        return ray.get(make.options(runtime_env={**runtime_env, "env_vars": env}).remote(config, name))
+
+    return create
+
+
 def check_side(bench: Any, tree: str) -> str:
     """Where the other side's actors imported weightsync from; exits unless from ``tree``."""
     got = ray.get(bench.trainer.where.remote(), timeout=300)
@@ -169,14 +219,19 @@ def run_rounds(plan: list[tuple[str, Item]], benches: dict[str, Any], run_row: C
                echo: Callable[[dict, Any], None], *, n_rounds: int, warmup: int, versions: int,
                payload: int, rev: str | None, barrier_versions: int | None = None,
                eta: progress.Eta | None = None,
-               deadline: tuple[float, float] | None = None) -> list[dict[str, Any]]:
+               deadline: tuple[float, float] | None = None, fixed_versions: int = 0,
+               bench_key: Callable[[str, Item], str] | None = None) -> list[dict[str, Any]]:
     """Every (side, item) of ``plan`` once per round, the order rotated each round (an A/B pair
     back to back, which side first alternating: rounds.round_order); returns
     one merged row per (side, item) with the statistics over every round's versions.
     ``eta``: the run's estimate, advanced by each row's planned versions as it ends.
-    ``deadline``: (monotonic time, the seconds asked): a row whose turn comes later is skipped."""
-    pids = {side: {"trainer": ray.get(b.trainer.pid.remote()), "rollouts": ray.get([r.pid.remote() for r in b.rollouts])}
-            for side, b in benches.items()}
+    ``deadline``: (monotonic time, the seconds asked): a row whose turn comes later is skipped.
+    ``bench_key``: which of ``benches`` runs a (side, item) (default: the side's; the fixed-cost
+    rows have actors of their own, which hold their own layout); ``fixed_versions``: what a
+    fixed-cost row times per round."""
+    key_of = bench_key or (lambda side, item: side)
+    pids = {key: {"trainer": ray.get(b.trainer.pid.remote()), "rollouts": ray.get([r.pid.remote() for r in b.rollouts])}
+            for key, b in benches.items()}
     done: list[dict[str, Any]] = []
     if eta is not None:
         eta.begin()
@@ -186,20 +241,21 @@ def run_rounds(plan: list[tuple[str, Item]], benches: dict[str, Any], run_row: C
         for position, (index, (side, item)) in enumerate(order):
             check()  # a Ctrl-C that a row's error handling swallowed stops the bench here
             n = item[2]
-            bench = benches[side]
-            planned = planned_versions(item, warmup, versions, barrier_versions)
+            key = key_of(side, item)
+            bench = benches[key]
+            planned = planned_versions(item, warmup, versions, barrier_versions, fixed_versions)
             before = progress.ticked()
             late = deadline is not None and time.monotonic() > deadline[0]
             why = past_deadline(deadline[1]) if late else refusal(item)
             if why:
                 row = skipped(item, why)
             else:
-                probe = Probe([pids[side]["trainer"], *pids[side]["rollouts"][:n]])
+                probe = Probe([pids[key]["trainer"], *pids[key]["rollouts"][:n]])
                 row = run_row(bench, item)
                 # collective baselines run in their own actors, which report their own CPU time
                 probe_out = probe.done(row.pop("parties_cpu_s", 0.0) or 0.0)
                 row.update(probe_out)
-                ran = versions_run(row["kind"], warmup, versions, barrier_versions) if row.get("seconds") else 0
+                ran = versions_run(row["kind"], warmup, versions, barrier_versions, fixed_versions) if row.get("seconds") else 0
                 row["cpu_s_per_version"] = probe_out["parties_cpu_s"] / ran if ran else None
             row.update(round=k, position=position, plan_index=index)
             rounds.tag_side(row, side, rev if side == "against" else None)
@@ -212,7 +268,7 @@ def run_rounds(plan: list[tuple[str, Item]], benches: dict[str, Any], run_row: C
             echo(row, bench)
             row.pop("eta_text", None)
             if row.get("replaced_actors"):  # new actors, new pids
-                b = benches[side]
-                pids[side] = {"trainer": ray.get(b.trainer.pid.remote()),
+                b = benches[key]
+                pids[key] = {"trainer": ray.get(b.trainer.pid.remote()),
                               "rollouts": ray.get([r.pid.remote() for r in b.rollouts])}
     return rounds.merge_all(done, payload)

@@ -25,10 +25,10 @@ BASELINE_CHOICES = ("ray-user", "ray-numpy", "ray-rdt", "ray-rdt-gloo", "ray-rdt
 PRESETS: dict[str, dict[str, Any]] = {
     "quick": {"transport": ["shm", "ipc", "broadcast"], "checksum": ["on"],
               "baselines": ["ray-numpy", "ray-rdt", "bcast-flat-load"], "rounds": 2, "versions": 3, "warmup": 2,
-              "barrier_versions": 1, "ceiling_repeats": 3},
+              "barrier_versions": 1, "ceiling_repeats": 3, "fixed_cost": "off"},
     "full": {"transport": ["shm", "ipc", "broadcast"], "checksum": ["on", "off"],
              "baselines": ["ray-user", "ray-numpy", "ray-rdt", "bcast-per-tensor", "bcast-flat", "bcast-flat-load"],
-             "rounds": 3, "versions": 5, "warmup": 2, "barrier_versions": 2, "ceiling_repeats": 5},
+             "rounds": 3, "versions": 5, "warmup": 2, "barrier_versions": 2, "ceiling_repeats": 5, "fixed_cost": "on"},
 }
 # barrier_versions in a preset: per timed version (the quick run halves what full times)
 
@@ -97,6 +97,18 @@ def add_bench_arguments(p: argparse.ArgumentParser) -> None:
                         f"receivers' prefetch() (what the rollout waits for in one-step-off) {_preset_help('barrier_versions')}")
     p.add_argument("--rounds", type=int, default=preset, help="rounds over every row, the order rotated each round, "
                    f"so a neighbour's load drifting during the run lands on every row alike {_preset_help('rounds')}")
+    p.add_argument("--fixed-cost", nargs="?", const="on", default=preset, choices=("off", "on", "only"),
+                   help="fixed-cost rows: per transport and receiver count, the layout with every tensor cut to "
+                        "<= 1024 elements (qwen2.5-0.5b-fixed for the default model), digests on, the default "
+                        "bucket size; they time the pre-staged barrier and split it into the receiver's phases "
+                        "and the coordinator calls per version: what a version costs beyond its bytes. on (the "
+                        "option alone): beside the other rows; only: these rows alone (no baselines, no copy "
+                        f"ceiling) {_preset_help('fixed_cost')}")
+    p.add_argument("--fixed-cost-receivers", nargs="+", type=int, default=None, metavar="N",
+                   help="receiver counts of the fixed-cost rows (default: those of --receivers)")
+    p.add_argument("--fixed-cost-versions", type=int, default=None, metavar="N",
+                   help="pre-staged barriers timed per fixed-cost row and round (default: enough for 30 over "
+                        "the rounds)")
     p.add_argument("--against", metavar="GIT_REV", default=None,
                    help="A/B: also run the transports of this git rev of the repo (extracted with git archive, "
                         "imported by its own actors), interleaved with this checkout's in the same rounds")

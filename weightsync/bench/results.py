@@ -9,6 +9,8 @@ from typing import Any
 
 from .delta_rows import format_lines as delta_lines
 from .expect import ALL_BASELINES, comparison_lines, expectation_lines
+from .fixed_cost import FIXED_COST, calls_text
+from .fixed_cost import format_lines as fixed_cost_lines
 from .rounds import format_ab
 
 # /2: "checks" against built-in targets gave way to "comparisons" and the user's "expectations"
@@ -19,7 +21,9 @@ from .rounds import format_ab
 # /5: --update and --delta: args "update" / "delta", a size's "update" (the model, the changed
 # fractions it measured) and "delta" table (delta rows beside full rows), per row "delta" and
 # "changed_fraction" (the fraction of elements changed in each timed version)
-SCHEMA = "weightsync.bench/5"
+# /6: fixed-cost rows (kind "fixed-cost", a size's "fixed_cost_layout", args "fixed_cost" /
+# "fixed_cost_versions"), "calls_per_version" per weightsync row, "phases_s" over every round
+SCHEMA = "weightsync.bench/6"
 
 
 def _ok(row: dict[str, Any]) -> bool:
@@ -51,6 +55,9 @@ def add_ratios(result: dict[str, Any]) -> None:
     ceiling = result["ceiling"]
     rows = result["rows"]
     for row in rows:
+        if row["kind"] == FIXED_COST:  # its bytes are next to none: per GB, against a copy or a baseline, nothing
+            row.update(s_per_gb=None, ceiling_ratio=None, barrier_copy_ratio=None, speedup_vs={})
+            continue
         row["s_per_gb"] = row["median_s"] / (row["payload_bytes"] / 1e9) if _ok(row) and row.get("payload_bytes") else None
         row["ceiling_ratio"] = row["gbps"] / ceiling["gbps"] if _ok(row) and row.get("gbps") else None
         copy = load_copy(result, row)
@@ -80,14 +87,19 @@ def format_table(result: dict[str, Any]) -> str:
     lay = result["layout"]
     title = (f"weightsync bench: {lay['name']} ({lay['tensors']} tensors, {result['payload_bytes'] / 2**30:.2f} GiB "
              f"{lay['dtype']}), device={result['args']['device']}")
-    if c is None:  # the whole size was skipped before it started: every row says why
+    if c is None and not any(_ok(r) for r in result["rows"]):
+        # the whole size was skipped before it started: every row says why
         return "\n".join([title, *dict.fromkeys(f"  {r['error']}" for r in result["rows"])])
+    args, fixed = result["args"], result["args"].get("fixed_cost_versions")
+    timed = [] if args.get("fixed_cost") == "only" else [f"{args['versions']} versions"]
+    timed += [f"{fixed} fixed-cost barriers"] if fixed else []
     head = [
-        f"{title}, {result['args'].get('rounds', 1)} interleaved rounds x {result['args']['versions']} versions "
-        f"(after {result['args']['warmup']} warm-up each)",
+        f"{title}, {args.get('rounds', 1)} interleaved rounds x {' + '.join(timed)} (after {args['warmup']} "
+        "warm-up each)",
         f"machine: {result['machine']['cpu_model']}, {result['machine']['cpu_count']} cores, "
-        f"{result['machine']['mem_total_bytes'] / 2**30:.0f} GiB; copy ceiling {c['gbps']:.2f} GB/s "
-        f"({c['method']}, one copy {result['payload_bytes'] / c['gbps'] / 1e9:.3f} s)",
+        f"{result['machine']['mem_total_bytes'] / 2**30:.0f} GiB" + (
+            f"; copy ceiling {c['gbps']:.2f} GB/s ({c['method']}, one copy {result['payload_bytes'] / c['gbps'] / 1e9:.3f} s)"
+            if c else ""),
     ]
     for k, v in (result.get("device_ceilings") or {}).items():
         head.append(f"  {k}: {v['gbps']:.1f} GB/s")
@@ -133,9 +145,11 @@ def format_table(result: dict[str, Any]) -> str:
             p = r["phases_s"]
             ahead = (f"; barrier {_f(r.get('barrier_s'))}s, {_f(r.get('prefetched_barrier_s'))}s after prefetch()"
                      if r.get("prefetched_barrier_s") else "")
+            calls = calls_text(r.get("calls_per_version"))
             out.append(f"  {r['name']} {r['bucket_mb']:g}MiB x{r['receivers']}: receiver wait {_f(p.get('wait_s'))}s "
                        f"verify {_f(p.get('verify_s'))}s load {_f(p.get('load_s'))}s of {_f(p.get('total_s'))}s; "
-                       f"trainer stage {_f(r.get('stage_s'))}s{ahead}")
+                       f"trainer stage {_f(r.get('stage_s'))}s{ahead}" + (f"; {calls}" if calls else ""))
+    out += fixed_cost_lines(result)
     return "\n".join(out)
 
 
@@ -169,7 +183,10 @@ def _gbps_range(row: dict[str, Any]) -> tuple[float, float]:
 
 def write_plot(result: dict[str, Any], path: str) -> str | None:
     """GB/s per transport and bucket size (one panel per receiver count), baselines beside
-    them, the copy ceiling as a line. Returns why not when matplotlib is missing."""
+    them, the copy ceiling as a line. Returns why not when nothing ran to plot or matplotlib is missing."""
+    rows = [r for r in result["rows"] if _ok(r) and r["kind"] != FIXED_COST]
+    if not rows or not result.get("ceiling"):
+        return "no transport or baseline row ran (a fixed-cost row has no GB/s to plot)"
     try:
         import matplotlib
 
@@ -177,7 +194,6 @@ def write_plot(result: dict[str, Any], path: str) -> str | None:
         import matplotlib.pyplot as plt
     except ImportError:
         return "matplotlib is not installed (pip install 'weightsync[plot]')"
-    rows = [r for r in result["rows"] if _ok(r)]
     counts = sorted({r["receivers"] for r in rows}) or [1]
     fig, axes = plt.subplots(1, len(counts), figsize=(max(7, 5.5 * len(counts)), 4.8), squeeze=False, sharey=True)
     ceiling = result["ceiling"]["gbps"]

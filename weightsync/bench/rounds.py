@@ -14,6 +14,8 @@ import statistics
 from collections.abc import Callable
 from typing import Any, TypeVar
 
+from .fixed_cost import FIXED_COST, medians, pool
+
 T = TypeVar("T")
 
 # per-row fields that are medians over rounds (they are medians over versions within a round)
@@ -93,7 +95,8 @@ def merge_rounds(per_round: list[dict[str, Any]], payload: int) -> dict[str, Any
     row["seconds"] = seconds
     row["versions"] = len(seconds)
     row.update(spread(seconds))
-    row["gbps"] = payload / row["median_s"] / 1e9 if seconds and row["median_s"] > 0 else None
+    fixed = row["kind"] == FIXED_COST  # its bytes are next to none: GB/s says nothing
+    row["gbps"] = payload / row["median_s"] / 1e9 if seconds and row["median_s"] > 0 and not fixed else None
     row["error"] = next((r["error"] for r in ran if r.get("error")), None)
     verified = [r.get("verified") for r in ran]
     row["verified"] = None if all(v is None for v in verified) else all(v is True for v in verified)
@@ -105,6 +108,14 @@ def merge_rounds(per_round: list[dict[str, Any]], payload: int) -> dict[str, Any
         row[k] = max(vals) if vals else None
     for k in ("prestaged_s", "prefetched_s", "changed_fraction"):
         row[k] = [s for r in ran for s in r.get(k) or []]
+    # phases, calls per version, the sender's sync(): medians over every round's versions (the
+    # samples stay out of the JSON)
+    pooled = pool([r.get("samples") for r in ran])
+    if pooled is not None:
+        row.update(medians(pooled))
+    row.pop("samples", None)
+    if fixed:  # its figure is the pre-staged barrier: the same median as its seconds'
+        row["barrier_s"] = row["median_s"]
     row["rounds"] = [{k: r.get(k) for k in ("round", "position", "seconds", "median_s", "load_avg_1m",
                                             "cpu_s_per_version", "others_cpu_s", "row_wall_s")} for r in ran]
     cpu = [r["cpu_s_per_version"] for r in ran if r.get("cpu_s_per_version") is not None]
@@ -135,7 +146,7 @@ def tag_side(row: dict[str, Any], side: str, rev: str | None) -> dict[str, Any]:
 
 
 def _ok(row: dict[str, Any]) -> bool:
-    return row["kind"] == "transport" and not row.get("error") and bool(row.get("median_s"))
+    return row["kind"] in ("transport", FIXED_COST) and not row.get("error") and bool(row.get("median_s"))
 
 
 def ab_table(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
@@ -144,7 +155,7 @@ def ab_table(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
     first quartile exceeds their third): slower beyond the spread, not by a drift of the run.
     ``faster`` is the mirror; anything overlapping is ``same``."""
     def config(r: dict[str, Any]) -> tuple:
-        return (r.get("transport"), r.get("receivers"), r.get("bucket_mb"), r.get("checksum"), r.get("digest"),
+        return (r["kind"], r.get("transport"), r.get("receivers"), r.get("bucket_mb"), r.get("checksum"), r.get("digest"),
                 r.get("delta") or "off")
 
     other = {config(r): r for r in rows if _ok(r) and r.get("side") == "against"}

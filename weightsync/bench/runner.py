@@ -17,6 +17,7 @@ import itertools
 import os
 import statistics
 import time
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -28,6 +29,7 @@ from ..device import ray_options
 from ..manifest import Manifest
 from .actors import BenchRollout, BenchTrainer
 from .delta_rows import delta_suffix
+from .fixed_cost import FIXED_COST, add_version, medians, new_samples
 from .interrupt import Progress, asked, check, interrupt_close, tick
 from .rowkit import ROW_TIMEOUT_S, describe_error, devices_short, one_device_per_rank
 
@@ -38,11 +40,6 @@ def stats(seconds: list[float]) -> dict[str, float]:
         return {"median_s": float("nan"), "p90_s": float("nan"), "min_s": float("nan")}
     return {"median_s": statistics.median(seconds), "p90_s": float(np.percentile(seconds, 90)),
             "min_s": min(seconds)}
-
-
-def _median_of(dicts: list[dict[str, Any]], key: str) -> float | None:
-    values = [d[key] for d in dicts if isinstance(d.get(key), (int, float))]
-    return statistics.median(values) if values else None
 
 
 def transport_unavailable(name: str, backend: str, device: str) -> str | None:
@@ -72,14 +69,18 @@ class Bench:
                  versions: int = 5, warmup: int = 1, barrier_versions: int | None = None, progress: bool = True,
                  check: bool = True,
                  runtime_env: dict[str, Any] | None = None, classes: tuple[type, type] | None = None,
+                 coordinator: Callable[[dict, str], Any] | None = None,
                  update: str = "random", rdt: tuple[str, ...] = (), keep_baselines: frozenset[str] = frozenset(),
-                 groups: tuple[tuple[str, str], ...] = ()):
+                 groups: tuple[tuple[str, str], ...] = (), fixed_cost: bool = False, device_share: float = 0.5):
         """``rdt``: Ray Direct Transport baselines whose actors start now, beside this bench's own
         (rdt_rows.RdtPair). ``keep_baselines``: whose own actors ("rdt": RDT pairs, "groups":
         collective groups) stay from their first round to the last; the others' rows make and end their own,
         so the memory they hold never shrinks what the shm rows may use (shm.transport.budget
         picks a streaming ring, another mode, when the node has too little free). ``groups``:
-        (collective baseline, backend) whose kept group starts now too (baseline_rows.start)."""
+        (collective baseline, backend) whose kept group starts now too (baseline_rows.start).
+        ``fixed_cost``: its sync rows are fixed-cost rows (fixed_cost.py): only pre-staged
+        barriers are timed, none after prefetch(). ``device_share``: the part of one device its
+        parties ask Ray for together (on an accelerator)."""
         self.manifest = manifest
         # only passed when not the default: an --against side's older BenchTrainer has no such argument
         self._update = {"update": update} if update != "random" else {}
@@ -90,17 +91,20 @@ class Bench:
         # pre-staged barriers per sync row (every other one after prefetch()); 2 x versions before presets
         self.barrier_versions = 2 * versions if barrier_versions is None else barrier_versions
         self.check = check
+        self.fixed_cost = fixed_cost
         self.progress = Progress(progress)
         self._version = itertools.count(1)
         self._ids = itertools.count()
         parties = receivers + 1
-        # runtime_env, classes: an A/B run's other side, actors running another checkout's code
+        # runtime_env, classes, coordinator: an A/B run's other side, actors (and the coordinator
+        # they talk to) running another checkout's code
         self._classes = classes or (BenchTrainer, BenchRollout)
+        self._coordinator = coordinator or (lambda config, name: Coordinator.create(config, name=name))
         self._base: dict[str, Any] = {"num_cpus": 0, "max_concurrency": 1,
                                       **({"runtime_env": runtime_env} if runtime_env else {})}
-        # colocated on one device, like the ipc case; half of it, so that the Ray Direct Transport
-        # rows' own colocated actors (rdt_rows: CUDA_IPC) fit on the same device beside them
-        self._share = 0.5 / parties
+        # colocated on one device, like the ipc case; half of it by default, so that the Ray Direct
+        # Transport rows' own colocated actors (rdt_rows: CUDA_IPC) fit on the same device beside them
+        self._share = device_share / parties
         self._opts, self._weights_path = {**self._base, **ray_options(device, self._share)}, weights_path
         self._spread: tuple[Any, list[Any]] | None = None  # one device per party, made when needed
         self._rdt: dict[str, Any] = {}  # RDT baseline name -> its RdtPair, made on its first row
@@ -173,7 +177,7 @@ class Bench:
                "barrier_s": None, "prestaged_s": [], "prefetched_barrier_s": None, "prefetched_s": [],
                "sender_peak_extra_bytes": None,
                "receiver_peak_extra_bytes": None, "receivers_peak_extra_bytes": [], "shm_bytes": None, "phases_s": {}, "verified": None,
-               "checksum": None, "delta": None, "changed_fraction": [], "error": None}
+               "checksum": None, "delta": None, "changed_fraction": [], "calls_per_version": {}, "error": None}
         row.update(fields)
         return row
 
@@ -181,7 +185,9 @@ class Bench:
         row["seconds"] = seconds
         row["versions"] = len(seconds)
         row.update(stats(seconds))
-        row["gbps"] = self.payload / row["median_s"] / 1e9 if seconds and row["median_s"] > 0 else None
+        # a fixed-cost row's bytes are next to none: its GB/s would only restate its seconds
+        fixed = row["kind"] == FIXED_COST
+        row["gbps"] = self.payload / row["median_s"] / 1e9 if seconds and row["median_s"] > 0 and not fixed else None
         return row
 
     def _verify(self, rollouts: list, trainer: Any = None) -> bool:
@@ -228,8 +234,11 @@ class Bench:
                  checksum: bool = True, digest: str = "auto", delta: str = "off") -> dict[str, Any]:
         suffix = ("" if not checksum or digest == "auto" else f" ({digest} digest)") + delta_suffix(delta)
         name = (transport if checksum else f"{transport} (no digest)") + suffix
-        row = self._row(kind="transport", name=name, transport=transport, backend=backend, bucket_mb=bucket_mb,
-                        receivers=receivers, checksum=checksum, digest=digest if checksum else "off", delta=delta)
+        if self.fixed_cost:
+            suffix += f" {FIXED_COST}"
+            name += f" {FIXED_COST}"
+        row = self._row(kind=FIXED_COST if self.fixed_cost else "transport", name=name, transport=transport,
+                        backend=backend, bucket_mb=bucket_mb, receivers=receivers, checksum=checksum, digest=digest if checksum else "off", delta=delta)
         spread = transport == "broadcast" and one_device_per_rank(backend, self.device)
         # the set made for the first such row serves every receiver count of the run
         why = transport_unavailable(transport, backend, self.device) or (
@@ -244,9 +253,10 @@ class Bench:
                "sync_timeout_s": ROW_TIMEOUT_S / 2, "connect_timeout_s": 120.0,
                # throughput, not liveness, is measured here: a busy machine must not abort a version
                "heartbeat_timeout_s": 60.0, **({"delta": delta} if delta != "off" else {})}
-        coord = Coordinator.create(cfg, name=f"wsbench-{os.getpid()}-{next(self._ids)}")
-        seconds, prestaged, prefetched, stage_s, barrier_s, recv_metrics = [], [], [], [], [], []
+        coord = self._coordinator(cfg, f"wsbench-{os.getpid()}-{next(self._ids)}")
+        seconds, prestaged, prefetched, stage_s = [], [], [], []
         changed: list[float] = []
+        samples = new_samples()
         try:
             ray.get([r.open.remote(coord, cfg) for r in rx], timeout=ROW_TIMEOUT_S)
             ray.get(trainer.open.remote(coord, cfg, receivers), timeout=ROW_TIMEOUT_S)
@@ -262,13 +272,15 @@ class Bench:
                         seconds.append(max([e["end"] for e in ends] + [out["end"]]) - out["t0"])
                         stage_s.append(out["stage_s"])
                         changed.append(out.get("changed_fraction"))
-                        recv_metrics.extend(e["metrics"] for e in ends)
+                        add_version(samples, out, [e["metrics"] for e in ends], phases=True, barrier=False)
                     tick(bar)
                 for i in range(self.barrier_versions):
                     check()
                     v = next(self._version)
-                    ray.get(trainer.stage.remote(v), timeout=ROW_TIMEOUT_S)
-                    ahead = i % 2 == 1  # every other version as if the rollout prefetched while generating
+                    staged = ray.get(trainer.stage.remote(v), timeout=ROW_TIMEOUT_S)
+                    # every other version as if the rollout prefetched while generating; a fixed-cost
+                    # row times the plain barrier only
+                    ahead = i % 2 == 1 and not self.fixed_cost
                     if ahead and not ray.get([r.prefetch.remote(v) for r in rx], timeout=ROW_TIMEOUT_S)[0]:
                         ahead = False  # nothing to read ahead on this transport: a plain barrier
                     t0 = time.monotonic()  # CLOCK_MONOTONIC is one clock for every process on the node
@@ -280,7 +292,10 @@ class Bench:
                         prefetched.append(took)
                     else:
                         prestaged.append(took)
-                        barrier_s.append(out["barrier_s"])
+                        if self.fixed_cost:
+                            stage_s.append(staged)
+                        # after prefetch() a receiver's calls split between it and apply(): not counted
+                        add_version(samples, out, [e["metrics"] for e in ends], phases=self.fixed_cost, barrier=True)
                     tick(bar)
             row["verified"] = self._verify(rx, trainer)
         except Exception as exc:
@@ -301,10 +316,11 @@ class Bench:
         row["prefetched_s"] = prefetched
         row["changed_fraction"] = changed
         row["prefetched_barrier_s"] = statistics.median(prefetched) if prefetched else None
-        row["sender_barrier_s"] = statistics.median(barrier_s) if barrier_s else None
-        # where a receiver's time goes (medians over versions and receivers)
-        row["phases_s"] = {k: _median_of(recv_metrics, k) for k in ("wait_s", "verify_s", "load_s", "post_load_s", "total_s")}
-        return self._finish(row, seconds)
+        # where a receiver's time goes, the coordinator calls of a version and the sender's own sync()
+        # time (medians over versions and receivers; rounds.merge_rounds pools every round's samples)
+        row.update(medians(samples))
+        row["samples"] = samples
+        return self._finish(row, prestaged if self.fixed_cost else seconds)
 
     def _close_sessions(self, rx: list, trainer: Any) -> dict[str, Any]:
         out: dict[str, Any] = {}

@@ -13,6 +13,7 @@ from __future__ import annotations
 from typing import Any
 
 from .expect import fastest
+from .fixed_cost import FIXED_COST
 from .results import load_copy
 
 
@@ -83,7 +84,7 @@ def verdict(size: dict[str, Any], receivers: int) -> str | None:
                and r["name"] == best["name"] and r["bucket_mb"] == best["bucket_mb"])
     parts, missing = [], []
     for b in size["rows"]:
-        if b["kind"] == "transport" or b["receivers"] != receivers or b.get("side", "this") != "this":
+        if b["kind"] in ("transport", FIXED_COST) or b["receivers"] != receivers or b.get("side", "this") != "this":
             continue
         if b["kind"] == "baseline" and _ok(b):
             parts.append(f"{_versus(b['median_s'] / row['median_s'])} {b['name']} ({_s(b['median_s'])}, "

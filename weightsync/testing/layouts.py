@@ -3,7 +3,7 @@ benchmark and the tests need no download."""
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 
 import torch
 
@@ -53,6 +53,18 @@ def _moe(layers: int, experts: int, hidden: int, expert_inter: int, dtype: str) 
     return specs
 
 
+# elements a fixed-cost layout keeps of each tensor: 2 KiB in bf16, so bytes cost next to nothing
+FIXED_COST_ELEMS = 1024
+
+
+def fixed_cost(specs: Iterable[TensorSpec], elems: int = FIXED_COST_ELEMS) -> list[TensorSpec]:
+    """The same tensors (names, order, dtypes), each cut to one dimension of at most ``elems``
+    elements: a version of it costs what a version costs beyond its bytes (per-tensor host work,
+    coordinator round trips), the bench's fixed-cost rows. 1-D because what a version costs per
+    tensor (a name, a spec, a copy call) does not depend on its rank."""
+    return [TensorSpec(s.name, s.dtype, (min(s.numel, elems),)) for s in specs]
+
+
 LAYOUTS: dict[str, Callable[[str], list[TensorSpec]]] = {
     # Qwen2.5-0.5B with an untied head: two embedding-size tensors and many small ones, ~1.2 GB in bf16
     "qwen2.5-0.5b": lambda dt: _dense(151936, 896, 4864, 24, 14, 2, 64, True, False, False, dt),
@@ -62,6 +74,8 @@ LAYOUTS: dict[str, Callable[[str], list[TensorSpec]]] = {
     "qwen3-8b": lambda dt: _dense(151936, 4096, 12288, 36, 32, 8, 128, False, True, False, dt),
     # ~2,300 tensors, ~0.5 GB in bf16
     "moe-small": lambda dt: _moe(12, 64, 512, 128, dt),
+    # qwen2.5-0.5b's 291 tensors at <= 1024 elements each (0.47 MiB in bf16): the fixed cost of a version
+    "qwen2.5-0.5b-fixed": lambda dt: fixed_cost(LAYOUTS["qwen2.5-0.5b"](dt)),
     # a few MiB, for tests
     "tiny": lambda dt: _dense(1000, 64, 128, 2, 4, 2, 16, True, False, False, dt),
 }
