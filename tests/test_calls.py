@@ -22,9 +22,9 @@ PER_VERSION = {
                   "wait_version": 1, "bcast_group": 1, "report": 1},
 }
 # calls made on a timer, not per version: heartbeats, and the abort checks of a party that
-# waits longer than a tick (0.2 s) for a bucket or a release (state, metrics), which a loaded
+# waits longer than a tick (0.2 s) for a bucket or a release (get_state, metrics), which a loaded
 # machine adds; for these only the untimed floor is compared
-TIMED = {"heartbeat", "status", "state", "metrics"}
+TIMED = {"heartbeat", "status", "get_state", "metrics"}
 WARMUP, VERSIONS = 3, 3
 
 
@@ -32,8 +32,16 @@ def _calls(coord) -> dict[str, int]:
     return dict(coord.status()["calls"])
 
 
+# what each party calls at a pre-staged barrier (stage() done before the rollout asks): the
+# sender's begin_sync and wait_outcome, the receiver's wait_version and report. broadcast adds
+# its group's membership on each side (bcast_form, bcast_group)
+BARRIER_CALLS = {"shm": (2, 2), "ipc": (2, 2), "broadcast": (3, 3)}
+
+
 @pytest.mark.parametrize("transport", list(PER_VERSION))
 def test_calls_per_version(start_job, transport):
+    """The coordinator's count by op over step()s; then each party's own count at pre-staged
+    barriers (SyncResult.sync_calls, the receiver's metrics["calls"])."""
     config = {"transport": transport, "bucket_mb": 1 / 16, "device": "cpu"}
     coord, rs, trainer = start_job(config, 1)
 
@@ -51,26 +59,11 @@ def test_calls_per_version(start_job, transport):
     made = {op: (n - before.get(op, 0)) / VERSIONS for op, n in after.items() if n != before.get(op, 0)}
     expected = PER_VERSION[transport]
     seen = {op: min(n, expected.get(op, 0)) if op in TIMED else n for op, n in made.items()}
-    assert {op: n for op, n in seen.items() if n} == expected
-
-
-# what each party calls at a pre-staged barrier (stage() done before the rollout asks): the
-# sender's begin_sync and wait_outcome, the receiver's wait_version and report. broadcast adds
-# its group's membership on each side (bcast_form, bcast_group)
-BARRIER_CALLS = {"shm": (2, 2), "ipc": (2, 2), "broadcast": (3, 3)}
-
-
-@pytest.mark.parametrize("transport", list(BARRIER_CALLS))
-def test_calls_per_party_at_a_prestaged_barrier(start_job, transport):
-    """Each party counts its own calls (SyncResult.sync_calls, the receiver's metrics["calls"])."""
-    config = {"transport": transport, "bucket_mb": 1 / 16, "device": "cpu"}
-    coord, rs, trainer = start_job(config, 1)
-    seen = set()
-    for v in range(1, 1 + WARMUP + VERSIONS):
+    by_party = set()
+    for v in range(1 + WARMUP + VERSIONS, 1 + WARMUP + 2 * VERSIONS):
         ray.get(trainer.stage.remote(v))
         applied = rs[0].apply.remote(v)
         result = ray.get(trainer.sync.remote(v))
         assert ray.get(applied) == v
-        if v > WARMUP:
-            seen.add((result.sync_calls, ray.get(rs[0].counters.remote()).metrics["calls"]))
-    assert seen == {BARRIER_CALLS[transport]}
+        by_party.add((result.sync_calls, ray.get(rs[0].counters.remote()).metrics["calls"]))
+    assert ({op: n for op, n in seen.items() if n}, by_party) == (expected, {BARRIER_CALLS[transport]})

@@ -11,6 +11,7 @@ import time
 import pytest
 import ray
 
+from weightsync import records
 from weightsync.coordinator import ops
 from weightsync.coordinator.channel import Link
 from weightsync.testing.parties import wait_until
@@ -57,7 +58,7 @@ def frame(sock: socket.socket, payload: bytes) -> bytes:
 
 @pytest.mark.parametrize("payload", [
     b"\x80\x04\x95junk",  # a pickle stream's head, not msgpack
-    ops.encode({"op": "GetStatus", "token": "not-the-token", "args": {}}),
+    records.encode({"op": "GetStatus", "token": "not-the-token", "args": {}}),
 ], ids=["malformed", "wrong-token"])
 def test_a_bad_frame_over_the_socket_gets_the_protocol_error_ray_gives(coordinator_factory, payload):
     coord = coordinator_factory({"control_channel": "socket"})
@@ -65,7 +66,7 @@ def test_a_bad_frame_over_the_socket_gets_the_protocol_error_ray_gives(coordinat
     with socket.create_connection((address.host, address.port), timeout=30) as sock:
         over_socket = frame(sock, payload)
     over_ray = ray.get(coord.actor.rpc.remote(payload))
-    assert (over_socket, ops.decode(over_socket)["kind"]) == (over_ray, "ProtocolError")
+    assert (over_socket, records.decode(over_socket)["kind"]) == (over_ray, "ProtocolError")
 
 
 def slow_echo(server: socket.socket, delay: float) -> None:

@@ -9,14 +9,14 @@ import torch
 
 from weightsync.config import SyncConfig
 from weightsync.delta import codec as delta
-from weightsync.delta.packing import wire_plan
 from weightsync.delta.receiver import DeltaReceiver
 from weightsync.delta.sender import DeltaSender
-from weightsync.delta.strategy import DeltaPacking, FullPacking, Loaders, packing_for, wanted
+from weightsync.delta.strategy import DeltaPacking, FullPacking, Loaders, host_reserve, packing_for, wanted
 from weightsync.digest import xxh3
 from weightsync.errors import ConfigError, ManifestError, ProtocolError
 from weightsync.manifest import Unpacker, build_manifest, plan_buckets
-from weightsync.transports.base import DeltaRecord, ShmVersion, VersionRecord
+from weightsync.transports.base import DeltaRecord, VersionRecord
+from weightsync.transports.shm.records import ShmVersion
 
 
 def bucket(n: int, seed: int = 0) -> torch.Tensor:
@@ -112,10 +112,10 @@ def test_wire_plan_and_record():
     m = build_manifest({f"t{i}": torch.zeros(300, dtype=torch.bfloat16) for i in range(6)})
     plan = plan_buckets(m, 2048)
     lengths = [0] + [b.nbytes for b in plan.buckets[1:]]
-    wp = wire_plan(plan, lengths)
+    wp = plan.with_lengths(lengths)
     assert [b.nbytes for b in wp.buckets] == lengths and wp.bucket_count == plan.bucket_count
     with pytest.raises(ValueError):
-        wire_plan(plan, lengths[:-1])
+        plan.with_lengths(lengths[:-1])
     rec = DeltaRecord(base=3, kinds=[delta.SKIP] + [delta.FULL] * (plan.bucket_count - 1), lengths=lengths,
                       digests=[1] * plan.bucket_count)
     wire = ShmVersion(segment="x", size=1, delta=rec).to_wire()
@@ -311,9 +311,12 @@ def test_the_auto_shm_budget_leaves_room_for_the_trainer_snapshot():
     snapshot = delta.snapshot_bytes(plan.bucket_count, plan.bucket_bytes)
     # the node can give exactly what 3 whole versions need under the auto fraction
     can = int(3 * segment_layout(plan)[0] / 0.5) + 1
-    off = choose_mode(plan, SyncConfig(bucket_mb=1 / 16), capacity=lambda _c: can)
-    on = choose_mode(plan, SyncConfig(bucket_mb=1 / 16, delta="on"), capacity=lambda _c: can)
-    auto = choose_mode(plan, SyncConfig(bucket_mb=1 / 16, delta="auto"), capacity=lambda _c: can)
+    def mode(delta_mode: str):
+        # the sender reserves its packing's host bytes in the context it builds the transport with
+        return choose_mode(plan, SyncConfig(bucket_mb=1 / 16, delta=delta_mode), capacity=lambda _c: can,
+                           reserve=host_reserve(delta_mode, "shm", plan))
+
+    off, on, auto = mode("off"), mode("on"), mode("auto")
     assert not auto.streaming  # auto is off on shm: no snapshot
     assert not off.streaming and on.streaming
     assert "delta sync's" in on.reason and DeltaSender.memory_bytes(plan) == snapshot

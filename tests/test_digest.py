@@ -1,4 +1,4 @@
-"""Bucket digests (weightsync/digest.py): the torch digest's definition and sensitivity, the
+"""Bucket digests (weightsync/digest/__init__.py): the torch digest's definition and sensitivity, the
 kind each transport uses, and end to end: a corrupted bucket is refused on shm, ipc and
 gloo broadcast by the torch digest, and a version's digest is the same on every party."""
 
@@ -23,7 +23,7 @@ BUCKET = 1 << 16  # 64 KiB: the tiny layout spans several buckets, one tensor sp
 
 
 def _reference(buf: torch.Tensor) -> int:
-    """The torch digest written out in Python integers, from its definition in digest.py."""
+    """The torch digest written out in Python integers, from its definition in digest/__init__.py."""
     data = bytes(buf.numpy())
     n = len(data)
     words = [int(v) for v in np.frombuffer(data + b"\0" * (-n % 4), dtype=np.int32)]

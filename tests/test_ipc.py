@@ -8,6 +8,7 @@ import time
 import pytest
 import torch
 
+from weightsync import records
 from weightsync.errors import ConfigError, ProtocolError, SyncFailed
 from weightsync.testing.layouts import layout, materialize
 from weightsync.testing.parties import assert_serves, rollout_actor
@@ -120,11 +121,11 @@ def test_tags_order_buckets_within_and_across_versions():
 
 _CHILD = """
 import sys, torch
-from weightsync.coordinator import ops
+from weightsync import records
 from weightsync.transports.ipc.wire import import_handle
 if sys.argv[1] == "npu":
     import torch_npu  # noqa: F401
-t = import_handle(ops.decode(sys.stdin.buffer.read()))
+t = import_handle(records.decode(sys.stdin.buffer.read()))
 print(int(t.view(torch.int32).sum().item()))
 """
 
@@ -134,14 +135,13 @@ def _roundtrip_in_child(kind: str):
     import subprocess
     import sys
 
-    from weightsync.coordinator import ops
     from weightsync.device import resolve
     from weightsync.transports.ipc.wire import export_handle
 
     dev = resolve(kind)
     t = torch.arange(4096, dtype=torch.int32, device=dev).view(torch.uint8)
     # a plain subprocess, not multiprocessing's spawn: that leaves its resource tracker running
-    out = subprocess.run([sys.executable, "-c", _CHILD, kind], input=ops.encode(export_handle(t)),
+    out = subprocess.run([sys.executable, "-c", _CHILD, kind], input=records.encode(export_handle(t)),
                          capture_output=True, timeout=120, check=True)
     assert int(out.stdout) == int(t.view(torch.int32).sum().item())
 

@@ -11,6 +11,7 @@ import typing
 
 import pytest
 
+from weightsync import records
 from weightsync.config import SyncConfig
 from weightsync.coordinator import client, ops
 from weightsync.coordinator.actor import CoordinatorActor
@@ -26,7 +27,7 @@ def sample(tp):
     if typing.get_origin(tp) in (types.UnionType, typing.Union):
         return sample(next(a for a in typing.get_args(tp) if a is not type(None)))
     if dataclasses.is_dataclass(tp):
-        hints = ops.hints_of(tp)
+        hints = records.hints_of(tp)
         return tp(**{f.name: sample(hints[f.name]) for f in dataclasses.fields(tp)})
     origin = typing.get_origin(tp) or tp
     return {int: 1, float: 1.5, str: "x", bool: True, list: [], dict: {}}.get(origin, "x")
@@ -55,11 +56,11 @@ def served(op: str, args) -> dict:
 
     async def call() -> bytes:
         try:
-            return await actor.rpc(ops.encode({"op": op, "token": TOKEN, "args": args}))
+            return await actor.rpc(records.encode({"op": op, "token": TOKEN, "args": args}))
         finally:
             actor._monitor.cancel()
 
-    return ops.decode(asyncio.run(call()))
+    return records.decode(asyncio.run(call()))
 
 
 @pytest.mark.parametrize("cls", REQUESTS, ids=lambda c: c.__name__)
@@ -80,7 +81,7 @@ def test_request_missing_a_field_is_refused_naming_it(cls):
 @pytest.mark.parametrize("cls", [c for c in REQUESTS if dataclasses.fields(c)], ids=lambda c: c.__name__)
 def test_request_with_a_field_of_the_wrong_type_is_refused_naming_it(cls):
     f = first_field(cls)
-    wire = {**sample(cls).to_wire(), f.name: wrong(ops.hints_of(cls)[f.name])}
+    wire = {**sample(cls).to_wire(), f.name: wrong(records.hints_of(cls)[f.name])}
     assert served(cls.__name__, wire)["error"].startswith(f"control: {cls.__name__} field {f.name!r} is ")
 
 
@@ -95,7 +96,7 @@ class Answer:
     """An actor handle whose ``rpc`` answers with one fixed reply."""
 
     def __init__(self, reply: dict):
-        self.rpc = types.SimpleNamespace(remote=lambda payload: ops.encode(reply))
+        self.rpc = types.SimpleNamespace(remote=lambda payload: records.encode(reply))
 
 
 def asked(monkeypatch, request: ops.Request, type_name: str, result) -> ops.Message:
@@ -133,7 +134,7 @@ def test_reply_missing_a_field_is_refused_naming_it(monkeypatch, cls):
 @pytest.mark.parametrize("cls", [c for c in REPLIES if dataclasses.fields(c)], ids=lambda c: c.__name__)
 def test_reply_with_a_field_of_the_wrong_type_is_refused_naming_it(monkeypatch, cls):
     f = first_field(cls)
-    wire = {**sample(cls).to_wire(), f.name: wrong(ops.hints_of(cls)[f.name])}
+    wire = {**sample(cls).to_wire(), f.name: wrong(records.hints_of(cls)[f.name])}
     with pytest.raises(ProtocolError, match=rf"^control: {cls.__name__} field '{f.name}' is "):
         asked(monkeypatch, request_for(cls), cls.__name__, wire)
 
@@ -154,15 +155,15 @@ def test_a_nested_record_names_its_own_field(monkeypatch):
 # strictly where it arrives, transports/base.py; the config, SyncConfig.from_mapping) is a
 # WireMap: plain msgpack data, checked on arrival; no record field is left ``Any``
 def test_no_record_field_is_left_untyped():
-    records = [c for c in vars(ops).values() if isinstance(c, type) and issubclass(c, ops.Message)]
-    untyped = sorted(f"{c.__name__}.{name}" for c in records for name, tp in ops.hints_of(c).items()
+    messages = [c for c in vars(ops).values() if isinstance(c, type) and issubclass(c, ops.Message)]
+    untyped = sorted(f"{c.__name__}.{name}" for c in messages for name, tp in records.hints_of(c).items()
                      if "Any" in str(tp) or tp in (dict, list))
     assert untyped == []
 
 
 def test_every_forwarded_record_and_the_config_are_wire_maps():
-    records = [c for c in vars(ops).values() if isinstance(c, type) and issubclass(c, ops.Message)]
-    found = {(c.__name__, name): str(tp) for c in records for name, tp in ops.hints_of(c).items()
+    messages = [c for c in vars(ops).values() if isinstance(c, type) and issubclass(c, ops.Message)]
+    found = {(c.__name__, name): str(tp) for c in messages for name, tp in records.hints_of(c).items()
              if name in ("info", "config")}
     assert len(found) == 11
     assert {k: v for k, v in found.items() if v not in ("dict[str, Wire]", "dict[str, Wire] | None")} == {}
@@ -183,12 +184,12 @@ def test_a_wire_map_is_checked_on_arrival_naming_the_record_and_the_field(bad, w
 
 def test_a_wire_value_that_is_no_plain_data_or_nests_without_end_is_refused():
     with pytest.raises(ProtocolError, match=r"^x\['a'\]\[0\] is set, not a wire value"):
-        ops.wire_value({"a": [set()]}, "x")
+        records.wire_value({"a": [set()]}, "x")
     deep: dict = {}
-    for _ in range(ops.MAX_WIRE_DEPTH + 1):
+    for _ in range(records.MAX_WIRE_DEPTH + 1):
         deep = {"a": deep}
-    with pytest.raises(ProtocolError, match=rf"nests deeper than {ops.MAX_WIRE_DEPTH} levels$"):
-        ops.wire_value(deep, "x")
+    with pytest.raises(ProtocolError, match=rf"nests deeper than {records.MAX_WIRE_DEPTH} levels$"):
+        records.wire_value(deep, "x")
 
 
 def test_a_request_whose_info_is_no_wire_map_is_refused_by_the_coordinator():

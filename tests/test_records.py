@@ -5,6 +5,7 @@ arrives with a ProtocolError naming the transport and the field."""
 from __future__ import annotations
 
 import dataclasses
+import types
 
 import msgpack
 import pytest
@@ -13,11 +14,17 @@ import torch
 from weightsync import SyncConfig
 from weightsync.errors import ProtocolError
 from weightsync.manifest import Manifest, TensorSpec, plan_buckets
-from weightsync.transports import base as R
+from weightsync.transports import base
 from weightsync.transports.base import TransportContext
+from weightsync.transports.broadcast import records as broadcast_records
 from weightsync.transports.broadcast.transport import BroadcastReceiver
+from weightsync.transports.ipc import records as ipc_records
 from weightsync.transports.ipc.transport import IpcReceiver
+from weightsync.transports.shm import records as shm_records
 from weightsync.transports.shm.transport import ShmReceiver, ShmStreamReceiver, open_shm_receiver
+
+# every transport's records (each in its own folder) and the base ones, by name
+R = types.SimpleNamespace(**{**vars(base), **vars(ipc_records), **vars(shm_records), **vars(broadcast_records)})
 
 HOST = R.HostBuffer(segment="memfd:1234:5", bytes=4096)
 # the values ipc.wire.export_handle takes from torch's reduce_tensor for a CUDA buffer

@@ -42,7 +42,7 @@ def _receive(r: IpcReceiver, version: int, wire: dict, params: dict, unpacker: U
             info = r.parse_version(wire)
             for b, buf, expected in r.receive(version, info, time.monotonic() + 20, lambda: None):
                 if expected is not None:
-                    verify(r.kind, b, buf, expected, version)
+                    verify(r.digest_kind, b, buf, expected, version)
                 for name, t in unpacker.unpack(b, buf):
                     params[name].copy_(t)  # the engine's load: queued on this stream, lands late
     except BaseException as exc:

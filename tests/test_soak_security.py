@@ -11,8 +11,7 @@ import threading
 import pytest
 import ray
 
-from weightsync import Coordinator, ProtocolError, WeightReceiver, transports
-from weightsync.coordinator import ops
+from weightsync import Coordinator, ProtocolError, WeightReceiver, records, transports
 from weightsync.testing.layouts import layout, materialize
 from weightsync.testing.parties import assert_serves, start_parties, wait_until
 from weightsync.transports.memory import SEGMENT_REF, holders, locate, our_segments
@@ -146,14 +145,14 @@ def test_pickle_payload_is_refused(coordinator_factory, tmp_path):
 
     payload = pickle.dumps(Exploit())
     with pytest.raises(ProtocolError):
-        ops.decode(payload)
-    reply = ops.decode(ray.get(coord.actor.rpc.remote(payload)))
+        records.decode(payload)
+    reply = records.decode(ray.get(coord.actor.rpc.remote(payload)))
     assert reply["ok"] is False and reply["kind"] == "ProtocolError" and "not valid msgpack" in reply["error"]
     # the same bytes wrapped as a msgpack extension type are refused too
     import msgpack
 
     wrapped = msgpack.packb({"op": "status", "token": coord.token, "args": msgpack.ExtType(1, payload)})
-    reply = ops.decode(ray.get(coord.actor.rpc.remote(wrapped)))
+    reply = records.decode(ray.get(coord.actor.rpc.remote(wrapped)))
     assert reply["ok"] is False and "extension type" in reply["error"]
     assert not marker.exists(), "the payload never ran"
 

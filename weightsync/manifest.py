@@ -340,14 +340,27 @@ class BucketPlan:
     def bucket_count(self) -> int:
         return len(self.buckets)
 
+    def with_lengths(self, lengths: list[int]) -> BucketPlan:
+        """This plan with bucket b moving ``lengths[b]`` bytes (its slices stay for reference only):
+        a delta version's wire plan, its buckets encoded (delta/packing.py)."""
+        if len(lengths) != self.bucket_count:
+            raise ValueError(f"{len(lengths)} delta lengths for a plan of {self.bucket_count} buckets")
+        for b, n in zip(self.buckets, lengths):
+            if not 0 <= n <= self.bucket_bytes:
+                raise ValueError(f"bucket {b.index}: delta length {n} does not fit a bucket of {self.bucket_bytes}")
+        return dataclasses.replace(self, buckets=tuple(Bucket(b.index, n, b.slices) for b, n in zip(self.buckets, lengths)))
+
 
 def align_up(n: int, a: int) -> int:
     return (n + a - 1) // a * a
 
 
-def size_text(nbytes: int) -> str:
-    """``nbytes`` as the parties' log lines print it: GiB from 1 GiB up, else MiB."""
-    return f"{nbytes / (1 << 30):.2f} GiB" if nbytes >= 1 << 30 else f"{nbytes / (1 << 20):.1f} MiB"
+def size_text(nbytes: float) -> str:
+    """``nbytes`` for people to read, three significant digits (1.17 GiB, 16 MiB, 412 KiB): the
+    parties' log lines and shm's mode reason print sizes this way."""
+    if nbytes >= 1 << 30:
+        return f"{nbytes / (1 << 30):.3g} GiB"
+    return f"{nbytes / (1 << 20):.3g} MiB" if nbytes >= 1 << 20 else f"{nbytes / 1024:.3g} KiB"
 
 
 def plan_buckets(manifest: Manifest, bucket_bytes: int, align: int = 256) -> BucketPlan:

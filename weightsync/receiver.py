@@ -132,8 +132,7 @@ class WeightReceiver(Party):
                 self.control.verdict(False, why=str(exc))
                 raise
         self.control.verdict(True)
-        ctx = TransportContext.of(self.config, manifest, session.digest, self.session, self.name, self.rank,
-                                  self.device, self._account, self.control)
+        ctx = TransportContext.for_party(self, manifest, session.digest)
         transport = receiver_class(session.transport)(ctx, session.info)
         self.transport, self.unpacker = transport, Unpacker(ctx.plan, manifest)
         self._loaders = Loaders(self.unpacker, self.name)
@@ -235,7 +234,7 @@ class WeightReceiver(Party):
         self._ensure_session(self.config.connect_timeout_s)
         if self._ahead is not None:
             return self._ahead.wait(version, timeout)  # the thread reads ahead; never a second reader
-        if self.transport.kind is None or (version is not None and self._version is not None
+        if self.transport.digest_kind is None or (version is not None and self._version is not None
                                            and version <= self._version):
             return None
         target = self.control.wait_version(version, timeout, prefetch=True)
@@ -317,7 +316,7 @@ class WeightReceiver(Party):
         reset_s = time.perf_counter() - t5
         post_s = t5 - t4
         total = time.perf_counter() - t0
-        kind = self.transport.kind if len(verified) == self.unpacker.plan.bucket_count else None
+        kind = self.transport.digest_kind if len(verified) == self.unpacker.plan.bucket_count else None
         return {"wait_s": wait_s, "verify_s": verify_s, "load_s": load_s, "post_load_s": post_s,
                 "reset_cache_s": reset_s, "total_s": total, "bytes": nbytes, "peer_verified_buckets": peer_verified,
                 "gbps": nbytes / total / 1e9 if total > 0 else 0.0,

@@ -29,7 +29,7 @@ import torch
 from .config import SyncConfig
 from .coordinator import ops
 from .coordinator.client import Coordinator, Party, Publication
-from .delta.strategy import FullPacking, packing_for
+from .delta.strategy import FullPacking, host_reserve, packing_for
 from .device import describe
 from .errors import ConfigError, VersionError
 from .manifest import Manifest, build_manifest, size_text
@@ -181,8 +181,7 @@ class WeightSender(Party):
         if self.transport is not None:
             return
         digest = manifest.digest()
-        ctx = TransportContext.of(self.config, manifest, digest, self.session, self.name, self.rank, self.device,
-                                  self._account, self.control)
+        ctx = TransportContext.for_party(self, manifest, digest)
         count = self.expected_receivers or 0
         receivers = self.control.receivers(count, timeout=self.config.connect_timeout_s)
         # where this sender runs and whether it can share device buckets (transports/selection.py)
@@ -190,6 +189,7 @@ class WeightSender(Party):
         me = ops.Placement(host=self.host, node_id=self.node_id, device=ops.Device(**describe(self.device)),
                            ipc=ops.IpcSupport(ok=ipc.ok, reason=ipc.reason, notes=list(ipc.notes)))
         name, reason = choose_transport(self.config.transport, me, receivers, self.config.backend)
+        ctx.host_reserve = host_reserve(self.config.delta, name, ctx.plan)
         transport = sender_class(name)(ctx)
         if self.config.receive_ahead == "on" and not transport.ahead_capable:
             transport.close()

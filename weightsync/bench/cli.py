@@ -5,16 +5,14 @@ from __future__ import annotations
 import argparse
 import datetime
 import os
-import platform
 import shutil
-import socket
 import sys
 import time
 from typing import Any
 
 from ..config import SyncConfig
 from ..device import backend_for
-from . import memory_fit
+from . import memory_fit, results
 from . import plan as plans
 from .expect import evaluate, fastest
 from .fixed_cost import DEVICE_SHARE, FIXED_COST, versions_per_round
@@ -24,45 +22,23 @@ from .plan import Item
 
 __all__ = ["BASELINE_CHOICES", "PRESETS", "TRANSPORTS", "add_bench_arguments", "apply_preset", "run_bench"]
 
-def machine_info() -> dict[str, Any]:
-    import psutil
-    import ray
-    import torch
-
-    import weightsync
-
-    model = platform.processor() or platform.machine()
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("model name"):
-                    model = line.split(":", 1)[1].strip()
-                    break
-    except OSError:
-        pass
-    return {
-        "hostname": socket.gethostname(), "cpu_model": model, "cpu_count": os.cpu_count(),
-        "mem_total_bytes": psutil.virtual_memory().total, "load_avg_start": list(os.getloadavg()),
-        "platform": platform.platform(), "python": platform.python_version(), "torch": torch.__version__,
-        "ray": ray.__version__, "weightsync": weightsync.__version__,
-    }
-
-
 def _row_need(item: Item, manifest: Any, first_use: bool = True) -> tuple[int, int, str]:
     import dataclasses
 
+    from ..delta.strategy import host_reserve
     from ..errors import CapacityError
     from ..manifest import plan_buckets
     from ..transports.shm.transport import choose_mode
 
     _, name, n, mb, _, _ = item
-    config = SyncConfig.from_env()  # the parties read WEIGHTSYNC_SHM_BUDGET_MB and friends too
-    config = dataclasses.replace(config, bucket_mb=mb or config.bucket_mb)
+    # the parties read WEIGHTSYNC_SHM_BUDGET_MB and friends too
+    config = dataclasses.replace(SyncConfig.from_env(), bucket_mb=mb or SyncConfig.from_env().bucket_mb)
     payload, bucket, segs = manifest.total_bytes, config.bucket_bytes, config.shm_max_segments
     mode = None
     if name in ("shm", "auto"):
         try:  # the mode the shm sender will pick, from the same plan and budget
-            mode = choose_mode(plan_buckets(manifest, bucket, config.align_bytes), config)
+            plan = plan_buckets(manifest, bucket, config.align_bytes)
+            mode = choose_mode(plan, config, reserve=host_reserve(config.delta, "shm", plan))
         except CapacityError:
             pass  # no mode fits: the row fails with the transport's own message
     need, shm = memory_fit.row_bytes(name, payload, bucket, n, segs, mode.need_bytes if mode else None, first_use)
@@ -110,7 +86,7 @@ def _run_bench(args: argparse.Namespace) -> int:
     import ray
 
     from ..device import platform as detect_platform
-    from . import delta_rows, growth, interleave, layout_source, progress, rdt_rows, results, rounds, summary
+    from . import delta_rows, growth, interleave, layout_source, progress, rdt_rows, rounds, summary
 
     apply_preset(args)
     device = detect_platform() if args.device == "auto" else args.device
@@ -135,7 +111,7 @@ def _run_bench(args: argparse.Namespace) -> int:
     started = time.time()
     # a row that has not started by then is recorded as not run (interleave.run_rounds)
     deadline = None if args.deadline_s is None else time.monotonic() + args.deadline_s
-    machine = machine_info()  # now: its load_avg_start is the load before the run
+    machine = results.machine_info()  # now: its load_avg_start is the load before the run
     own_ray = not ray.is_initialized()
     if own_ray:
         # the Ray baselines put a whole version in the store; without them it holds small control objects

@@ -5,6 +5,9 @@ from __future__ import annotations
 
 import json
 import math
+import os
+import platform
+import socket
 from typing import Any
 
 from .delta_rows import format_lines as delta_lines
@@ -233,3 +236,27 @@ def write_plot(result: dict[str, Any], path: str) -> str | None:
     fig.savefig(path, dpi=110)
     plt.close(fig)
     return None
+
+
+def machine_info() -> dict[str, Any]:
+    import psutil
+    import ray
+    import torch
+
+    import weightsync
+
+    model = platform.processor() or platform.machine()
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    model = line.split(":", 1)[1].strip()
+                    break
+    except OSError:
+        pass
+    return {
+        "hostname": socket.gethostname(), "cpu_model": model, "cpu_count": os.cpu_count(),
+        "mem_total_bytes": psutil.virtual_memory().total, "load_avg_start": list(os.getloadavg()),
+        "platform": platform.platform(), "python": platform.python_version(), "torch": torch.__version__,
+        "ray": ray.__version__, "weightsync": weightsync.__version__,
+    }

@@ -15,6 +15,7 @@ import hmac
 import secrets
 import time
 
+from .. import records
 from ..config import SyncConfig
 from ..errors import DeadlineExceeded, ManifestError, ProtocolError, SyncFailed, VersionError, WeightSyncError
 from . import channel, ops
@@ -27,7 +28,7 @@ from .state import Candidate, Parties, PartyRecord, Signals, State, Version, Ver
 class CoordinatorActor:
     """The actor body. Use :class:`weightsync.Coordinator` to create or reach it."""
 
-    def __init__(self, config: ops.WireMap, token: str):
+    def __init__(self, config: records.WireMap, token: str):
         self.config = SyncConfig.from_mapping(config)
         self.token = token
         self.session = secrets.token_hex(8)
@@ -37,12 +38,12 @@ class CoordinatorActor:
         self.parties = Parties(first_pid=(int(self.session, 16) >> 32 << 20) + 1)
         self.table = VersionTable()
         self.bcast = BroadcastGroups()
-        self.manifest: list[ops.Wire] | None = None
+        self.manifest: list[records.Wire] | None = None
         self.digest: str | None = None
         self.payload_bytes = 0
         self.transport: str | None = None
         self.transport_reason = ""
-        self.transport_info: ops.WireMap = {}  # the transport's own, for receivers only
+        self.transport_info: records.WireMap = {}  # the transport's own, for receivers only
         self.pipelined = self.keeps_versions = False  # the transport's traits (SenderTransport)
         self.resources: dict[str, int] = {}
         self.signals = Signals()
@@ -60,22 +61,21 @@ class CoordinatorActor:
             self._monitor = asyncio.get_running_loop().create_task(self._watch())
         self.channel.served += 1
         try:
-            msg = ops.decode(payload)
+            msg = records.decode(payload)
             if not isinstance(msg, dict) or not isinstance(msg.get("op"), str):
                 raise ProtocolError("control message must be a map with an 'op'")
             if not hmac.compare_digest(str(msg.get("token", "")), self.token):
                 raise ProtocolError(f"op {msg['op']!r} refused: wrong session token for coordinator")
-            kind = ops.REQUESTS.get(msg["op"])
-            if kind is None:
+            if (kind := ops.REQUESTS.get(msg["op"])) is None:
                 raise ProtocolError(f"unknown op {msg['op']!r}")
             self.calls[kind.op] = self.calls.get(kind.op, 0) + 1
             result = await ops.HANDLERS[kind](self, kind.from_wire(msg.get("args", {})))
-            return ops.encode({"ok": True, "type": type(result).__name__, "result": result.to_wire()})
+            return records.encode({"ok": True, "type": type(result).__name__, "result": result.to_wire()})
         except WeightSyncError as exc:
             sync = dict(failed=exc.failed, committed=exc.committed, version=exc.version) if isinstance(exc, SyncFailed) else {}
-            return ops.encode({"ok": False, **ops.Failure(kind=type(exc).__name__, error=str(exc), **sync).to_wire()})
+            return records.encode({"ok": False, **ops.Failure(kind=type(exc).__name__, error=str(exc), **sync).to_wire()})
         except TypeError as exc:
-            return ops.encode({"ok": False, **ops.Failure(kind="ProtocolError", error=f"bad arguments: {exc}").to_wire()})
+            return records.encode({"ok": False, **ops.Failure(kind="ProtocolError", error=f"bad arguments: {exc}").to_wire()})
 
     # -- liveness ------------------------------------------------------------------------
 
@@ -105,7 +105,7 @@ class CoordinatorActor:
     def _party(self, pid: int, seen: bool = True) -> PartyRecord:
         return self.parties.touch(pid, time.monotonic(), seen)
 
-    # -- broadcast membership (coordinator_broadcast.py) -----------------------------------------
+    # -- broadcast membership (membership_ops.py) ---------------------------------------------
 
     @handles(ops.BcastForm)
     async def bcast_form(self, req: ops.BcastForm) -> ops.Formed:
@@ -316,8 +316,8 @@ class CoordinatorActor:
                 raise DeadlineExceeded(f"receiver '{p.name}' waited {timeout:.1f}s for {want}{who}")
             await self.signals.wait(self.signals.version(version) if asked is not None else self.signals.any, deadline)
 
-    @handles(ops.State)
-    async def state(self, req: ops.State) -> ops.VersionState:
+    @handles(ops.GetState)
+    async def state(self, req: ops.GetState) -> ops.VersionState:
         self._party(req.party)
         v = self.table[req.version]
         return ops.VersionState(state=v.state.value, reason=v.reason, info=v.info)

@@ -24,7 +24,8 @@ from collections.abc import Awaitable, Callable
 import ray
 
 from ..errors import ProtocolError, WeightSyncError
-from .ops import MAX_MESSAGE_BYTES, ChannelAddress
+from ..records import MAX_MESSAGE_BYTES
+from .ops import ChannelAddress
 
 HEADER = 4
 # a port nobody answers on (a firewall that drops packets) must not cost a call its whole

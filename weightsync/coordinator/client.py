@@ -32,7 +32,7 @@ from typing import Any
 
 import ray
 
-from .. import errors
+from .. import errors, records
 from ..config import SyncConfig
 from ..device import describe, resolve
 from ..errors import DeadlineExceeded, ProtocolError, SessionLost, SyncFailed, WeightSyncError
@@ -168,7 +168,7 @@ class Coordinator:
             WeightSyncError: The coordinator is unreachable, or the call failed there (the
                 coordinator's own error class is raised, e.g. SyncFailed, VersionError).
         """
-        payload = ops.encode({"op": type(request).__name__, "token": self.token, "args": request.to_wire()})
+        payload = records.encode({"op": type(request).__name__, "token": self.token, "args": request.to_wire()})
         # the call itself may wait up to its timeout field; allow it that plus slack
         limit = ((rpc_timeout if rpc_timeout is not None else self.config.connect_timeout_s)
                  + float(getattr(request, "timeout", 0) or 0) + 5.0)
@@ -182,7 +182,7 @@ class Coordinator:
                 raise DeadlineExceeded(self._late(request, limit)) from None
             except ray.exceptions.RayActorError as exc:
                 raise WeightSyncError(f"coordinator '{self.name}' is unreachable (actor died?): {exc}") from None
-        reply = ops.decode(raw)
+        reply = records.decode(raw)
         if not isinstance(reply, dict):
             raise ProtocolError(f"control: the reply to {type(request).__name__} is not a map")
         if reply.get("ok") is not True:
@@ -367,12 +367,12 @@ class ControlPlane:
         """Open ``version``; returns the storage slot it takes."""
         return self._send(ops.BeginStage(party=self._party(), version=version)).slot
 
-    def stage_info(self, version: int, info: ops.WireMap, readable: bool = False) -> None:
+    def stage_info(self, version: int, info: records.WireMap, readable: bool = False) -> None:
         """More of ``version``'s info; ``readable``: receivers of a pipelined transport may
         start reading it (the sender is still writing)."""
         self._send(ops.StageInfo(party=self._party(), version=version, info=info, readable=readable))
 
-    def staged(self, version: int, info: ops.WireMap, stage_s: float) -> None:
+    def staged(self, version: int, info: records.WireMap, stage_s: float) -> None:
         self._send(ops.Staged(party=self._party(), version=version, info=info, stage_s=stage_s))
 
     def abort(self, version: int, reason: str) -> None:
@@ -390,7 +390,7 @@ class ControlPlane:
         transport learns the participants once per sync, without a call of its own."""
         return self._barriers.get(version)
 
-    def wait_outcome(self, version: int, timeout: float, info: ops.WireMap | None = None) -> ops.Metrics:
+    def wait_outcome(self, version: int, timeout: float, info: records.WireMap | None = None) -> ops.Metrics:
         """The committed version's metrics; raises SyncFailed naming each failed party.
         ``info``: more of the version's info first (as stage_info), in the same call."""
         return self._send(ops.WaitOutcome(party=self._party(), version=version, timeout=timeout, info=info))
@@ -412,7 +412,7 @@ class ControlPlane:
                                           prefetch=prefetch, after=after if ahead else None, ahead=ahead))
 
     def state(self, version: int) -> VersionState:
-        return self._send(ops.State(party=self._party(), version=version))
+        return self._send(ops.GetState(party=self._party(), version=version))
 
     def report(self, version: int, ok: bool, serving: int | None, reason: str = "",
                metrics: dict[str, ops.Scalar] | None = None) -> None:
@@ -424,7 +424,7 @@ class ControlPlane:
         self._count()
         return self.coordinator.call(ops.GetMetrics(version=version))
 
-    # -- broadcast transport: group membership (broadcast_groups.py) ---------------------------
+    # -- broadcast transport: group membership (membership_ops.py) -----------------------------
 
     def bcast_form(self, version: int, ahead: bool = False) -> ops.BroadcastGroup | None:
         """The group of ``version``; ``ahead``: formed in stage(), or None where some live
@@ -470,8 +470,8 @@ class Party:
         self.host, self.node_id = node_identity()
         self._closed = False
         self._rejoin_lock = threading.Lock()
-        self.control = ControlPlane(coordinator, lambda: self.party, self._rejoin)
-        self.party: int | None = None  # set by open(): the coordinator's id for this party
+        self.control = ControlPlane(coordinator, lambda: self.party_id, self._rejoin)
+        self.party_id: int | None = None  # set by open(): the coordinator's id for this party
         self.session: str | None = None
         self._stop = threading.Event()
         self._beat: threading.Thread | None = None
@@ -501,7 +501,7 @@ class Party:
             role=self.role, name=self.name, rank=self.rank, host=self.host, os_pid=os.getpid(), node_id=self.node_id,
             device=ops.Device(**describe(self.device)), **state,
         ), rpc_timeout=self.config.connect_timeout_s)
-        self.party: int = reply.party
+        self.party_id: int = reply.party
         self.session: str = reply.session
 
     def _rejoin_state(self) -> dict[str, Any]:
@@ -515,7 +515,7 @@ class Party:
         """The coordinator restarted and lost the session: join again. Only the first thread
         to notice re-registers (heartbeat and caller race here)."""
         with self._rejoin_lock:
-            if self.party == stale:
+            if self.party_id == stale:
                 self._register()
                 self._rejoined()
 
@@ -544,7 +544,7 @@ class Party:
         self._closed = True
         self._close_transport()
         self._stop.set()
-        if self.party is None:
+        if self.party_id is None:
             return  # never opened: the coordinator does not know it
         try:
             self.control.leave()

@@ -1,6 +1,6 @@
 """Internal. What goes on the wire between a party and the coordinator: every control-plane operation
-declared once (its request record and its reply record), and their msgpack encoding and strict
-decoding.
+declared once (its request record and its reply record), decoded strictly by the codec of
+weightsync/records.py.
 
 What crosses the process boundary between a party and the coordinator is one of these frozen
 dataclasses, nothing else. A request names its reply type (``reply``); the coordinator serves
@@ -8,12 +8,8 @@ each request type with exactly one handler (``@handles(Request)`` in actor.py), 
 call graph is what a reader and a type checker see. On the wire a request is the msgpack map
 ``{"op": <type name>, "token": <session token>, "args": <fields>}`` and a reply
 ``{"ok": true, "type": <type name>, "result": <fields>}`` (a failed call: ``{"ok": false}`` with
-the fields of :class:`Failure`); both ends decode with :func:`from_wire`, so an unknown, missing
-or mistyped field is a ``ProtocolError`` naming the record and the field.
-
-Msgpack only, so no message that crossed a process boundary is ever unpickled: Ray still carries
-the bytes between processes, but what they decode to is plain data (dicts, lists, str, int,
-float, bytes), never code.
+the fields of :class:`Failure`); both ends decode with ``records.from_wire``, so an unknown,
+missing or mistyped field is a ``ProtocolError`` naming the record and the field.
 
 A map the coordinator stores and forwards unread (a transport's records, transports/base.py,
 parsed where they arrive; the config, checked by ``SyncConfig.from_mapping``) is a
@@ -24,186 +20,11 @@ and nothing more.
 from __future__ import annotations
 
 import dataclasses
-import functools
 import re
-import types
-import typing
-from collections.abc import Awaitable, Callable, Mapping
+from collections.abc import Awaitable, Callable
 from typing import Any, ClassVar, TypeVar
 
-import msgpack
-from typing_extensions import TypeAliasType  # typing's own from Python 3.12
-
-from ..errors import ProtocolError
-
-MAX_MESSAGE_BYTES = 64 << 20
-
-# -- wire values: plain msgpack data ----------------------------------------------------------
-#
-# What a field holds when the coordinator stores and forwards it unread (a transport's record in
-# its wire form, merged in parts; the config): plain data, maps with str keys all the way down.
-# ``parse`` checks a Wire field on arrival (``wire_value``), so such a map cannot smuggle an
-# object, a non-str key or a nesting that has no end past the boundary.
-# A named alias (TypeAliasType), not a plain union: typing.get_type_hints would unroll a plain
-# recursive union into copies ``parse`` could not tell from any other union.
-Wire = TypeAliasType("Wire", None | bool | int | float | str | bytes | list["Wire"] | dict[str, "Wire"])
-WireMap = dict[str, Wire]
-MAX_WIRE_DEPTH = 32  # far below msgpack's and Python's stacks; records nest a few levels
-
-
-def _refuse_ext(code: int, data: bytes) -> Any:
-    raise ProtocolError(f"msgpack extension type {code} is not accepted on the control plane")
-
-
-def encode(obj: Any) -> bytes:
-    return msgpack.packb(obj, use_bin_type=True)
-
-
-def decode(payload: Any) -> Any:
-    if not isinstance(payload, (bytes, bytearray, memoryview)):
-        raise ProtocolError(f"control message must be msgpack bytes, got {type(payload).__name__}")
-    if len(payload) > MAX_MESSAGE_BYTES:
-        raise ProtocolError(f"control message of {len(payload)} bytes exceeds {MAX_MESSAGE_BYTES}")
-    try:
-        return msgpack.unpackb(
-            payload, raw=False, strict_map_key=True, ext_hook=_refuse_ext
-        )
-    except ProtocolError:
-        raise
-    except Exception as exc:  # msgpack raises several types for junk (e.g. a pickle stream)
-        raise ProtocolError(f"control message is not valid msgpack: {type(exc).__name__}: {exc}") from None
-
-
-# -- typed records: one strict decoder for every record that crosses a process boundary --------
-#
-# A record is a dataclass; its wire form is plain data, field name -> value. Decoding is driven
-# by the fields and their type hints, so a record declares its shape once and the control plane
-# (the records below) and the transports' records (transports/base.py) check it the same way:
-# a field missing, unknown or of the wrong type is a ProtocolError naming the record and the
-# field, at the first message, not a KeyError deep in a transfer.
-
-
-def to_wire(record: Any) -> WireMap:
-    """``record``'s fields as plain msgpack-able data (nested records as their own maps)."""
-    return {f.name: _out(getattr(record, f.name)) for f in dataclasses.fields(record)}
-
-
-def _out(value: Any) -> Any:
-    if dataclasses.is_dataclass(value) and not isinstance(value, type):
-        return value.to_wire() if hasattr(value, "to_wire") else to_wire(value)
-    if isinstance(value, (list, tuple)):
-        return [_out(v) for v in value]
-    if isinstance(value, dict):
-        return {k: _out(v) for k, v in value.items()}
-    return value
-
-
-R = TypeVar("R")
-
-
-def from_wire(cls: type[R], wire: Any, what: str, foreign: frozenset[str] = frozenset()) -> R:
-    """The ``cls`` record of ``wire``; ``what`` names it in errors; ``foreign``: keys others
-    than the writer add to the map, which the record ignores.
-
-    Raises:
-        ProtocolError: ``wire`` is not a map, or a field is missing, unknown or of the wrong
-            type (or the record's own checks refuse a value); names ``what`` and the field.
-    """
-    if not isinstance(wire, Mapping):
-        raise ProtocolError(f"{what} arrived as {type(wire).__name__}, not a map")
-    fields = {f.name: f for f in dataclasses.fields(cls) if f.init}
-    unknown = sorted(str(k) for k in wire if k not in fields and k not in foreign)
-    if unknown:
-        raise ProtocolError(f"{what} has unknown field {unknown[0]!r} (the two ends run different "
-                            f"weightsync versions?)")
-    hints = hints_of(cls)
-    args = {}
-    for name, f in fields.items():
-        if name in wire:
-            args[name] = parse(hints[name], wire[name], f"{what} field {name!r}")
-        elif f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING:
-            raise ProtocolError(f"{what} lacks field {name!r}")
-    try:
-        return cls(**args)
-    except (TypeError, ValueError) as exc:  # a record's __post_init__ checks of a value
-        raise ProtocolError(f"{what}: {exc}") from None
-
-
-@functools.cache
-def hints_of(cls: type) -> dict[str, Any]:
-    return typing.get_type_hints(cls)
-
-
-def parse(tp: Any, value: Any, where: str) -> Any:
-    """``value`` checked against the annotation ``tp``; raises ProtocolError naming ``where``."""
-    if tp is Wire:
-        return wire_value(value, where)
-    origin = typing.get_origin(tp)
-    if origin in (types.UnionType, typing.Union):
-        why = []
-        for option in typing.get_args(tp):
-            try:
-                return parse(option, value, where)
-            except ProtocolError as exc:
-                why.append(str(exc))
-        names = " / ".join(getattr(t, "__name__", str(t)) for t in typing.get_args(tp))
-        raise ProtocolError(f"{where} is {type(value).__name__}, not {names}"
-                            + (f" ({'; '.join(why)})" if isinstance(value, Mapping) else ""))
-    if tp is type(None):
-        if value is None:
-            return None
-    elif origin is list:
-        if isinstance(value, (list, tuple)):
-            (item,) = typing.get_args(tp) or (Any,)
-            return [parse(item, v, f"{where}[{i}]") for i, v in enumerate(value)]
-    elif origin is dict or tp is dict:
-        if isinstance(value, Mapping):
-            _str_keys(value, where)
-            key, item = typing.get_args(tp) or (str, Any)
-            return {k: parse(item, v, f"{where}[{k!r}]") for k, v in value.items()}
-    elif tp is Any:
-        return value
-    elif dataclasses.is_dataclass(tp):
-        if isinstance(value, Mapping):
-            own = getattr(tp, "from_wire", None)  # a record that names itself its own way
-            return own(value) if own is not None else from_wire(tp, value, tp.__name__)
-    elif tp is float:
-        if isinstance(value, (int, float)) and not isinstance(value, bool):
-            return float(value)
-    elif tp is int:
-        if isinstance(value, int) and not isinstance(value, bool):
-            return value
-    elif isinstance(tp, type) and isinstance(value, tp):
-        return value
-    name = getattr(tp, "__name__", str(tp))
-    raise ProtocolError(f"{where} is {type(value).__name__}, not {name}")
-
-
-def _str_keys(value: Mapping, where: str) -> None:
-    for k in value:
-        if not isinstance(k, str):
-            raise ProtocolError(f"{where} has a key of type {type(k).__name__} ({k!r:.40}), not str")
-
-
-def wire_value(value: Any, where: str, depth: int = 0) -> Wire:
-    """``value`` checked to be :data:`Wire` (plain msgpack data, maps with str keys); raises
-    ProtocolError naming ``where`` and the path to the first value that is not."""
-    if value is None or isinstance(value, (bool, int, float, str, bytes)):
-        return value
-    if depth >= MAX_WIRE_DEPTH:
-        raise ProtocolError(f"{where} nests deeper than {MAX_WIRE_DEPTH} levels")
-    if isinstance(value, (list, tuple)):
-        for i, v in enumerate(value):
-            wire_value(v, f"{where}[{i}]", depth + 1)
-        return value
-    if isinstance(value, Mapping):
-        _str_keys(value, where)
-        for k, v in value.items():
-            wire_value(v, f"{where}[{k!r}]", depth + 1)
-        return value
-    raise ProtocolError(f"{where} is {type(value).__name__}, not a wire value "
-                        f"(None, bool, int, float, str, bytes, a list or a map of them)")
-
+from ..records import Wire, WireMap, from_wire, to_wire
 
 M = TypeVar("M", bound="Message")
 # a receiver's measurements of one version (seconds, bytes, its digest, whether it came ahead)
@@ -406,7 +227,7 @@ class Status(Message):
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class BroadcastGroup(Message):
-    """The collective group of a broadcast version (broadcast_groups.py): the sender at group
+    """The collective group of a broadcast version (membership.py): the sender at group
     rank 0, ``members`` after it; ``rank``: the asking receiver's."""
 
     epoch: int
@@ -636,7 +457,10 @@ class WaitVersion(Request):
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
-class State(Request):
+class GetState(Request):
+    """A version's state and reason (the abort checks of a party that waits); not the version
+    table's State enum (coordinator/state.py)."""
+
     reply: ClassVar[type[Message]] = VersionState
     party: int
     version: int
@@ -736,7 +560,7 @@ HANDLERS: dict[type[Request], Handler] = {}
 
 
 def handles(request: type[Request]) -> Callable[[Handler], Handler]:
-    """Mark a coordinator method as the one handler of ``request`` (coordinator.py)."""
+    """Mark a coordinator method as the one handler of ``request`` (actor.py)."""
 
     def mark(fn: Handler) -> Handler:
         if request in HANDLERS:

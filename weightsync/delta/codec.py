@@ -28,9 +28,9 @@ import numpy as np
 import torch
 
 from ..errors import WeightSyncError
+from ..transports.base import ENCODINGS, FULL, SKIP, SPARSE  # noqa: F401  (the encodings a record names)
 
-SKIP, SPARSE, FULL = "skip", "sparse", "full"
-KINDS = (SKIP, SPARSE, FULL)
+KINDS = ENCODINGS
 HEADER = 16
 # auto: a version goes as a delta only when the encoded buckets are at most this share of the
 # payload; above it, the diffing, the sparse writes and the digest of the rebuilt bucket at every

@@ -16,23 +16,13 @@ from collections.abc import Iterator
 import torch
 
 from .. import digest as digests
-from ..manifest import Bucket, BucketPlan, BucketSink, Packing
-
-
-def wire_plan(plan: BucketPlan, lengths: list[int]) -> BucketPlan:
-    """``plan`` with bucket b moving ``lengths[b]`` bytes (its slices stay for reference only)."""
-    if len(lengths) != plan.bucket_count:
-        raise ValueError(f"{len(lengths)} delta lengths for a plan of {plan.bucket_count} buckets")
-    for b, n in zip(plan.buckets, lengths):
-        if not 0 <= n <= plan.bucket_bytes:
-            raise ValueError(f"bucket {b.index}: delta length {n} does not fit a bucket of {plan.bucket_bytes}")
-    return dataclasses.replace(plan, buckets=tuple(Bucket(b.index, n, b.slices) for b, n in zip(plan.buckets, lengths)))
+from ..manifest import BucketSink, Packing
 
 
 @dataclasses.dataclass(frozen=True)
 class EncodedPacking(Packing):
     """A delta version's encoded buckets for a transport's BucketSink, in plan order;
-    ``plan`` is the wire plan. The payloads are host tensors the sender keeps until the
+    ``plan`` is the wire plan (BucketPlan.with_lengths). The payloads are host tensors the sender keeps until the
     version's outcome is known."""
 
     payloads: tuple[torch.Tensor | None, ...] = ()

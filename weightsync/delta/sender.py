@@ -31,7 +31,7 @@ from ..digest import version_digest
 from ..manifest import BucketPlan, BucketSink, Manifest, pack_stream
 from ..transports.base import DeltaRecord
 from . import codec as delta
-from .packing import EncodedPacking, wire_plan
+from .packing import EncodedPacking
 from .policy import DELTA, FULL, PRIME, AutoPolicy
 
 log = logging.getLogger("weightsync")
@@ -163,7 +163,7 @@ class DeltaSender:
         record = DeltaRecord(base=None if full else self.base, kinds=kinds, lengths=lengths, digests=sink.digests)
         self.last = {"delta_bytes": sum(lengths), "payload_bytes": self.plan.payload_bytes,
                      "delta_buckets": sum(k != delta.FULL for k in kinds)}
-        packing = EncodedPacking(wire_plan(self.plan, lengths), self.manifest, (), tuple(payloads))
+        packing = EncodedPacking(self.plan.with_lengths(lengths), self.manifest, (), tuple(payloads))
         return packing, record, version_digest("xxh3", sink.digests)
 
     def resolved(self, version: int, committed: bool, seconds: float | None = None) -> None:

@@ -27,12 +27,9 @@ from typing import TYPE_CHECKING, Any, ClassVar, TypeVar
 
 import torch
 
-from .. import digest
+from .. import digest, records
 from ..config import SyncConfig
-from ..coordinator import ops
-from ..delta.codec import FULL, KINDS, SKIP
-from ..delta.packing import wire_plan
-from ..errors import ProtocolError, VersionError
+from ..errors import VersionError
 from ..manifest import BucketPlan, Manifest, Packing, plan_buckets
 from .memory import POLL_FIRST_S, Waiter, poll_sleep
 
@@ -40,6 +37,10 @@ if TYPE_CHECKING:
     from ..coordinator.client import ControlPlane
 
 DIGEST_KINDS = (None, "xxh3", "torch")
+# how a delta version carries each bucket (delta/codec.py encodes them): nothing, the changed
+# words, or the whole bucket
+SKIP, SPARSE, FULL = "skip", "sparse", "full"
+ENCODINGS = (SKIP, SPARSE, FULL)
 R = TypeVar("R", bound="Record")
 
 
@@ -57,7 +58,7 @@ class Record:
 
     def to_wire(self) -> dict[str, Any]:
         """Plain data (dicts, lists, str, int, float, bool, bytes, None) for the control plane."""
-        return ops.to_wire(self)
+        return records.to_wire(self)
 
     @classmethod
     def from_wire(cls: type[R], wire: Any) -> R:
@@ -67,7 +68,7 @@ class Record:
             ProtocolError: a field is missing, unknown or of the wrong type; names the
                 transport and the field.
         """
-        return ops.from_wire(cls, wire, f"{cls.transport}: {cls.__name__}", cls.foreign)
+        return records.from_wire(cls, wire, f"{cls.transport}: {cls.__name__}", cls.foreign)
 
     def _check(self, name: str, ok: bool, want: str) -> None:
         if not ok:
@@ -103,7 +104,7 @@ class DeltaRecord(Record):
                     f"{n} lengths >= 0")
         self._check("digests", len(self.digests) == n and all(0 <= d < 1 << 64 for d in self.digests),
                     f"{n} unsigned 64-bit digests")
-        self._check("kinds", all(k in KINDS for k in self.kinds), " / ".join(KINDS) + " per bucket")
+        self._check("kinds", all(k in ENCODINGS for k in self.kinds), " / ".join(ENCODINGS) + " per bucket")
         self._check("kinds", self.base is not None or all(k == FULL for k in self.kinds), "full without a base")
         self._check("lengths", all(x == 0 for k, x in zip(self.kinds, self.lengths) if k == SKIP),
                     "0 for a skipped bucket")
@@ -122,9 +123,9 @@ class VersionRecord(Record):
 
     def moves(self, plan: BucketPlan) -> BucketPlan:
         """The bucket lengths this version moves over the session ``plan``, bucket for bucket:
-        the plan's own, or the encoded lengths its delta record names (delta/packing.py), so a
+        the plan's own, or the encoded lengths its delta record names (BucketPlan.with_lengths), so a
         transport sizes what it reads without knowing what the bytes mean."""
-        return plan if self.delta is None else wire_plan(plan, self.delta.lengths)
+        return plan if self.delta is None else plan.with_lengths(self.delta.lengths)
 
 
 # -- the interface -----------------------------------------------------------------------------
@@ -176,15 +177,20 @@ class TransportContext:
     # the party's typed view of the coordinator (control.ControlPlane), for transports that
     # need membership (broadcast, ipc); None where a transport runs without a coordinator
     control: ControlPlane | None = None
+    # host bytes the sender's packing keeps on the node beside the transport's buffers (delta
+    # sync's snapshot: delta/strategy.host_reserve); shm's budget leaves them out
+    host_reserve: int = 0
 
     @classmethod
-    def of(cls, config: SyncConfig, manifest: Manifest, digest: str, session: str, name: str, rank: int,
-           device: torch.device, account: Callable[[str, int], None], control: ControlPlane) -> TransportContext:
-        """A party's context for its session's transport, the bucket plan derived from the manifest
-        by the config, as every party derives it (so no plan crosses the wire)."""
+    def for_party(cls, party: Any, manifest: Manifest, digest: str) -> TransportContext:
+        """A party's context (a WeightSender or WeightReceiver: its config, session, name, rank,
+        device, resource accounting and control plane) for its session's transport; the bucket
+        plan derived from the manifest by the config, as every party derives it (so no plan
+        crosses the wire)."""
+        config = party.config
         return cls(config=config, plan=plan_buckets(manifest, config.bucket_bytes, config.align_bytes),
-                   manifest=manifest, digest=digest, session=session, name=name, rank=rank, device=device,
-                   account=account, control=control)
+                   manifest=manifest, digest=digest, session=party.session, name=party.name, rank=party.rank,
+                   device=party.device, account=party._account, control=party.control)
 
 
 class SenderTransport(abc.ABC):
@@ -269,7 +275,7 @@ class ReceiverTransport(abc.ABC):
         self.ctx = ctx
         self.session = self.session_record.from_wire(wire)
         # the sender's digest kind, unless this receiver's own config turns digests off
-        self.kind: str | None = (self.session.digest_kind
+        self.digest_kind: str | None = (self.session.digest_kind
                                  if digest.kind_of(ctx.config, ctx.device) is not None else None)
 
     def parse_version(self, wire: Mapping[str, Any]) -> VersionRecord:
@@ -304,9 +310,9 @@ class ReceiverTransport(abc.ABC):
         ``checks``: at once where it is in host memory (ChecksumError), at the end of the
         version on a device (digest.Checks). True if it was digested here; a transport whose
         receivers share the bytes may let one of them verify for all (shm)."""
-        if expected is None or self.kind is None:
+        if expected is None or self.digest_kind is None:
             return False
-        checks.add(self.kind, b, expected, buf)
+        checks.add(self.digest_kind, b, expected, buf)
         return True
 
     def prefetch(self, version: int, info: VersionRecord, deadline: float, check: Callable[[], None]) -> bool:
@@ -338,171 +344,3 @@ class ReceiverTransport(abc.ABC):
 
     def close(self) -> None:
         pass
-
-
-# -- shm: whole versions in segments ------------------------------------------------------------
-
-
-@dataclasses.dataclass(frozen=True, kw_only=True)
-class ShmSession(SessionRecord):
-    transport: ClassVar[str] = "shm"
-    mode: str = "whole"  # shm's two modes: "whole" here, "stream" in ShmStreamSession
-
-    def __post_init__(self) -> None:
-        super().__post_init__()
-        self._check("mode", self.mode == "whole", "'whole'")
-
-
-@dataclasses.dataclass(frozen=True, kw_only=True)
-class ShmVersion(VersionRecord):
-    transport: ClassVar[str] = "shm"
-    mode: str = "whole"
-    segment: str  # the slot's segment reference (transports/memory.py)
-    size: int  # its bytes
-    checksums: list[int] = dataclasses.field(default_factory=list)  # per bucket, once staged
-    packed_bytes: int = 0  # once staged
-
-    def __post_init__(self) -> None:
-        self._check("mode", self.mode == "whole", "'whole'")
-
-
-# -- ipc: a ring of buffers shared by handle; shm streams through the same ---------------------
-
-
-@dataclasses.dataclass(frozen=True, kw_only=True)
-class DeviceRecord(Record):
-    """Where a sender's buffers live (weightsync.device.describe)."""
-
-    transport: ClassVar[str] = "ipc"
-    type: str
-    index: int | None = None
-    physical: int | None = None
-
-
-@dataclasses.dataclass(frozen=True, kw_only=True)
-class HostBuffer(Record):
-    """A bucket buffer in host shared memory."""
-
-    transport: ClassVar[str] = "ipc"
-    kind: str = "host"
-    segment: str  # its segment reference (transports/memory.py)
-    bytes: int
-
-    def __post_init__(self) -> None:
-        self._check("kind", self.kind == "host", "'host'")
-
-
-@dataclasses.dataclass(frozen=True, kw_only=True)
-class DeviceHandle(Record):
-    """A bucket buffer in device memory, shared by handle: the values of torch's (torch_npu's)
-    reduce_tensor (ipc_wire.export_handle); ipc_wire.import_handle opens it."""
-
-    transport: ClassVar[str] = "ipc"
-    kind: str  # cuda / npu
-    physical: int  # the sender's physical device id
-    size: list[int]
-    stride: list[int]
-    offset: int
-    typed: bool
-    dtype: str
-    handle: bytes
-    storage_bytes: int
-    storage_offset: int
-    ref_handle: bytes | None
-    ref_offset: int
-    event: bytes | None
-    event_sync: bool
-
-    def __post_init__(self) -> None:
-        self._check("kind", self.kind != "host", "a device type")
-
-
-@dataclasses.dataclass(frozen=True, kw_only=True)
-class IpcSession(SessionRecord):
-    transport: ClassVar[str] = "ipc"
-    control: str  # the control block's segment reference (transports/ipc/wire.py)
-    buffers: list[HostBuffer | DeviceHandle]
-    nbuf: int
-    capacity: int  # bytes of each buffer
-    device: DeviceRecord
-
-    def __post_init__(self) -> None:
-        super().__post_init__()
-        self._check("nbuf", self.nbuf == len(self.buffers) and self.nbuf >= 1, "the number of buffers (>= 1)")
-        self._check("capacity", self.capacity >= 1, ">= 1")
-
-
-@dataclasses.dataclass(frozen=True, kw_only=True)
-class IpcVersion(VersionRecord):
-    """The whole rendezvous rides along: receivers of a restarted sender follow its new buffers."""
-
-    transport: ClassVar[str] = "ipc"
-    session: IpcSession
-
-
-@dataclasses.dataclass(frozen=True, kw_only=True)
-class ShmStreamSession(IpcSession):
-    transport: ClassVar[str] = "shm"
-    mode: str = "stream"
-
-    def __post_init__(self) -> None:
-        super().__post_init__()
-        self._check("mode", self.mode == "stream", "'stream'")
-
-
-@dataclasses.dataclass(frozen=True, kw_only=True)
-class ShmStreamVersion(VersionRecord):
-    transport: ClassVar[str] = "shm"
-    mode: str = "stream"
-    session: ShmStreamSession
-
-    def __post_init__(self) -> None:
-        self._check("mode", self.mode == "stream", "'stream'")
-
-
-def _shm_mode(wire: Any, what: str) -> str:
-    mode = wire.get("mode") if isinstance(wire, Mapping) else None
-    if mode not in ("whole", "stream"):
-        raise ProtocolError(f"shm: {what} field 'mode' is {mode!r}, not 'whole' / 'stream'")
-    return mode
-
-
-def shm_session(wire: Any) -> ShmSession | ShmStreamSession:
-    """The shm session record of either mode, by its ``mode`` field."""
-    return (ShmStreamSession if _shm_mode(wire, "session") == "stream" else ShmSession).from_wire(wire)
-
-
-def shm_version(wire: Any) -> ShmVersion | ShmStreamVersion:
-    """The shm version record of either mode, by its ``mode`` field."""
-    return (ShmStreamVersion if _shm_mode(wire, "version") == "stream" else ShmVersion).from_wire(wire)
-
-
-# -- broadcast: a collective over a group built on the sender's store ---------------------------
-
-
-@dataclasses.dataclass(frozen=True, kw_only=True)
-class BroadcastSession(SessionRecord):
-    transport: ClassVar[str] = "broadcast"
-    backend: str  # gloo / nccl / hccl
-    communicator: str  # how the group is built (transports/broadcast/groups.py)
-    communicator_reason: str
-    host: str  # of the sender's TCPStore
-    port: int
-    store_id: str  # tells this sender's store from a restarted sender's
-    # receive_ahead: the sender may send a version in stage(), before the barrier, to receivers
-    # that keep a shadow of it (receive_ahead.py)
-    ahead: bool = False
-
-    def __post_init__(self) -> None:
-        super().__post_init__()
-        self._check("port", 0 < self.port < 65536, "a TCP port")
-
-
-@dataclasses.dataclass(frozen=True, kw_only=True)
-class BroadcastVersion(VersionRecord):
-    """The store's address rides along: receivers of a restarted sender follow its new store."""
-
-    transport: ClassVar[str] = "broadcast"
-    session: BroadcastSession
-    # sent in stage(), before the barrier, into every member's shadow: apply() loads from there
-    ahead: bool = False

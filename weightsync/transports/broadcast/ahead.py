@@ -16,15 +16,16 @@ import torch
 from ... import digest
 from ...digest import as_int
 from ...errors import ChecksumError, VersionError
-from ..base import BroadcastVersion, Received, VersionRecord
+from ..base import Received, VersionRecord
 from ..shadow import Shadow
+from .records import BroadcastVersion
 
 
 class AheadReceiver:
     """Mixed into BroadcastReceiver, before its collective end and ReceiverTransport."""
 
     ctx: Any
-    kind: str | None
+    digest_kind: str | None
     session: Any
     device: torch.device
     shadow: Shadow | None
@@ -65,11 +66,11 @@ class AheadReceiver:
                     into.copy_(wire)
                     expected = None if expected is None else as_int(expected)
                     shadow.digests.append(expected)
-                    if bad is None and expected is not None and self.kind is not None:
+                    if bad is None and expected is not None and self.digest_kind is not None:
                         try:
                             # the shadow's copy is what the barrier loads: verify that one, now
                             # (off the barrier: this thread may wait for the device)
-                            digest.verify(self.kind, b, into, expected, version)
+                            digest.verify(self.digest_kind, b, into, expected, version)
                         except ChecksumError as exc:
                             bad = exc
             except BaseException as exc:
@@ -95,8 +96,8 @@ class AheadReceiver:
     def verify_bucket(self, version: int, info: VersionRecord, b: int, buf: torch.Tensor,
                       expected: int | torch.Tensor | None, checks: digest.Checks) -> bool:
         if self.received_ahead(version, info):
-            if expected is not None and self.kind is not None:
-                checks.add(self.kind, b, expected)  # for the version's digest
+            if expected is not None and self.digest_kind is not None:
+                checks.add(self.digest_kind, b, expected)  # for the version's digest
             return False  # verified in the shadow as it arrived, by this very receiver
         return super().verify_bucket(version, info, b, buf, expected, checks)  # type: ignore[misc]
 

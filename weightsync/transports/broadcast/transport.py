@@ -46,21 +46,13 @@ from ... import device as devices
 from ...coordinator.ops import BroadcastGroup
 from ...errors import ConfigError, DeadlineExceeded, VersionError, WeightSyncError
 from ...manifest import BucketPlan, BucketSink, Packing
-from ..base import (
-    Aborted,
-    BroadcastSession,
-    BroadcastVersion,
-    Received,
-    ReceiverTransport,
-    SenderTransport,
-    TransportContext,
-    VersionRecord,
-)
+from ..base import Aborted, Received, ReceiverTransport, SenderTransport, TransportContext, VersionRecord
 from ..shadow import Shadow
 from .ahead import AheadReceiver
 from .communicators import choose_backend, comm_device
 from .ends import BUFFERS, TRAILER, BroadcastEnd, get_checksum, put_checksum  # noqa: F401  (tests)
 from .groups import Group, settle
+from .records import BroadcastSession, BroadcastVersion
 from .store import connect_store, host_store, store_host
 
 

@@ -1,11 +1,10 @@
 """Internal. A ring of K bucket buffers and its control block, both ends: what the ipc transport moves
-every version through, and what shm streams through when whole versions exceed its budget.
-Each of those transports owns one ring end and delegates to it; an end knows its transport
-only by the ``owner`` name its errors start with and the ``resource`` its segments and handles
-count as in status() (``<resource>_control``, ``<resource>_handles``):
+every version through, and what shm streams through when whole versions exceed its budget
+(transport.py: RingSender, RingReceiver). An end knows its transport only by the ``owner`` name
+its errors start with and the ``resource`` its segments and handles count as in status():
 
   RingWriter   .session(record), .stage(version, packing), .send(version, deadline) -> digests
-  RingReader   .kind, .receive(version, session, plan, deadline, check) -> buckets in order
+  RingReader   .digest_kind, .receive(version, session, plan, deadline, check) -> buckets in order
 
 Control words and handles on the wire: ipc/wire.py. Bucket b of a version goes to buffer
 b % nbuf. Before overwriting a buffer the writer waits until every receiver taking part in the
@@ -30,8 +29,9 @@ from ... import device as devices
 from ...digest import as_int, compute, kind_of
 from ...errors import CapacityError, DeadlineExceeded, ProtocolError, VersionError
 from ...manifest import BucketPlan, BucketSink, Packing, PackViews, align_up
-from ..base import Aborted, DeviceHandle, DeviceRecord, HostBuffer, IpcSession, Received, TransportContext, poll_until
+from ..base import Aborted, Received, TransportContext, poll_until
 from ..memory import PAGE, Segment, Waiter, attach, create, digest_word, reap_stale, wake
+from .records import DeviceHandle, DeviceRecord, HostBuffer, IpcSession
 from .wire import (
     BUCKET_BITS,
     CONTROL_BYTES,
@@ -252,7 +252,7 @@ class RingReader:
         self.opened = 0  # device handles opened (host ones are counted as mappings)
         self.slot: int | None = None
         self.control: Segment | None = None
-        self.kind: str | None = None
+        self.digest_kind: str | None = None
         self.generation = 0  # bumped whenever the buffers go (ReceiverTransport.buffers_generation)
         self._attach(session)
 
@@ -266,7 +266,7 @@ class RingReader:
         if not 1 <= info.nbuf <= MAX_BUFFERS:
             raise ProtocolError(f"{self.owner}: session announces {info.nbuf} buffers")
         self.nbuf, self.capacity = info.nbuf, info.capacity
-        self.kind = info.digest_kind if kind_of(ctx.config, ctx.device) is not None else None
+        self.digest_kind = info.digest_kind if kind_of(ctx.config, ctx.device) is not None else None
         try:
             self.control = self._map(info.control, CONTROL_BYTES, writable=True, kind=f"{self.resource}_control")
             w = self.control.words
@@ -339,7 +339,7 @@ class RingReader:
                 self._wait(w, word, want, version, b, deadline, check)
             if b == 0:
                 must_wait_for_me(self.ctx, self.owner, version, w)  # before anything is loaded
-            expected = int(w[word + 1]) if self.kind else None
+            expected = int(w[word + 1]) if self.digest_kind else None
             yield b, self.buffers[k][: bucket.nbytes], expected
             loaded.mark(b)
             held.append(b)

@@ -20,37 +20,37 @@ unchanged until it returns.
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator, Mapping
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 
 from ...manifest import Packing
-from ..base import IpcSession, IpcVersion, Received, ReceiverTransport, SenderTransport, TransportContext, VersionRecord
+from ..base import Received, ReceiverTransport, SenderTransport, TransportContext, VersionRecord
+from .records import IpcSession, IpcVersion
 from .ring import RingReader, RingWriter
 from .wire import NBUF
 
 
-class IpcSender(SenderTransport):
-    name = "ipc"
-    session_record = IpcSession
-    version_record = IpcVersion
+class RingSender(SenderTransport):
+    """A transport whose versions move through a ring of buffers at the barrier (ring.py): ipc,
+    and shm when whole versions exceed its budget. A subclass names its records, the
+    ``resource`` its segments and handles count as, and where the buffers live."""
 
-    def __init__(self, ctx: TransportContext, nbuf: int = NBUF):
+    resource: ClassVar[str]
+
+    def __init__(self, ctx: TransportContext, nbuf: int):
         super().__init__(ctx)
-        self.ring = RingWriter(ctx, self.name, "ipc", self.buffer_device(), nbuf, self.digest_kind)
-
-    def buffer_device(self) -> torch.device:
-        return self.ctx.device
+        self.ring = RingWriter(ctx, self.name, self.resource, self.buffer_device(), nbuf, self.digest_kind)
 
     def session_info(self) -> IpcSession:
-        return self.ring.session(IpcSession)
+        return self.ring.session(self.session_record)
 
     def stage(self, version: int, slot: int, packing: Packing,
-              announce: Callable[[VersionRecord], None]) -> IpcVersion:
-        self.ring.stage(version, packing)
+              announce: Callable[[VersionRecord], None]) -> VersionRecord:
+        self.ring.stage(version, packing)  # written in send(), at the barrier
         # the whole rendezvous rides along with every version: a restarted trainer brings a
         # new control block and buffers, and receivers attached to the dead one's re-attach
-        return IpcVersion(session=self.session_info())
+        return self.version_record(session=self.session_info())
 
     def send(self, version: int, deadline: float) -> None:
         sums = self.ring.send(version, deadline)
@@ -61,19 +61,25 @@ class IpcSender(SenderTransport):
         self.ring.close()
 
 
-class IpcReceiver(ReceiverTransport):
-    name = "ipc"
-    session_record = IpcSession
-    version_record = IpcVersion
+class RingReceiver(ReceiverTransport):
+    """A reading end of a RingSender's ring; ``loads_from_host``: its buffers may be in host
+    memory whatever this receiver's device (shm's ring)."""
+
+    resource: ClassVar[str]
+    loads_from_host: ClassVar[bool] = False
 
     def __init__(self, ctx: TransportContext, wire: Mapping[str, Any]):
         super().__init__(ctx, wire)
-        self.ring = RingReader(ctx, self.name, "ipc", self.session)
+        self.ring = RingReader(ctx, self.name, self.resource, self.session, loads_from_host=self.loads_from_host)
 
-    def receive(self, version: int, info: IpcVersion, deadline: float,
+    def ring_session(self, version: int, info: VersionRecord) -> IpcSession:
+        """The ring a version's record names (raises where the record is of another kind)."""
+        return info.session
+
+    def receive(self, version: int, info: VersionRecord, deadline: float,
                 check: Callable[[], None]) -> Iterator[Received]:
-        buckets = self.ring.receive(version, info.session, self.plan_of(info), deadline, check)
-        self.kind = self.ring.kind  # a restarted sender's, where the ring followed one
+        buckets = self.ring.receive(version, self.ring_session(version, info), self.plan_of(info), deadline, check)
+        self.digest_kind = self.ring.digest_kind  # a restarted sender's, where the ring followed one
         yield from buckets
 
     def buffers_generation(self) -> int:
@@ -81,3 +87,23 @@ class IpcReceiver(ReceiverTransport):
 
     def close(self) -> None:
         self.ring.close()
+
+
+class IpcSender(RingSender):
+    name = "ipc"
+    resource = "ipc"
+    session_record = IpcSession
+    version_record = IpcVersion
+
+    def __init__(self, ctx: TransportContext, nbuf: int = NBUF):
+        super().__init__(ctx, nbuf)
+
+    def buffer_device(self) -> torch.device:
+        return self.ctx.device
+
+
+class IpcReceiver(RingReceiver):
+    name = "ipc"
+    resource = "ipc"
+    session_record = IpcSession
+    version_record = IpcVersion

@@ -59,25 +59,11 @@ import numpy as np
 import torch
 
 from ...config import MiB, SyncConfig
-from ...delta.strategy import host_reserve
 from ...digest import Checks, as_int, verify
 from ...errors import CapacityError, DeadlineExceeded, ProtocolError
-from ...manifest import BucketPlan, BucketSink, Packing, PackViews, align_up
-from ..base import (
-    Received,
-    ReceiverTransport,
-    SenderTransport,
-    ShmSession,
-    ShmStreamSession,
-    ShmStreamVersion,
-    ShmVersion,
-    TransportContext,
-    VersionRecord,
-    poll_until,
-    shm_session,
-    shm_version,
-)
-from ..ipc.ring import RingReader, RingWriter
+from ...manifest import BucketPlan, BucketSink, Packing, PackViews, align_up, size_text
+from ..base import Received, ReceiverTransport, SenderTransport, TransportContext, VersionRecord, poll_until
+from ..ipc.transport import RingReceiver, RingSender
 from ..ipc.wire import CONTROL_BYTES, MAX_BUFFERS, in_flight
 from ..memory import (
     PAGE,
@@ -91,6 +77,7 @@ from ..memory import (
     resolve_backing,
     wake,
 )
+from .records import ShmSession, ShmStreamSession, ShmStreamVersion, ShmVersion, shm_session, shm_version
 from .staging import DeviceStage, StagedSink, hashes_on_device, receive_staged
 
 
@@ -283,7 +270,7 @@ class ShmReceiver(ReceiverTransport):
         self._pool: concurrent.futures.ThreadPoolExecutor | None = None
         self._generation = 0  # bumped whenever a mapping goes (buffers_generation)
         # torch digests on an accelerator: each bucket is copied to the device and checked there
-        self.stage_on_device = DeviceStage(ctx) if hashes_on_device(ctx, self.kind) else None
+        self.stage_on_device = DeviceStage(ctx) if hashes_on_device(ctx, self.digest_kind) else None
 
     def buffers_generation(self) -> int:
         return self._generation
@@ -359,7 +346,7 @@ class ShmReceiver(ReceiverTransport):
 
     def _expected(self, head: np.ndarray, word: int, sums: list[int] | None, version: int, b: int) -> int | None:
         """The digest the sender wrote for bucket b (None: digests off here)."""
-        expected = int(head[word + 1]) if self.kind else None
+        expected = int(head[word + 1]) if self.digest_kind else None
         if sums is not None and expected is not None and sums[b] != expected:
             raise ProtocolError(f"bucket {b} of version {version}: header checksum differs from the sender's report")
         return expected
@@ -399,13 +386,13 @@ class ShmReceiver(ReceiverTransport):
         True if this receiver hashed it."""
         if self.stage_on_device is not None:
             return super().verify_bucket(version, info, b, buf, expected, checks)  # the device copy: checked here
-        if expected is None or self.kind is None:
+        if expected is None or self.digest_kind is None:
             return False
         with self._ahead_lock:
             started = self._ahead.pop((version, b), None)
         # a ChecksumError is raised here, in bucket order
         here = started.result() if started is not None else self._verify_here(version, info, b, buf, expected)
-        checks.add(self.kind, b, expected)  # verified, here or by a peer: recorded for the version's digest
+        checks.add(self.digest_kind, b, expected)  # verified, here or by a peer: recorded for the version's digest
         return here
 
     def _verify_here(self, version: int, info: ShmVersion, b: int, buf: torch.Tensor, expected: int) -> bool:
@@ -419,7 +406,7 @@ class ShmReceiver(ReceiverTransport):
             try:
                 if seg.control[word] == mark:
                     return False
-                verify(self.kind, b, buf, expected, version)
+                verify(self.digest_kind, b, buf, expected, version)
                 seg.control[word] = mark
                 return True
             finally:
@@ -430,7 +417,7 @@ class ShmReceiver(ReceiverTransport):
         # receiver digesting on its device checks is its own copy, made at the barrier
         if self.stage_on_device is not None:
             return None
-        return 0 if self.ctx.config.receive_ahead != "off" and self.kind is not None else None
+        return 0 if self.ctx.config.receive_ahead != "off" and self.digest_kind is not None else None
 
     def prefetch(self, version: int, info: ShmVersion, deadline: float, check: Callable[[], None]) -> bool:
         """Verify (and mark for the node) each bucket as soon as the sender wrote it. With
@@ -485,7 +472,6 @@ class ShmReceiver(ReceiverTransport):
 
 AUTO_FRACTION = 0.5
 MIN_BUFFERS = 2  # one being written while receivers read the other
-GiB = 1 << 30
 
 
 @dataclasses.dataclass(frozen=True)
@@ -494,10 +480,6 @@ class ShmMode:
     buffers: int  # ring slots (streaming); 0 in whole-version mode
     need_bytes: int  # shared memory the mode takes at most: slots x segment, or ring + control block
     reason: str  # shown in status() as part of the transport reason
-
-
-def size_text(n: float) -> str:
-    return f"{n / GiB:.3g} GiB" if n >= GiB else f"{n / MiB:.3g} MiB" if n >= MiB else f"{n / 1024:.3g} KiB"
 
 
 def node_capacity(config: SyncConfig) -> int:
@@ -521,9 +503,10 @@ def budget(config: SyncConfig, capacity: Callable[[SyncConfig], int] = node_capa
     return int(can * AUTO_FRACTION), f"auto: {AUTO_FRACTION:g} x {size_text(can)} the node can give{beside}"
 
 
-def choose_mode(plan: BucketPlan, config: SyncConfig, capacity: Callable[[SyncConfig], int] = node_capacity) -> ShmMode:
-    # what the sender's packing keeps in host memory on this node comes out of the same budget
-    reserve = host_reserve(config.delta, "shm", plan)
+def choose_mode(plan: BucketPlan, config: SyncConfig, capacity: Callable[[SyncConfig], int] = node_capacity,
+                reserve: int = 0) -> ShmMode:
+    """``reserve``: what the sender's packing keeps in host memory on this node (TransportContext.host_reserve),
+    out of the same budget."""
     limit, source = budget(config, capacity, reserve)
     segment = layout(plan)[0]
     slots = config.shm_max_segments
@@ -552,67 +535,39 @@ def choose_mode(plan: BucketPlan, config: SyncConfig, capacity: Callable[[SyncCo
 # -- streaming: one end of a ring of K host bucket buffers (ipc/ring.py) -------------------------
 
 
-class ShmStreamSender(SenderTransport):
-    """shm in streaming mode: the writing end of a ring of K host buffers."""
+class ShmStreamSender(RingSender):
+    """shm in streaming mode: the writing end of a ring of K buffers in host shared memory, even
+    on an accelerator node (buffer_device: the host)."""
 
     name = "shm"
+    resource = "shm_ring"
     session_record = ShmStreamSession
     version_record = ShmStreamVersion
 
     def __init__(self, ctx: TransportContext, mode: ShmMode):
-        super().__init__(ctx)
+        super().__init__(ctx, mode.buffers)
         self.mode_reason = mode.reason
-        # in host shared memory even on an accelerator node (buffer_device: the host)
-        self.ring = RingWriter(ctx, self.name, "shm_ring", self.buffer_device(), mode.buffers, self.digest_kind)
-
-    def session_info(self) -> ShmStreamSession:
-        return self.ring.session(ShmStreamSession)
-
-    def stage(self, version: int, slot: int, packing: Packing,
-              announce: Callable[[VersionRecord], None]) -> ShmStreamVersion:
-        self.ring.stage(version, packing)  # written in send(), at the barrier
-        # the rendezvous rides along: receivers of a restarted trainer follow its new ring
-        return ShmStreamVersion(session=self.session_info())
-
-    def send(self, version: int, deadline: float) -> None:
-        sums = self.ring.send(version, deadline)
-        if sums is not None:
-            self._record(version, sums)
-
-    def close(self) -> None:
-        self.ring.close()
 
 
-class ShmStreamReceiver(ReceiverTransport):
+class ShmStreamReceiver(RingReceiver):
     """shm in streaming mode: a reading end of the sender's ring, loading onto any device."""
 
     name = "shm"
+    resource = "shm_ring"
+    loads_from_host = True
     session_record = ShmStreamSession
     version_record = ShmStreamVersion
-
-    def __init__(self, ctx: TransportContext, wire: Mapping[str, Any]):
-        super().__init__(ctx, wire)
-        self.ring = RingReader(ctx, self.name, "shm_ring", self.session, loads_from_host=True)
 
     def parse_version(self, wire: Mapping[str, Any]) -> ShmVersion | ShmStreamVersion:
         return shm_version(wire)  # either mode: receive() tells a mode change from a malformed record
 
-    def receive(self, version: int, info: VersionRecord, deadline: float,
-                check: Callable[[], None]) -> Iterator[Received]:
+    def ring_session(self, version: int, info: VersionRecord) -> ShmStreamSession:
         if not isinstance(info, ShmStreamVersion):
             # a restarted trainer that found room for whole versions: this session's receivers
             # were built for the ring
             raise ProtocolError(f"shm: version {version} is published in whole-version mode, but this receiver "
                                 f"attached to a streaming session; restart the receiver")
-        buckets = self.ring.receive(version, info.session, self.plan_of(info), deadline, check)
-        self.kind = self.ring.kind  # a restarted sender's, where the ring followed one
-        yield from buckets
-
-    def buffers_generation(self) -> int:
-        return self.ring.generation
-
-    def close(self) -> None:
-        self.ring.close()
+        return info.session
 
 
 # -- the registry's "shm": the mode --------------------------------------------------------------
@@ -620,7 +575,7 @@ class ShmStreamReceiver(ReceiverTransport):
 
 def open_shm_sender(ctx: TransportContext) -> SenderTransport:
     """The "shm" sender: whole versions where they fit the budget, else the streaming ring."""
-    mode = choose_mode(ctx.plan, ctx.config)
+    mode = choose_mode(ctx.plan, ctx.config, reserve=ctx.host_reserve)
     return ShmStreamSender(ctx, mode) if mode.streaming else ShmSender(ctx, mode.reason)
 
 
