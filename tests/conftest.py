@@ -3,9 +3,25 @@ and checks that no shared-memory segment or Ray process outlives the tests."""
 
 from __future__ import annotations
 
+import os
+import sys
+from pathlib import Path
+
 import pytest
 
 from weightsync.transports.memory import holders, our_segments, reap_stale
+
+# The tests' simulated accelerator (tests/sim/weightsync_sim) is no part of the package: it registers
+# itself as a third-party accelerator would, in every process of the run that imports weightsync,
+# Ray's workers and the tests' subprocesses included: they inherit this environment (the
+# cluster starts later, in ray_cluster), which puts its folder, and the tests' own for the actor
+# classes defined here, on their path and names it for weightsync.device to import
+_HERE = Path(__file__).resolve().parent
+for _path in (_HERE, _HERE / "sim"):
+    if str(_path) not in sys.path:
+        sys.path.insert(0, str(_path))
+os.environ["PYTHONPATH"] = os.pathsep.join([str(_HERE / "sim"), str(_HERE), *filter(None, [os.environ.get("PYTHONPATH")])])
+os.environ.setdefault("WEIGHTSYNC_DEVICE_MODULES", "weightsync_sim")
 
 
 def pytest_collection_modifyitems(config, items):

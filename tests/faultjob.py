@@ -11,6 +11,7 @@ i) and say so; the test acts there. Waits in here wait for a state the coordinat
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from typing import Any
 
@@ -20,7 +21,15 @@ import ray
 from weightsync import SyncFailed
 from weightsync.device import ray_options
 from weightsync.manifest import Manifest, plan_buckets
-from weightsync.testing.parties import JOB_DEFAULTS, new_coordinator, rollout_actor, serves, stop_actors, trainer_actor
+from weightsync.testing.parties import (
+    JOB_DEFAULTS,
+    RolloutWorker,
+    new_coordinator,
+    rollout_actor,
+    serves,
+    stop_actors,
+    trainer_actor,
+)
 from weightsync.testing.parties import wait_until as _wait_until
 
 # threaded actors: reached() / release() run beside an apply() or stage() held at a fault point
@@ -35,10 +44,32 @@ def wait_until(what: str, cond, timeout: float = DEADLINE_S, **kwargs: Any) -> A
 
 
 def sim_env(physical: int, lag_ms: float = 20.0, seed: int = 1) -> dict:
-    """Ray options for a party on the simulated accelerator (weightsync/sim): its
+    """Ray options for a party on the simulated accelerator (tests/sim/weightsync_sim): its
     events complete up to ``lag_ms`` late; ``physical``: which simulated device it holds."""
-    return {"runtime_env": {"env_vars": {"WEIGHTSYNC_SIM_LAG_MS": str(lag_ms), "WEIGHTSYNC_SIM_SEED": str(seed),
-                                         "WEIGHTSYNC_SIM_VISIBLE_DEVICES": str(physical)}}}
+    return {"runtime_env": {"env_vars": {"SIMDEV_LAG_MS": str(lag_ms), "SIMDEV_SEED": str(seed),
+                                         "SIMDEV_VISIBLE_DEVICES": str(physical)}}}
+
+
+@dataclasses.dataclass(frozen=True)
+class Queued:
+    """On the sim device: ops queued so far on the stream a rollout worker's calls run on (the
+    engine's loads), and on its receiver's receive-ahead stream (None: none)."""
+
+    engine: int
+    ahead: int | None
+    same: bool  # the ahead stream is the engine's
+
+
+class SimRolloutWorker(RolloutWorker):
+    """A rollout worker on the sim device that also tells what was queued on which stream."""
+
+    def sim_queued(self) -> Queued:
+        import weightsync_sim as sim
+
+        shadow = getattr(self.receiver.transport, "shadow", None)
+        ahead = shadow.stream if shadow is not None else None
+        engine = sim.current_stream()
+        return Queued(engine.mark(), None if ahead is None else ahead.mark(), ahead is engine)
 
 
 class Job:
@@ -74,7 +105,8 @@ class Job:
 
     def _start_rollout(self, name: str, rank: int) -> Any:
         options, kwargs = self._options(rank + 1)
-        actor = rollout_actor(self.coord, self.manifest, name, rank, self.cfg, options, **kwargs)
+        cls = SimRolloutWorker if self.device == "sim" else None
+        actor = rollout_actor(self.coord, self.manifest, name, rank, self.cfg, options, cls=cls, **kwargs)
         self.actors.append(actor)
         return actor
 

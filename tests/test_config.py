@@ -71,7 +71,7 @@ def test_bad_env_value_names_the_variable():
 
 
 def test_a_registered_transport_can_be_selected_and_registering_twice_is_refused():
-    from weightsync import config, transports
+    from weightsync import transports
 
     with pytest.raises(ConfigError, match="transport"):
         SyncConfig(transport="tcp-plugin")
@@ -84,7 +84,7 @@ def test_a_registered_transport_can_be_selected_and_registering_twice_is_refused
         with pytest.raises(ValueError, match="'shm' is already registered"):
             transports.register_transport("shm", "elsewhere", "S", "R")
     finally:
-        del config._TRANSPORTS["tcp-plugin"]
+        transports.catalog.forget("tcp-plugin")
 
 
 def test_weightsync_variables_of_the_scripts_are_not_config_errors_but_typos_are():

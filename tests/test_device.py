@@ -15,7 +15,7 @@ from weightsync.testing.layouts import layout
 
 # 30 KiB buckets: the 125 KiB embedding of "tiny" is split over five of them
 CFG = {"bucket_mb": 0.03}
-# sim: the simulated asynchronous accelerator (weightsync/sim), in CI's sim tier
+# sim: the simulated asynchronous accelerator (tests/sim/weightsync_sim), in CI's sim tier
 KINDS = [pytest.param("cuda", marks=pytest.mark.cuda), pytest.param("npu", marks=pytest.mark.npu),
          pytest.param("sim", marks=pytest.mark.sim)]
 

@@ -122,11 +122,11 @@ def test_at_most_twelve_modules_at_the_top():
     assert len(top) <= 12, top
 
 
-# the public surface (docs/api.md): the package, its errors, the transport plugin interface and
-# ``python -m weightsync``; every other module says "Internal." first (PEP 8: an undocumented or
+# the public surface (docs/api.md): the package, its errors, the transport and accelerator plugin
+# interfaces and ``python -m weightsync``; every other module says "Internal." first (PEP 8: an undocumented or
 # internal-declared module carries no compatibility promise), so a reader knows at the top line
 PUBLIC = {"weightsync/__init__.py", "weightsync/__main__.py", "weightsync/errors.py",
-          "weightsync/transports/__init__.py"}
+          "weightsync/transports/__init__.py", "weightsync/device/registry.py"}
 
 
 def marking(path: Path) -> bool:

@@ -1,5 +1,5 @@
 """The fault scenarios of test_faults.py with every party on the simulated accelerator
-(weightsync/sim): device buckets, device digests, loads and event polling that
+(tests/sim/weightsync_sim): device buckets, device digests, loads and event polling that
 complete late. The same functions, so the same promised outcome each: only the job differs
 (``device="sim"``; broadcast runs the sim device's collective, one device per party)."""
 

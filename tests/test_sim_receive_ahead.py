@@ -1,4 +1,4 @@
-"""receive_ahead on broadcast with every party on the simulated accelerator (weightsync/sim):
+"""receive_ahead on broadcast with every party on the simulated accelerator (tests/sim/weightsync_sim):
 the shadow in device memory, the collective (simccl) and the shadow's copies queued on the
 shadow's own stream and landing late, the barrier's loads on the engine's stream waiting for
 them through an event. The same functions as test_receive_ahead.py, so the same promised

@@ -14,8 +14,8 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 import torch
+import weightsync_sim as sim
 
-from weightsync import sim
 from weightsync.config import SyncConfig
 from weightsync.device import resolve
 from weightsync.digest import verify

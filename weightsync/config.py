@@ -19,9 +19,11 @@ from typing import Any
 
 from .errors import ConfigError
 
-BACKENDS = ("auto", "gloo", "nccl", "hccl", "simccl")  # simccl: the sim device's (tests)
-COMMUNICATORS = ("auto", "torch", "torch_npu", "pyhccl", "pynccl", "sim")
-DEVICES = ("auto", "cpu", "cuda", "npu", "sim")  # sim: the tests' simulated accelerator
+# built in; an accelerator registered with weightsync.device.register adds its kind, backend and
+# the constructions of its collective group (docs/platforms.md)
+BACKENDS = ("auto", "gloo", "nccl", "hccl")
+COMMUNICATORS = ("auto", "torch", "torch_npu", "pyhccl", "pynccl")
+DEVICES = ("auto", "cpu", "cuda", "npu")
 DIGESTS = ("auto", "xxh3", "torch", "off")
 SHM_BACKINGS = ("auto", "memfd", "files")
 DELTAS = ("off", "auto", "on")
@@ -36,51 +38,16 @@ NON_CONFIG_ENV = frozenset({
     "WEIGHTSYNC_CONFORMANCE_DIR", "WEIGHTSYNC_DIGEST_KERNEL", "WEIGHTSYNC_DISABLE_IPC", "WEIGHTSYNC_SOAK_VERSIONS", "WEIGHTSYNC_TIERS",
     "WEIGHTSYNC_TORCH", "WEIGHTSYNC_VERL_E2E_TORCH", "WEIGHTSYNC_VERL_E2E_VENV", "WEIGHTSYNC_VERL_SRC",
     "WEIGHTSYNC_VERL_VLLM", "WEIGHTSYNC_VLLM_CPU", "WEIGHTSYNC_VLLM_TIER", "WEIGHTSYNC_VLLM_VENV",
-    "WEIGHTSYNC_VLLM_VERSION", "WEIGHTSYNC_NOTIFY", "WEIGHTSYNC_RING_BUFFERS", "WEIGHTSYNC_SIM_LAG_MS", "WEIGHTSYNC_SIM_SEED",
-    "WEIGHTSYNC_SIM_VISIBLE_DEVICES",
+    "WEIGHTSYNC_VLLM_VERSION", "WEIGHTSYNC_NOTIFY", "WEIGHTSYNC_RING_BUFFERS", "WEIGHTSYNC_DEVICE_MODULES",
 })
 MiB = 1 << 20
 
-# the registered transports: name -> (module, sender, receiver), the classes or factories
-# called with the same arguments. A module is imported only when its transport is chosen
-# (weightsync.transports.selection), so its optional dependencies (torch_npu, ...) are needed
-# only then; a plugin adds its own with register_transport
-_TRANSPORTS = {
-    # shm's two modes (whole versions, a streaming ring) are chosen by these factories
-    "shm": ("weightsync.transports.shm.transport", "open_shm_sender", "open_shm_receiver"),
-    "broadcast": ("weightsync.transports.broadcast.transport", "BroadcastSender", "BroadcastReceiver"),
-    "ipc": ("weightsync.transports.ipc.transport", "IpcSender", "IpcReceiver"),
-}
-
-
-def register_transport(name: str, module: str, sender: str, receiver: str) -> None:
-    """Make ``name`` selectable: ``module`` (imported on first use) defines the ``sender`` and
-    ``receiver`` classes. Every party of a job must register it (e.g. at import of the plugin).
-    Public as ``weightsync.transports.register_transport``.
-
-    Raises:
-        ValueError: ``name`` is "auto" or already registered.
-    """
-    if name == "auto" or name in _TRANSPORTS:
-        raise ValueError(f"transport {name!r} is already registered ({_TRANSPORTS.get(name, 'reserved')})")
-    _TRANSPORTS[name] = (module, sender, receiver)
-
-
 def transport_names() -> list[str]:
-    """The registered transport names, sorted ("auto" is not one)."""
-    return sorted(_TRANSPORTS)
+    """The transports a config may name ("auto" besides): transports/catalog.py finds them."""
+    from .transports import catalog  # the folders declare themselves there
 
+    return catalog.names()
 
-def transport_entry(name: str) -> tuple[str, str, str]:
-    """(module, sender, receiver) of the transport ``name``.
-
-    Raises:
-        ValueError: no transport of that name is registered.
-    """
-    try:
-        return _TRANSPORTS[name]
-    except KeyError:
-        raise ValueError(f"unknown transport {name!r}; known: {', '.join(transport_names())}") from None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -165,9 +132,9 @@ class SyncConfig:
 
     def __post_init__(self) -> None:
         _check_choice("transport", self.transport, ("auto", *transport_names()))
-        _check_choice("backend", self.backend, BACKENDS)
-        _check_choice("communicator", self.communicator, COMMUNICATORS)
-        _check_choice("device", self.device, DEVICES)
+        _check_choice("backend", self.backend, BACKENDS, "backends")
+        _check_choice("communicator", self.communicator, COMMUNICATORS, "constructions")
+        _check_choice("device", self.device, DEVICES, "kinds")
         _check_choice("digest", self.digest, DIGESTS)
         _check_choice("shm_backing", self.shm_backing, SHM_BACKINGS)
         _check_choice("delta", self.delta, DELTAS)
@@ -337,6 +304,15 @@ def _coerce(key: str, value: Any, kind: type, env_name: str | None = None) -> An
     return kind(number)
 
 
-def _check_choice(key: str, value: Any, choices: tuple[str, ...]) -> None:
-    if value not in choices:
-        raise ConfigError(f"{key} must be one of {', '.join(choices)}; got {value!r}")
+def _check_choice(key: str, value: Any, choices: tuple[str, ...], registered: str = "") -> None:
+    """``registered``: the weightsync.device function naming what registered accelerators add
+    to ``choices`` (looked up only for a value that is not built in)."""
+    if value in choices:
+        return
+    if registered:
+        from . import device  # torch comes with it: not for the built-in values
+
+        choices = tuple(dict.fromkeys(choices + getattr(device, registered)()))
+        if value in choices:
+            return
+    raise ConfigError(f"{key} must be one of {', '.join(choices)}; got {value!r}")

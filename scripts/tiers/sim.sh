@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Tier "sim": the branches only an accelerator takes (device buckets, events, device digests and
 # handles, loads onto a device, a device collective's event polling), run on the simulated
-# asynchronous accelerator of weightsync/sim: every transport, faults included, receive ahead on
+# asynchronous accelerator of tests/sim/weightsync_sim: every transport, faults included, receive ahead on
 # broadcast, and the ipc ring under 200 seeded event orders. No venv of its own: it runs in the
 # main .venv.
 # Arguments go to pytest.

@@ -365,7 +365,7 @@ def test_an_import_under_try_except_importerror_is_a_version_switch(tmp_path):
 
 def test_no_device_api_is_reached_through_a_computed_name():
     """``getattr(torch, device.type).X`` would call torch.npu.X on an NPU without this test
-    seeing it: device calls are written out (weightsync/device.py)."""
+    seeing it: device calls are written out (weightsync/device/registry.py)."""
     hidden = []
     for root in OURS:
         for path in root.rglob("*.py"):

@@ -11,7 +11,7 @@ weighted sum, any split of the rows and columns gives the same value: each progr
 ``sum`` of those partials (the length term in a slot of its own) is the digest, bit for bit
 the torch way's (tests/test_digest_kernel.py, on CPU under Triton's interpreter).
 
-Used on CUDA wherever Triton imports; the torch ops way stays for NPU, the simulated device and
+Used on CUDA wherever Triton imports; the torch ops way stays for NPU, other registered devices and
 machines without Triton. ``WEIGHTSYNC_DIGEST_KERNEL=off`` turns it off (to compare the ways).
 """
 

@@ -40,7 +40,7 @@ class ToyEngine:
     (the bench times it)."""
 
     def __init__(self, manifest: Manifest, device: str = "cpu", load_delay_s: float = 0.0):
-        where = devices.resolve(device)  # the sim device registers itself here
+        where = devices.resolve(device)
         self.params = {s.name: torch.zeros(s.shape, dtype=s.torch_dtype, device=where) for s in manifest}
         self.loads = 0
         self.post_loads = 0
@@ -98,16 +98,6 @@ class Counters:
     loads: int  # load_weights calls
     post_loads: int  # post-load hook runs
     metrics: dict[str, Any]  # WeightReceiver.last_metrics
-
-
-@dataclasses.dataclass(frozen=True)
-class Queued:
-    """On the sim device: ops queued so far on the stream a rollout worker's calls run on (the
-    engine's loads), and on its receiver's receive-ahead stream (None: none)."""
-
-    engine: int
-    ahead: int | None
-    same: bool  # the ahead stream is the engine's
 
 
 class _Party:
@@ -185,14 +175,6 @@ class RolloutWorker(_Party):
 
     def counters(self) -> Counters:
         return Counters(self.engine.loads, self.engine.post_loads, dict(self.receiver.last_metrics))
-
-    def sim_queued(self) -> Queued:
-        from .. import sim
-
-        shadow = getattr(self.receiver.transport, "shadow", None)
-        ahead = shadow.stream if shadow is not None else None
-        engine = sim.current_stream()
-        return Queued(engine.mark(), None if ahead is None else ahead.mark(), ahead is engine)
 
     def _party(self) -> WeightReceiver:
         return self.receiver
@@ -328,11 +310,11 @@ def new_coordinator(config: dict | None = None, prefix: str = "ws-test", **kwarg
 
 
 def rollout_actor(coordinator: Coordinator, manifest: Manifest, name: str, rank: int = 0, config: dict | None = None,
-                  options: dict | None = None, **kwargs: Any) -> Any:
-    """A :class:`RolloutWorker` Ray actor (``options``: Ray's, e.g. device resources)."""
+                  options: dict | None = None, cls: type | None = None, **kwargs: Any) -> Any:
+    """A :class:`RolloutWorker` (or subclass ``cls``) Ray actor (``options``: Ray's, e.g. device resources)."""
     import ray
 
-    return ray.remote(RolloutWorker).options(**{"num_cpus": 0, **(options or {})}).remote(
+    return ray.remote(cls or RolloutWorker).options(**{"num_cpus": 0, **(options or {})}).remote(
         coordinator, manifest.to_wire(), name, rank=rank, config=config, **kwargs)
 
 

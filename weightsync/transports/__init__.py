@@ -1,15 +1,30 @@
-"""The transports: each one module (or folder) with a sender and a receiver class, chosen and
-built by name (:mod:`.selection`) from the table of registered transports in
-:mod:`weightsync.config`. ``SyncConfig(transport=...)`` accepts exactly the registered names
-(and "auto"), so a transport registered by a plugin can be selected. This package is the
-public interface a plugin implements (the modules under it are internal): it only re-exports."""
+"""The transports: one folder each, declaring its name, its sender and receiver classes and its rules
+for ``auto`` (:mod:`.catalog`), chosen and built by name (:mod:`.selection`).
+``SyncConfig(transport=...)`` accepts exactly the declared names (and "auto"), so a transport a
+plugin registers can be selected. This package is the public interface a plugin implements (the
+modules under it are internal): it only re-exports."""
 
 from __future__ import annotations
 
-from ..config import register_transport
-from ..config import transport_names as names
+from typing import Any
+
+from . import catalog
 from .base import ReceiverTransport, SenderTransport, SessionRecord, TransportContext, VersionRecord
+from .catalog import Facts, Rank, Transport, names
 from .selection import receiver_class, sender_class
 
-__all__ = ["ReceiverTransport", "SenderTransport", "SessionRecord", "TransportContext", "VersionRecord", "names",
-           "receiver_class", "register_transport", "sender_class"]
+
+def register_transport(name: str, module: str, sender: str, receiver: str, **rules: Any) -> None:
+    """Make a transport defined outside this package selectable; every party of a job must call it
+    (e.g. when the plugin is imported). ``module`` (imported on first use) defines the ``sender``
+    and ``receiver`` classes; ``rules``: ``refuses`` and ``auto``, as a folder's ``TRANSPORT``
+    declares them (catalog.Transport). A transport inside the package is a folder with a
+    ``TRANSPORT`` in its ``__init__.py`` instead.
+
+    Raises:
+        ValueError: ``name`` is "auto" or already registered.
+    """
+    catalog.register(Transport(name, module, sender, receiver, **rules))
+
+__all__ = ["Facts", "Rank", "ReceiverTransport", "SenderTransport", "SessionRecord", "Transport", "TransportContext",
+           "VersionRecord", "names", "receiver_class", "register_transport", "sender_class"]

@@ -45,15 +45,20 @@ import subprocess
 from collections.abc import Callable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
-from ..config import transport_entry
 from ..coordinator.ops import Device, IpcSupport, Placement
 from ..errors import ConfigError
 
 if TYPE_CHECKING:  # the interface's module imports torch, which the doctor's facts need not
     from .base import ReceiverTransport, SenderTransport, TransportContext
 
-COLOCATED, SAME_NODE, REMOTE = "colocated", "same node", "remote"
-ACCELERATORS = ("cuda", "npu", "sim")  # sim: the tests' simulated accelerator (weightsync/sim)
+from . import catalog
+from .catalog import COLOCATED, REMOTE, SAME_NODE
+
+
+def is_accelerator(kind: str) -> bool:
+    """Whether ``kind`` is a device with memory of its own (not the host): anything but the CPU,
+    which a Placement names as "cpu"."""
+    return kind != "cpu"
 
 
 HOST = Device(type="cpu")
@@ -84,7 +89,7 @@ def placement(sender: Placement, receiver: Placement) -> str:
     kind = sd.type
     if kind != rd.type:
         return SAME_NODE
-    if kind not in ACCELERATORS:
+    if not is_accelerator(kind):
         return COLOCATED  # host memory: one node is one "device"
     mine, theirs = sd.physical, rd.physical
     return COLOCATED if mine is not None and mine == theirs else SAME_NODE
@@ -106,7 +111,7 @@ def shared_device(sender: Placement, receivers: Sequence[Placement]) -> str | No
     seen: dict[tuple, str] = {}
     for who, party in [("the sender", sender)] + [(f"receiver '{r.name or r.rank}'", r) for r in receivers]:
         dev = party.device or HOST
-        if dev.type not in ACCELERATORS or dev.physical is None:
+        if not is_accelerator(dev.type) or dev.physical is None:
             continue
         key = (node_key(party), dev.type, dev.physical)
         if key in seen:
@@ -117,84 +122,40 @@ def shared_device(sender: Placement, receivers: Sequence[Placement]) -> str | No
 
 def choose_transport(requested: str, sender: Placement, receivers: Sequence[Placement],
                      backend: str = "auto") -> tuple[str, str]:
-    """Return (transport, reason). An explicit choice that cannot work raises ConfigError
-    with the reason; ``auto`` walks the chain above and says why it stopped where it did.
+    """Return (transport, reason). An explicit choice that cannot work raises ConfigError with the
+    reason its folder gives; ``auto`` takes the transport whose rule ranks first for this
+    placement (transports/catalog.py: each folder declares its rules) and says why.
     ``backend`` is the broadcast backend of the config (gloo may share a device)."""
     where = [placement(sender, r) for r in receivers]
-    clash = shared_device(sender, receivers) if backend != "gloo" else None
     device = (sender.device or HOST).type
-    ipc = sender.ipc or IpcSupport(ok=False, reason="the sender did not report ipc support")
-    on_device = f"physical {device} {(sender.device or HOST).physical}" if device in ACCELERATORS else "host"
-    colocated = bool(where) and all(w == COLOCATED for w in where)
-    same_node = all(w != REMOTE for w in where)
-
+    facts = catalog.Facts(
+        sender=sender, receivers=receivers, where=where, device=device,
+        on_device=f"physical {device} {(sender.device or HOST).physical}" if is_accelerator(device) else "host",
+        node=node_label(sender), ipc=sender.ipc or IpcSupport(ok=False, reason="the sender did not report ipc support"),
+        clash=shared_device(sender, receivers) if backend != "gloo" else None,
+        describe=lambda *kinds: _describe(receivers, where, *kinds), far=lambda: _far(receivers, where))
     if requested != "auto":
-        if requested == "ipc":
-            if not ipc.ok:
-                raise ConfigError(f"transport 'ipc' cannot run here: {ipc.reason}")
-            if not colocated:
-                if not where:
-                    raise ConfigError("transport 'ipc' needs its receivers registered before the first stage "
-                                      "(pass expected_receivers to the sender) to check they share its device")
-                kind = REMOTE if REMOTE in where else SAME_NODE
-                raise ConfigError(
-                    f"transport 'ipc' needs every receiver on the sender's device ({node_label(sender)}, "
-                    f"{on_device}); {_describe(receivers, where, kind)} "
-                    f"{'run on another node' if kind == REMOTE else 'use another device'}"
-                )
-        if requested == "broadcast" and clash:
-            raise ConfigError(f"transport 'broadcast' over the {device} collective needs one device per rank: {clash}; "
-                              f"use 'ipc' for parties on one device, or backend 'gloo'")
-        if requested == "shm" and not same_node:
-            raise ConfigError(f"transport 'shm' needs every receiver on the sender's node ({node_label(sender)}); "
-                              f"{_describe(receivers, where, REMOTE)} on {_far(receivers, where)} are not")
+        why = catalog.get(requested).refuses(facts)
+        if why:
+            raise ConfigError(why)
         return requested, f"transport '{requested}' requested by config"
-
-    if not where:
-        # nothing to place: pick what also serves receivers that register later
-        if device in ACCELERATORS:
-            return "broadcast", ("auto: no receiver registered when the session was published (pass "
-                                 "expected_receivers to let auto see placement); broadcast works for any placement")
-        return "shm", ("auto: no receiver registered when the session was published (pass expected_receivers "
-                       "to let auto see placement); shm serves any receiver on this node")
-    if colocated and device not in ACCELERATORS:
-        # host memory both ways: ipc would copy as much as shm (measured slower with 1 and 4
-        # receivers on CPU), and shm keeps the previous version for rollback and catch-up
-        return "shm", ("auto: every receiver is on the sender's node and the weights live in host memory; shm "
-                       "(keeps the previous version for rollback and catch-up)")
-    if colocated:
-        if ipc.ok:
-            return "ipc", f"auto: every receiver shares the sender's device ({on_device}); {ipc.reason}"
-        return "shm", (f"auto: every receiver shares the sender's device, but ipc is unavailable "
-                       f"({ipc.reason}); fell back to shm")
-    if same_node:
-        split = _describe(receivers, where, SAME_NODE)
-        if device in ACCELERATORS and clash:
-            return "shm", f"auto: {split} on this node use other devices, but {clash}: no device collective; shm"
-        if device in ACCELERATORS:
-            return "broadcast", f"auto: {split} on this node use other devices; broadcast over the {device} collective"
-        return "shm", "auto: every receiver is on the sender's node and there is no device collective; shm"
-    if clash:
-        raise ConfigError(f"auto: {_describe(receivers, where, REMOTE)} on other nodes need broadcast, but {clash}; "
-                          f"place each party of a node on its own device, or set backend 'gloo'")
-    why = f"auto: {_describe(receivers, where, REMOTE)} on other nodes ({_far(receivers, where)}); broadcast"
-    if any(w != REMOTE for w in where):
-        why += (f" to every receiver, {_describe(receivers, where, COLOCATED, SAME_NODE)} on the sender's node included "
-                f"(shm within a node beside broadcast across nodes is not built yet)")
-    return "broadcast", why
+    ranked = catalog.ranked(facts)
+    if not ranked:
+        raise ConfigError(f"auto: no transport serves this placement ({', '.join(where) or 'no receivers'})")
+    return ranked[0][1], ranked[0][2]
 
 
 def sender_class(name: str) -> Callable[[TransportContext], SenderTransport]:
     """What builds the sender of transport ``name`` from a TransportContext (a class or a factory)."""
-    module, sender, _ = transport_entry(name)
-    return getattr(importlib.import_module(module), sender)
+    t = catalog.get(name)
+    return getattr(importlib.import_module(t.module), t.sender)
 
 
 def receiver_class(name: str) -> Callable[[TransportContext, Mapping[str, Any]], ReceiverTransport]:
     """What builds the receiver of ``name`` from a TransportContext and the wire form of the
     sender's session record (parsed there: transports/base.py)."""
-    module, _, receiver = transport_entry(name)
-    return getattr(importlib.import_module(module), receiver)
+    t = catalog.get(name)
+    return getattr(importlib.import_module(t.module), t.receiver)
 
 
 # -- what this machine can run ------------------------------------------------------------------
@@ -408,6 +369,9 @@ def ipc_support(device_type: str, shm_dir: str = "/dev/shm", environ: Mapping[st
         hdk, _ = driver_version()
         cann, _ = cann_version(env)
         return npu_ipc_support(hdk, cann, package_version("torch_npu", "torch-npu"), env.get("VLLM_ASCEND_ENABLE_NZ"))
-    if device_type == "sim":
-        return Capability(True, "the tests' simulated accelerator: memfd-backed device memory shared by handle")
+    from .. import device as devices  # torch comes with it: only for an accelerator a plugin registered
+
+    acc = devices.accelerator(device_type)
+    if acc is not None:  # it says for itself
+        return Capability(*acc.ipc())
     return Capability(False, f"no ipc for device type {device_type!r}")

@@ -7,7 +7,7 @@ The shadow records a version's outcome, not just its bytes: a bucket that failed
 on the way in fails the version when apply() comes for it, and nothing of it reached the
 engine (all-or-nothing, as at the barrier).
 
-On a device (CUDA, NPU, the sim) the shadow is written on a stream of its own, made once
+On a device (CUDA, NPU, any registered accelerator) the shadow is written on a stream of its own, made once
 (``writing()``): on the engine's stream, the default one on CUDA, the transfer would queue
 behind the generation it is meant to overlap, and the generation behind it. The two streams
 meet only through events, never a host wait on the engine's side: the barrier's loads wait

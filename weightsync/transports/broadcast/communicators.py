@@ -37,9 +37,9 @@ if TYPE_CHECKING:  # the types below let tests/conformance check each use agains
     from vllm.distributed.utils import StatelessProcessGroup
     from vllm_ascend.distributed.device_communicators.pyhccl import PyHcclCommunicator
 
-DEVICE_OF_BACKEND = {b: kind for kind, b in devices.BACKENDS.items() if b != "gloo"}
-# the constructions each backend has, preferred first
-CONSTRUCTIONS = {"gloo": ("torch",), "nccl": ("torch", "pynccl"), "hccl": ("pyhccl", "torch_npu"), "simccl": ("sim",)}
+# the constructions each built-in backend has, preferred first (a registered accelerator brings
+# those of its own backend: device.Accelerator.constructions)
+CONSTRUCTIONS = {"gloo": ("torch",), "nccl": ("torch", "pynccl"), "hccl": ("pyhccl", "torch_npu")}
 _STATELESS = {  # construction -> (module, class) of its communicator
     "pyhccl": ("vllm_ascend.distributed.device_communicators.pyhccl", "PyHcclCommunicator"),
     "pynccl": ("vllm.distributed.device_communicators.pynccl", "PyNcclCommunicator"),
@@ -49,15 +49,27 @@ AUTO_WHY = {
     ("nccl", "torch"): "auto on CUDA: torch ProcessGroupNCCL, which has timeouts and abort of its own; pynccl on request",
     ("hccl", "pyhccl"): "auto on NPU: pyhccl, the construction verl >= 0.7 and vllm-ascend run on the user's stack",
     ("hccl", "torch_npu"): "auto on NPU: torch_npu ProcessGroupHCCL",
-    ("simccl", "sim"): "auto on the tests' simulated accelerator: gloo queued on its stream, as pynccl queues NCCL",
 }
 WHAT = {
     "torch": "torch ProcessGroup (gloo / NCCL) on the session's store",
     "torch_npu": "torch_npu ProcessGroupHCCL on the session's store",
     "pyhccl": "vLLM StatelessProcessGroup + vllm-ascend PyHcclCommunicator (as verl >= 0.7 and vllm-ascend build it)",
     "pynccl": "vLLM StatelessProcessGroup + vLLM PyNcclCommunicator",
-    "sim": "the sim device's collective (tests): gloo under the device tensors, on the device stream",
 }
+
+
+def _options(backend: str) -> tuple[str, ...] | None:
+    return CONSTRUCTIONS.get(backend) or devices.constructions(backend) or None
+
+
+def _why_auto(backend: str, name: str) -> str:
+    registered = devices.construction(name)
+    return registered.auto_why if registered is not None else AUTO_WHY[(backend, name)]
+
+
+def _what(name: str) -> str:
+    registered = devices.construction(name)
+    return registered.what if registered is not None else WHAT[name]
 
 
 # -- which construction ----------------------------------------------------------------
@@ -72,7 +84,7 @@ def choose_backend(requested: str, device: torch.device) -> str:
 
 def comm_device(backend: str, device: torch.device, who: str) -> torch.device:
     """Where this party's bucket buffers live: the communicator's device."""
-    want = DEVICE_OF_BACKEND.get(backend)
+    want = next((k for k in devices.kinds() if k != "cpu" and devices.backend_for(k) == backend), None)
     if want is None:
         return torch.device("cpu")  # gloo moves host buffers whatever the engine's device
     if device.type != want:
@@ -98,7 +110,7 @@ def probe(name: str) -> str | None:
 def choose_communicator(requested: str, backend: str, probe: Callable[[str], str | None] = probe) -> tuple[str, str]:
     """(construction, why) for ``backend``. ``auto`` takes the backend's first construction
     that can be built here; an explicit one that cannot is a ConfigError with the reason."""
-    options = CONSTRUCTIONS.get(backend)
+    options = _options(backend)
     if options is None:
         raise ConfigError(f"unknown collective backend {backend!r}")
     if requested != "auto":
@@ -113,7 +125,7 @@ def choose_communicator(requested: str, backend: str, probe: Callable[[str], str
     for name in options:
         why_not = probe(name)
         if why_not is None:
-            return name, AUTO_WHY[(backend, name)] + "".join(f"; {s}" for s in skipped)
+            return name, _why_auto(backend, name) + "".join(f"; {s}" for s in skipped)
         skipped.append(f"{name} not available ({why_not})")
     raise ConfigError(f"no '{backend}' group can be built here: " + "; ".join(skipped))
 
@@ -121,9 +133,9 @@ def choose_communicator(requested: str, backend: str, probe: Callable[[str], str
 def constructions(backend: str, probe: Callable[[str], str | None] = probe) -> dict[str, dict[str, Any]]:
     """Every construction of ``backend`` and whether it can be built here (for doctor)."""
     out = {}
-    for name in CONSTRUCTIONS.get(backend, ()):
+    for name in _options(backend) or ():
         why_not = probe(name)
-        out[name] = {"available": why_not is None, "what": WHAT[name], **({"reason": why_not} if why_not else {})}
+        out[name] = {"available": why_not is None, "what": _what(name), **({"reason": why_not} if why_not else {})}
     return out
 
 
@@ -218,33 +230,12 @@ class _StatelessComm:
         self.comm.comm = None
 
 
-class _SimComm:
-    """The sim device's collective (tests; weightsync/sim): a broadcast queued on the device's
-    current stream and seen through an event, as ``_StatelessComm``'s pynccl / pyhccl ones; gloo
-    moves the host bytes behind the device tensor when the stream gets there."""
-
-    def __init__(self, pg: Any, device: torch.device):
-        self.pg, self.device = pg, device
-
-    def broadcast(self, tensor: torch.Tensor, timeout: float) -> devices.EventWork:
-        from ... import sim
-
-        opts = dist.BroadcastOptions()
-        opts.rootRank, opts.rootTensor = 0, 0
-        opts.timeout = datetime.timedelta(seconds=max(timeout, 0.001))
-        host, pg = sim.host_of(tensor), self.pg
-        sim.enqueue(lambda: pg.broadcast([host], opts).wait())
-        return devices.EventWork(self.device)
-
-    def abort(self) -> None:
-        self.pg.abort()
-
-
 def make_comm(communicator: str, backend: str, store: Any, rank: int, size: int, device: torch.device,
               timeout: float) -> Any:
     """The communicator ``communicator`` of ``backend`` on ``store``; blocks until every rank is in it."""
-    if communicator == "sim":
-        return _SimComm(new_process_group("gloo", store, rank, size, datetime.timedelta(seconds=timeout)), device)
+    registered = devices.construction(communicator)
+    if registered is not None:
+        return registered.make(store, rank, size, device, timeout)
     if communicator in _STATELESS:
         return _StatelessComm(communicator, store, rank, size, device)
     return _TorchComm(new_process_group(backend, store, rank, size, datetime.timedelta(seconds=timeout)))

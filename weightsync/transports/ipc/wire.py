@@ -39,12 +39,12 @@ from ...errors import CapacityError, ConfigError, ProtocolError, VersionError
 from ...manifest import dtype_name, dtype_of
 from ..base import Aborted, TransportContext
 
-# rebuild functions a receiver may call, by device type; nothing else is ever invoked
-_REBUILD = {
-    "cuda": ("torch.multiprocessing.reductions", "rebuild_cuda_tensor"),
-    "npu": ("torch_npu.multiprocessing.reductions", "rebuild_npu_tensor"),
-    "sim": ("weightsync.sim", "rebuild_sim_tensor"),  # the tests' simulated accelerator
-}
+
+def _rebuild(kind: str) -> tuple[str, str] | None:
+    """The one function a receiver may call to open a handle of ``kind`` (module, name), as its
+    accelerator registered it (device.Accelerator.rebuild); nothing else is ever invoked."""
+    acc = devices.accelerator(kind)
+    return acc.rebuild if acc is not None else None
 
 # what reduce_tensor returns for a device tensor: the arguments of torch's rebuild_cuda_tensor
 # and torch_npu's rebuild_npu_tensor, by their parameter names (tests/conformance checks both)
@@ -58,13 +58,9 @@ def export_handle(t: torch.Tensor) -> dict[str, Any]:
     from torch.multiprocessing import reductions  # looked up now: torch_npu patches it on import
 
     kind = t.device.type
-    if kind == devices.SIM:
-        from ... import sim
-
-        rebuild, args = sim.reduce_tensor(t)  # rebuild_cuda_tensor's arguments, for host memory
-    else:
-        rebuild, args = reductions.reduce_tensor(t)
-    if (getattr(rebuild, "__module__", ""), getattr(rebuild, "__name__", "")) != _REBUILD.get(kind):
+    acc = devices.accelerator(kind)
+    rebuild, args = (acc.reduce if acc is not None and acc.reduce is not None else reductions.reduce_tensor)(t)
+    if (getattr(rebuild, "__module__", ""), getattr(rebuild, "__name__", "")) != _rebuild(kind):
         raise ProtocolError(f"ipc: {kind} tensors reduce through {rebuild!r}, not an IPC handle this version "
                             f"of weightsync knows; use transport 'shm'")
     if len(args) != len(HANDLE_ARGS):
@@ -93,7 +89,7 @@ def _field(h: dict[str, Any], key: str, kind: type | tuple[type, ...]) -> Any:
 def import_handle(h: dict[str, Any]) -> torch.Tensor:
     """Open a handle from :func:`export_handle` on this process's view of the same device."""
     kind = _field(h, "kind", str)
-    if kind not in _REBUILD:
+    if _rebuild(kind) is None:
         raise ProtocolError(f"ipc handle of unknown kind {kind!r}")
     physical = _field(h, "physical", int)
     local = devices.local_index(kind, physical)
@@ -101,7 +97,7 @@ def import_handle(h: dict[str, Any]) -> torch.Tensor:
         var = devices.visible_devices_var(kind)
         raise ProtocolError(f"ipc: the sender's buffers are on physical {kind} {physical}, which this receiver "
                             f"cannot see ({var}={os.environ.get(var or '', '')!r}); ipc needs both on one device")
-    module, name = _REBUILD[kind]
+    module, name = _rebuild(kind)
     rebuild = getattr(importlib.import_module(module), name)
     ints = [_field(h, k, int) for k in ("offset", "storage_bytes", "storage_offset", "ref_offset")]
     size = [int(x) for x in _field(h, "size", list)]

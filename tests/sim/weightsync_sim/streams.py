@@ -1,4 +1,4 @@
-"""Internal. The sim device's streams and events (weightsync/sim): each stream a queue of device work run
+"""The sim device's streams and events (weightsync_sim): each stream a queue of device work run
 in order by a thread of its own, each item no earlier than a seeded random lag after it was
 queued, so completions come late and in stream order, as on CUDA and NPU."""
 
@@ -17,7 +17,7 @@ from typing import Any
 import torch
 
 KIND = "sim"
-LAG_ENV, SEED_ENV = "WEIGHTSYNC_SIM_LAG_MS", "WEIGHTSYNC_SIM_SEED"
+LAG_ENV, SEED_ENV = "SIMDEV_LAG_MS", "SIMDEV_SEED"
 DEFAULT_LAG_MS = 5.0
 _lock = threading.Lock()
 

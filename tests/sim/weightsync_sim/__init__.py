@@ -1,4 +1,7 @@
-"""Internal. A simulated asynchronous accelerator, device kind ``sim``: for tests only.
+"""A simulated asynchronous accelerator, device kind ``sim``, for weightsync's tests; not part of
+the package: it registers itself as any other accelerator would (weightsync.device.register),
+in every process of a test job that has ``WEIGHTSYNC_DEVICE_MODULES=weightsync_sim`` and this
+folder on its path (tests/conftest.py sets both before Ray starts, so its workers have them).
 
 CI has no GPU and no NPU, and on the CPU every copy is synchronous and every event complete
 at once, so the branches weightsync takes only on an accelerator (``device.Fences``,
@@ -11,7 +14,7 @@ do, with the semantics of CUDA and torch_npu streams and events:
   computation fails as on a device (0-dim CPU scalars excepted, as on CUDA);
 - every operation that reads or writes device memory is *queued* on the calling thread's
   current stream and runs later, in stream order, on the stream's own thread, after a seeded
-  random lag (``WEIGHTSYNC_SIM_LAG_MS``, default 0-5 ms; ``WEIGHTSYNC_SIM_SEED``): a host
+  random lag (``SIMDEV_LAG_MS``, default 0-5 ms; ``SIMDEV_SEED``): a host
   that reads a buffer (another process through a handle, or a non-blocking copy to the host)
   before the event behind its writes completed sees stale bytes, as it could on a device;
 - views and metadata are immediate; an op whose result the host needs (``.item()``,
@@ -27,7 +30,8 @@ do, with the semantics of CUDA and torch_npu streams and events:
 
 The dispatch is torch's Python-only PrivateUse1 backend (``torch.utils.backend_registration``)
 renamed ``sim``, with a wrapper subclass holding the host tensor. A process enables it by
-resolving the device ``sim`` (``device.resolve``), e.g. ``SyncConfig(device="sim")``.
+resolving the device ``sim`` (``weightsync.device.resolve``), e.g. ``SyncConfig(device="sim")``;
+its collective (backend ``simccl``, construction ``sim``) is gloo queued on the device's stream.
 What it does not model: memory capacity, several devices, peer access, and the speed of
 anything (its lags are there to reorder completions, not to time them).
 """
@@ -121,3 +125,62 @@ def enable() -> None:
         _library.impl("_copy_from", _copy_from, "PrivateUse1")
         _library.impl("_copy_from_and_resize", _copy_from_and_resize, "PrivateUse1")
         _enabled = True
+
+
+# -- registered with weightsync, as a third-party accelerator is -----------------------------
+
+
+class SimComm:
+    """The sim device's collective: a broadcast queued on the device's current stream and seen
+    through an event, as pynccl / pyhccl queue theirs; gloo moves the host bytes behind the
+    device tensor when the stream gets there."""
+
+    def __init__(self, store: Any, rank: int, size: int, device: torch.device, timeout: float):
+        import datetime
+
+        from weightsync.transports.broadcast.communicators import new_process_group
+
+        self.pg = new_process_group("gloo", store, rank, size, datetime.timedelta(seconds=timeout))
+        self.device = device
+
+    def broadcast(self, tensor: torch.Tensor, timeout: float) -> Any:
+        import datetime
+
+        import torch.distributed as dist
+
+        from weightsync import device as devices
+
+        opts = dist.BroadcastOptions()
+        opts.rootRank, opts.rootTensor = 0, 0
+        opts.timeout = datetime.timedelta(seconds=max(timeout, 0.001))
+        host, pg = host_of(tensor), self.pg
+        enqueue(lambda: pg.broadcast([host], opts).wait())
+        return devices.EventWork(self.device)
+
+    def abort(self) -> None:
+        self.pg.abort()
+
+
+def _current() -> torch.device:
+    enable()
+    return torch.device(KIND, 0)
+
+
+def _register() -> None:
+    from weightsync.device import registry
+
+    registry.register(registry.Accelerator(
+        kind=KIND, current=_current, count=lambda: 1,
+        current_stream=lambda d: current_stream(d), synchronize=lambda d: synchronize(d), Stream=lambda d: Stream(d),
+        stream=stream, Event=Event, set_device=lambda d: None, backend="simccl",
+        visible_devices_var="SIMDEV_VISIBLE_DEVICES", rebuild=(__name__, "rebuild_sim_tensor"), reduce=reduce_tensor,
+        ipc=lambda: (True, "the tests' simulated accelerator: memfd-backed device memory shared by handle"),
+        address=lambda t: host_of(t).data_ptr(), pinned_host=False, caching_allocator=False,
+        constructions={"sim": registry.Construction(
+            what="the sim device's collective (tests): gloo under the device tensors, on the device stream",
+            auto_why="auto on the tests' simulated accelerator: gloo queued on its stream, as pynccl queues NCCL",
+            make=SimComm)},
+    ))
+
+
+_register()

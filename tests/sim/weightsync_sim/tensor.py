@@ -1,4 +1,4 @@
-"""Internal. The sim device's memory and tensors (weightsync/sim): a wrapper subclass whose ``host``
+"""The sim device's memory and tensors (weightsync_sim): a wrapper subclass whose ``host``
 tensor holds the bytes (a memfd per allocation, so it can be shared by handle), and the
 dispatch that queues every operation on device memory on the current stream."""
 

@@ -1,12 +1,12 @@
-"""Internal. Everything device-specific that is not a transport: which platform this process runs on
-and which physical device it holds. Kept in one place so the rest stays device-agnostic."""
+"""Internal. Everything device-specific that is not a transport: which platform this process runs on,
+which physical device it holds, its streams and events. Kept in one place so the rest stays
+device-agnostic; what each accelerator is comes from the registry (registry.py)."""
 
 from __future__ import annotations
 
 import collections
 import contextlib
 import ctypes
-import importlib.util
 import logging
 import os
 from collections.abc import Callable
@@ -14,20 +14,22 @@ from typing import Any
 
 import torch
 
-
-def npu_available() -> bool:
-    if importlib.util.find_spec("torch_npu") is None:
-        return False
-    try:
-        import torch_npu  # noqa: F401  (registers torch.npu)
-
-        return bool(torch.npu.is_available())
-    except Exception:
-        return False
+from .registry import (  # noqa: F401  (a plugin's API: weightsync.device.register(Accelerator(...)))
+    Accelerator,
+    Construction,
+    accelerator,
+    backends,
+    construction,
+    constructions,
+    kinds,
+    npu_available,
+    register,
+)
 
 
 def platform() -> str:
-    """'npu', 'cuda' or 'cpu': the accelerator this process can use, NPU first."""
+    """'npu', 'cuda' or 'cpu': the accelerator this process can use, NPU first (a registered
+    accelerator is used where a config names it, never picked by 'auto')."""
     if npu_available():
         return "npu"
     if torch.cuda.is_available():
@@ -35,49 +37,33 @@ def platform() -> str:
     return "cpu"
 
 
-SIM = "sim"  # the simulated asynchronous accelerator of the tests (weightsync/sim); never auto
-
-
 def resolve(device: str = "auto") -> torch.device:
     """The torch device for a config value; 'auto' is the current device of the platform."""
     kind = platform() if device == "auto" else device
     if kind == "cpu":
         return torch.device("cpu")
-    if kind == SIM:
-        from . import sim
-
-        sim.enable()
-        return torch.device(SIM, 0)
-    if kind == "cuda":
-        return torch.device("cuda", torch.cuda.current_device())
-    if kind == "npu":
-        import torch_npu  # noqa: F401
-
-        return torch.device("npu", torch.npu.current_device())
-    raise ValueError(f"unknown device kind {device!r}")
+    acc = accelerator(kind)
+    if acc is None:
+        raise ValueError(f"unknown device kind {device!r}")
+    return acc.current()
 
 
 def address(t: torch.Tensor) -> int:
     """Where ``t``'s bytes start in memory: views of the same bytes give the same address."""
-    if t.device.type == SIM:
-        from . import sim
-
-        return sim.host_of(t).data_ptr()
-    return t.data_ptr()
+    acc = accelerator(t.device.type)
+    return acc.address(t) if acc is not None else t.data_ptr()
 
 
 def set_current(device: torch.device) -> None:
     """Make ``device`` current in the calling thread (the NPU current device is per thread)."""
-    if device.type == "cuda":
-        torch.cuda.set_device(device)
-    elif device.type == "npu":
-        torch.npu.set_device(device)
+    acc = accelerator(device.type)
+    if acc is not None:
+        acc.set_device(device)
 
 
 def visible_devices_var(kind: str) -> str | None:
-    # the sim device's is the tests' way to put parties on distinct "physical" devices
-    return {"cuda": "CUDA_VISIBLE_DEVICES", "npu": "ASCEND_RT_VISIBLE_DEVICES",
-            SIM: "WEIGHTSYNC_SIM_VISIBLE_DEVICES"}.get(kind)
+    acc = accelerator(kind)
+    return acc.visible_devices_var if acc is not None else None
 
 
 def physical_index(device: torch.device) -> int | None:
@@ -102,68 +88,54 @@ def local_index(kind: str, physical: int) -> int | None:
     return physical
 
 
-# the collective backend that moves bytes between devices of each kind
-BACKENDS = {"npu": "hccl", "cuda": "nccl", "cpu": "gloo", "sim": "simccl"}
-
-
 def backend_for(kind: str) -> str:
     """The collective backend for a device kind ("cpu", "cuda", "npu"); gloo for anything else."""
-    return BACKENDS.get(kind, "gloo")
+    acc = accelerator(kind)
+    return acc.backend if acc is not None else "gloo"
 
 
-def _module(device: torch.device) -> Any:
-    """``torch.cuda``, ``torch.npu`` or the sim device's: the stream and event API of ``device``
-    (named, not looked up: tests/conformance checks every NPU call by its name)."""
-    if device.type == "cuda":
-        return torch.cuda
-    if device.type == "npu":
-        return torch.npu
-    from . import sim
-
-    return sim
+def _api(device: torch.device) -> Accelerator:
+    acc = accelerator(device.type)
+    if acc is None:
+        raise ValueError(f"no streams on {device}")
+    return acc
 
 
 def current_stream(device: torch.device) -> Any:
     """The calling thread's current stream on an accelerator ``device``."""
-    if device.type in ("cuda", "npu", SIM):
-        return _module(device).current_stream(device)
-    raise ValueError(f"no streams on {device}")
+    return _api(device).current_stream(device)
 
 
 def synchronize(device: torch.device) -> None:
     """Wait for the work queued on ``device``'s current stream (no-op on CPU): what a
     bucket's copies wrote is visible to another process only after this."""
-    if device.type in ("cuda", "npu", SIM):
-        _module(device).current_stream(device).synchronize()
+    if has_streams(device):
+        _api(device).current_stream(device).synchronize()
 
 
 def synchronize_device(device: torch.device) -> None:
     """Wait for every stream of ``device`` (no-op on CPU)."""
-    if device.type in ("cuda", "npu", SIM):
-        _module(device).synchronize(device)
+    if has_streams(device):
+        _api(device).synchronize(device)
 
 
 def record_event(device: torch.device, stream: Any = None) -> Any:
     """An event recorded on ``stream`` (None: ``device``'s current stream): done once the work
-    queued there before it is (a torch.cuda.Event, torch.npu.Event, or the sim device's)."""
-    if device.type not in ("cuda", "npu", SIM):
-        raise ValueError(f"no events on {device}")
-    module = _module(device)
-    event = module.Event()
-    event.record(module.current_stream(device) if stream is None else stream)
+    queued there before it is (a torch.cuda.Event, torch.npu.Event, or a plugin's)."""
+    api = _api(device)
+    event = api.Event()
+    event.record(api.current_stream(device) if stream is None else stream)
     return event
 
 
 def has_streams(device: torch.device) -> bool:
-    return device.type in ("cuda", "npu", SIM)
+    return accelerator(device.type) is not None
 
 
 def new_stream(device: torch.device) -> Any:
     """A stream of its own on an accelerator ``device``: work queued there is not ordered with
     the other streams' (the engine's generation), only through events."""
-    if not has_streams(device):
-        raise ValueError(f"no streams on {device}")
-    return _module(device).Stream(device)
+    return _api(device).Stream(device)
 
 
 def use_stream(device: torch.device, stream: Any) -> contextlib.AbstractContextManager[Any]:
@@ -171,7 +143,7 @@ def use_stream(device: torch.device, stream: Any) -> contextlib.AbstractContextM
     op, copy and collective issued there is queued on it (None, or no streams: unchanged)."""
     if stream is None or not has_streams(device):
         return contextlib.nullcontext()
-    return _module(device).stream(stream)
+    return _api(device).stream(stream)
 
 
 def wait_event(event: Any, stream: Any) -> None:
@@ -182,8 +154,9 @@ def wait_event(event: Any, stream: Any) -> None:
 def record_stream(t: torch.Tensor, stream: Any) -> None:
     """Tell the caching allocator that ``stream`` uses ``t`` (allocated on another stream): once
     freed, its memory is handed out again only after the work queued there by then is done.
-    The sim device has no caching allocator (a queued op holds its tensors)."""
-    if t.device.type in ("cuda", "npu"):
+    A device without a caching allocator (a queued op holds its tensors) skips it."""
+    acc = accelerator(t.device.type)
+    if acc is not None and acc.caching_allocator:
         t.record_stream(stream)
 
 
@@ -245,27 +218,19 @@ def pin_host(buf: torch.Tensor, device: torch.device, read_only: bool = False) -
     return lambda: cudart.cudaHostUnregister(ptr)
 
 
-RAY_RESOURCE = {"cuda": "GPU", "npu": "NPU"}  # what Ray calls each accelerator
+RAY_RESOURCE = {"cuda": "GPU", "npu": "NPU"}  # what Ray calls each built-in accelerator
 
 
 def ray_options(kind: str, amount: float) -> dict[str, Any]:
     """Ray actor options asking for ``amount`` of one ``kind`` device (a fraction: parties
     sharing it, the colocated case); none for the CPU."""
-    if kind == "cuda":
-        return {"num_gpus": amount}
-    if kind == "npu":
-        return {"resources": {RAY_RESOURCE[kind]: amount}}
-    return {}
+    acc = accelerator(kind)
+    return acc.ray_options(amount) if acc is not None else {}
 
 
 def device_count(kind: str) -> int:
-    if kind == SIM:
-        return 1
-    if kind == "cuda":
-        return torch.cuda.device_count() if torch.cuda.is_available() else 0
-    if kind == "npu":
-        return torch.npu.device_count() if npu_available() else 0
-    return 0
+    acc = accelerator(kind)
+    return acc.count() if acc is not None else 0
 
 
 def describe(device: torch.device) -> dict[str, Any]:
@@ -306,7 +271,7 @@ class Fences:
         work queued so far: readable without a synchronize once a later :meth:`mark` is done."""
         if self.device.type == "cpu":
             return value
-        # pinned, so the copy is asynchronous on CUDA / NPU (the sim device copies late anyway)
-        host = torch.empty(value.shape, dtype=value.dtype, pin_memory=self.device.type != SIM)
+        # pinned, so the copy is asynchronous on CUDA / NPU (a device without pinned memory copies late anyway)
+        host = torch.empty(value.shape, dtype=value.dtype, pin_memory=_api(self.device).pinned_host)
         host.copy_(value, non_blocking=True)
         return host
