@@ -42,11 +42,12 @@ import torch.distributed as dist
 
 from weightsync.bench.actors import digest
 from weightsync.bench.ceiling import host_ceiling
-from weightsync.bench.cli import machine_info
 from weightsync.bench.layout_source import resolve
+from weightsync.bench.results import machine_info
 from weightsync.digest import verify
 from weightsync.digest import xxh3 as checksum
-from weightsync.manifest import BucketPlan, Buffers, Manifest, Unpacker, pack_stream, plan_buckets
+from weightsync.manifest import BucketPlan, Manifest, plan_buckets
+from weightsync.packing import Buffers, Unpacker, pack_stream
 from weightsync.testing.layouts import materialize
 from weightsync.testing.parties import ToyEngine
 from weightsync.transports.shm.transport import layout, spans
