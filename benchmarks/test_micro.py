@@ -11,7 +11,8 @@ import pytest
 import torch
 
 from weightsync.digest import xxh3 as checksum
-from weightsync.manifest import Buffers, Manifest, TensorSpec, Unpacker, pack_stream, plan_buckets
+from weightsync.manifest import Manifest, TensorSpec, plan_buckets
+from weightsync.packing import Buffers, Unpacker, pack_stream
 from weightsync.testing.layouts import layout, materialize
 
 pytest.importorskip("pytest_benchmark")

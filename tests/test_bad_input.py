@@ -9,7 +9,8 @@ import ray
 import torch
 
 from weightsync import CapacityError, ConfigError, ManifestError, SyncConfig, VersionError
-from weightsync.manifest import Manifest, Packing, TensorSpec, build_manifest, plan_buckets
+from weightsync.manifest import Manifest, TensorSpec, build_manifest, plan_buckets
+from weightsync.packing import Packing
 from weightsync.testing.layouts import layout, materialize
 from weightsync.testing.parties import (
     assert_serves,

@@ -313,7 +313,8 @@ def test_two_threads_of_one_receiver_hash_each_bucket_once():
     import torch
 
     from weightsync.digest import Checks
-    from weightsync.manifest import Packing, plan_buckets
+    from weightsync.manifest import plan_buckets
+    from weightsync.packing import Packing
     from weightsync.transports.base import TransportContext
     from weightsync.transports.shm.transport import ShmReceiver, ShmSender
 

@@ -14,7 +14,8 @@ from weightsync.delta.sender import DeltaSender
 from weightsync.delta.strategy import DeltaPacking, FullPacking, Loaders, host_reserve, packing_for, wanted
 from weightsync.digest import xxh3
 from weightsync.errors import ConfigError, ManifestError, ProtocolError
-from weightsync.manifest import Unpacker, build_manifest, plan_buckets
+from weightsync.manifest import build_manifest, plan_buckets
+from weightsync.packing import Unpacker
 from weightsync.transports.base import DeltaRecord, VersionRecord
 from weightsync.transports.shm.records import ShmVersion
 

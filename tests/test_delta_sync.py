@@ -15,7 +15,8 @@ from faultjob import DEADLINE_S, RECEIVERS, Job, apply_fails, sync_failed, wait_
 
 from weightsync import transports
 from weightsync.digest import version_digest
-from weightsync.manifest import Buffers, pack_stream, plan_buckets
+from weightsync.manifest import plan_buckets
+from weightsync.packing import Buffers, pack_stream
 from weightsync.testing.layouts import layout, materialize
 from weightsync.testing.parties import check_serves
 

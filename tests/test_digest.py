@@ -14,7 +14,8 @@ import torch
 
 from weightsync import ConfigError, SyncConfig, SyncFailed
 from weightsync import digest as D
-from weightsync.manifest import BucketSink, Buffers, Packing, pack_stream, plan_buckets
+from weightsync.manifest import plan_buckets
+from weightsync.packing import BucketSink, Buffers, Packing, pack_stream
 from weightsync.testing.layouts import layout, materialize
 from weightsync.testing.parties import TrainerWorker, assert_serves, same_bits
 

@@ -90,18 +90,15 @@ def test_a_function_level_import_closes_a_cycle(tmp_path):
 # modules whose one job needs the room
 ONE_JOB = {
     # what goes on the wire between a party and the coordinator: every control operation's
-    # records, declared in one place, and their msgpack encoding and strict decoding
+    # request and reply, declared in one place, and the handler each names
     PKG / "coordinator" / "ops.py",
     # the coordinator's state and its wake-ups: the version table, the roster of parties, and
     # the signals that wake its waiting ops
     PKG / "coordinator" / "state.py",
-    PKG / "manifest.py",  # a version's layout: the manifest and the bucket plan derived from it, packing, unpacking
-    PKG / "transports" / "selection.py",  # which transport a session gets, and building it by name
     PKG / "transports" / "memory.py",  # host shared-memory segments, and the wake-ups on their words
     # the shm transport, its two modes (whole versions in segments, one end of a streaming ring)
     # and the choice between them
     PKG / "transports" / "shm" / "transport.py",
-    PKG / "transports" / "base.py",  # what a transport is: its interface and the typed records it publishes
     # a party's side of the coordinator: the handle, the typed calls, and the party's membership
     # (registration, heartbeat, rejoin), the two halves of one retry
     PKG / "coordinator" / "client.py",

@@ -7,18 +7,8 @@ from hypothesis import strategies as st
 
 from weightsync import ManifestError
 from weightsync.digest import xxh3 as checksum
-from weightsync.manifest import (
-    DTYPES,
-    Buffers,
-    Manifest,
-    TensorSpec,
-    Unpacker,
-    build_manifest,
-    check_manifest,
-    gaps,
-    pack_stream,
-    plan_buckets,
-)
+from weightsync.manifest import DTYPES, Manifest, TensorSpec, build_manifest, check_manifest, plan_buckets
+from weightsync.packing import Buffers, Unpacker, gaps, pack_stream
 from weightsync.testing.layouts import layout, materialize
 from weightsync.testing.parties import same_bits
 
@@ -187,7 +177,7 @@ def test_checksum_sees_a_single_flipped_bit():
 
 @pytest.mark.parametrize("bucket_bytes", [1 << 20, 3 << 20])
 def test_checksums_computed_while_packing_equal_a_hash_of_the_packed_bucket(bucket_bytes):
-    from weightsync.manifest import CHUNK
+    from weightsync.packing import CHUNK
 
     named = {
         "tiny": random_tensor(torch.float32, (3,), 1),

@@ -19,7 +19,8 @@ import weightsync_sim as sim
 from weightsync.config import SyncConfig
 from weightsync.device import resolve
 from weightsync.digest import verify
-from weightsync.manifest import Manifest, Packing, TensorSpec, Unpacker, plan_buckets
+from weightsync.manifest import Manifest, TensorSpec, plan_buckets
+from weightsync.packing import Packing, Unpacker
 from weightsync.testing.layouts import materialize
 from weightsync.testing.parties import same_bits
 from weightsync.transports.base import TransportContext

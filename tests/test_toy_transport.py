@@ -34,7 +34,7 @@ TRANSPORT = '''
 import torch
 
 from weightsync.digest import as_int
-from weightsync.manifest import Buffers
+from weightsync.packing import Buffers
 from weightsync.transports.base import ReceiverTransport, SenderTransport, VersionRecord
 
 HANDED = {}  # (session, version) -> [(bucket bytes, digest)]

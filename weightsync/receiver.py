@@ -31,7 +31,8 @@ from .coordinator.state import State
 from .delta.strategy import Engine, Loaders
 from .digest import Checks
 from .errors import ManifestError, VersionError, WeightSyncError
-from .manifest import Expected, Manifest, Unpacker, check_manifest, size_text
+from .manifest import Expected, Manifest, check_manifest, size_text
+from .packing import Unpacker
 from .receive_ahead import AheadThread
 from .targets import LoadWeights
 from .transports.base import ReceiverTransport, TransportContext, VersionRecord

@@ -9,7 +9,7 @@ from typing import Any
 
 import torch
 
-from .manifest import raw
+from .packing import raw
 
 LoadWeights = Callable[[Iterable[tuple[str, torch.Tensor]]], Any]
 
@@ -31,10 +31,10 @@ class CopyInto:
     def __init__(self, params: Mapping[str, torch.Tensor]):
         self.params = dict(params)
         self.expected = self.params
-        # each tensor's bytes as integers (manifest.raw: a batched copy keeps NaN payloads then)
+        # each tensor's bytes as integers (packing.raw: a batched copy keeps NaN payloads then)
         self._raw = {name: raw(t) for name, t in self.params.items()}
         # the same of the tensors given to load: a receiver gives the same views every version
-        # (manifest.Unpacker), so their integer views are made once; an entry goes with its tensor
+        # (packing.Unpacker), so their integer views are made once; an entry goes with its tensor
         self._given: dict[int, tuple[weakref.ref, torch.Tensor | None]] = {}
 
     def _bits(self, t: torch.Tensor) -> torch.Tensor | None:

@@ -16,7 +16,7 @@ from collections.abc import Iterator
 import torch
 
 from .. import digest as digests
-from ..manifest import BucketSink, Packing
+from ..packing import BucketSink, Packing
 
 
 @dataclasses.dataclass(frozen=True)

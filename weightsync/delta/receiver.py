@@ -30,7 +30,8 @@ from typing import Any
 import torch
 
 from ..digest import xxh3
-from ..manifest import BucketPlan, Manifest, Unpacker
+from ..manifest import BucketPlan, Manifest
+from ..packing import Unpacker
 from ..transports.base import DeltaRecord
 from . import codec as delta
 

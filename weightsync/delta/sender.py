@@ -28,7 +28,8 @@ from collections.abc import Iterable, Mapping
 import torch
 
 from ..digest import version_digest
-from ..manifest import BucketPlan, BucketSink, Manifest, pack_stream
+from ..manifest import BucketPlan, Manifest
+from ..packing import BucketSink, pack_stream
 from ..transports.base import DeltaRecord
 from . import codec as delta
 from .packing import EncodedPacking

@@ -23,13 +23,14 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Callable, Iterable, Mapping
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 
 from ..digest import version_digest
-from ..manifest import BucketPlan, Manifest, Packing, Unpacker
-from ..transports.base import ReceiverTransport, VersionRecord
+from ..manifest import BucketPlan, Manifest
+from ..packing import Packing, Unpacker
+from ..transports.base import VersionRecord
 from . import codec
 from .policy import FULL
 from .receiver import DeltaReceiver
@@ -37,6 +38,7 @@ from .sender import DeltaSender
 
 NamedTensors = Mapping[str, torch.Tensor] | Iterable[tuple[str, torch.Tensor]]
 Pairs = list[tuple[str, torch.Tensor]]
+
 # a view of ``nbytes`` from ``offset`` in a bucket onwards (transports' span), or None
 Span = Callable[[int, int, int], "torch.Tensor | None"]
 
@@ -130,6 +132,16 @@ def packing_for(mode: str, transport: str, sends: bool, plan: BucketPlan, manife
 # -- receiver ----------------------------------------------------------------------------
 
 
+class LoaderTransport(Protocol):
+    """What a loader asks of the receiver's transport (transports/base.ReceiverTransport has it)."""
+
+    def span(self, version: int, info: VersionRecord) -> Span | None:
+        """A view over a whole version where the transport holds one (None: reassemble)."""
+
+    def buffers_generation(self) -> int:
+        """Changes whenever buffers it yielded before went (views of them must go too)."""
+
+
 @dataclasses.dataclass
 class Engine:
     """What a loader may do to the model and the transport when a version fails."""
@@ -154,7 +166,7 @@ class FullLoader:
         """Whether this receiver can load the version over what it serves."""
         return True
 
-    def begin(self, version: int, info: VersionRecord, transport: ReceiverTransport) -> None:
+    def begin(self, version: int, info: VersionRecord, transport: LoaderTransport) -> None:
         """Before any byte moves; raises to refuse the version."""
         self._span = transport.span(version, info)
         if transport.buffers_generation() != self._generation:
@@ -201,7 +213,7 @@ class DeltaLoader:
         base = info.delta.base if info.delta is not None else None
         return base is None or (self.shadow is not None and self.shadow.version == base)
 
-    def begin(self, version: int, info: VersionRecord, transport: ReceiverTransport) -> None:
+    def begin(self, version: int, info: VersionRecord, transport: LoaderTransport) -> None:
         if self.shadow is None:
             self.shadow = DeltaReceiver(self.unpacker.plan, self.unpacker.manifest, self.name)
         self._rebuilt = []

@@ -3,7 +3,7 @@ carry no test hooks (parties.py uses them; so does the vLLM tier's trainer).
 
 - On the wire (``edit_packed``): a sender transport's staged Packing is wrapped so that once
   bucket b is packed and its digest taken, an edit changes its bytes before the transport
-  may publish it. The seam is the BucketSink contract (manifest.py): ``done(b, digest)`` comes
+  may publish it. The seam is the BucketSink contract (packing.py): ``done(b, digest)`` comes
   once b's last byte is in and its digest computed, before the next buffer is asked for;
   every transport publishes bucket b only after that (shm after pack_stream yields b; shm on
   an accelerator copies b from its device staging buffer to the segment from ``buffer(b + 1)``
@@ -25,7 +25,7 @@ from typing import Any
 import torch
 
 from .. import device as devices
-from ..manifest import BucketSink, Packing
+from ..packing import BucketSink, Packing
 
 # (version, bucket, the bucket's packed bytes) -> None, changing the bytes in place
 Edit = Callable[[int, int, torch.Tensor], None]

@@ -30,7 +30,8 @@ import torch
 from .. import digest, records
 from ..config import SyncConfig
 from ..errors import VersionError
-from ..manifest import BucketPlan, Manifest, Packing, plan_buckets
+from ..manifest import BucketPlan, Manifest, plan_buckets
+from ..packing import Packing
 from .memory import POLL_FIRST_S, Waiter, poll_sleep
 
 if TYPE_CHECKING:

@@ -13,7 +13,7 @@ import torch
 from ...coordinator.ops import BroadcastGroup
 from ...digest import compute, kind_of
 from ...errors import ConfigError, ProtocolError, WeightSyncError
-from ...manifest import PackViews
+from ...packing import PackViews
 from ..base import Aborted, TransportContext
 from ..ipc.wire import in_flight
 from .communicators import choose_communicator, comm_device

@@ -45,7 +45,8 @@ import torch.distributed as dist
 from ... import device as devices
 from ...coordinator.ops import BroadcastGroup
 from ...errors import ConfigError, DeadlineExceeded, VersionError, WeightSyncError
-from ...manifest import BucketPlan, BucketSink, Packing
+from ...manifest import BucketPlan
+from ...packing import BucketSink, Packing
 from ..base import Aborted, Received, ReceiverTransport, SenderTransport, TransportContext, VersionRecord
 from ..shadow import Shadow
 from .ahead import AheadReceiver

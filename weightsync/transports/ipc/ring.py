@@ -6,13 +6,12 @@ its errors start with and the ``resource`` its segments and handles count as in 
   RingWriter   .session(record), .stage(version, packing), .send(version, deadline) -> digests
   RingReader   .digest_kind, .receive(version, session, plan, deadline, check) -> buckets in order
 
-Control words and handles on the wire: ipc/wire.py. Bucket b of a version goes to buffer
-b % nbuf. Before overwriting a buffer the writer waits until every receiver taking part in the
-version released the bucket it held; one the coordinator declared failed or dead is no longer
-waited for, and a receiver that is not waited for (registered after the barrier, or declared
-failed) refuses the version before loading anything, so it keeps the complete version it
-serves. Every version's record repeats the rendezvous: readers attached to a trainer that died
-follow its restarted successor's new ring.
+Control words and handles on the wire: ipc/wire.py. Bucket b of a version goes to buffer b % nbuf.
+Before overwriting a buffer the writer waits until every receiver taking part in the version
+released the bucket it held; one the coordinator declared failed or dead is no longer waited for,
+and a receiver that is not waited for (registered after the barrier, or declared failed) refuses
+the version before loading anything, so it keeps the complete version it serves. Every version's
+record repeats the rendezvous: readers attached to a dead trainer follow its successor's new ring.
 """
 
 from __future__ import annotations
@@ -28,7 +27,8 @@ import torch
 from ... import device as devices
 from ...digest import as_int, compute, kind_of
 from ...errors import CapacityError, DeadlineExceeded, ProtocolError, VersionError
-from ...manifest import BucketPlan, BucketSink, Packing, PackViews, align_up
+from ...manifest import BucketPlan, align_up
+from ...packing import BucketSink, Packing, PackViews
 from ..base import Aborted, Received, TransportContext, poll_until
 from ..memory import PAGE, Segment, Waiter, attach, create, digest_word, reap_stale, wake
 from .records import DeviceHandle, DeviceRecord, HostBuffer, IpcSession

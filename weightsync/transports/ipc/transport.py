@@ -24,7 +24,7 @@ from typing import Any, ClassVar
 
 import torch
 
-from ...manifest import Packing
+from ...packing import Packing
 from ..base import Received, ReceiverTransport, SenderTransport, TransportContext, VersionRecord
 from .records import IpcSession, IpcVersion
 from .ring import RingReader, RingWriter

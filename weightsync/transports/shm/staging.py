@@ -26,7 +26,8 @@ import torch
 from ... import device as devices
 from ...digest import as_int
 from ...errors import ProtocolError
-from ...manifest import BucketPlan, BucketSink, PackViews
+from ...manifest import BucketPlan
+from ...packing import BucketSink, PackViews
 from ..base import TransportContext
 
 BUFFERS = 2

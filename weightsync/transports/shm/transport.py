@@ -61,7 +61,8 @@ import torch
 from ...config import MiB, SyncConfig
 from ...digest import Checks, as_int, verify
 from ...errors import CapacityError, DeadlineExceeded, ProtocolError
-from ...manifest import BucketPlan, BucketSink, Packing, PackViews, align_up, size_text
+from ...manifest import BucketPlan, align_up, size_text
+from ...packing import BucketSink, Packing, PackViews
 from ..base import Received, ReceiverTransport, SenderTransport, TransportContext, VersionRecord, poll_until
 from ..ipc.transport import RingReceiver, RingSender
 from ..ipc.wire import CONTROL_BYTES, MAX_BUFFERS, in_flight
