@@ -1,5 +1,5 @@
 """What a receiver's wait for its ready words costs: polling (10 .. 250 us sleeps) against a
-futex sleep on the word (weightsync/transports/memory.py), on this machine.
+futex sleep on the word (weightsync/transports/wake.py), on this machine.
 
 A writer process publishes ``--buckets`` ready words, one every ``--gap-ms`` (a sender slower
 than the receiver, the case where a receiver waits), stamping CLOCK_MONOTONIC into the word
@@ -24,7 +24,7 @@ import time
 
 import numpy as np
 
-from weightsync.transports import memory
+from weightsync.transports import wake
 from weightsync.transports.base import poll_until
 
 WORDS = 2 * 4096 // 8
@@ -42,7 +42,7 @@ def waiter(fd: int, buckets: int, futex: bool) -> dict:
     for b in range(buckets):
         word = 2 * b
         poll_until(lambda word=word, b=b: int(w[word]) == b + 1, time.monotonic() + 60, lambda: None,
-                   lambda b=b: TimeoutError(f"bucket {b}"), waiter=memory.Waiter(w, word) if futex else None)
+                   lambda b=b: TimeoutError(f"bucket {b}"), waiter=wake.Waiter(w, word) if futex else None)
         late.append(time.monotonic_ns() - int(w[word + 1]))
     cpu1 = resource.getrusage(resource.RUSAGE_SELF)
     cpu = (cpu1.ru_utime - cpu0.ru_utime) + (cpu1.ru_stime - cpu0.ru_stime)
@@ -65,7 +65,7 @@ def run(mode: str, buckets: int, gap_s: float) -> dict:
         time.sleep(gap_s)
         w[2 * b + 1] = time.monotonic_ns()
         w[2 * b] = b + 1
-        memory.wake(w, 2 * b)
+        wake.wake(w, 2 * b)
     out, _ = child.communicate(timeout=120)
     os.close(fd)
     return {"mode": mode, **json.loads(out)}

@@ -95,8 +95,7 @@ ONE_JOB = {
     # the coordinator's state and its wake-ups: the version table, the roster of parties, and
     # the signals that wake its waiting ops
     PKG / "coordinator" / "state.py",
-    PKG / "transports" / "memory.py",  # host shared-memory segments, and the wake-ups on their words
-    # the shm transport, its two modes (whole versions in segments, one end of a streaming ring)
+        # the shm transport, its two modes (whole versions in segments, one end of a streaming ring)
     # and the choice between them
     PKG / "transports" / "shm" / "transport.py",
     # a party's side of the coordinator: the handle, the typed calls, and the party's membership

@@ -1,4 +1,4 @@
-"""Blocking wake-ups on segment words (weightsync/transports/memory.py): a sleeper on one
+"""Blocking wake-ups on segment words (weightsync/transports/wake.py): a sleeper on one
 mapping of a segment is woken by a store + wake through another mapping of it (the way a
 receiver and the sender map it), a store made before the sleep is never lost, and the polling
 fallback keeps the same contract. The bounds here are minutes: they only tell a wake-up from
@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 
 from weightsync.errors import DeadlineExceeded
-from weightsync.transports import memory
+from weightsync.transports import wake
 from weightsync.transports.base import poll_until
 
 LONG_S = 300.0  # a sleep that is not woken lasts this long; the tests wait at most half of it
@@ -37,37 +37,37 @@ def mappings():
 @pytest.fixture(params=["futex", "poll"])
 def mode(request, monkeypatch):
     monkeypatch.setenv("WEIGHTSYNC_NOTIFY", request.param)
-    memory._futex.cache_clear()
+    wake._futex.cache_clear()
     yield request.param
-    memory._futex.cache_clear()
+    wake._futex.cache_clear()
 
 
-def _sleep_in_thread(waiter: memory.Waiter, seen: int) -> threading.Thread:
+def _sleep_in_thread(waiter: wake.Waiter, seen: int) -> threading.Thread:
     t = threading.Thread(target=waiter.sleep, args=(seen, LONG_S), daemon=True)
     t.start()
     return t
 
 
 def test_futex_is_used_on_this_linux_node(mode):
-    assert memory.futex_available() == (mode == "futex")
+    assert wake.futex_available() == (mode == "futex")
 
 
 def test_a_store_and_wake_through_another_mapping_ends_the_sleep(mappings, mode):
     writer, reader = mappings
     writer[5] = (7 << 24) | 3
-    waiter = memory.Waiter(reader, 5)
+    waiter = wake.Waiter(reader, 5)
     seen = waiter.look()
     t = _sleep_in_thread(waiter, seen)
     time.sleep(0.05)  # let it fall asleep (if it did not yet, the store below is seen at once)
     writer[5] = (7 << 24) | 4
-    memory.wake(writer, 5)
+    wake.wake(writer, 5)
     t.join(LONG_S / 2)
     assert not t.is_alive()
 
 
 def test_a_store_before_the_sleep_is_not_lost(mappings, mode):
     writer, reader = mappings
-    waiter = memory.Waiter(reader, 9)
+    waiter = wake.Waiter(reader, 9)
     seen = waiter.look()
     writer[9] = 1  # no wake at all: the sleep must see that the word moved
     t = _sleep_in_thread(waiter, seen)
@@ -82,11 +82,11 @@ def test_poll_until_with_a_waiter_returns_on_the_store(mappings, mode):
     def publish():
         time.sleep(0.3)
         writer[2] = 42
-        memory.wake(writer, 2)
+        wake.wake(writer, 2)
 
     threading.Thread(target=publish, daemon=True).start()
     poll_until(lambda: int(reader[2]) == 42, time.monotonic() + LONG_S, lambda: ticks.append(1),
-               lambda: AssertionError("deadline"), tick_s=LONG_S, waiter=memory.Waiter(reader, 2))
+               lambda: AssertionError("deadline"), tick_s=LONG_S, waiter=wake.Waiter(reader, 2))
     assert int(reader[2]) == 42
 
 
@@ -95,5 +95,5 @@ def test_poll_until_with_a_waiter_still_ticks_and_meets_its_deadline(mappings, m
     ticks = []
     with pytest.raises(DeadlineExceeded):
         poll_until(lambda: False, time.monotonic() + 0.5, lambda: ticks.append(1),
-                   lambda: DeadlineExceeded("never written"), tick_s=0.05, waiter=memory.Waiter(reader, 3))
+                   lambda: DeadlineExceeded("never written"), tick_s=0.05, waiter=wake.Waiter(reader, 3))
     assert len(ticks) >= 2  # the abort checks ran while it slept

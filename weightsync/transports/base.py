@@ -32,7 +32,7 @@ from ..config import SyncConfig
 from ..errors import VersionError
 from ..manifest import BucketPlan, Manifest, plan_buckets
 from ..packing import Packing
-from .memory import POLL_FIRST_S, Waiter, poll_sleep
+from .wake import POLL_FIRST_S, Waiter, poll_sleep
 
 if TYPE_CHECKING:
     from ..coordinator.client import ControlPlane
@@ -144,7 +144,7 @@ def poll_until(done: Callable[[], bool], deadline: float, on_tick: Callable[[], 
                timeout: Callable[[], Exception], tick_s: float = 0.2, waiter: Waiter | None = None) -> None:
     """Wait for ``done()``; ``on_tick()`` (e.g. ask the coordinator whether the version was
     aborted) every ``tick_s``; ``timeout()`` is raised at ``deadline``. With a ``waiter`` on the
-    word ``done()`` reads, sleep until that word changes (memory.py: futex, or its polling
+    word ``done()`` reads, sleep until that word changes (wake.py: futex, or its polling
     fallback), never past the next tick or the deadline; without one, poll with short sleeps."""
     pause, next_tick = POLL_FIRST_S, time.monotonic() + tick_s
     while True:

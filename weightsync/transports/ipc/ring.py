@@ -1,7 +1,6 @@
-"""Internal. A ring of K bucket buffers and its control block, both ends: what the ipc transport moves
-every version through, and what shm streams through when whole versions exceed its budget
-(transport.py: RingSender, RingReceiver). An end knows its transport only by the ``owner`` name
-its errors start with and the ``resource`` its segments and handles count as in status():
+"""Internal. A ring of K bucket buffers and its control block, both ends, which ipc and shm's
+streaming mode move versions through (transport.py: RingSender, RingReceiver). An end knows its
+transport only by the ``owner`` its errors start with and the ``resource`` it counts in status():
 
   RingWriter   .session(record), .stage(version, packing), .send(version, deadline) -> digests
   RingReader   .digest_kind, .receive(version, session, plan, deadline, check) -> buckets in order
@@ -30,7 +29,8 @@ from ...errors import CapacityError, DeadlineExceeded, ProtocolError, VersionErr
 from ...manifest import BucketPlan, align_up
 from ...packing import BucketSink, Packing, PackViews
 from ..base import Aborted, Received, TransportContext, poll_until
-from ..memory import PAGE, Segment, Waiter, attach, create, digest_word, reap_stale, wake
+from ..memory import PAGE, Segment, attach, create, digest_word, reap_stale
+from ..wake import Waiter, wake
 from .records import DeviceHandle, DeviceRecord, HostBuffer, IpcSession
 from .wire import (
     BUCKET_BITS,
@@ -235,7 +235,7 @@ class _VersionSink(BucketSink):
                 self.sums.append(as_int(compute(r.digest_kind, r.buffers[k][:n]) if d is None else d))
                 w[ready_word(k) + 1] = self.sums[-1]
             w[ready_word(k)] = tag(self.version, b)
-            wake(w, ready_word(k))  # receivers sleeping on the word (transports/memory.py)
+            wake(w, ready_word(k))  # receivers sleeping on the word (transports/wake.py)
             self.published = b
 
 
@@ -357,7 +357,7 @@ class RingReader:
                 raise ProtocolError(f"{self.owner}: bucket {b} of version {version} was overwritten while it was "
                                     f"loaded (the sender gave up waiting for receiver '{self.ctx.name}')")
             w[mine + 2 + k] = want
-            # ring the sender's doorbell: any change of the word wakes it (memory.py), so racing
+            # ring the sender's doorbell: any change of the word wakes it (wake.py), so racing
             # receivers need no atomic increment
             w[RELEASED] = int(w[RELEASED]) + 1
             wake(w, RELEASED)

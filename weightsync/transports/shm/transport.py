@@ -66,18 +66,8 @@ from ...packing import BucketSink, Packing, PackViews
 from ..base import Received, ReceiverTransport, SenderTransport, TransportContext, VersionRecord, poll_until
 from ..ipc.transport import RingReceiver, RingSender
 from ..ipc.wire import CONTROL_BYTES, MAX_BUFFERS, in_flight
-from ..memory import (
-    PAGE,
-    Segment,
-    Waiter,
-    attach,
-    create,
-    digest_word,
-    memory_available,
-    reap_stale,
-    resolve_backing,
-    wake,
-)
+from ..memory import PAGE, Segment, attach, create, digest_word, memory_available, reap_stale, resolve_backing
+from ..wake import Waiter, wake
 from .records import ShmSession, ShmStreamSession, ShmStreamVersion, ShmVersion, shm_session, shm_version
 from .staging import DeviceStage, StagedSink, hashes_on_device, receive_staged
 
@@ -219,7 +209,7 @@ class ShmSender(SenderTransport):
                 sums.append(value)
                 head[word + 1] = value
             head[word] = ready
-            wake(head, word)  # receivers sleeping on the word (transports/memory.py)
+            wake(head, word)  # receivers sleeping on the word (transports/wake.py)
             packed += n
             self.packed_bytes += n
 
