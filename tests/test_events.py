@@ -9,6 +9,7 @@ import threading
 import pytest
 
 from weightsync import WeightReceiver, WeightSender
+from weightsync.manifest import plan_buckets, size_text
 from weightsync.testing.layouts import layout, materialize
 from weightsync.testing.parties import ToyEngine
 
@@ -51,10 +52,13 @@ def test_one_line_per_version_and_party_naming_the_failure(coordinator_factory, 
     finally:
         receiver.close()
         sender.close()
-    size = f"{MANIFEST.total_bytes / 2**20:.1f} MiB"
+    # a receiver's line: the bytes it received (the buckets, alignment padding included); the
+    # sender's: the version's weights
+    received = size_text(sum(b.nbytes for b in plan_buckets(MANIFEST, 1 << 16).buckets))
+    size = size_text(MANIFEST.total_bytes)
     got_r, got_s = _lines(caplog, "local"), _lines(caplog, "trainer-0")
     assert [lvl for lvl, _ in got_r] == [logging.INFO, logging.WARNING], got_r
-    assert got_r[0][1].startswith(f"receiver local v1 committed shm {size} ")
+    assert got_r[0][1].startswith(f"receiver local v1 committed shm {received} ")
     assert got_r[1][1].startswith("receiver local v2 failed shm after 1/7 buckets ") and "engine refused the weights" in got_r[1][1]
     assert "rolled back to version 1" in got_r[1][1]
     assert [lvl for lvl, _ in got_s] == [logging.INFO, logging.WARNING], got_s

@@ -7,7 +7,7 @@ from hypothesis import strategies as st
 
 from weightsync import ManifestError
 from weightsync.digest import xxh3 as checksum
-from weightsync.manifest import DTYPES, Manifest, TensorSpec, build_manifest, check_manifest, plan_buckets
+from weightsync.manifest import DTYPES, Manifest, TensorSpec, build_manifest, check_manifest, plan_buckets, size_text
 from weightsync.packing import Buffers, Unpacker, gaps, pack_stream
 from weightsync.testing.layouts import layout, materialize
 from weightsync.testing.parties import same_bits
@@ -280,3 +280,11 @@ def test_a_bucket_digest_ignores_what_a_recycled_buffer_held_in_its_padding():
             pass
         digests.append([sink.digests[b] for b in range(plan.bucket_count)])
     assert digests[0] == digests[1]
+
+
+@pytest.mark.parametrize("nbytes,text", [
+    (0, "0 B"), (999, "999 B"), (1000, "0.977 KiB"), (406528, "397 KiB"), (1023 << 20, "0.999 GiB"),
+    (16 << 20, "16 MiB"), (1256277934, "1.17 GiB"), (10 << 40, "10 TiB"), (2000 << 40, "2000 TiB"),
+])
+def test_sizes_read_in_three_digits_and_never_in_exponents(nbytes, text):
+    assert size_text(nbytes) == text

@@ -352,11 +352,14 @@ def align_up(n: int, a: int) -> int:
 
 
 def size_text(nbytes: float) -> str:
-    """``nbytes`` for people to read, three significant digits (1.17 GiB, 16 MiB, 412 KiB): the
-    parties' log lines and shm's mode reason print sizes this way."""
-    if nbytes >= 1 << 30:
-        return f"{nbytes / (1 << 30):.3g} GiB"
-    return f"{nbytes / (1 << 20):.3g} MiB" if nbytes >= 1 << 20 else f"{nbytes / 1024:.3g} KiB"
+    """``nbytes`` for people to read, three significant digits (1.17 GiB, 16 MiB, 412 KiB, 96 B):
+    the parties' log lines and shm's mode reason print sizes this way."""
+    value = float(nbytes)
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if value < 999.5:  # beyond, three digits would round to 1e+03
+            return f"{value:.0f} B" if unit == "B" else f"{value:.3g} {unit}"
+        value /= 1024
+    return f"{value:.3g} TiB" if value < 999.5 else f"{value:.0f} TiB"
 
 
 def plan_buckets(manifest: Manifest, bucket_bytes: int, align: int = 256) -> BucketPlan:
