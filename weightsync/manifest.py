@@ -352,8 +352,7 @@ def align_up(n: int, a: int) -> int:
 
 
 def size_text(nbytes: float) -> str:
-    """``nbytes`` for people to read, three significant digits (1.17 GiB, 16 MiB, 412 KiB, 96 B):
-    the parties' log lines and shm's mode reason print sizes this way."""
+    """``nbytes`` for people to read, in three digits: 1.17 GiB, 16 MiB, 412 KiB, 96 B."""
     value = float(nbytes)
     for unit in ("B", "KiB", "MiB", "GiB"):
         if value < 999.5:  # beyond, three digits would round to 1e+03

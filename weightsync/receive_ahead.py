@@ -17,22 +17,39 @@ every member in it.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import threading
 import time
-from typing import Any
+from collections.abc import Callable
 
+from .config import SyncConfig
+from .coordinator.client import Party
 from .errors import CapacityError, DeadlineExceeded
+from .transports.base import ReceiverTransport
 
 log = logging.getLogger("weightsync")
 
 WAIT_S = 2.0  # one wait at the coordinator; also how long close() may wait for the thread
 
 
-class AheadThread:
-    """One per receiver (a ``WeightReceiver``; not imported: it imports this module)."""
+@dataclasses.dataclass(frozen=True)
+class Receiving:
+    """What the thread may use of its receiver (a ``WeightReceiver``, which builds this), and
+    nothing else of it."""
 
-    def __init__(self, receiver: Any, shadow_bytes: int):
+    name: str
+    config: SyncConfig
+    control: Party
+    transport: ReceiverTransport
+    served: Callable[[], int | None]  # the version the engine serves
+    check_aborted: Callable[[int], None]  # raises VersionError once the coordinator aborted that version
+
+
+class AheadThread:
+    """One per receiver session."""
+
+    def __init__(self, receiver: Receiving, shadow_bytes: int):
         self.receiver, self.shadow_bytes = receiver, shadow_bytes
         self.taken: int | None = None  # the newest version taken (or tried) ahead
         self._outcome: tuple[int, bool] | None = None  # (version, it came in whole and verified)
@@ -42,7 +59,7 @@ class AheadThread:
         self._thread.start()
 
     @classmethod
-    def start(cls, receiver: Any) -> AheadThread | None:
+    def start(cls, receiver: Receiving) -> AheadThread | None:
         """The thread, where config and transport allow it (None: versions come at the barrier).
 
         Raises:
@@ -82,7 +99,7 @@ class AheadThread:
             try:
                 info = r.transport.parse_version(target.info)
                 ok = r.transport.prefetch(v, info, time.monotonic() + r.config.sync_timeout_s,
-                                          lambda v=v: r._raise_if_aborted(v))
+                                          lambda v=v: r.check_aborted(v))
             except Exception as exc:  # kept by the transport for apply(), which reports it
                 log.info("weightsync %s: version %d failed on its way in ahead: %s: %s",
                          r.name, v, type(exc).__name__, exc)
@@ -94,7 +111,7 @@ class AheadThread:
         """``receiver.prefetch()`` with a thread running: wait until the thread is done with
         ``version`` (None: with one newer than the served one); that version if it came in
         whole, else None. Never a second reader beside the thread (a collective has one)."""
-        floor = self.receiver.version
+        floor = self.receiver.served()
         deadline = time.monotonic() + timeout
         with self._cond:
             while True:

@@ -33,7 +33,7 @@ from .digest import Checks
 from .errors import ManifestError, VersionError, WeightSyncError
 from .manifest import Expected, Manifest, check_manifest, size_text
 from .packing import Unpacker
-from .receive_ahead import AheadThread
+from .receive_ahead import AheadThread, Receiving
 from .targets import LoadWeights
 from .transports.base import ReceiverTransport, TransportContext, VersionRecord
 from .transports.selection import receiver_class
@@ -138,7 +138,8 @@ class WeightReceiver(Party):
         self.transport, self.unpacker = transport, Unpacker(ctx.plan, manifest)
         self._loaders = Loaders(self.unpacker, self.name)
         try:
-            self._ahead = AheadThread.start(self)
+            self._ahead = AheadThread.start(Receiving(self.name, self.config, self.control, transport,
+                                                      lambda: self._version, self._raise_if_aborted))
         except BaseException:
             self.transport = None
             transport.close()
