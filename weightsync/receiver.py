@@ -26,7 +26,8 @@ from collections.abc import Callable
 from typing import Any
 
 from .config import SyncConfig
-from .coordinator.client import Coordinator, Party
+from .coordinator.client import Coordinator, Party, Rejoin
+from .coordinator.ops import Served
 from .coordinator.state import State
 from .delta.strategy import Engine, Loaders
 from .digest import Checks
@@ -103,7 +104,7 @@ class WeightReceiver(Party):
         self._buckets_loaded = 0  # of the version being applied, for its log line
         # where the served version's bytes are: the wire form (told to a restarted coordinator)
         # and its record (for rollback)
-        self._info: dict[str, Any] = {}
+        self._served_at: Served | None = None
         self._served: VersionRecord | None = None
         self._loaders: Loaders | None = None  # full, or through delta sync's shadow (delta/strategy.py)
         self._session_lock = threading.Lock()  # prefetch() may run in a thread beside apply()
@@ -197,16 +198,16 @@ class WeightReceiver(Party):
                                 self.unpacker.plan.bucket_count, time.perf_counter() - t0, reason)
             self._report(v, ok=False, reason=reason)
             raise
-        self._version, self._info, self._served = v, {"slot": target.slot, "info": target.info}, info
+        self._version, self._served_at, self._served = v, Served(slot=target.slot, info=target.info), info
         self._loaders.committed(v, info)
         self._report(v, ok=True, metrics=self.last_metrics)
         self.last_metrics["calls"] = self.control.made() - made  # coordinator calls of this version, report included
         _log_applied(self.name, v, self.transport.name, self.last_metrics["bytes"], self.last_metrics["total_s"])
         return v
 
-    def _rejoin_state(self) -> dict[str, Any]:
+    def _rejoin_state(self) -> Rejoin:
         served = self._version
-        return {"serving": served, "served": self._info if served is not None else None}
+        return Rejoin(serving=served, served=self._served_at if served is not None else None)
 
     def _rejoined(self) -> None:
         if self.transport is not None:

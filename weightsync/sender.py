@@ -28,7 +28,7 @@ import torch
 
 from .config import SyncConfig
 from .coordinator import ops
-from .coordinator.client import Coordinator, Party, Publication
+from .coordinator.client import Coordinator, Party, Publication, Rejoin
 from .delta.strategy import FullPacking, host_reserve, packing_for
 from .device import describe
 from .errors import ConfigError, VersionError
@@ -275,8 +275,8 @@ class WeightSender(Party):
             pass  # aborted already, or the coordinator is gone: the version cannot commit either way
         return True
 
-    def _rejoin_state(self) -> dict[str, Any]:
-        return {"last_version": self._last_version}
+    def _rejoin_state(self) -> Rejoin:
+        return Rejoin(last_version=self._last_version)
 
     def _rejoined(self) -> None:
         if self._published is not None:

@@ -454,6 +454,17 @@ def node_identity() -> tuple[str, str]:
     return socket.gethostname(), ""
 
 
+@dataclasses.dataclass(frozen=True)
+class Rejoin:
+    """What a restarted coordinator must learn from a party that registers again (the fields of
+    ops.Register it fills): the newest version a sender staged, the version a receiver serves
+    and where its bytes are."""
+
+    last_version: int | None = None
+    serving: int | None = None
+    served: ops.Served | None = None
+
+
 class Party:
     """A sender or receiver: built without touching the network, joined by :meth:`open`.
     A subclass sets every field it tells the coordinator (``_rejoin_state``) before it opens:
@@ -495,18 +506,17 @@ class Party:
 
     def _register(self) -> None:
         state = self._rejoin_state()
-        if isinstance(state.get("served"), dict):
-            state["served"] = ops.Served(**state["served"])
         reply = self.coordinator.call(ops.Register(
             role=self.role, name=self.name, rank=self.rank, host=self.host, os_pid=os.getpid(), node_id=self.node_id,
-            device=ops.Device(**describe(self.device)), **state,
+            device=ops.Device(**describe(self.device)), last_version=state.last_version, serving=state.serving,
+            served=state.served,
         ), rpc_timeout=self.config.connect_timeout_s)
         self.party_id: int = reply.party
         self.session: str = reply.session
 
-    def _rejoin_state(self) -> dict[str, Any]:
-        """What a restarted coordinator must learn from this party (fields of ops.Register)."""
-        return {}
+    def _rejoin_state(self) -> Rejoin:
+        """What a restarted coordinator must learn from this party."""
+        return Rejoin()
 
     def _rejoined(self) -> None:
         """Called after re-registering with a restarted coordinator."""
