@@ -44,7 +44,9 @@ def _triton() -> Any:
     except Exception:  # an install whose compiler or driver parts are missing
         return None
 
-    @triton.jit
+    # Triton makes an integer argument equal to 1 a compile-time constant (a bucket of 4-7 bytes
+    # has nw == 1), which has no .to(): these stay runtime values, one compiled kernel for all
+    @triton.jit(do_not_specialize=["nw", "tail", "nrows", "length_term"])
     def digest_kernel(words, raw, cols1, cols2, row_weights, out, nw, tail, nrows, length_term,
                       COLS: tl.constexpr, BLOCK: tl.constexpr, ROWS: tl.constexpr):
         pc, pr = tl.program_id(0), tl.program_id(1)
@@ -91,12 +93,10 @@ def enabled(device: torch.device) -> bool:
     return _triton() is not None
 
 
-def digest(words: torch.Tensor, raw: torch.Tensor, n: int, tables: Any, length_term: int, cols: int) -> torch.Tensor:
-    """The digest of a bucket of ``n`` bytes as a 0-dim int64 tensor on its device, no host
-    synchronization. ``words``: its whole int32 words; ``raw``: its bytes (for the tail);
-    ``tables``: the device's weight tables (digest._Tables); ``length_term``: n * LENGTH_MIX as
-    a signed int64; ``cols``: words per row (digest.COLS)."""
-    kernel = _triton()
+def launch(words: torch.Tensor, raw: torch.Tensor, n: int, tables: Any, length_term: int,
+           cols: int) -> tuple[tuple[int, int], tuple[Any, ...], dict[str, int]]:
+    """The grid, arguments and compile-time constants digest() launches the kernel with (the
+    tests compile exactly these for a CUDA target on a machine without one)."""
     block, rows_per = _shape()
     nw = words.numel()
     tail = n - nw * 4
@@ -104,8 +104,16 @@ def digest(words: torch.Tensor, raw: torch.Tensor, n: int, tables: Any, length_t
     nrows = max(1, -(-padded // cols))
     col_blocks = min(cols // block, max(1, -(-padded // block)))
     row_groups = -(-nrows // rows_per)
-    row_weights = tables.rows_upto(nrows)
     out = torch.empty(col_blocks * row_groups, dtype=torch.int64, device=words.device)
-    kernel[(col_blocks, row_groups)](words, raw, tables.cols[0], tables.cols[1], row_weights, out, nw, tail,
-                                     nrows, length_term, COLS=cols, BLOCK=block, ROWS=rows_per)
-    return out.sum()
+    args = (words, raw, tables.cols[0], tables.cols[1], tables.rows_upto(nrows), out, nw, tail, nrows, length_term)
+    return (col_blocks, row_groups), args, {"COLS": cols, "BLOCK": block, "ROWS": rows_per}
+
+
+def digest(words: torch.Tensor, raw: torch.Tensor, n: int, tables: Any, length_term: int, cols: int) -> torch.Tensor:
+    """The digest of a bucket of ``n`` bytes as a 0-dim int64 tensor on its device, no host
+    synchronization. ``words``: its whole int32 words; ``raw``: its bytes (for the tail);
+    ``tables``: the device's weight tables (digest._Tables); ``length_term``: n * LENGTH_MIX as
+    a signed int64; ``cols``: words per row (digest.COLS)."""
+    grid, args, constants = launch(words, raw, n, tables, length_term, cols)
+    _triton()[grid](*args, **constants)
+    return args[5].sum()  # the partials, one per program
