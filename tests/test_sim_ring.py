@@ -8,11 +8,13 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import multiprocessing
+import json
 import os
+import subprocess
+import sys
 import threading
 import time
-from concurrent.futures import ProcessPoolExecutor
+from pathlib import Path
 
 import pytest
 import torch
@@ -105,15 +107,26 @@ def _runs(lag: float, seeds: list[int]) -> dict[int, list[str]]:
     return {seed: _run(seed, lag) for seed in seeds}
 
 
+def _child() -> None:
+    """In a child: ``python -c ... LAG SEED,SEED,...``; what went wrong per seed, as JSON."""
+    lag, seeds = float(sys.argv[1]), [int(s) for s in sys.argv[2].split(",")]
+    print(json.dumps(_runs(lag, seeds)))
+
+
 @pytest.mark.parametrize("lag", [0.3, 2.0])
 def test_the_ring_commits_whatever_order_events_complete_in(lag):
     # a run keeps a core busy (the simulated device's dispatch in Python; its threads share one
-    # GIL, so running eight at a time in one process took as long as one after another): the
-    # seeds go to one process per core, which import this module afresh (spawn: no forked locks)
+    # GIL, so eight at a time in one process took as long as one after another): the seeds go to
+    # one plain child process per core (not multiprocessing, whose resource tracker would outlive
+    # the run), each importing this module afresh
     procs = max(1, min(4, os.cpu_count() or 1))
     shares = [list(range(SEEDS))[i::procs] for i in range(procs)]
+    children = [subprocess.Popen([sys.executable, "-c", "import test_sim_ring as t; t._child()", str(lag),
+                                  ",".join(map(str, share))], cwd=Path(__file__).resolve().parent,
+                                 stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for share in shares]
     outcomes: dict[int, list[str]] = {}
-    with ProcessPoolExecutor(procs, mp_context=multiprocessing.get_context("spawn")) as pool:
-        for part in pool.map(_runs, [lag] * procs, shares):
-            outcomes.update(part)
+    for child in children:
+        out, err = child.communicate(timeout=600)
+        assert child.returncode == 0, err[-3000:]
+        outcomes.update({int(seed): errors for seed, errors in json.loads(out.strip().splitlines()[-1]).items()})
     assert len(outcomes) == SEEDS and {seed: errors for seed, errors in outcomes.items() if errors} == {}
