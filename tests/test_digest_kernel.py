@@ -124,10 +124,10 @@ def _compile_for_cuda(buf: torch.Tensor) -> None:
     """Compile (to Triton's IR, no device needed) the kernel launch digest() makes for ``buf``,
     specialized for an H100 the way Triton's launcher specializes it: an integer argument equal
     to 1 becomes a compile-time constant there, which the interpreter never does."""
+    from triton._C.libtriton import ir
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource, make_backend
     from triton.runtime.jit import create_function_from_signature
-    from triton._C.libtriton import ir
 
     fn = kernel._triton()
     target = GPUTarget("cuda", 90, 32)
