@@ -306,6 +306,12 @@ class Coordinator:
             pass
 
 
+# The handle crosses processes by pickle (a driver hands it to its parties), and those may run
+# another revision of this package (``weightsync bench --against REV``): it pickles under its
+# public name, which stays put when the internal modules move.
+Coordinator.__module__ = "weightsync"
+
+
 class ControlPlane:
     """``party()`` gives the party's current id; ``rejoin(stale_id)`` registers again after
     a coordinator restart (None: SessionLost reaches the caller)."""

@@ -6,12 +6,29 @@ modules under it are internal): it only re-exports."""
 
 from __future__ import annotations
 
-from typing import Any
+import importlib
+from typing import TYPE_CHECKING, Any
 
 from . import catalog
-from .base import ReceiverTransport, SenderTransport, SessionRecord, TransportContext, VersionRecord
 from .catalog import Facts, Rank, Transport, names
-from .selection import receiver_class, sender_class
+
+if TYPE_CHECKING:
+    from .base import ReceiverTransport, SenderTransport, SessionRecord, TransportContext, VersionRecord
+    from .selection import receiver_class, sender_class
+
+# Loaded on first use: a config names its transport through the catalog above, and a process that
+# only checks a config (the coordinator's) needs neither torch nor the transports' code.
+_LAZY = {"ReceiverTransport": ".base", "SenderTransport": ".base", "SessionRecord": ".base",
+         "TransportContext": ".base", "VersionRecord": ".base", "receiver_class": ".selection",
+         "sender_class": ".selection"}
+
+
+def __getattr__(name: str) -> Any:
+    if name not in _LAZY:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    value = getattr(importlib.import_module(_LAZY[name], __name__), name)
+    globals()[name] = value
+    return value
 
 
 def register_transport(name: str, module: str, sender: str, receiver: str, **rules: Any) -> None:
