@@ -233,3 +233,20 @@ def test_at_most_eleven_import_floors():
                          text=True, check=True, timeout=120).stdout
     floors = int(re.search(r"^the package: (\d+) floors", out, re.M).group(1))
     assert floors <= 11, out
+
+
+def test_the_coordinators_process_imports_no_torch():
+    # a Ray worker unpickling the actor's class imports the package first: torch there was most of a
+    # coordinator's start (1.5 s against 0.4 s on the 2-core VM)
+    import subprocess
+    import sys
+
+    code = ("import sys\n"
+            "from weightsync.config import SyncConfig\n"
+            "from weightsync.coordinator.actor import CoordinatorActor\n"
+            "CoordinatorActor(SyncConfig.load({'transport': 'shm'}).to_dict(), 'x' * 32)\n"
+            "import weightsync\n"
+            "assert weightsync.WeightSyncError and weightsync.SyncConfig\n"
+            "print(sorted(m for m in ('torch', 'numpy', 'weightsync.transports.base') if m in sys.modules))\n")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, check=True)
+    assert out.stdout.split("\n")[-2] == "[]"
