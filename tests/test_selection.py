@@ -235,3 +235,10 @@ def test_physical_ids_map_back_to_local_indices(monkeypatch):
     assert local_index("npu", 5) is None
     monkeypatch.delenv("ASCEND_RT_VISIBLE_DEVICES")
     assert local_index("npu", 5) == 5
+
+
+def test_the_ray_resource_of_a_device_kind_comes_from_its_accelerator():
+    # the bench asks Ray for one free device per rank of a device collective by this name
+    from weightsync.device import ray_resource
+
+    assert [ray_resource(kind) for kind in ("cuda", "npu", "cpu", "sim")] == ["GPU", "NPU", None, None]

@@ -8,7 +8,7 @@ import re
 
 import ray
 
-from ..device import RAY_RESOURCE
+from ..device import ray_resource
 
 # generous: a row on a loaded 2-core machine can be slow, but never hangs the benchmark
 ROW_TIMEOUT_S = 600.0
@@ -25,12 +25,12 @@ def describe_error(exc: BaseException) -> str:
 
 def one_device_per_rank(backend: str, device: str) -> bool:
     """A device collective cannot hold one device twice: its rows need a device per party."""
-    return device in RAY_RESOURCE and backend in ("nccl", "hccl")
+    return ray_resource(device) is not None and backend in ("nccl", "hccl")
 
 
 def devices_short(device: str, backend: str, ranks: int) -> str | None:
     """Why ``ranks`` parties cannot each get a whole ``device`` now, or None."""
-    free = ray.available_resources().get(RAY_RESOURCE[device], 0.0)
+    free = ray.available_resources().get(ray_resource(device) or "", 0.0)
     if free >= ranks:
         return None
     return (f"backend {backend} needs one {device} device per rank ({ranks} ranks) and {int(free)} are free "

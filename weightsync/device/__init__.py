@@ -218,14 +218,20 @@ def pin_host(buf: torch.Tensor, device: torch.device, read_only: bool = False) -
     return lambda: cudart.cudaHostUnregister(ptr)
 
 
-RAY_RESOURCE = {"cuda": "GPU", "npu": "NPU"}  # what Ray calls each built-in accelerator
-
-
 def ray_options(kind: str, amount: float) -> dict[str, Any]:
     """Ray actor options asking for ``amount`` of one ``kind`` device (a fraction: parties
     sharing it, the colocated case); none for the CPU."""
     acc = accelerator(kind)
     return acc.ray_options(amount) if acc is not None else {}
+
+
+def ray_resource(kind: str) -> str | None:
+    """The name of the Ray resource a ``kind`` device is counted as ("GPU", "NPU"), from its
+    accelerator's ``ray_options``; None where Ray counts none (the CPU, a simulated device)."""
+    options = ray_options(kind, 1)
+    if options.get("num_gpus"):
+        return "GPU"
+    return next(iter(options.get("resources") or {}), None)
 
 
 def device_count(kind: str) -> int:

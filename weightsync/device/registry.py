@@ -85,7 +85,7 @@ def _load_plugins() -> None:
         if _plugins_loaded:
             return
         _plugins_loaded = True
-        for name in filter(None, (m.strip() for m in os.environ.get("WEIGHTSYNC_DEVICE_MODULES", "").split(","))):
+        for name in filter(None, (m.strip() for m in os.environ.get(ENV, "").split(","))):
             importlib.import_module(name)  # registers its accelerator
 
 
