@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import importlib
+import sys
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 from .errors import (
@@ -37,12 +39,21 @@ _LAZY = {
 }
 
 
-def __getattr__(name: str) -> Any:
-    if name not in _LAZY:
-        raise AttributeError(f"module 'weightsync' has no attribute {name!r}")
-    value = getattr(importlib.import_module(_LAZY[name], __name__), name)
-    globals()[name] = value
-    return value
+def _lazy(package: str, where: dict[str, str]) -> Callable[[str], Any]:
+    """A module ``__getattr__`` that imports each name of ``where`` from its module (relative to
+    ``package``) on first use and keeps it."""
+
+    def __getattr__(name: str) -> Any:
+        if name not in where:
+            raise AttributeError(f"module {package!r} has no attribute {name!r}")
+        value = getattr(importlib.import_module(where[name], package), name)
+        setattr(sys.modules[package], name, value)
+        return value
+
+    return __getattr__
+
+
+__getattr__ = _lazy(__name__, _LAZY)
 
 
 def __dir__() -> list[str]:

@@ -6,9 +6,9 @@ modules under it are internal): it only re-exports."""
 
 from __future__ import annotations
 
-import importlib
 from typing import TYPE_CHECKING, Any
 
+from .. import _lazy
 from . import catalog
 from .catalog import Facts, Rank, Transport, names
 
@@ -22,13 +22,7 @@ _LAZY = {"ReceiverTransport": ".base", "SenderTransport": ".base", "SessionRecor
          "TransportContext": ".base", "VersionRecord": ".base", "receiver_class": ".selection",
          "sender_class": ".selection"}
 
-
-def __getattr__(name: str) -> Any:
-    if name not in _LAZY:
-        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    value = getattr(importlib.import_module(_LAZY[name], __name__), name)
-    globals()[name] = value
-    return value
+__getattr__ = _lazy(__name__, _LAZY)
 
 
 def register_transport(name: str, module: str, sender: str, receiver: str, **rules: Any) -> None:
