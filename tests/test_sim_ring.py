@@ -125,8 +125,14 @@ def test_the_ring_commits_whatever_order_events_complete_in(lag):
                                   ",".join(map(str, share))], cwd=Path(__file__).resolve().parent,
                                  stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for share in shares]
     outcomes: dict[int, list[str]] = {}
-    for child in children:
-        out, err = child.communicate(timeout=600)
-        assert child.returncode == 0, err[-3000:]
-        outcomes.update({int(seed): errors for seed, errors in json.loads(out.strip().splitlines()[-1]).items()})
+    try:
+        for child in children:
+            out, err = child.communicate(timeout=600)
+            assert child.returncode == 0, err[-3000:]
+            outcomes.update({int(seed): errors for seed, errors in json.loads(out.strip().splitlines()[-1]).items()})
+    finally:  # a child past its deadline, or left behind by a failed one, must not outlive the test
+        for child in children:
+            if child.poll() is None:
+                child.kill()
+                child.wait()
     assert len(outcomes) == SEEDS and {seed: errors for seed, errors in outcomes.items() if errors} == {}
