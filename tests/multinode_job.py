@@ -59,7 +59,7 @@ def addresses() -> list[str | None]:
 class Trainer(TrainerWorker):
     def rendezvous(self) -> str:
         """The address this sender's rendezvous store listens on (rendezvous_host: auto)."""
-        return self.sender.transport.session_info().host
+        return self.sender.transport.session.host
 
 
 def serves(worker: Any) -> dict[str, Any]:

@@ -9,8 +9,7 @@ import ray
 import torch
 
 from weightsync import CapacityError, ConfigError, ManifestError, SyncConfig, VersionError
-from weightsync.manifest import Manifest, TensorSpec, build_manifest, plan_buckets
-from weightsync.packing import Packing
+from weightsync.manifest import Manifest, Packer, TensorSpec, build_manifest, plan_buckets
 from weightsync.testing.layouts import layout, materialize
 from weightsync.testing.parties import (
     assert_serves,
@@ -135,7 +134,7 @@ def test_manifest_too_large_for_shm_is_refused_before_writing(backing):
     sender = ShmSender(ctx)
     before = set(os.listdir("/dev/shm"))
     with pytest.raises(CapacityError, match=message):
-        sender.stage(1, 0, Packing(ctx.plan, huge, {}), announce=lambda _i: None)
+        sender.stage(1, 0, Packer(ctx.plan, huge, iter(())))
     assert set(os.listdir("/dev/shm")) == before, "no file was created"
     assert [h for h in holders() if h[0] == os.getpid()] == [], "no memfd was created"
     sender.close()

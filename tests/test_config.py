@@ -72,19 +72,35 @@ def test_bad_env_value_names_the_variable():
 
 def test_a_registered_transport_can_be_selected_and_registering_twice_is_refused():
     from weightsync import transports
+    from weightsync.transports.base import Transport
+    from weightsync.transports.shm.transport import ShmReceiver, ShmSender
 
     with pytest.raises(ConfigError, match="transport"):
         SyncConfig(transport="tcp-plugin")
-    transports.register_transport("tcp-plugin", "weightsync.transports.shm.transport", "ShmSender", "ShmReceiver")
+    transports.register(Transport("tcp-plugin", ShmSender, ShmReceiver))
     try:
         assert SyncConfig(transport="tcp-plugin").transport == "tcp-plugin"
-        assert transports.sender_class("tcp-plugin").__name__ == "ShmSender"
+        assert transports.get("tcp-plugin").sender is ShmSender
         with pytest.raises(ValueError, match="'tcp-plugin' is already registered"):
-            transports.register_transport("tcp-plugin", "elsewhere", "S", "R")
+            transports.register(Transport("tcp-plugin", ShmSender, ShmReceiver))
         with pytest.raises(ValueError, match="'shm' is already registered"):
-            transports.register_transport("shm", "elsewhere", "S", "R")
+            transports.register(Transport("shm", ShmSender, ShmReceiver))
     finally:
-        transports.catalog.forget("tcp-plugin")
+        transports.forget("tcp-plugin")
+    assert "tcp-plugin" not in transports.names() and "shm" in transports.names()
+
+
+def test_the_string_wired_registration_of_the_last_release_still_works_and_warns():
+    from weightsync import transports
+
+    with pytest.warns(DeprecationWarning, match="register_transport is deprecated"):
+        transports.register_transport("old-plugin", "weightsync.transports.shm.transport", "ShmSender", "ShmReceiver")
+    try:
+        assert SyncConfig(transport="old-plugin").transport == "old-plugin"
+        with pytest.warns(DeprecationWarning, match="sender_class is deprecated"):
+            assert transports.sender_class("old-plugin") is transports.get("old-plugin").sender
+    finally:
+        transports.forget("old-plugin")
 
 
 def test_weightsync_variables_of_the_scripts_are_not_config_errors_but_typos_are():

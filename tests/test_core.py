@@ -312,30 +312,28 @@ def test_two_threads_of_one_receiver_hash_each_bucket_once():
 
     import torch
 
-    from weightsync.digest import Checks
-    from weightsync.manifest import plan_buckets
-    from weightsync.packing import Packing
-    from weightsync.transports.base import TransportContext
+    from weightsync.manifest import Packer, plan_buckets
+    from weightsync.transports.base import Deadline, TransportContext
+    from weightsync.transports.shm.records import shm_version
     from weightsync.transports.shm.transport import ShmReceiver, ShmSender
 
     manifest = Manifest(tuple(TensorSpec(f"w{i}", "float32", (256, 1024)) for i in range(16)))  # 16 MiB
     cfg = SyncConfig(bucket_mb=1, device="cpu")
     plan = plan_buckets(manifest, cfg.bucket_bytes, cfg.align_bytes)
     ctx = TransportContext(config=cfg, plan=plan, manifest=manifest, digest=manifest.digest(), session="t",
-                           name="p", rank=0, device=torch.device("cpu"))
+                           name="p", rank=0, device=torch.device("cpu"), digest_kind="xxh3")
     named = materialize(manifest, seed=3)
     sender = ShmSender(ctx)
-    receiver = ShmReceiver(ctx, sender.session_info().to_wire())
+    receiver = ShmReceiver(ctx, sender.session)
     try:
-        info = receiver.parse_version(sender.stage(1, 0, Packing(plan, manifest, named), lambda _i: None).to_wire())
+        record = shm_version(sender.stage(1, 0, Packer(plan, manifest, named)).to_wire())
         hashed = [[0] * plan.bucket_count for _ in range(2)]
         start = threading.Barrier(2)
 
         def verify_all(mine: list[int]) -> None:
             start.wait()
-            checks = Checks(1)
-            for b, buf, expected in receiver.receive(1, info, float("inf"), lambda: None):
-                mine[b] += receiver.verify_bucket(1, info, b, buf, expected, checks)
+            for bucket in receiver.receive(1, record, Deadline(1, float("inf"))):
+                mine[bucket.index] += bucket.checked == "here"
 
         threads = [threading.Thread(target=verify_all, args=(h,)) for h in hashed]
         for t in threads:

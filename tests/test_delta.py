@@ -1,6 +1,6 @@
-"""Delta encoding (weightsync/delta/codec.py), the wire plan (delta/packing.py), the trainer's
-snapshot (delta/sender.py), a receiver's shadow (delta/receiver.py) and the strategies that
-pick between full and delta versions (delta/strategy.py), without a job."""
+"""Delta encoding (weightsync/delta/codec.py), the trainer's snapshot and the encoded buckets it hands
+a transport (delta/sender.py), a receiver's shadow (delta/receiver.py), and when a session runs
+delta sync at all, without a job."""
 
 from __future__ import annotations
 
@@ -10,13 +10,11 @@ import torch
 from weightsync.config import SyncConfig
 from weightsync.delta import codec as delta
 from weightsync.delta.receiver import DeltaReceiver
-from weightsync.delta.sender import DeltaSender
-from weightsync.delta.strategy import DeltaPacking, FullPacking, Loaders, host_reserve, packing_for, wanted
+from weightsync.delta.sender import DeltaSender, host_reserve, wanted
 from weightsync.digest import xxh3
 from weightsync.errors import ConfigError, ManifestError, ProtocolError
 from weightsync.manifest import build_manifest, plan_buckets
-from weightsync.packing import Unpacker
-from weightsync.transports.base import DeltaRecord, VersionRecord
+from weightsync.records import DeltaRecord, VersionRecord
 from weightsync.transports.shm.records import ShmVersion
 
 
@@ -156,10 +154,8 @@ class _Model:
 
 
 def _run(sender: DeltaSender, rx: DeltaReceiver, model: _Model, v: int, weights, serving, fail_at: int | None = None):
-    packing, record, _ = sender.prepare(v, weights, serving)
-    wire = [None] * sender.plan.bucket_count
-    for b in packing.into(_Capture(wire, packing.plan), None):
-        pass
+    packer, record, _ = sender.prepare(v, weights, serving)
+    wire = _wire(packer)
     rx.begin(v, record)
     try:
         for b in range(sender.plan.bucket_count):
@@ -169,24 +165,23 @@ def _run(sender: DeltaSender, rx: DeltaReceiver, model: _Model, v: int, weights,
             assert got == record.digests[b]
             model.load(pairs)
     except RuntimeError:
-        rx.failed(rx_prev := (None if record.base is None else record.base), model.load)
+        undone = rx.failed(None if record.base is None else record.base)
+        for pairs in undone.reload:
+            model.load(pairs)
         sender.resolved(v, committed=False)
-        return record, rx_prev
+        return record, undone.version
     rx.committed(v)
     sender.resolved(v, committed=True)
     return record, v
 
 
-class _Capture:
-    def __init__(self, wire, plan):
-        self.wire, self.plan = wire, plan
-        self.buf = torch.empty(plan.bucket_bytes, dtype=torch.uint8)
-
-    def buffer(self, b):
-        return self.buf
-
-    def done(self, b, digest):
-        self.wire[b] = self.buf[: self.plan.buckets[b].nbytes].clone()
+def _wire(packer) -> list[torch.Tensor]:
+    """The buckets a transport would move, as it fills them from the packer (one scratch buffer)."""
+    buf, out = torch.empty(packer.plan.bucket_bytes, dtype=torch.uint8), []
+    for b in range(packer.plan.bucket_count):
+        packer.fill(b, buf)
+        out.append(buf[: packer.plan.buckets[b].nbytes].clone())
+    return out
 
 
 def test_sender_and_receiver_stay_bit_exact_and_roll_back():
@@ -228,7 +223,7 @@ def test_receiver_behind_gets_full_and_a_wrong_base_is_refused():
     assert record.base == 1
     with pytest.raises(delta.DeltaError, match="rollout-2.*holds no version.*delta against version 1"):
         fresh.begin(2, record)
-    assert fresh.failed(None, None) == "" and fresh.version is None
+    assert fresh.failed(None) is None and fresh.version is None
     sender.resolved(2, committed=False)  # the undo records put version 1 back
     assert sender.base == 1
     # a receiver the coordinator reports on another version: the sender sends full
@@ -245,10 +240,8 @@ def test_misapplied_delta_fails_naming_receiver_and_bucket():
     versions = _versions(m, 2, 0.01)
     _run(sender, rx, model, 0, dict(versions[0]), [None])
     rx.bucket(1)[10] ^= 1  # the shadow drifted: the next delta rebuilds another bucket than the sender's
-    packing, record, _ = sender.prepare(1, dict(versions[1]), [0])
-    wire = [None] * plan.bucket_count
-    for _ in packing.into(_Capture(wire, packing.plan), None):
-        pass
+    packer, record, _ = sender.prepare(1, dict(versions[1]), [0])
+    wire = _wire(packer)
     rx.begin(1, record)
     rx.apply(1, record, 0, wire[0])
     with pytest.raises(delta.DeltaError, match="receiver 'rollout-0': bucket 1 of version 1: the rebuilt bucket differs"):
@@ -264,18 +257,15 @@ def test_a_diverged_shadow_reloads_nothing_and_is_no_base():
     versions = _versions(m, 2, 0.01)
     _run(sender, rx, model, 0, dict(versions[0]), [None])
     rx.bucket(1)[10] ^= 1
-    packing, record, _ = sender.prepare(1, dict(versions[1]), [0])
-    wire = [None] * plan.bucket_count
-    for _ in packing.into(_Capture(wire, packing.plan), None):
-        pass
+    packer, record, _ = sender.prepare(1, dict(versions[1]), [0])
+    wire = _wire(packer)
     rx.begin(1, record)
     model.load(rx.apply(1, record, 0, wire[0])[0])
     with pytest.raises(delta.DeltaError):
         rx.apply(1, record, 1, wire[1])
-    reloaded = []
-    why = rx.failed(0, reloaded.extend)
-    assert (why, reloaded, rx.version) == (
-        "; the delta shadow differs from the sender's: serves no version until a full one", [], None)
+    undone = rx.failed(0)
+    assert (undone.why, undone.reload, undone.version, rx.version) == (
+        "; the delta shadow differs from the sender's: serves no version until a full one", [], None, None)
 
 
 def test_auto_falls_back_to_full_when_most_words_change():
@@ -313,7 +303,7 @@ def test_the_auto_shm_budget_leaves_room_for_the_trainer_snapshot():
     # the node can give exactly what 3 whole versions need under the auto fraction
     can = int(3 * segment_layout(plan)[0] / 0.5) + 1
     def mode(delta_mode: str):
-        # the sender reserves its packing's host bytes in the context it builds the transport with
+        # the sender reserves its snapshot's host bytes in the context it builds the transport with
         return choose_mode(plan, SyncConfig(bucket_mb=1 / 16, delta=delta_mode), capacity=lambda _c: can,
                            reserve=host_reserve(delta_mode, "shm", plan))
 
@@ -324,57 +314,39 @@ def test_the_auto_shm_budget_leaves_room_for_the_trainer_snapshot():
     assert DeltaReceiver.memory_bytes(plan) == plan.bucket_count * plan.bucket_bytes
 
 
-class _Transport:
-    """What a loader asks of a receiver transport: a span (none here: reassemble), and whether its
-    buffers changed (never here)."""
-
-    def span(self, version, info):
-        return None
-
-    def buffers_generation(self):
-        return 0
-
-
-def _through(packing, loaders: Loaders, model: _Model, v: int, fields) -> VersionRecord:
-    info = VersionRecord(**fields)
-    wire = [None] * packing.plan.bucket_count
-    for _ in packing.into(_Capture(wire, info.moves(packing.plan)), None):
-        pass
-    loader = loaders.of(info)
-    loader.begin(v, info, _Transport())
-    for b in range(packing.plan.bucket_count):
-        model.load(loader.unpack(v, info, b, wire[b]))
-    loaders.committed(v, info)
-    return info
-
-
-def test_the_strategies_pick_the_way_per_version_and_the_base_check_reads_the_record():
+def test_a_session_runs_delta_sync_only_where_the_link_is_slower_than_the_host_work():
     m = build_manifest({f"w{i}": torch.zeros(2000, dtype=torch.bfloat16) for i in range(3)})
     plan = plan_buckets(m, 4096)
-    assert type(packing_for("auto", "shm", True, plan, m)) is FullPacking  # memory speed: off
-    assert type(packing_for("on", "shm", False, plan, m)) is FullPacking  # only rank 0 keeps a snapshot
-    sender = packing_for("on", "broadcast", True, plan, m)
-    assert isinstance(sender, DeltaPacking) and sender.state() == {"base": None}
-    loaders, model, versions = Loaders(Unpacker(plan, m), "rollout-0"), _Model(m), _versions(m, 3, 0.01)
-    for v, w in enumerate(versions):
-        packing, fields = sender.pack(v, dict(w), serving=lambda held=[v - 1 if v else None]: held)
-        assert loaders.holds_base(VersionRecord(**fields))  # the shadow holds the base it names
-        info = _through(packing, loaders, model, v, fields)
-        assert loaders.of(info) is loaders.delta and sender.digest(v, "transport's") is None
-        assert (info.delta.base is None) == (v == 0)
-        sender.resolved(v, committed=True)
-        for n, t in w.items():
-            assert torch.equal(model.params[n].view(torch.uint8), t.view(torch.uint8)), (v, n)
-    # a delta against a version the shadow does not hold: a committed one is not caught up to
-    stale = VersionRecord(delta=DeltaRecord(base=0, kinds=info.delta.kinds, lengths=info.delta.lengths,
-                                            digests=info.delta.digests))
-    assert not loaders.holds_base(stale)
-    # a version loaded whole leaves the shadow behind as a base
-    full = FullPacking(plan, m)
-    packing, fields = full.pack(3, dict(versions[0]), serving=lambda: pytest.fail("full packing asks nothing"))
-    assert fields == {} and full.digest(3, "transport's") == "transport's"
-    info = _through(packing, loaders, model, 3, fields)
-    assert loaders.of(info) is loaders.full and loaders.delta.shadow.version is None
-    assert not loaders.holds_base(VersionRecord(delta=DeltaRecord(base=2, kinds=stale.delta.kinds,
-                                                                  lengths=stale.delta.lengths,
-                                                                  digests=stale.delta.digests)))
+    assert not wanted("auto", "shm") and not wanted("auto", "ipc")  # memory speed: off
+    assert wanted("auto", "broadcast") and wanted("on", "shm") and not wanted("off", "broadcast")
+    assert host_reserve("auto", "shm", plan) == 0
+    assert host_reserve("on", "shm", plan) == DeltaSender.memory_bytes(plan)
+
+
+def test_an_encoded_version_moves_its_wire_lengths_and_rebuilds_the_version():
+    m = build_manifest({f"w{i}": torch.zeros(2000, dtype=torch.bfloat16) for i in range(3)})
+    plan = plan_buckets(m, 4096)
+    sender, rx, model = DeltaSender(plan, m, "on"), DeltaReceiver(plan, m, "rollout-0"), _Model(m)
+    versions = _versions(m, 2, 0.01)
+    _run(sender, rx, model, 0, dict(versions[0]), [None])
+    packer, record, digest = sender.prepare(1, dict(versions[1]), [0])
+    version = VersionRecord(delta=record, digest=digest)
+    # the transport moves the encoded lengths its record names, bucket for bucket
+    assert [b.nbytes for b in version.moves(plan).buckets] == record.lengths == [b.nbytes for b in packer.plan.buckets]
+    assert sum(record.lengths) < plan.payload_bytes
+    rx.begin(1, record)
+    got = []
+    for b, wire in enumerate(_wire(packer)):
+        pairs, rebuilt = rx.apply(1, record, b, wire)
+        model.load(pairs)
+        got.append(rebuilt)
+    rx.committed(1)
+    assert xxh3_version(got) == digest
+    for n, t in versions[1].items():
+        assert torch.equal(model.params[n].view(torch.uint8), t.view(torch.uint8)), n
+
+
+def xxh3_version(digests: list[int]) -> str:
+    from weightsync.digest import version_digest
+
+    return version_digest("xxh3", digests)

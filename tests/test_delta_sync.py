@@ -15,8 +15,7 @@ from faultjob import DEADLINE_S, RECEIVERS, Job, apply_fails, sync_failed, wait_
 
 from weightsync import transports
 from weightsync.digest import version_digest
-from weightsync.manifest import plan_buckets
-from weightsync.packing import Buffers, pack_stream
+from weightsync.manifest import pack, plan_buckets
 from weightsync.testing.layouts import layout, materialize
 from weightsync.testing.parties import check_serves
 
@@ -44,11 +43,9 @@ def drift(version: int) -> dict[str, torch.Tensor]:
 def packed(version: int) -> tuple[list[torch.Tensor], str]:
     """Version ``version`` as a full sync packs it: (its buckets, the whole version's xxh3 digest)."""
     bufs = [torch.zeros(BUCKET, dtype=torch.uint8) for _ in PLAN.buckets]
-    sink = Buffers(lambda b: bufs[b])
-    for _ in pack_stream(PLAN, MANIFEST, drift(version), sink, "xxh3"):
-        pass
+    digests = pack(PLAN, MANIFEST, drift(version), bufs, "xxh3")
     buckets = [bufs[b.index][: b.nbytes] for b in PLAN.buckets]
-    return buckets, version_digest("xxh3", [sink.digests[b] for b in range(PLAN.bucket_count)])
+    return buckets, version_digest("xxh3", digests)
 
 
 def full_digest(version: int) -> str:

@@ -4,7 +4,6 @@ gloo broadcast by the torch digest, and a version's digest is the same on every 
 
 from __future__ import annotations
 
-import dataclasses
 import sys
 
 import numpy as np
@@ -14,8 +13,7 @@ import torch
 
 from weightsync import ConfigError, SyncConfig, SyncFailed
 from weightsync import digest as D
-from weightsync.manifest import plan_buckets
-from weightsync.packing import BucketSink, Buffers, Packing, pack_stream
+from weightsync.manifest import pack, plan_buckets
 from weightsync.testing.layouts import layout, materialize
 from weightsync.testing.parties import TrainerWorker, assert_serves, same_bits
 
@@ -80,9 +78,8 @@ def test_torch_digest_does_not_depend_on_the_chunking(monkeypatch):
 def _bucket(version: int, b: int = 0) -> torch.Tensor:
     """Bucket ``b`` of the tiny layout's weights of ``version``, packed as a sender packs it."""
     plan = plan_buckets(TINY, BUCKET)
-    bufs = {i: torch.zeros(bk.nbytes, dtype=torch.uint8) for i, bk in enumerate(plan.buckets)}
-    for _ in pack_stream(plan, TINY, materialize(TINY, seed=version), Buffers(lambda i: bufs[i])):
-        pass
+    bufs = [torch.zeros(bk.nbytes, dtype=torch.uint8) for bk in plan.buckets]
+    pack(plan, TINY, materialize(TINY, seed=version), bufs)
     return bufs[b]
 
 
@@ -156,14 +153,11 @@ def test_a_stale_bucket_from_the_previous_version_is_caught(kind):
 
 # -- packing and choosing the kind ------------------------------------------------------------
 
-def test_pack_stream_stores_the_torch_digest_of_each_packed_bucket():
+def test_packing_gives_the_torch_digest_of_each_packed_bucket():
     plan = plan_buckets(TINY, BUCKET)
-    bufs = {i: torch.zeros(bk.nbytes, dtype=torch.uint8) for i, bk in enumerate(plan.buckets)}
-    sums: dict = {}
-    for _ in pack_stream(plan, TINY, materialize(TINY, seed=3), Buffers(lambda i: bufs[i], sums), "torch"):
-        pass
-    assert {b: D.as_int(v) for b, v in sums.items()} == {b: D.as_int(D.torch_digest(bufs[b]))
-                                                           for b in range(plan.bucket_count)}
+    bufs = [torch.zeros(bk.nbytes, dtype=torch.uint8) for bk in plan.buckets]
+    sums = pack(plan, TINY, materialize(TINY, seed=3), bufs, "torch")
+    assert [D.as_int(v) for v in sums] == [D.as_int(D.torch_digest(bufs[b])) for b in range(plan.bucket_count)]
 
 
 def test_batched_packing_writes_the_same_bytes_as_hashed_packing():
@@ -171,10 +165,9 @@ def test_batched_packing_writes_the_same_bytes_as_hashed_packing():
     plan = plan_buckets(TINY, BUCKET)
     out = []
     for kind in ("xxh3", None, "torch"):
-        bufs = {i: torch.zeros(bk.nbytes, dtype=torch.uint8) for i, bk in enumerate(plan.buckets)}
-        for _ in pack_stream(plan, TINY, materialize(TINY, seed=4), Buffers(lambda i, bufs=bufs: bufs[i]), kind):
-            pass
-        out.append(torch.cat(list(bufs.values())))
+        bufs = [torch.zeros(bk.nbytes, dtype=torch.uint8) for bk in plan.buckets]
+        pack(plan, TINY, materialize(TINY, seed=4), bufs, kind)
+        out.append(torch.cat(bufs))
     assert same_bits(out[0], out[1]) and same_bits(out[0], out[2])
 
 
@@ -194,39 +187,21 @@ def test_unknown_digest_kind_is_a_config_error():
 
 # -- end to end, real Ray actors --------------------------------------------------------------
 
-class _Corrupting(BucketSink):
-    """A transport's sink with one byte of bucket ``target`` flipped after the sender digested
-    it and before the transport publishes it: what a receiver sees after corruption in transit."""
+class _CorruptingPacker:
+    """A packer with one byte of bucket ``target`` flipped after it was filled and digested and
+    before the transport publishes it: what a receiver sees after corruption in transit."""
 
-    def __init__(self, sink: BucketSink, target: int):
-        self.sink, self.target, self.bufs, self.hit = sink, target, {}, False
+    def __init__(self, packer, target: int):
+        self.packer, self.target = packer, target
 
-    def flip(self) -> None:
-        if not self.hit and self.target in self.bufs:
-            self.bufs[self.target][3] ^= 0x40
-            self.hit = True
+    def fill(self, b, dst, kind=None, views=None):
+        value = self.packer.fill(b, dst, kind, views)
+        if b == self.target:
+            dst[3] ^= 0x40
+        return value
 
-    def buffer(self, b: int) -> torch.Tensor:
-        if b > self.target:
-            self.flip()  # bucket ``target`` is complete and digested once a later one is asked for
-        self.bufs[b] = self.sink.buffer(b)
-        return self.bufs[b]
-
-    def done(self, b: int, digest) -> None:
-        self.sink.done(b, digest)
-
-
-@dataclasses.dataclass(frozen=True)
-class _CorruptingPacking(Packing):
-    target: int = 0
-
-    def into(self, sink: BucketSink, kind):
-        wrapped = _Corrupting(sink, self.target)
-        for b in super().into(wrapped, kind):
-            if b == self.target:
-                wrapped.flip()
-            yield b
-        wrapped.flip()
+    def __getattr__(self, name):
+        return getattr(self.packer, name)
 
 
 class CorruptingTrainer(TrainerWorker):
@@ -236,10 +211,8 @@ class CorruptingTrainer(TrainerWorker):
         transport = self.sender.transport
         stage = transport.stage
 
-        def corrupted_stage(v, slot, packing, announce):
-            if v == version:
-                packing = _CorruptingPacking(packing.plan, packing.manifest, packing.named, bucket)
-            return stage(v, slot, packing, announce)
+        def corrupted_stage(v, slot, packer):
+            return stage(v, slot, _CorruptingPacker(packer, bucket) if v == version else packer)
 
         transport.stage = corrupted_stage
 

@@ -8,7 +8,7 @@ import shutil
 import subprocess
 import sys
 
-from weightsync.transports.selection import DISABLE_IPC_VAR
+from weightsync.transports.ipc.support import DISABLE_IPC_VAR
 
 
 def _doctor(*args):

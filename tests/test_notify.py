@@ -1,4 +1,4 @@
-"""Blocking wake-ups on segment words (weightsync/transports/wake.py): a sleeper on one
+"""Blocking wake-ups on segment words (weightsync/transports/memory.py): a sleeper on one
 mapping of a segment is woken by a store + wake through another mapping of it (the way a
 receiver and the sender map it), a store made before the sleep is never lost, and the polling
 fallback keeps the same contract. The bounds here are minutes: they only tell a wake-up from
@@ -15,8 +15,9 @@ import numpy as np
 import pytest
 
 from weightsync.errors import DeadlineExceeded
-from weightsync.transports import wake
-from weightsync.transports.base import poll_until
+from weightsync.transports import memory as wake
+from weightsync.transports.base import Deadline
+from weightsync.transports.memory import poll_until
 
 LONG_S = 300.0  # a sleep that is not woken lasts this long; the tests wait at most half of it
 
@@ -85,15 +86,15 @@ def test_poll_until_with_a_waiter_returns_on_the_store(mappings, mode):
         wake.wake(writer, 2)
 
     threading.Thread(target=publish, daemon=True).start()
-    poll_until(lambda: int(reader[2]) == 42, time.monotonic() + LONG_S, lambda: ticks.append(1),
-               lambda: AssertionError("deadline"), tick_s=LONG_S, waiter=wake.Waiter(reader, 2))
+    poll_until(lambda: int(reader[2]) == 42, Deadline(1, time.monotonic() + LONG_S), "word 2",
+               wake.Waiter(reader, 2), tick=lambda: ticks.append(1), tick_s=LONG_S)
     assert int(reader[2]) == 42
 
 
 def test_poll_until_with_a_waiter_still_ticks_and_meets_its_deadline(mappings, mode):
     _, reader = mappings
     ticks = []
-    with pytest.raises(DeadlineExceeded):
-        poll_until(lambda: False, time.monotonic() + 0.5, lambda: ticks.append(1),
-                   lambda: DeadlineExceeded("never written"), tick_s=0.05, waiter=wake.Waiter(reader, 3))
+    with pytest.raises(DeadlineExceeded, match="word 3 was never written before the deadline"):
+        poll_until(lambda: False, Deadline(1, time.monotonic() + 0.5), "word 3 was never written",
+                   wake.Waiter(reader, 3), tick=lambda: ticks.append(1), tick_s=0.05)
     assert len(ticks) >= 2  # the abort checks ran while it slept

@@ -7,8 +7,19 @@ from hypothesis import strategies as st
 
 from weightsync import ManifestError
 from weightsync.digest import xxh3 as checksum
-from weightsync.manifest import DTYPES, Manifest, TensorSpec, build_manifest, check_manifest, plan_buckets, size_text
-from weightsync.packing import Buffers, Unpacker, gaps, pack_stream
+from weightsync.manifest import (
+    DTYPES,
+    Manifest,
+    Packer,
+    TensorSpec,
+    Unpacker,
+    build_manifest,
+    check_manifest,
+    gaps,
+    pack,
+    plan_buckets,
+    size_text,
+)
 from weightsync.testing.layouts import layout, materialize
 from weightsync.testing.parties import same_bits
 
@@ -27,17 +38,11 @@ def random_tensor(dtype: torch.dtype, shape, seed: int) -> torch.Tensor:
 def roundtrip(named: dict, bucket_bytes: int, align: int = 256) -> dict:
     manifest = build_manifest(named)
     plan = plan_buckets(manifest, bucket_bytes, align)
-    buffers = {}
-
-    def bucket_buffer(b):
-        buffers[b] = torch.full((bucket_bytes,), 0xAB, dtype=torch.uint8)
-        return buffers[b]
-
-    order = list(pack_stream(plan, manifest, named, Buffers(bucket_buffer)))
-    assert order == list(range(plan.bucket_count)), "buckets complete in order, each once"
+    buffers = [torch.full((bucket_bytes,), 0xAB, dtype=torch.uint8) for _ in plan.buckets]
+    pack(plan, manifest, named, buffers)
     out = {}
     unpacker = Unpacker(plan, manifest)
-    for b in order:
+    for b in range(plan.bucket_count):
         for name, t in unpacker.unpack(b, buffers[b]):
             assert name not in out
             out[name] = t.clone()
@@ -110,7 +115,7 @@ def test_pack_unpack_roundtrip_property(case, seed):
 
 def _pack(named_iter, manifest, bucket_bytes=4096):
     plan = plan_buckets(manifest, bucket_bytes, 256)
-    return list(pack_stream(plan, manifest, named_iter, Buffers(lambda b: torch.empty(bucket_bytes, dtype=torch.uint8))))
+    return pack(plan, manifest, named_iter, [torch.empty(bucket_bytes, dtype=torch.uint8) for _ in plan.buckets])
 
 
 BASE = {"a": torch.ones(4, 4), "b": torch.zeros(8, dtype=torch.int32), "c": torch.ones(3, dtype=torch.bfloat16)}
@@ -127,7 +132,7 @@ BASE = {"a": torch.ones(4, 4), "b": torch.zeros(8, dtype=torch.int32), "c": torc
         ([("b", BASE["b"]), ("a", BASE["a"]), ("c", BASE["c"])], "'b' is out of order"),
     ],
 )
-def test_pack_stream_rejects_bad_input_naming_the_tensor(offered, pattern):
+def test_packing_rejects_bad_input_naming_the_tensor(offered, pattern):
     manifest = build_manifest(BASE)
     with pytest.raises(ManifestError, match=pattern):
         _pack(iter(offered), manifest)
@@ -138,11 +143,9 @@ def test_pack_stream_rejects_bad_input_naming_the_tensor(offered, pattern):
 def test_mapping_input_is_checked_whole_before_any_byte_is_written():
     manifest = build_manifest(BASE)
     plan = plan_buckets(manifest, 4096, 256)
-    touched = []
     bad = {"a": BASE["a"], "b": BASE["b"], "c": torch.ones(4, dtype=torch.bfloat16)}
     with pytest.raises(ManifestError, match="'c' has shape"):
-        list(pack_stream(plan, manifest, bad, Buffers(lambda b: touched.append(b) or torch.empty(4096, dtype=torch.uint8))))
-    assert touched == [], "no bucket buffer was requested"
+        Packer(plan, manifest, bad)  # before any bucket is asked for
 
 
 def test_dtensor_like_input_is_refused_with_advice():
@@ -177,7 +180,7 @@ def test_checksum_sees_a_single_flipped_bit():
 
 @pytest.mark.parametrize("bucket_bytes", [1 << 20, 3 << 20])
 def test_checksums_computed_while_packing_equal_a_hash_of_the_packed_bucket(bucket_bytes):
-    from weightsync.packing import CHUNK
+    from weightsync.manifest import CHUNK
 
     named = {
         "tiny": random_tensor(torch.float32, (3,), 1),
@@ -192,19 +195,14 @@ def test_checksums_computed_while_packing_equal_a_hash_of_the_packed_bucket(buck
     plan = plan_buckets(manifest, bucket_bytes, 256)
     # stale bytes in the alignment gaps are part of what a receiver hashes: they must count
     buffers = {b: torch.full((bucket_bytes,), 0x5A, dtype=torch.uint8) for b in range(plan.bucket_count)}
-    sums: dict[int, int] = {}
-
-    def bucket_buffer(b):
-        # transports publish bucket b-1 when b is asked for: its checksum must be final by then
-        assert set(sums) == set(range(b)), f"bucket {b} asked for, checksums of {sorted(sums)}"
-        return buffers[b]
-
-    order = list(pack_stream(plan, manifest, named, Buffers(bucket_buffer, sums), "xxh3"))
-    assert order == list(range(plan.bucket_count)) and set(sums) == set(order)
-    for b in order:
-        assert sums[b] == checksum(buffers[b][: plan.buckets[b].nbytes]), f"bucket {b}"
+    packer = Packer(plan, manifest, named)
+    for b in range(plan.bucket_count):
+        # the digest fill() returns is final: a transport publishes bucket b right after
+        assert packer.fill(b, buffers[b], "xxh3") == checksum(buffers[b][: plan.buckets[b].nbytes]), f"bucket {b}"
+    with pytest.raises(ValueError, match="out of order"):
+        packer.fill(0, buffers[0], "xxh3")
     unpacker = Unpacker(plan, manifest)
-    out = {n: t.clone() for b in order for n, t in unpacker.unpack(b, buffers[b])}
+    out = {n: t.clone() for b in range(plan.bucket_count) for n, t in unpacker.unpack(b, buffers[b])}
     assert all(same_bits(out[n], t) for n, t in named.items())
 
 
@@ -226,8 +224,7 @@ def test_split_tensors_come_back_as_views_where_storage_is_contiguous(contiguous
     plan = plan_buckets(manifest, 1024, 256)
     stride = 1024 if contiguous else 1024 + 256  # buckets back to back, or with gaps between them
     storage = torch.zeros(plan.bucket_count * stride, dtype=torch.uint8)
-    for _ in pack_stream(plan, manifest, named, Buffers(lambda b: storage[b * stride:b * stride + 1024])):
-        pass
+    pack(plan, manifest, named, [storage[b * stride:b * stride + 1024] for b in range(plan.bucket_count)])
 
     def span(bucket, offset, nbytes):
         if offset + nbytes > 1024 and not contiguous:
@@ -255,8 +252,7 @@ def test_split_tensors_are_rebuilt_in_two_arenas_not_one_buffer_each():
     for version in (1, 2):
         named = {n: random_tensor(torch.bfloat16, (k,), version * 10 + i) for i, (n, k) in enumerate(sizes.items())}
         storage = torch.zeros(plan.bucket_count * 1024, dtype=torch.uint8)
-        for _ in pack_stream(plan, manifest, named, Buffers(lambda b, s=storage: s[b * 1024:(b + 1) * 1024])):
-            pass
+        pack(plan, manifest, named, [storage[b * 1024:(b + 1) * 1024] for b in range(plan.bucket_count)])
         out = {}
         for b in range(plan.bucket_count):
             out.update({n: t.clone() for n, t in unpacker.unpack(b, storage[b * 1024:(b + 1) * 1024])})
@@ -266,7 +262,7 @@ def test_split_tensors_are_rebuilt_in_two_arenas_not_one_buffer_each():
 
 def test_a_bucket_digest_ignores_what_a_recycled_buffer_held_in_its_padding():
     """Packed into a buffer full of another bucket's bytes or into zeroed memory, a bucket
-    hashes the same: pack_stream zeroes the alignment gaps (a version's digest depends on its
+    hashes the same: the packer zeroes the alignment gaps (a version's digest depends on its
     weights only, whichever transport, mode or buffer carried it)."""
     manifest = layout("tiny")
     plan = plan_buckets(manifest, 1 << 16, 256)
@@ -275,10 +271,7 @@ def test_a_bucket_digest_ignores_what_a_recycled_buffer_held_in_its_padding():
     digests = []
     for fill in (0, 0xA5):
         bufs = [torch.full((1 << 16,), fill, dtype=torch.uint8) for _ in plan.buckets]
-        sink = Buffers(bufs.__getitem__)
-        for _ in pack_stream(plan, manifest, tensors, sink, "xxh3"):
-            pass
-        digests.append([sink.digests[b] for b in range(plan.bucket_count)])
+        digests.append(pack(plan, manifest, tensors, bufs, "xxh3"))
     assert digests[0] == digests[1]
 
 

@@ -1,5 +1,5 @@
 """receive_ahead on broadcast (gloo): a version's bytes travel in stage(), into every
-receiver's shadow, verified there, while the engines still serve the version before; the
+receiver's ahead copy, verified there, while the engines still serve the version before; the
 barrier only loads. Real Ray actors, a real gloo group; faults land at fault points."""
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ from weightsync.config import SyncConfig
 from weightsync.errors import CapacityError, ConfigError
 from weightsync.manifest import plan_buckets
 from weightsync.testing.layouts import layout
-from weightsync.transports.shadow import Shadow
+from weightsync.transports.broadcast.ahead import AheadCopy
 
 TINY = layout("tiny")
 BUCKET_MB = 48 / 1024  # 7+ buckets, tensors split over three of them
@@ -37,9 +37,9 @@ def loads(job: Job) -> list[int]:
 
 
 def test_versions_travel_before_the_barrier_bit_exact(job):
-    """Version after version with 2 receivers: stage() returns with the bytes in both shadows
+    """Version after version with 2 receivers: stage() returns with the bytes in both ahead copies
     (verified), the engines untouched and serving v-1 bit for bit; the barrier loads v from
-    the shadow, bit-exact, with no collective at the barrier."""
+    the ahead copy, bit-exact, with no collective at the barrier."""
     job.fresh()
     ahead_ready(job)
     for _ in range(3):
@@ -59,7 +59,7 @@ def test_versions_travel_before_the_barrier_bit_exact(job):
 
 @pytest.mark.scenario("fault", "bucket corrupted on the wire while v travels ahead (receive_ahead)",
                       transport="broadcast", promise=(
-                          "both shadows refuse the middle bucket before the barrier; at the barrier both receivers "
+                          "both ahead copies refuse the middle bucket before the barrier; at the barrier both receivers "
                           "raise ChecksumError naming it and load nothing (engines untouched, serving v-1); the "
                           "sender's SyncFailed names both; v ABORTED; the next version travels ahead and commits"))
 def test_corrupt_bucket_ahead_leaves_the_engine_untouched(job):
@@ -84,7 +84,7 @@ def test_corrupt_bucket_ahead_leaves_the_engine_untouched(job):
 
 
 @pytest.mark.scenario("fault", "sender killed while v travels ahead (receive_ahead)", transport="broadcast",
-                      promise=("held before the middle tensor, half the buckets in the shadows: both receivers raise "
+                      promise=("held before the middle tensor, half the buckets in the ahead copies: both receivers raise "
                                "naming trainer-0 and load nothing (engines untouched, serving v-1); v ABORTED naming "
                                "trainer-0; a restarted trainer's next version commits on both"))
 def test_sender_killed_ahead_leaves_the_engine_untouched(job):
@@ -107,7 +107,7 @@ def test_sender_killed_ahead_leaves_the_engine_untouched(job):
 
 
 def test_shm_versions_are_verified_ahead_and_the_barrier_hashes_nothing(ray_cluster):
-    """shm: the segment is the shadow; each receiver's ahead thread verifies a staged version
+    """shm: the segment is the ahead copy; each receiver's ahead thread verifies a staged version
     before the barrier, so apply() only loads: every bucket's digest was checked already."""
     j = Job("shm", TINY, bucket_mb=BUCKET_MB, receive_ahead="on")
     try:
@@ -139,12 +139,12 @@ def test_receive_ahead_on_a_transport_that_moves_bytes_at_the_barrier_is_refused
             sender.stage(1, materialize(TINY, seed=1))
 
 
-def test_shadow_that_does_not_fit_is_refused_with_its_sizes():
+def test_an_ahead_copy_that_does_not_fit_is_refused_with_its_sizes():
     plan = plan_buckets(TINY, SyncConfig(bucket_mb=BUCKET_MB).bucket_bytes)
     cfg = SyncConfig(bucket_mb=BUCKET_MB, receive_ahead="on", receive_ahead_max_mb=0.1)
-    with pytest.raises(CapacityError, match=r"receiver 'r': receive_ahead needs a shadow of 0\.\d+ MiB .* may take "
+    with pytest.raises(CapacityError, match=r"receiver 'r': receive_ahead needs an ahead copy of 0\.\d+ MiB .* may take "
                                             r"0\.1 MiB \(receive_ahead_max_mb=0\.1\)"):
-        Shadow(plan, "cpu", "receiver 'r'", cfg)
+        AheadCopy(plan, "cpu", "receiver 'r'", cfg)
 
 
 @pytest.mark.parametrize("key, value", [("receive_ahead", "always"), ("receive_ahead_max_mb", -1)])

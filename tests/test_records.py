@@ -1,4 +1,5 @@
-"""The typed records a transport's sender publishes for its receivers (transports/base.py):
+"""The typed records a transport's sender publishes for its receivers (records.py and each transport's
+records.py):
 each survives the control plane's msgpack unchanged, and a malformed one is refused where it
 arrives with a ProtocolError naming the transport and the field."""
 
@@ -9,19 +10,13 @@ import types
 
 import msgpack
 import pytest
-import torch
 
-from weightsync import SyncConfig
+from weightsync import records as base
+from weightsync import transports
 from weightsync.errors import ProtocolError
-from weightsync.manifest import Manifest, TensorSpec, plan_buckets
-from weightsync.transports import base
-from weightsync.transports.base import TransportContext
 from weightsync.transports.broadcast import records as broadcast_records
-from weightsync.transports.broadcast.transport import BroadcastReceiver
 from weightsync.transports.ipc import records as ipc_records
-from weightsync.transports.ipc.transport import IpcReceiver
 from weightsync.transports.shm import records as shm_records
-from weightsync.transports.shm.transport import ShmReceiver, ShmStreamReceiver, open_shm_receiver
 
 # every transport's records (each in its own folder) and the base ones, by name
 R = types.SimpleNamespace(**{**vars(base), **vars(ipc_records), **vars(shm_records), **vars(broadcast_records)})
@@ -137,23 +132,17 @@ def test_shm_tells_its_modes_by_the_mode_field(wire, mode):
         R.shm_version(wire)
 
 
-def _ctx() -> TransportContext:
-    manifest = Manifest((TensorSpec("w", "float32", (1024,)),))
-    cfg = SyncConfig(device="cpu", backend="gloo")
-    return TransportContext(config=cfg, plan=plan_buckets(manifest, cfg.bucket_bytes, cfg.align_bytes),
-                            manifest=manifest, digest=manifest.digest(), session="t", name="rollout-0", rank=0,
-                            device=torch.device("cpu"))
-
-
-@pytest.mark.parametrize("build,session", [
-    (ShmReceiver, R.ShmSession(digest_kind="xxh3")),
-    (open_shm_receiver, R.ShmStreamSession(**IPC)),
-    (ShmStreamReceiver, R.ShmStreamSession(**IPC)),
-    (IpcReceiver, R.IpcSession(**IPC)),
-    (BroadcastReceiver, BCAST),
-], ids=["shm", "shm-factory", "shm-stream", "ipc", "broadcast"])
-def test_a_receiver_given_a_session_without_its_digest_kind_fails_at_construction(build, session):
+@pytest.mark.parametrize("name,session", [
+    ("shm", R.ShmSession(digest_kind="xxh3")),
+    ("shm", R.ShmStreamSession(**IPC)),
+    ("ipc", R.IpcSession(**IPC)),
+    ("broadcast", BCAST),
+], ids=["shm", "shm-stream", "ipc", "broadcast"])
+def test_a_session_record_without_its_digest_kind_is_refused_where_it_arrives(name, session):
+    """A receiver parses the sender's session record with its transport's declaration before it
+    builds anything: a record without its digest kind names the transport and the field."""
     wire = session.to_wire()
+    assert transports.get(name).session(wire) == session
     del wire["digest_kind"]
     with pytest.raises(ProtocolError, match=rf"^{session.transport}: {type(session).__name__} lacks field 'digest_kind'"):
-        build(_ctx(), wire)
+        transports.get(name).session(wire)

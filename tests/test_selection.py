@@ -8,8 +8,10 @@ import torch
 from weightsync.coordinator.ops import Device, IpcSupport, Placement
 from weightsync.device import local_index, physical_index
 from weightsync.errors import ConfigError
-from weightsync.transports import selection as caps
-from weightsync.transports.selection import COLOCATED, REMOTE, SAME_NODE, choose_transport, placement
+from weightsync.transports import choose as choose_transport
+from weightsync.transports import placement
+from weightsync.transports.base import COLOCATED, REMOTE, SAME_NODE
+from weightsync.transports.ipc import support as caps
 
 OK = IpcSupport(ok=True, reason="ipc fine")
 NO = IpcSupport(ok=False, reason="CANN 8.2.RC1 is older than 8.3.RC1")

@@ -1,6 +1,6 @@
 """receive_ahead on broadcast with every party on the simulated accelerator (tests/sim/weightsync_sim):
-the shadow in device memory, the collective (simccl) and the shadow's copies queued on the
-shadow's own stream and landing late, the barrier's loads on the engine's stream waiting for
+the ahead copy in device memory, the collective (simccl) and the ahead copy's copies queued on the
+ahead copy's own stream and landing late, the barrier's loads on the engine's stream waiting for
 them through an event. The same functions as test_receive_ahead.py, so the same promised
 outcome each: only the job differs (``device="sim"``, one device per party); and one outcome
 only a device has: which stream the ahead transfer was queued on."""
@@ -17,7 +17,7 @@ from weightsync import device as devices
 from weightsync.config import SyncConfig
 from weightsync.device import resolve
 from weightsync.manifest import plan_buckets
-from weightsync.transports.shadow import Shadow
+from weightsync.transports.broadcast.ahead import AheadCopy
 
 pytestmark = pytest.mark.sim
 
@@ -35,7 +35,7 @@ test_sender_killed_ahead_leaves_the_engine_untouched = ahead.test_sender_killed_
 
 
 def test_the_ahead_transfer_is_queued_on_a_stream_of_its_own(job):
-    """While v travels ahead (stage() returns with the bytes in both shadows), not one op is
+    """While v travels ahead (stage() returns with the bytes in both ahead copies), not one op is
     queued on the stream the engine loads on; the transfer's ops (a collective, a copy and a
     digest per bucket at least) are all on each receiver's ahead stream, another stream."""
     job.fresh()
@@ -51,39 +51,39 @@ def test_the_ahead_transfer_is_queued_on_a_stream_of_its_own(job):
         assert queued["engine"] == 0 and queued["ahead"] >= 3 * job.buckets, (n, queued)
 
 
-# the shadow alone runs on a real device too (device_check.sh: -m cuda / -m npu); skipped without one
+# the ahead copy alone runs on a real device too (device_check.sh: -m cuda / -m npu); skipped without one
 KINDS = ["sim", pytest.param("cuda", marks=pytest.mark.cuda), pytest.param("npu", marks=pytest.mark.npu)]
 
 
 @pytest.mark.parametrize("kind", KINDS)
 def test_the_barrier_reads_each_version_after_it_landed_and_before_the_next_overwrites_it(kind):
-    """The shadow alone, in one process: versions written on its stream, each read at once on an
+    """The ahead copy alone, in one process: versions written on its stream, each read at once on an
     engine's stream, no host waiting on either (the events order them): every read holds the
     version written before it, bit for bit, not a stale or a later one (20 versions; on the
     sim every op lands 0-5 ms late)."""
     device = resolve(kind)
     cfg = SyncConfig(bucket_mb=ahead.BUCKET_MB, receive_ahead="on", device=kind)
     plan = plan_buckets(ahead.TINY, cfg.bucket_bytes, cfg.align_bytes)
-    shadow = Shadow(plan, device, "receiver 'r'", cfg)
+    copy = AheadCopy(plan, device, "receiver 'r'", cfg)
     engine = devices.new_stream(device)
     try:
         reads = []
         for v in range(1, 21):
-            with shadow.writing():
-                shadow.begin(v)
+            with copy.writing():
+                copy.begin(v)
                 for b, bucket in enumerate(plan.buckets):
-                    shadow.bucket(b, bucket.nbytes).fill_(v)
-                shadow.finish(v, None)
+                    copy.bucket(b, bucket.nbytes).fill_(v)
+                copy.finish(v, None)
             with devices.use_stream(device, engine):
-                out = torch.empty(shadow.nbytes, dtype=torch.uint8, device=device)
-                for b, buf, _ in shadow.buckets(plan):
-                    out[shadow.bases[b]: shadow.bases[b] + buf.numel()].copy_(buf)
+                out = torch.empty(copy.nbytes, dtype=torch.uint8, device=device)
+                for b, buf, *_ in copy.buckets(plan):
+                    out[copy.bases[b]: copy.bases[b] + buf.numel()].copy_(buf)
             reads.append(out)
         engine.synchronize()
         got = [out.cpu() for out in reads]
     finally:
         if kind == "sim":  # its streams are threads
             engine.close()
-            shadow.stream.close()
+            copy.stream.close()
     wrong = {v: sorted(set(host.tolist())) for v, host in enumerate(got, 1) if not bool((host == v).all())}
     assert wrong == {}

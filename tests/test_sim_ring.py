@@ -23,11 +23,11 @@ import weightsync_sim as sim
 from weightsync.config import SyncConfig
 from weightsync.device import resolve
 from weightsync.digest import verify
-from weightsync.manifest import Manifest, TensorSpec, plan_buckets
-from weightsync.packing import Packing, Unpacker
+from weightsync.manifest import Manifest, Packer, TensorSpec, Unpacker, plan_buckets
 from weightsync.testing.layouts import materialize
 from weightsync.testing.parties import same_bits
-from weightsync.transports.base import TransportContext
+from weightsync.transports.base import Deadline, TransportContext
+from weightsync.transports.ipc.records import IpcVersion
 from weightsync.transports.ipc.transport import IpcReceiver, IpcSender
 
 pytestmark = pytest.mark.sim
@@ -44,10 +44,10 @@ def _receive(r: IpcReceiver, version: int, wire: dict, params: dict, unpacker: U
     stream = sim.Stream(seed=f"r{r.ctx.name}:{seed}", lag_ms=lag)
     try:
         with sim.stream(stream):
-            info = r.parse_version(wire)
-            for b, buf, expected in r.receive(version, info, time.monotonic() + 20, lambda: None):
+            record = IpcVersion.from_wire(wire)
+            for b, buf, expected, *_ in r.receive(version, record, Deadline(version, time.monotonic() + 20)):
                 if expected is not None:
-                    verify(r.digest_kind, b, buf, expected, version)
+                    verify(r.ring.digest_kind, b, buf, expected, version)
                 for name, t in unpacker.unpack(b, buf):
                     params[name].copy_(t)  # the engine's load: queued on this stream, lands late
     except BaseException as exc:
@@ -70,7 +70,7 @@ def _run(seed: int, lag: float) -> list[str]:
         closing.callback(sender.close)
         receivers = []
         for i in range(2):
-            receivers.append(IpcReceiver(dataclasses.replace(ctx, name=f"rollout-{i}"), sender.session_info().to_wire()))
+            receivers.append(IpcReceiver(dataclasses.replace(ctx, name=f"rollout-{i}"), sender.session))
             closing.callback(receivers[-1].close)
         models = [{s.name: torch.zeros(s.shape, dtype=s.torch_dtype, device=device) for s in MANIFEST}
                   for _ in receivers]
@@ -79,13 +79,13 @@ def _run(seed: int, lag: float) -> list[str]:
             named = materialize(MANIFEST, seed=version, device=str(device))
             errors: list[str] = []
             with sim.stream(stream):
-                wire = sender.stage(version, 0, Packing(plan, MANIFEST, named), lambda _info: None).to_wire()
+                wire = sender.stage(version, 0, Packer(plan, MANIFEST, named)).to_wire()
                 threads = [threading.Thread(target=_receive, args=(r, version, wire, m, u, seed, lag, errors))
                            for r, m, u in zip(receivers, models, unpackers)]
                 for t in threads:
                     t.start()
                 try:
-                    sender.send(version, time.monotonic() + 20)
+                    sender.send(version, Deadline(version, time.monotonic() + 20))
                 except BaseException as exc:
                     errors.append(f"sender: {type(exc).__name__}: {exc}")
                 for t in threads:

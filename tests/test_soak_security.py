@@ -183,7 +183,7 @@ def test_rendezvous_store_binds_to_configured_address():
                            device=torch.device("cpu"))
     sender = BroadcastSender(ctx)
     try:
-        info = sender.session_info()
+        info = sender.session
         listening = [c.laddr for c in psutil.Process().net_connections(kind="tcp")
                      if c.status == psutil.CONN_LISTEN and c.laddr.port == info.port]
         assert info.host == "127.0.0.1"

@@ -3,10 +3,8 @@
 Every field is validated on construction, so a bad value fails where it is written
 (a YAML file, a Hydra override, an environment variable), not deep inside a transfer.
 
-The choices a field accepts live here too, the transports' names among them: the table of
-registered transports (name -> module, sender, receiver) is kept here, with no import of the
-transports themselves, so the config checks ``transport`` against it and the transports
-package builds a transport from it, neither importing the other.
+The choices a field accepts live here too; ``transport`` is checked against the transports'
+list (transports/__init__.py), which imports no torch.
 """
 
 from __future__ import annotations
@@ -43,10 +41,10 @@ NON_CONFIG_ENV = frozenset({
 MiB = 1 << 20
 
 def transport_names() -> list[str]:
-    """The transports a config may name ("auto" besides): transports/catalog.py finds them."""
-    from .transports import catalog  # the folders declare themselves there
+    """The transports a config may name ("auto" besides): the built-in ones and those registered."""
+    from .transports import names  # the transports' list imports no torch
 
-    return catalog.names()
+    return names()
 
 
 

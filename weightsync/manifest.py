@@ -1,25 +1,31 @@
-"""Internal. A version's layout: the manifest, the ordered (name, dtype, shape) list a version carries,
-and the bucket plan every party derives from it (packing bytes into that plan: packing.py).
+"""Internal. A version's bytes: the manifest (the ordered (name, dtype, shape) list a version carries),
+the bucket plan every party derives from it, and the copies in and out of that plan.
 
-Pure functions over tensors and byte buffers: building a manifest from tensors and checking it
-against what a receiver's model expects, before any byte moves; laying it out into fixed-size
-buckets. The plan depends only on the manifest, the bucket size and the alignment, so sender and
-every receiver compute the same plan on their own and it is reused for every version of a
-session.
+Building a manifest from tensors and checking it against what a receiver's model expects
+happens before any byte moves. The plan depends only on the manifest, the bucket size and the
+alignment, so the sender and every receiver compute the same plan on their own and reuse it
+for every version of a session. A :class:`Packer` copies one version's tensors into bucket
+buffers when a transport asks for a bucket (digesting it as it goes); an :class:`Unpacker`
+turns a received bucket back into the (name, tensor) pairs an engine loads, as views.
 """
 
 from __future__ import annotations
 
+import ctypes
 import dataclasses
 import functools
 import math
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
 
 import torch
 import xxhash
 
+from . import device as devices
+from . import digest as digests
 from .errors import ManifestError
+
+NamedTensors = Mapping[str, torch.Tensor] | Iterable[tuple[str, torch.Tensor]]
 
 # Every dtype a CPU torch can allocate and copy bit-exactly. Sub-byte "bits" types are left out:
 # no model stores weights in them and torch cannot slice them by bytes.
@@ -299,7 +305,7 @@ def check_spec(manifest: Manifest, i: int, name: str, tensor: Any) -> None:
         raise ManifestError(f"tensor {name!r} has shape {list(got.shape)}, the manifest says {list(want.shape)}")
 
 
-# The bucket plan: a manifest laid out into buckets, and the packing and unpacking over it
+# -- the bucket plan: a manifest laid out into buckets -------------------------------------------
 
 
 @dataclasses.dataclass(frozen=True)
@@ -338,7 +344,7 @@ class BucketPlan:
 
     def with_lengths(self, lengths: list[int]) -> BucketPlan:
         """This plan with bucket b moving ``lengths[b]`` bytes (its slices stay for reference only):
-        a delta version's wire plan, its buckets encoded (delta/packing.py)."""
+        a delta version's wire plan, its buckets encoded (delta/sender.py)."""
         if len(lengths) != self.bucket_count:
             raise ValueError(f"{len(lengths)} delta lengths for a plan of {self.bucket_count} buckets")
         for b, n in zip(self.buckets, lengths):
@@ -398,3 +404,380 @@ def plan_buckets(manifest: Manifest, bucket_bytes: int, align: int = 256) -> Buc
     if built and not built[-1].slices:
         built = built[:-1]
     return BucketPlan(bucket_bytes, align, built, tuple(per_tensor))
+
+
+# -- packing and unpacking over the plan -------------------------------------------------------
+
+
+def gaps(bucket: Bucket) -> list[tuple[int, int]]:
+    """The byte ranges of ``bucket`` no tensor covers (alignment padding), in order."""
+    out, end = [], 0
+    for s in sorted(bucket.slices, key=lambda s: s.offset):
+        if s.offset > end:
+            out.append((end, s.offset))
+        end = max(end, s.offset + s.nbytes)
+    if bucket.nbytes > end:
+        out.append((end, bucket.nbytes))
+    return out
+
+
+_RAW = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+
+
+def raw(t: torch.Tensor) -> torch.Tensor | None:
+    """``t``'s bytes as integers of its element size (its shape and strides), or None where no
+    such type exists (complex128). Batched copies go through these: CUDA's ``_foreach_copy_``
+    converts bf16 / fp16 / fp8 elements through float32, which turns every NaN into the one
+    canonical NaN (weights are moved bit for bit, NaN payloads included); integers are moved as
+    they are."""
+    kind = _RAW.get(t.element_size())
+    if kind is None:
+        return None
+    return t if t.dtype == kind else t.view(kind)
+
+
+def _flat_bytes(t: torch.Tensor) -> torch.Tensor:
+    # reshape copies only when the tensor is not contiguous; view(uint8) is free
+    return t.reshape(-1).view(torch.uint8)
+
+
+# Copy and hash in pieces that fit in L2: the hash then reads what the copy just wrote from
+# cache instead of a second pass over memory (about a third less time per bucket on CPU).
+# Tensors below SMALL are copied in one batch per CHUNK instead (a memmove per tensor costs
+# more than its bytes) and hashed behind it.
+CHUNK = 512 << 10
+SMALL = 64 << 10
+
+
+class _StreamHash:
+    """xxh3 of a host bucket, fed in plan order while the bucket is filled; equals
+    ``digest.xxh3(bucket[:nbytes])``. Alignment gaps are hashed too, as they lie in the buffer."""
+
+    def __init__(self, buf: torch.Tensor):
+        self.state = xxhash.xxh3_64()
+        self.mv = memoryview(buf.numpy())
+        self.done = 0
+
+    def upto(self, end: int) -> None:
+        if end > self.done:
+            self.state.update(self.mv[self.done:end])
+            self.done = end
+
+    def digest(self, nbytes: int) -> int:
+        self.upto(nbytes)
+        return self.state.intdigest()
+
+
+class _Batch:
+    """Copies queued for one batched launch (``torch._foreach_copy_``) instead of one Python
+    call per tensor: on a device that is one launch per bucket instead of ~300."""
+
+    def __init__(self) -> None:
+        self.dst: list[torch.Tensor] = []
+        self.src: list[torch.Tensor] = []
+        self.nbytes = 0
+
+    def add(self, dst: torch.Tensor, src: torch.Tensor, nbytes: int = 0) -> None:
+        self.dst.append(dst)
+        self.src.append(src)
+        self.nbytes += nbytes
+
+    def flush(self) -> None:
+        if self.dst:
+            torch._foreach_copy_(self.dst, self.src)
+            self.dst, self.src, self.nbytes = [], [], 0
+
+
+class PackViews:
+    """Where each whole tensor of a bucket goes in one buffer (a typed view: a copy into it takes
+    the tensor as it is, any strides) and the bucket's alignment gaps. Made once per bucket and
+    buffer and reused every version; held by the owner of the buffers (a transport), which drops
+    it with them."""
+
+    def __init__(self) -> None:
+        self._views: dict[tuple[int, int, int], dict[int, torch.Tensor]] = {}
+        self._gaps: dict[tuple[int, int, int], list[torch.Tensor]] = {}
+
+    def of(self, plan: BucketPlan, b: int, buf: torch.Tensor) -> tuple[dict[int, torch.Tensor], list[torch.Tensor]]:
+        """(views by tensor index, made as they are asked for; the gaps) of bucket ``b`` in ``buf``."""
+        key = (b, devices.address(buf), buf.numel())
+        views = self._views.get(key)
+        if views is None:
+            views = self._views[key] = {}
+            self._gaps[key] = [buf[start:end] for start, end in gaps(plan.buckets[b])]
+        return views, self._gaps[key]
+
+    def clear(self) -> None:
+        self._views.clear()
+        self._gaps.clear()
+
+
+class Packer:
+    """One version's tensors, copied into its bucket plan as a transport asks for each bucket.
+
+    ``fill(b, dst, kind)`` copies every piece of bucket ``b`` into ``dst`` and returns the
+    bucket's digest; buckets are asked for in plan order, each once. The tensors are taken from
+    ``named`` only as the buckets need them, so an iteration that is itself a collective (FSDP's
+    ``full_tensor()`` on every trainer rank) runs as the bytes move, and each tensor is checked
+    against the manifest as it arrives (a mismatch is a ManifestError naming the tensor). Filling
+    the last bucket checks that no tensor is left over; ``drain()`` walks what is left without
+    copying (a version given up part-way: the other trainer ranks are inside the iteration).
+
+    A transport keeps a :class:`PackViews` per set of buffers and passes it to every ``fill``:
+    the views it holds are made once, so a version costs one list append per tensor.
+    """
+
+    def __init__(self, plan: BucketPlan, manifest: Manifest, named: NamedTensors):
+        self.plan, self.manifest = plan, manifest
+        specs = manifest.expected
+        self._checked = False
+        if isinstance(named, Mapping):
+            if not _fits_all(specs, named):
+                check_names(manifest, named)  # raises, naming the first tensor that is off
+            self._checked, named = True, named.items()
+        self._items = iter(named)
+        self._taken = 0  # tensors taken from the iteration so far
+        self._tensor: torch.Tensor | None = None  # the last one taken, while its pieces are packed
+        self._flat: torch.Tensor | None = None  # its bytes, flattened once for split pieces
+        self._next = 0  # the bucket to fill next
+        self.done = False
+
+    def _take(self, i: int) -> torch.Tensor:
+        """Tensor ``i`` of the version, from the iteration (tensors come in manifest order)."""
+        while self._taken <= i:
+            try:
+                name, tensor = next(self._items)
+            except StopIteration:
+                missing = [s.name for s in self.manifest.specs[self._taken:]]
+                shown = ", ".join(repr(n) for n in missing[:5])
+                raise ManifestError(f"missing tensor(s) {shown}: {len(missing)} of {len(self.manifest)} were "
+                                    f"not given") from None
+            k = self._taken
+            if not self._checked and not _fits(self.manifest.expected, k, name, tensor):
+                # the message of what is off: seen are the names before k (each matched its place)
+                check_one(self.manifest, k, name, tensor, {s.name for s in self.manifest.specs[:k]})
+            self._taken, self._tensor, self._flat = k + 1, tensor, None
+        return self._tensor
+
+    def fill(self, b: int, dst: torch.Tensor, kind: str | None = None,
+             views: PackViews | None = None) -> int | torch.Tensor | None:
+        """Copy bucket ``b`` (the next one) into ``dst`` (uint8, at least its bytes); its digest
+        of ``kind`` (None: none): an int, or a 0-dim device tensor for a torch digest on a
+        device, whose reading would wait for the device.
+
+        Host to host, big pieces are copied with memmove in cache-sized chunks, each hashed
+        right behind its copy; everything else is queued for one batched copy per bucket
+        (``_foreach_copy_``: one launch on a device instead of one per tensor).
+        """
+        if b != self._next:
+            raise ValueError(f"bucket {b} asked for out of order: bucket {self._next} is next")
+        self._next = b + 1
+        bucket = self.plan.buckets[b]
+        cached, gap_views = (views or PackViews()).of(self.plan, b, dst)
+        if kind is not None and gap_views:
+            # a recycled buffer's padding holds an older bucket's bytes: zeroed, the digest
+            # depends on the weights only, whichever transport or buffer carried them
+            torch._foreach_zero_(gap_views)
+        hashed = _StreamHash(dst) if kind == "xxh3" and dst.device.type == "cpu" else None
+        batch = _Batch()
+        for piece in bucket.slices:
+            tensor = self._take(piece.tensor)
+            if not piece.nbytes:
+                continue
+            whole = piece.nbytes == self.manifest[piece.tensor].nbytes
+            if (hashed is not None and tensor.device.type == "cpu" and (not whole or piece.nbytes >= SMALL)
+                    and tensor.is_contiguous()):
+                # host to host: memmove releases the GIL and, unlike torch's copy_, costs nothing per
+                # call, so a big tensor can go in cache-sized pieces, each hashed right behind its copy
+                batch.flush()  # the hash reads up to this piece: queued copies must have landed
+                src_ptr = self._bytes(tensor).data_ptr() + piece.start
+                dst_ptr = dst.data_ptr() + piece.offset
+                for off in range(0, piece.nbytes, CHUNK):
+                    n = min(CHUNK, piece.nbytes - off)
+                    ctypes.memmove(dst_ptr + off, src_ptr + off, n)
+                    hashed.upto(piece.offset + off + n)
+            elif whole and (src := raw(tensor)) is not None:
+                into = cached.get(piece.tensor)
+                if into is None:
+                    window = dst[piece.offset: piece.offset + piece.nbytes]
+                    into = cached[piece.tensor] = raw(window.view(tensor.dtype).view(tensor.shape))
+                # the tensor as it is (a strided one too): no flat copy, no view of the bucket per version
+                batch.add(into, src, piece.nbytes)
+                if hashed is not None and batch.nbytes >= CHUNK:  # hashed from cache once landed
+                    batch.flush()
+                    hashed.upto(piece.offset + piece.nbytes)
+            else:  # a split tensor (flattened once, not once per piece), or one without an integer twin
+                flat = self._bytes(tensor)
+                batch.add(dst[piece.offset: piece.offset + piece.nbytes], flat[piece.start: piece.start + piece.nbytes])
+                if hashed is not None:
+                    batch.flush()
+                    hashed.upto(piece.offset + piece.nbytes)
+        batch.flush()
+        if b == self.plan.bucket_count - 1:
+            self._finish()
+        if hashed is not None:
+            return hashed.digest(bucket.nbytes)
+        return None if kind is None else digests.compute(kind, dst[: bucket.nbytes])
+
+    def _bytes(self, tensor: torch.Tensor) -> torch.Tensor:
+        if self._flat is None:
+            self._flat = _flat_bytes(tensor)  # reshape copies only when the tensor is not contiguous
+        return self._flat
+
+    def _finish(self) -> None:
+        """Every bucket is filled: the iteration must be over too (a tensor too many is an error)."""
+        self._take(len(self.manifest) - 1)
+        extra = next(self._items, None)
+        if extra is not None:
+            check_one(self.manifest, len(self.manifest), extra[0], extra[1], set())
+        self._tensor = self._flat = None
+        self.done = True
+
+    def drain(self) -> None:
+        """Walk the tensors not taken yet without copying them (the version was given up)."""
+        if self.done:
+            return
+        self.done = True
+        self._tensor = self._flat = None
+        for _ in self._items:
+            pass
+
+
+def pack(plan: BucketPlan, manifest: Manifest, named: NamedTensors, buffers: Sequence[torch.Tensor],
+         kind: str | None = None) -> list[int | torch.Tensor | None]:
+    """Every bucket of a version into ``buffers`` (one per bucket), in plan order; the digests
+    of ``kind``. For tools and tests that hold a whole version at once."""
+    packer = Packer(plan, manifest, named)
+    views = PackViews()
+    return [packer.fill(b, buffers[b], kind, views) for b in range(plan.bucket_count)]
+
+
+def _fits(specs: list[tuple[str, torch.dtype, torch.Size]], i: int, name: str, tensor: Any) -> bool:
+    """Tensor ``i`` is exactly what the manifest says (a plain dense tensor, not a DTensor): the
+    check of an unchanged layout, without building its spec. False: check_one says what is off."""
+    if i >= len(specs) or not isinstance(tensor, torch.Tensor):
+        return False
+    want, dtype, shape = specs[i]
+    return (name == want and tensor.dtype is dtype and tensor.shape == shape and tensor.layout is torch.strided
+            and not hasattr(tensor, "placements"))
+
+
+def _fits_all(specs: list[tuple[str, torch.dtype, torch.Size]], named: Mapping[str, Any]) -> bool:
+    return len(named) == len(specs) and all(_fits(specs, i, n, t) for i, (n, t) in enumerate(named.items()))
+
+
+class Unpacker:
+    """Turns received buckets back into (name, tensor) pairs, reassembling split tensors.
+
+    Whole tensors come back as views of the bucket buffer: valid only until the transport
+    reuses it, which is after ``load_weights`` returned. Split tensors are rebuilt in a
+    buffer of their own, allocated once and reused across versions, unless ``span`` gives a
+    view of them where they already lie contiguously (a transport that holds the whole
+    version, such as shm): then they come back as views too, with no extra copy.
+
+    Split tensors are rebuilt in two arenas, allocated once and used in turn (split tensors in
+    plan order alternate), not in a buffer per tensor: with 16 MiB buckets most matrices of a
+    1.5B+ model are split, and buffers per tensor added up to a second copy of the model in
+    the receiver (on a device: beside the engine's weights and KV cache). Two suffice because
+    the pairs of one bucket are loaded before the next bucket is unpacked (the same lifetime
+    as a view of the bucket) and a split tensor spans two buckets at least, so the next one of
+    the same parity starts only after the previous one was loaded.
+
+    The views of a bucket are made once per buffer that carries it and reused every version
+    (a transport's buffers are the same every version: its ring, its slots), so a version costs
+    no Python work per tensor here: a bucket's pairs are a list copied, and its split pieces
+    one batched copy into the arenas. The views hold their buffer: :meth:`forget` drops them
+    when the transport closes or replaces buffers.
+    """
+
+    def __init__(self, plan: BucketPlan, manifest: Manifest):
+        self.plan = plan
+        self.manifest = manifest
+        split = sorted((pieces[0].bucket, pieces[0].offset, t) for t, pieces in enumerate(plan.tensor_slices)
+                       if len(pieces) > 1)
+        self._arena_of = {t: i % 2 for i, (_, _, t) in enumerate(split)}
+        self._arena_bytes = [max([manifest[t].nbytes for t, a in self._arena_of.items() if a == k] + [0])
+                             for k in (0, 1)]
+        self._arenas: dict[tuple[int, torch.device], torch.Tensor] = {}
+        # (bucket, where its buffer starts, bytes, whether spans are given) -> what unpacking it takes
+        self._views: dict[tuple[int, int, int, bool], _BucketViews] = {}
+
+    def assembly_bytes(self) -> int:
+        """Bytes held for rebuilding split tensors (two arenas per device at most)."""
+        return sum(a.numel() for a in self._arenas.values())
+
+    def forget(self) -> None:
+        """Drop the views made so far (the buffers they show are going away)."""
+        self._views.clear()
+
+    def unpack(self, bucket_index: int, buf: torch.Tensor,
+               span: Callable[[int, int, int], torch.Tensor | None] | None = None) -> list[tuple[str, torch.Tensor]]:
+        """``span(bucket, offset, nbytes)`` returns a view of ``nbytes`` starting at ``offset`` of
+        ``bucket`` running on through the following buckets, or None where storage is not
+        contiguous. Only called once every bucket of the span was received and verified."""
+        key = (bucket_index, devices.address(buf), buf.numel(), span is not None)
+        views = self._views.get(key)
+        if views is None:
+            views = self._make(bucket_index, buf, span)
+            if views.reusable:
+                self._views[key] = views
+        if views.dst:
+            torch._foreach_copy_(views.dst, views.src)  # split pieces into their arenas
+        return list(views.pairs)
+
+    def _make(self, bucket_index: int, buf: torch.Tensor,
+              span: Callable[[int, int, int], torch.Tensor | None] | None) -> _BucketViews:
+        out = _BucketViews()
+        for piece in self.plan.buckets[bucket_index].slices:
+            spec = self.manifest[piece.tensor]
+            dtype = spec.torch_dtype
+            if piece.nbytes == spec.nbytes:
+                if spec.nbytes == 0:
+                    out.pairs.append((spec.name, torch.empty(spec.shape, dtype=dtype, device=buf.device)))
+                else:
+                    window = buf[piece.offset : piece.offset + piece.nbytes]
+                    out.pairs.append((spec.name, window.view(dtype).view(spec.shape)))
+                continue
+            if span is not None:
+                if piece.start + piece.nbytes == spec.nbytes:
+                    first = self.plan.tensor_slices[piece.tensor][0]
+                    view = span(first.bucket, first.offset, spec.nbytes)
+                    if view is not None:
+                        out.pairs.append((spec.name, view.view(dtype).view(spec.shape)))
+                        continue
+                    # not contiguous after all: rebuild from the buckets that are still at hand
+                    out.pairs.append((spec.name, self._rebuild(piece.tensor, span)))
+                    out.reusable = False  # a copy of this version's bytes
+                continue
+            k = self._arena_of[piece.tensor]
+            arena = self._arenas.get((k, buf.device))
+            if arena is None:
+                arena = self._arenas[k, buf.device] = torch.empty(self._arena_bytes[k], dtype=torch.uint8,
+                                                                   device=buf.device)
+            whole = arena[: spec.nbytes]
+            out.dst.append(whole[piece.start : piece.start + piece.nbytes])
+            out.src.append(buf[piece.offset : piece.offset + piece.nbytes])
+            if piece.start + piece.nbytes == spec.nbytes:
+                out.pairs.append((spec.name, whole.view(dtype).view(spec.shape)))
+        return out
+
+    def _rebuild(self, tensor: int, span: Callable[[int, int, int], torch.Tensor | None]) -> torch.Tensor:
+        spec = self.manifest[tensor]
+        whole = torch.empty(spec.nbytes, dtype=torch.uint8)
+        for p in self.plan.tensor_slices[tensor]:
+            part = span(p.bucket, p.offset, p.nbytes)
+            if part is None:
+                raise RuntimeError(f"tensor {spec.name!r}: the transport can no longer show bucket {p.bucket}")
+            whole[p.start : p.start + p.nbytes].copy_(part)
+        return whole.view(spec.torch_dtype).view(spec.shape)
+
+
+@dataclasses.dataclass
+class _BucketViews:
+    """What unpacking one bucket from one buffer takes: the pairs to load (views of the buffer,
+    of a span, of an arena), and the copies of split pieces into their arenas that come first."""
+
+    pairs: list[tuple[str, torch.Tensor]] = dataclasses.field(default_factory=list)
+    dst: list[torch.Tensor] = dataclasses.field(default_factory=list)
+    src: list[torch.Tensor] = dataclasses.field(default_factory=list)
+    reusable: bool = True

@@ -1,15 +1,16 @@
 """Internal. Rollout side. A receiver serves exactly one complete version at a time, or none.
 
 One version, end to end:  apply(v)
-  -> coordinator.session(): manifest, checked against the model before any byte moves
-  -> coordinator.wait_version(v): where the bytes are
-  -> transport.receive(): bucket by bucket -> verify checksum -> the version's loader
-     (delta/strategy.py: views of the buffers, or rebuilt in delta sync's shadow) -> load_weights
+  -> coordinator.session(): manifest, checked against the model before any byte moves (first version)
+  -> coordinator.wait_version(v): the version's record (where the bytes are)
+  -> transport.receive(): bucket by bucket -> verified (here, or by the transport on its way in)
+     -> unpacked into views (manifest.Unpacker; a delta version: rebuilt in delta sync's shadow,
+        delta/receiver.py) -> load_weights
   -> post_load() once -> reset_cache() -> coordinator.report(ok) ... now serving v
-On a failure after the first bucket was loaded, the loader loads the previous version again
-where it can (from the transport, or the shadow's undo records), else the receiver serves
+On a failure after the first bucket was loaded the receiver loads the previous version again where
+it can: from the transport (Replays: shm keeps it), or from delta sync's shadow; else it serves
 nothing until it catches up.
-With receive_ahead, an ahead thread (receive_ahead.py) takes each version before apply() does.
+With receive_ahead, a thread of the receiver (AheadThread) takes each version before apply() does.
 
 Each version ends in one line through :mod:`logging` (logger ``weightsync``): INFO once served,
 WARNING where it failed there, DEBUG per bucket:
@@ -25,19 +26,27 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+from . import transports
 from .config import SyncConfig
-from .coordinator.client import Coordinator, Party, Rejoin
+from .coordinator.client import ControlPlane, Coordinator, Party, Rejoin
 from .coordinator.ops import Served
 from .coordinator.state import State
-from .delta.strategy import Engine, Loaders
-from .digest import Checks
-from .errors import ManifestError, VersionError, WeightSyncError
-from .manifest import Expected, Manifest, check_manifest, size_text
-from .packing import Unpacker
-from .receive_ahead import AheadThread, Receiving
+from .delta.receiver import DeltaReceiver
+from .digest import Checks, kind_of, version_digest
+from .errors import CapacityError, DeadlineExceeded, ManifestError, VersionError, WeightSyncError
+from .manifest import Expected, Manifest, Unpacker, check_manifest, plan_buckets, size_text
+from .records import VersionRecord
 from .targets import LoadWeights
-from .transports.base import ReceiverTransport, TransportContext, VersionRecord
-from .transports.selection import receiver_class
+from .transports.base import (
+    Deadline,
+    Prefetches,
+    ReceiverTransport,
+    ReceivesAhead,
+    Replays,
+    Spans,
+    Transport,
+    TransportContext,
+)
 
 log = logging.getLogger("weightsync")
 
@@ -98,7 +107,11 @@ class WeightReceiver(Party):
         self.reset_cache, self.abort_load = reset_cache, abort_load
         self.expected, self.strict = expected, strict
         self.transport: ReceiverTransport | None = None
+        self.declared: Transport | None = None  # the session's transport as declared (its record parsers)
         self.unpacker: Unpacker | None = None
+        self._generation = 0  # of the transport's buffers the unpacker's views show (Bucket.generation)
+        self._kind: str | None = None  # the digest this receiver checks (None: off here)
+        self._post_s = 0.0  # the last post-load hook's seconds
         self._version: int | None = None
         self._touched = False  # a bucket of the version being applied reached the model
         self._buckets_loaded = 0  # of the version being applied, for its log line
@@ -106,7 +119,7 @@ class WeightReceiver(Party):
         # and its record (for rollback)
         self._served_at: Served | None = None
         self._served: VersionRecord | None = None
-        self._loaders: Loaders | None = None  # full, or through delta sync's shadow (delta/strategy.py)
+        self.shadow: DeltaReceiver | None = None  # delta sync's host copy of the served version, from the first delta
         self._session_lock = threading.Lock()  # prefetch() may run in a thread beside apply()
         self._ahead: AheadThread | None = None  # receive_ahead: takes versions before the barrier
         self.last_metrics: dict[str, Any] = {}
@@ -134,13 +147,18 @@ class WeightReceiver(Party):
                 self.control.verdict(False, why=str(exc))
                 raise
         self.control.verdict(True)
-        ctx = TransportContext.for_party(self, manifest, session.digest)
-        transport = receiver_class(session.transport)(ctx, session.info)
-        self.transport, self.unpacker = transport, Unpacker(ctx.plan, manifest)
-        self._loaders = Loaders(self.unpacker, self.name)
+        declared = transports.get(session.transport)
+        record = declared.session(session.info)  # a malformed one: ProtocolError naming the transport and field
+        plan = plan_buckets(manifest, self.config.bucket_bytes, self.config.align_bytes)
+        # the sender's digest kind, unless this receiver's own config turns digests off
+        kind = record.digest_kind if kind_of(self.config, self.device) is not None else None
+        ctx = TransportContext(config=self.config, plan=plan, manifest=manifest, digest=session.digest,
+                               session=self.session, name=self.name, rank=self.rank, device=self.device,
+                               member=self, digest_kind=kind)
+        transport = declared.receiver(ctx, record)
+        self.transport, self.declared, self.unpacker, self._kind = transport, declared, Unpacker(plan, manifest), kind
         try:
-            self._ahead = AheadThread.start(Receiving(self.name, self.config, self.control, transport,
-                                                      lambda: self._version, self._raise_if_aborted))
+            self._ahead = AheadThread.start(self.name, self.config, self.control, transport, declared)
         except BaseException:
             self.transport = None
             transport.close()
@@ -181,29 +199,36 @@ class WeightReceiver(Party):
         if v is None or v == self._version:
             return self._version
         deadline = time.monotonic() + timeout
-        prev, prev_info = self._version, self._served
+        prev, prev_record = self._version, self._served
         t0 = time.perf_counter()
         self._touched = False
-        info = None
+        record = None
         try:
-            info = self.transport.parse_version(target.info)
-            if target.state == State.COMMITTED and not self._loaders.holds_base(info):
+            record = self.declared.version(target.info)
+            if target.state == State.COMMITTED and not self._holds_base(record):
                 return self._version  # catching up to a version whose base it lacks: wait for a full one
-            self.last_metrics = self._load(v, info, deadline)
+            self.last_metrics = self._load(v, record, Deadline(v, deadline, self.control))
         except BaseException as exc:
             reason, loaded = f"{type(exc).__name__}: {exc}", self._buckets_loaded
-            if info is not None:
-                reason += self._rollback(info, prev, prev_info, deadline)
-            _log_apply_failed(self.name, v, self.transport.name, loaded,
-                                self.unpacker.plan.bucket_count, time.perf_counter() - t0, reason)
+            if record is not None:
+                reason += self._rollback(record, prev, prev_record, deadline)
+            _log_apply_failed(self.name, v, self.declared.name, loaded,
+                              self.unpacker.plan.bucket_count, time.perf_counter() - t0, reason)
             self._report(v, ok=False, reason=reason)
             raise
-        self._version, self._served_at, self._served = v, Served(slot=target.slot, info=target.info), info
-        self._loaders.committed(v, info)
+        self._version, self._served_at, self._served = v, Served(slot=target.slot, info=target.info), record
+        if self.shadow is not None:
+            # a version loaded whole leaves the shadow behind: the next delta is refused
+            self.shadow.committed(v if record.delta is not None else None)
         self._report(v, ok=True, metrics=self.last_metrics)
         self.last_metrics["calls"] = self.control.made() - made  # coordinator calls of this version, report included
-        _log_applied(self.name, v, self.transport.name, self.last_metrics["bytes"], self.last_metrics["total_s"])
+        _log_applied(self.name, v, self.declared.name, self.last_metrics["bytes"], self.last_metrics["total_s"])
         return v
+
+    def _holds_base(self, record: VersionRecord) -> bool:
+        """False for a delta against a version this receiver's shadow does not hold."""
+        base = record.delta.base if record.delta is not None else None
+        return base is None or (self.shadow is not None and self.shadow.version == base)
 
     def _rejoin_state(self) -> Rejoin:
         served = self._version
@@ -236,9 +261,9 @@ class WeightReceiver(Party):
         timeout = self.config.sync_timeout_s if timeout is None else timeout
         self._ensure_session(self.config.connect_timeout_s)
         if self._ahead is not None:
-            return self._ahead.wait(version, timeout)  # the thread reads ahead; never a second reader
-        if self.transport.digest_kind is None or (version is not None and self._version is not None
-                                           and version <= self._version):
+            return self._ahead.wait(version, self._version, timeout)  # the thread reads ahead; never a second reader
+        if not isinstance(self.transport, Prefetches) or (version is not None and self._version is not None
+                                                            and version <= self._version):
             return None
         target = self.control.wait_version(version, timeout, prefetch=True)
         v = target.version
@@ -246,16 +271,11 @@ class WeightReceiver(Party):
             return None
 
         try:
-            info = self.transport.parse_version(target.info)
-            done = self.transport.prefetch(v, info, time.monotonic() + timeout, lambda: self._raise_if_aborted(v))
+            record = self.declared.version(target.info)
+            done = self.transport.prefetch(v, record, Deadline(v, time.monotonic() + timeout, self.control))
         except WeightSyncError:
             return None  # a bad bucket stays unmarked: apply() verifies it and fails the version
         return v if done else None
-
-    def _raise_if_aborted(self, version: int) -> None:
-        state = self.control.state(version)
-        if state.state == State.ABORTED:
-            raise VersionError(f"version {version} was aborted: {state.reason}")
 
     def catch_up(self) -> int | None:
         """Load the latest committed version if it is newer than the served one; never waits
@@ -270,27 +290,42 @@ class WeightReceiver(Party):
         """
         return self.apply(None, wait=False)
 
-    def _load(self, version: int, info: VersionRecord, deadline: float, replay: bool = False) -> dict[str, float]:
-        def check() -> None:
-            if not replay:  # a replayed version is complete; its later fate does not matter
-                self._raise_if_aborted(version)
-
+    def _load(self, version: int, record: VersionRecord, deadline: Deadline) -> dict[str, Any]:
+        """Receive, verify and load ``version`` whole, then the engine's hooks; its metrics."""
         self._touched = False
         self._buckets_loaded = 0
         t0 = time.perf_counter()
         wait_s = verify_s = load_s = 0.0
         nbytes = peer_verified = 0
         checks = Checks(version)  # host buckets checked at once, device ones in one read at the end
-        loader = self._loaders.of(info)
-        loader.begin(version, info, self.transport)
+        delta = record.delta
+        if delta is not None:
+            if self.shadow is None:
+                self.shadow = DeltaReceiver(self.unpacker.plan, self.unpacker.manifest, self.name)
+            self.shadow.begin(version, delta)  # refuses a delta against a base it does not hold
+        rebuilt: list[int] = []  # a delta version's digests of the buckets rebuilt in the shadow
+        span = self.transport.span(version, record) if delta is None and isinstance(self.transport, Spans) else None
+        kind = self._kind
         t = time.perf_counter()
-        for b, buf, expected in self.transport.receive(version, info, deadline, check):
+        for bucket in self.transport.receive(version, record, deadline):
             t1 = time.perf_counter()
             wait_s += t1 - t
-            if not self.transport.verify_bucket(version, info, b, buf, expected, checks) and expected is not None:
-                peer_verified += 1  # another receiver on the node hashed these very bytes
+            b, buf = bucket.index, bucket.data
+            if bucket.digest is not None and kind is not None:
+                if bucket.checked:  # by the transport on its way in: recorded for the version's digest
+                    checks.add(kind, b, bucket.digest)
+                    peer_verified += bucket.checked == "peer"  # another receiver of the node hashed these bytes
+                else:
+                    checks.add(kind, b, bucket.digest, buf)
+            if bucket.generation != self._generation:
+                self._generation = bucket.generation
+                self.unpacker.forget()  # their buffers went: views of them would keep them mapped
             t2 = time.perf_counter()
-            pairs = loader.unpack(version, info, b, buf)
+            if delta is not None:
+                pairs, got = self.shadow.apply(version, delta, b, buf)
+                rebuilt.append(got)
+            else:
+                pairs = self.unpacker.unpack(b, buf, span)
             if pairs:
                 if not self._touched:
                     # from here on the model holds a mix of versions until the last bucket
@@ -308,25 +343,33 @@ class WeightReceiver(Party):
         verified = checks.finish()
         t4 = time.perf_counter()
         verify_s += t4 - t3
+        self._finish_load(version)
+        t5 = time.perf_counter()
+        total = time.perf_counter() - t0
+        if delta is not None:
+            digest = version_digest("xxh3", rebuilt)  # of the version as rebuilt, equal to the sender's
+        else:
+            # the whole version's digest, from the bucket digests it verified: equal to the
+            # sender's when both hold the same bytes (status() shows both)
+            digest = version_digest(kind if len(verified) == self.unpacker.plan.bucket_count else None, verified)
+        return {"wait_s": wait_s, "verify_s": verify_s, "load_s": load_s, "post_load_s": self._post_s,
+                "reset_cache_s": t5 - t4 - self._post_s, "total_s": total, "bytes": nbytes,
+                "peer_verified_buckets": peer_verified, "gbps": nbytes / total / 1e9 if total > 0 else 0.0,
+                "received_ahead": isinstance(self.transport, ReceivesAhead)
+                and self.transport.received_ahead(version, record),
+                "digest": digest}
+
+    def _finish_load(self, version: int | None) -> None:
+        """The engine's hooks once a version is loaded whole: post-load, then the cache reset."""
+        t = time.perf_counter()
         if self.post_load is not None:
             self.post_load()
-        t5 = time.perf_counter()
+        self._post_s = time.perf_counter() - t
         # part of the load, so a failed reset fails (and rolls back) the version: the engine
         # must not answer from KV blocks computed with other weights than the ones committed
         if self.reset_cache is not None and self.reset_cache() is False:
             raise VersionError(f"receiver '{self.name}': the engine did not reset its cache after loading "
                                f"version {version} (reset_cache returned False: requests still running?)")
-        reset_s = time.perf_counter() - t5
-        post_s = t5 - t4
-        total = time.perf_counter() - t0
-        kind = self.transport.digest_kind if len(verified) == self.unpacker.plan.bucket_count else None
-        return {"wait_s": wait_s, "verify_s": verify_s, "load_s": load_s, "post_load_s": post_s,
-                "reset_cache_s": reset_s, "total_s": total, "bytes": nbytes, "peer_verified_buckets": peer_verified,
-                "gbps": nbytes / total / 1e9 if total > 0 else 0.0,
-                "received_ahead": self.transport.received_ahead(version, info),
-                # the whole version's digest, from the bucket digests it verified: equal to the
-                # sender's when both hold the same bytes (status() shows both)
-                "digest": loader.digest(kind, verified)}
 
     def _abort_load(self) -> str:
         if self.abort_load is None:
@@ -337,26 +380,50 @@ class WeightReceiver(Party):
             return f"; abort_load failed ({type(exc).__name__}: {exc})"
         return ""
 
-    def _rollback(self, info: VersionRecord, prev: int | None, prev_info: VersionRecord | None,
+    def _rollback(self, record: VersionRecord, prev: int | None, prev_record: VersionRecord | None,
                   deadline: float) -> str:
-        # the failed version's loader knows where the previous one can come back from (the
-        # transport's kept copy, or the shadow's undo records); the engine's hooks stay here
+        """After the version of ``record`` failed: load the version served before it again where
+        a bucket of the failed one reached the model; a suffix for the report."""
         touched = self._touched
         why = self._abort_load() if touched else ""
+        if record.delta is not None:
+            return why + self._undo_delta(prev, touched)
+        if not touched:
+            return why
+        # a delta version's bytes at the transport are encoded buckets, not the version
+        if (prev is None or prev_record is None or prev_record.delta is not None or not self.config.keep_previous
+                or not isinstance(self.transport, Replays) or not self.transport.can_replay(prev, prev_record)):
+            return why + f"; serves no version until the next sync (previous version {prev} is not at hand)"
+        try:
+            # a complete version already served: its later fate does not matter (no abort check)
+            self._load(prev, prev_record, Deadline(prev, max(deadline, time.monotonic() + self.config.sync_timeout_s)))
+        except Exception as exc:  # the engine's own hooks raise what they raise; the version still fails
+            return why + f"; rollback to version {prev} failed too ({type(exc).__name__}: {exc}); serves no version"
+        self._version = prev
+        return why + f"; rolled back to version {prev}"
 
-        def finish() -> None:
-            if self.post_load is not None:
-                self.post_load()
-            if self.reset_cache is not None and self.reset_cache() is False:
-                raise VersionError("the engine did not reset its cache")
-
-        engine = Engine(
-            load=self.load_weights, finish=finish,
-            replay=lambda v, i: self._load(v, i, max(deadline, time.monotonic() + self.config.sync_timeout_s),
-                                           replay=True),
-            can_replay=lambda v, i: self.config.keep_previous and self.transport.can_replay(v, i))
-        more, self._version = self._loaders.of(info).rollback(prev, prev_info, touched, self._version, engine)
-        return why + more
+    def _undo_delta(self, prev: int | None, touched: bool) -> str:
+        """A failed delta version: the shadow's undo records put it back to ``prev``, and what the
+        version loaded is loaded again from there."""
+        undone = self.shadow.failed(prev) if self.shadow is not None else None
+        if undone is None:
+            return ""  # refused before the shadow changed
+        try:
+            if touched:
+                for pairs in undone.reload:
+                    self.load_weights(pairs)
+                if undone.version is not None:
+                    self._finish_load(undone.version)
+        except Exception as exc:  # the engine's own hooks raise what they raise; the version still fails
+            self.shadow.version = None
+            self._version = None
+            return f"; rollback to version {prev} failed too ({type(exc).__name__}: {exc}); serves no version"
+        if touched or self.shadow.diverged:
+            # a diverged shadow is no base even when nothing of the version reached the model:
+            # serving prev without it, this receiver would be sent deltas it must refuse
+            self._version = undone.version
+            return undone.why
+        return ""
 
     def _report(self, version: int, ok: bool, reason: str = "", metrics: dict | None = None) -> None:
         try:
@@ -370,6 +437,105 @@ class WeightReceiver(Party):
             self._ahead.stop()
         if self.transport is not None:
             self.transport.close()
+
+
+# -- receive_ahead ----------------------------------------------------------------------------
+
+WAIT_S = 2.0  # one wait at the coordinator; also how long close() may wait for the thread
+
+
+class AheadThread:
+    """A receiver's thread (config ``receive_ahead``) that takes each version as soon as the
+    sender makes it readable, while the engine still serves the version before, so that
+    ``apply()`` at the barrier only loads, runs the post-load hook and resets the cache.
+
+    What "takes" means is the transport's (ReceivesAhead.prefetch): broadcast receives a version
+    sent in stage() into its ahead copy, shm verifies the version's segment; on a device on a
+    stream of the copy's own, not on this thread's current one, which on CUDA is the default
+    stream the engine generates on. The thread never touches the engine: a version that fails
+    on its way in fails in ``apply()``, which reports it, naming this receiver, and the engine
+    keeps serving what it served (all-or-nothing, as at the barrier).
+
+    The thread tells the coordinator it is there (``wait_version(ahead=True)``): a broadcast
+    sender sends a version ahead only when every live receiver has one, since a collective
+    needs every member in it."""
+
+    def __init__(self, name: str, config: SyncConfig, control: ControlPlane, transport: ReceivesAhead,
+                 declared: Transport):
+        self.name, self.config, self.control, self.transport, self.declared = name, config, control, transport, declared
+        self.taken: int | None = None  # the newest version taken (or tried) ahead
+        self._outcome: tuple[int, bool] | None = None  # (version, it came in whole and verified)
+        self._cond = threading.Condition()
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name=f"weightsync-ahead-{name}", daemon=True)
+        self._thread.start()
+
+    @classmethod
+    def start(cls, name: str, config: SyncConfig, control: ControlPlane, transport: ReceiverTransport,
+              declared: Transport) -> AheadThread | None:
+        """The thread, where config and transport allow it (None: versions come at the barrier).
+
+        Raises:
+            CapacityError: ``receive_ahead: on`` and the ahead copy does not fit; the receiver
+                tells the coordinator it rejects the session, so every version names it.
+        """
+        if config.receive_ahead == "off" or not isinstance(transport, ReceivesAhead):
+            return None
+        try:
+            nbytes = transport.open_ahead()
+        except CapacityError as exc:
+            if config.receive_ahead == "on":
+                control.verdict(False, why=str(exc))
+                raise
+            log.info("weightsync %s: receive_ahead auto: versions at the barrier (%s)", name, exc)
+            return None
+        return None if nbytes is None else cls(name, config, control, transport, declared)
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            try:
+                target = self.control.wait_version(None, WAIT_S, prefetch=True, after=self.taken, ahead=True)
+            except DeadlineExceeded:
+                continue  # nothing new yet
+            except Exception:  # left the session, the coordinator restarts: the thread must live on,
+                # since the coordinator counts it ready and a collective would wait for it
+                if self._stop.wait(0.2):
+                    return
+                continue
+            v = target.version
+            if v is None or self._stop.is_set():
+                continue
+            self.taken = v
+            ok = False
+            try:
+                record = self.declared.version(target.info)
+                ok = self.transport.prefetch(v, record, Deadline(v, time.monotonic() + self.config.sync_timeout_s,
+                                                                 self.control))
+            except Exception as exc:  # kept by the transport for apply(), which reports it
+                log.info("weightsync %s: version %d failed on its way in ahead: %s: %s",
+                         self.name, v, type(exc).__name__, exc)
+            with self._cond:
+                self._outcome = (v, ok)
+                self._cond.notify_all()
+
+    def wait(self, version: int | None, served: int | None, timeout: float) -> int | None:
+        """``receiver.prefetch()`` with a thread running: wait until the thread is done with
+        ``version`` (None: with one newer than ``served``); that version if it came in whole,
+        else None. Never a second reader beside the thread (a collective has one)."""
+        deadline = time.monotonic() + timeout
+        with self._cond:
+            while True:
+                got = self._outcome
+                if got is not None and (got[0] >= version if version is not None else served is None or got[0] > served):
+                    return got[0] if got[1] and (version is None or got[0] == version) else None
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    return None
+                self._cond.wait(left)
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._thread.join(WAIT_S + 1.0)
 
 
 def _log_applied(party: str, version: int, transport: str | None, nbytes: int, seconds: float) -> None:

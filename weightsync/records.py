@@ -184,3 +184,108 @@ def wire_value(value: Any, where: str, depth: int = 0) -> Wire:
         return value
     raise ProtocolError(f"{where} is {type(value).__name__}, not a wire value "
                         f"(None, bool, int, float, str, bytes, a list or a map of them)")
+
+
+# -- the records a transport publishes ----------------------------------------------------------
+#
+# A transport's sender publishes a session record once (rendezvous, digest kind) and a version
+# record per version (where the bytes are); the coordinator stores and forwards their wire forms
+# without reading them and each receiver parses them back where they arrive. A plugin transport
+# brings its own subclasses and names them in its declaration (transports/base.Transport).
+
+DIGEST_KINDS = (None, "xxh3", "torch")
+# how a delta version carries each bucket (delta/codec.py encodes them): nothing, the changed
+# words, or the whole bucket
+SKIP, SPARSE, FULL = "skip", "sparse", "full"
+ENCODINGS = (SKIP, SPARSE, FULL)
+RecordT = TypeVar("RecordT", bound="Record")
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class Record:
+    """A typed record with a strict wire form; subclasses name their ``transport``."""
+
+    transport: typing.ClassVar[str] = "transport"
+    # keys that others than the sender add to the wire form and the record ignores (see
+    # VersionRecord); never a field
+    foreign: typing.ClassVar[frozenset[str]] = frozenset()
+
+    def to_wire(self) -> WireMap:
+        """Plain data (dicts, lists, str, int, float, bool, bytes, None) for the control plane."""
+        return to_wire(self)
+
+    @classmethod
+    def from_wire(cls: type[RecordT], wire: Any) -> RecordT:
+        """The record of ``wire`` (a ``to_wire()`` form that crossed the control plane).
+
+        Raises:
+            ProtocolError: a field is missing, unknown or of the wrong type; names the
+                transport and the field.
+        """
+        return from_wire(cls, wire, f"{cls.transport}: {cls.__name__}", cls.foreign)
+
+    def _check(self, name: str, ok: bool, want: str) -> None:
+        if not ok:
+            raise ValueError(f"field {name!r} is {getattr(self, name)!r}, not {want}")
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class SessionRecord(Record):
+    """Published once with the session: what a transport's receivers need, and what the sender
+    and the coordinator must know of how it runs."""
+
+    digest_kind: str | None  # of the bucket digests (weightsync.digest), None: off
+    # a committed version stays readable after the sender moved on or died (late joiners catch
+    # up from it, a receiver rolls back to it)
+    keeps_versions: bool = False
+    # versions can reach the receivers before their barrier (receive_ahead)
+    ahead: bool = False
+    # how the transport runs here and why (shm: whole versions or a bounded stream), added to
+    # the transport's reason that status() shows
+    why: str = ""
+
+    def __post_init__(self) -> None:
+        self._check("digest_kind", self.digest_kind in DIGEST_KINDS, " / ".join(map(str, DIGEST_KINDS)))
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class DeltaRecord(Record):
+    """A delta version's wire plan (delta/codec.py): per bucket its encoding and the bytes
+    that move, and the digest of the whole bucket as the sender packed it, which the bucket a
+    receiver rebuilds must match. ``base``: the committed version the deltas apply to (None:
+    every bucket is full; receivers keep the version as the base of the next delta)."""
+
+    transport: typing.ClassVar[str] = "delta"
+    base: int | None
+    kinds: list[str]
+    lengths: list[int]
+    digests: list[int]  # xxh3 per bucket, unsigned 64-bit
+
+    def __post_init__(self) -> None:
+        n = len(self.kinds)
+        self._check("lengths", len(self.lengths) == n and all(x >= 0 for x in self.lengths),
+                    f"{n} lengths >= 0")
+        self._check("digests", len(self.digests) == n and all(0 <= d < 1 << 64 for d in self.digests),
+                    f"{n} unsigned 64-bit digests")
+        self._check("kinds", all(k in ENCODINGS for k in self.kinds), " / ".join(ENCODINGS) + " per bucket")
+        self._check("kinds", self.base is not None or all(k == FULL for k in self.kinds), "full without a base")
+        self._check("lengths", all(x == 0 for k, x in zip(self.kinds, self.lengths) if k == SKIP),
+                    "0 for a skipped bucket")
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class VersionRecord(Record):
+    """Published per version (early by a transport that announces, whole once staged); the
+    coordinator merges the parts, so a field a later part brings has a default."""
+
+    # the coordinator notes a broadcast version's group here for metrics
+    foreign: typing.ClassVar[frozenset[str]] = frozenset({"group"})
+    digest: str | None = None  # of the whole version (digest.version_digest), once packed
+    # a delta version's wire plan (the sender's delta: auto / on); None: the session plan
+    delta: DeltaRecord | None = None
+
+    def moves(self, plan: Any) -> Any:
+        """The bucket lengths this version moves over the session ``plan`` (a manifest.BucketPlan),
+        bucket for bucket: the plan's own, or the encoded lengths its delta record names, so a
+        transport sizes what it reads without knowing what the bytes mean."""
+        return plan if self.delta is None else plan.with_lengths(self.delta.lengths)

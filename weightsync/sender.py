@@ -1,10 +1,11 @@
 """Internal. Trainer side. Rank 0 stages and sends; other trainer ranks iterate in lockstep only.
 
 One version, end to end:  stage(v, named_tensors)
-  -> manifest check and bucket plan (first version only; reused afterwards)
+  -> the first version fixes the session: manifest, bucket plan, transport (transports.choose)
   -> coordinator.begin_stage(v) picks the storage slot
-  -> the packing strategy (delta/strategy.py) gives the Packing: the tensors, or delta-encoded buckets
-  -> transport.stage(): the Packing is copied into the transport's BucketSink, bucket by bucket
+  -> a Packer over the tensors (manifest.py), or delta sync's encoded buckets (delta/sender.py)
+  -> transport.announce(v) where receivers may read while it is written -> coordinator.stage_info
+  -> transport.stage(v, packer): the transport fills its buckets from the packer, now or at send()
   -> coordinator.staged(v)                     ... the trainer is free again
 sync(v)  -> coordinator.begin_sync(v) -> transport.send(v) -> coordinator.wait_outcome(v)
 
@@ -21,24 +22,22 @@ import concurrent.futures
 import dataclasses
 import logging
 import time
-from collections.abc import Iterable, Mapping
+from collections.abc import Mapping
 from typing import Any
 
-import torch
-
+from . import transports
 from .config import SyncConfig
 from .coordinator import ops
 from .coordinator.client import Coordinator, Party, Publication, Rejoin
-from .delta.strategy import FullPacking, host_reserve, packing_for
+from .delta.policy import FULL
+from .delta.sender import DeltaSender, host_reserve, wanted
 from .device import describe
 from .errors import ConfigError, VersionError
-from .manifest import Manifest, build_manifest, size_text
-from .transports.base import SenderTransport, TransportContext, VersionRecord
-from .transports.selection import choose_transport, ipc_support, sender_class
+from .manifest import Manifest, NamedTensors, Packer, build_manifest, plan_buckets, size_text
+from .records import VersionRecord
+from .transports.base import Announces, Deadline, GivesBack, SenderTransport, TransportContext
 
 log = logging.getLogger("weightsync")
-
-NamedTensors = Mapping[str, torch.Tensor] | Iterable[tuple[str, torch.Tensor]]
 
 
 @dataclasses.dataclass
@@ -149,8 +148,9 @@ class WeightSender(Party):
         self._stage_calls: dict[int, int] = {}  # coordinator calls each staged version took
         self._staged_digest: dict[int, str | None] = {}  # version digests reported when staged
         self._pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix=f"weightsync-stage-{self.name}")
-        # full, or delta sync's snapshot and diff with config delta: auto / on (delta/strategy.py)
-        self._packing = FullPacking()
+        # delta sync's snapshot and diff (config delta: auto / on, where the transport is slow enough)
+        self._delta: DeltaSender | None = None
+        self._encoded: set[int] = set()  # recent versions sent as delta-encoded buckets
         self._last_version: int | None = None  # a restarted coordinator learns it on re-registration
         self._published: Publication | None = None
         self.open()  # last: registration tells the coordinator the last version staged
@@ -181,33 +181,35 @@ class WeightSender(Party):
         if self.transport is not None:
             return
         digest = manifest.digest()
-        ctx = TransportContext.for_party(self, manifest, digest)
-        count = self.expected_receivers or 0
-        receivers = self.control.receivers(count, timeout=self.config.connect_timeout_s)
-        # where this sender runs and whether it can share device buckets (transports/selection.py)
-        ipc = ipc_support(self.device.type, self.config.shm_dir)
-        me = ops.Placement(host=self.host, node_id=self.node_id, device=ops.Device(**describe(self.device)),
-                           ipc=ops.IpcSupport(ok=ipc.ok, reason=ipc.reason, notes=list(ipc.notes)))
-        name, reason = choose_transport(self.config.transport, me, receivers, self.config.backend)
-        ctx.host_reserve = host_reserve(self.config.delta, name, ctx.plan)
-        transport = sender_class(name)(ctx)
-        if self.config.receive_ahead == "on" and not transport.ahead_capable:
+        config = self.config
+        plan = plan_buckets(manifest, config.bucket_bytes, config.align_bytes)
+        receivers = self.control.receivers(self.expected_receivers or 0, timeout=config.connect_timeout_s)
+        me = ops.Placement(host=self.host, node_id=self.node_id, device=ops.Device(**describe(self.device)))
+        name, reason = transports.choose(config.transport, me, receivers, config.backend, config.shm_dir)
+        ctx = TransportContext(config=config, plan=plan, manifest=manifest, digest=digest, session=self.session,
+                               name=self.name, rank=self.rank, device=self.device, member=self,
+                               host_reserve=host_reserve(config.delta, name, plan))
+        transport = transports.get(name).sender(ctx)
+        session = transport.session
+        if config.receive_ahead == "on" and not session.ahead:
             transport.close()
-            raise ConfigError(f"receive_ahead: on, but transport {name} ({transport.mode_reason or reason}) takes "
+            raise ConfigError(f"receive_ahead: on, but transport {name} ({session.why or reason}) takes "
                               f"versions at the barrier only; use broadcast or whole-version shm, or receive_ahead: auto")
-        if transport.mode_reason:
-            reason = f"{reason}; {transport.mode_reason}"
+        if session.why:
+            reason = f"{reason}; {session.why}"
         log.info("weightsync session %s: transport %s (%s)", self.session, name, reason)
-        self._published = Publication(manifest.to_wire(), digest, ctx.plan.payload_bytes, name, reason,
-                                      transport.session_info().to_wire(), transport.pipelined,
-                                      transport.keeps_versions)
+        # receivers may read a version as soon as it is announced (shm's segment, broadcast's ahead group)
+        pipelined = isinstance(transport, Announces) and session.ahead
+        self._published = Publication(manifest.to_wire(), digest, plan.payload_bytes, name, reason,
+                                      session.to_wire(), pipelined, session.keeps_versions)
         try:
             self.control.publish(self._published)
         except BaseException:
             transport.close()
             raise
-        self.manifest, self.transport, self.transport_name, self.plan = manifest, transport, name, ctx.plan
-        self._packing = packing_for(self.config.delta, name, self.sends, ctx.plan, manifest)
+        self.manifest, self.transport, self.transport_name, self.plan = manifest, transport, name, plan
+        if self.sends and wanted(config.delta, name):
+            self._delta = DeltaSender(plan, manifest, config.delta)
 
     # -- per version ---------------------------------------------------------------------
 
@@ -266,7 +268,7 @@ class WeightSender(Party):
         if handle is None or not self.sends or self.transport is None:
             return False
         handle.wait()
-        if not self.transport.give_back(version):
+        if not (isinstance(self.transport, GivesBack) and self.transport.give_back(version)):
             return False
         del self._staged[version]
         try:
@@ -301,26 +303,46 @@ class WeightSender(Party):
         slot = self.control.begin_stage(version)
         self._last_version = version  # a restarted coordinator learns it on re-registration
         try:
-            packing, extra = self._packing.pack(version, named, serving=lambda: [
-                r.serving for r in self.control.receivers(0, self.config.connect_timeout_s)])
-            record = self.transport.stage(
-                version, slot, packing,
-                announce=lambda early: self.control.stage_info(
-                    version, dataclasses.replace(early, **extra).to_wire(), readable=True),
-            )
-            record = dataclasses.replace(record, **extra)
+            packer, delta = self._packer(version, named)
+            if isinstance(self.transport, Announces):
+                early = self.transport.announce(version, slot)
+                if early is not None:  # receivers may read it from now on, while it is written
+                    self.control.stage_info(version, self._with(early, delta).to_wire(), readable=True)
+            record = self._with(self.transport.stage(version, slot, packer), delta)
             stage_s = time.perf_counter() - t0
             self.control.staged(version, record.to_wire(), stage_s)
             self._staged_digest = {v: d for v, d in self._staged_digest.items() if v > version - 8}
             self._staged_digest[version] = record.digest
         except BaseException as exc:
-            self._packing.resolved(version, committed=False)
+            self._resolved(version, committed=False)
             try:
                 self.control.abort(version, f"staging failed: {type(exc).__name__}: {exc}")
             except Exception:
                 pass
             raise
         return stage_s
+
+    def _packer(self, version: int, named: NamedTensors) -> tuple[Packer, VersionRecord | None]:
+        """What the transport packs ``version`` from: the tensors (a Packer), or with delta sync
+        the buckets it encoded against its snapshot; and, for a delta, the record fields it adds
+        (its wire plan and the version's own digest: the transport's is of the encoded bytes)."""
+        if self._delta is not None:
+            held = [r.serving for r in self.control.receivers(0, self.config.connect_timeout_s)]
+            if self._delta.way(held) != FULL:
+                encoded, plan, digest = self._delta.prepare(version, named, held)
+                self._encoded = {v for v in self._encoded if v > version - 8} | {version}
+                return encoded, VersionRecord(delta=plan, digest=digest)
+            self._delta.skip(version)  # auto measured full versions faster: sent as delta: off does
+        return Packer(self.plan, self.manifest, named), None
+
+    @staticmethod
+    def _with(record: VersionRecord, delta: VersionRecord | None) -> VersionRecord:
+        # a delta version's receivers read it by its wire plan from the first record on
+        return record if delta is None else dataclasses.replace(record, delta=delta.delta, digest=delta.digest)
+
+    def _resolved(self, version: int, committed: bool, seconds: float | None = None) -> None:
+        if self._delta is not None:
+            self._delta.resolved(version, committed=committed, seconds=seconds)
 
     def sync(self, version: int, timeout: float | None = None) -> SyncResult:
         """The barrier: returns once every receiver committed ``version``; raises SyncFailed
@@ -344,21 +366,22 @@ class WeightSender(Party):
         stage_s = handle.wait()
         timeout = self.config.sync_timeout_s if timeout is None else timeout
         t0, made = time.perf_counter(), self.control.made()
-        transport = self.transport.name if self.transport is not None else None
+        transport = self.transport_name
         try:
             late = None
             if self.sends:
                 self.control.begin_sync(version)
-                self.transport.send(version, time.monotonic() + timeout)
+                digest = self.transport.send(version, Deadline(version, time.monotonic() + timeout, self.control))
                 # transports that pack at the barrier know the version's digest only now: it
-                # rides with the wait for the outcome (one call less per version)
-                digest = self._packing.digest(version, self.transport.version_digests.get(version))
-                if digest is not None and digest != self._staged_digest.pop(version, None):
+                # rides with the wait for the outcome (one call less per version); a delta
+                # version's record has its own (the transport's is of the encoded bytes)
+                if (digest is not None and version not in self._encoded
+                        and digest != self._staged_digest.pop(version, None)):
                     late = VersionRecord(digest=digest).to_wire()
             outcome = self.control.wait_outcome(version, timeout, info=late)
-            self._packing.resolved(version, committed=True, seconds=stage_s + time.perf_counter() - t0)
+            self._resolved(version, committed=True, seconds=stage_s + time.perf_counter() - t0)
         except Exception as exc:
-            self._packing.resolved(version, committed=False)
+            self._resolved(version, committed=False)
             if self.sends:
                 _log_send_failed(self.name, version, transport, time.perf_counter() - t0, f"{type(exc).__name__}: {exc}")
             raise
@@ -382,7 +405,10 @@ class WeightSender(Party):
             None) and, with ``delta: auto``, ``auto``: ``chosen`` (``delta``, ``full``, or None
             while a way is being timed) and ``delta_s`` / ``full_s``, the seconds it chose on.
         """
-        return self._packing.state()
+        if self._delta is None:
+            return None
+        policy = self._delta.policy
+        return {"base": self._delta.base, **({"auto": policy.describe()} if policy is not None else {})}
 
     def _close_transport(self) -> None:
         self._pool.shutdown(wait=True)

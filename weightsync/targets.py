@@ -9,7 +9,7 @@ from typing import Any
 
 import torch
 
-from .packing import raw
+from .manifest import raw
 
 LoadWeights = Callable[[Iterable[tuple[str, torch.Tensor]]], Any]
 

@@ -14,8 +14,8 @@ import platform as _platform
 import sys
 from typing import Any
 
-from ..transports import selection as caps
-from ..transports.selection import Capability
+from ..transports.ipc import support as caps
+from ..transports.ipc.support import Capability
 from .doctor_entry import format_entry_points, verl_entry_points, vllm_engines
 
 _PACKAGES = {  # label -> distribution names to try
@@ -163,17 +163,17 @@ def collect(shm_dir: str = "/dev/shm", shm_backing: str | None = None) -> dict[s
 
 
 def _receive_ahead() -> dict[str, Any]:
-    """The receive_ahead setting from the environment and what a shadow may take on this node."""
+    """The receive_ahead setting from the environment and what an ahead copy may take on this node."""
     from ..config import SyncConfig
     from ..errors import ConfigError
-    from ..transports.shadow import bound
+    from ..transports.broadcast.ahead import bound
 
     try:
         cfg = SyncConfig.from_env()
     except ConfigError as exc:
         return {"setting": None, "error": str(exc)}
     limit, source = bound(cfg)
-    return {"setting": cfg.receive_ahead, "shadow_limit_mib": round(limit / 2**20), "source": source}
+    return {"setting": cfg.receive_ahead, "copy_limit_mib": round(limit / 2**20), "source": source}
 
 
 def format_report(r: dict[str, Any]) -> str:
@@ -204,8 +204,8 @@ def format_report(r: dict[str, Any]) -> str:
             lines.append(f"  {backend:<5} {name:<10} {'yes' if c['available'] else 'no '}  "
                          + (c["what"] if c["available"] else f"{c['what']}; {c['reason']}"))
     ahead = r["receive_ahead"]
-    lines += ["", f"receive_ahead: {ahead['setting']} (environment); a receiver's shadow (one copy of the payload) "
-                  f"may take up to {ahead['shadow_limit_mib']} MiB here ({ahead['source']})"
+    lines += ["", f"receive_ahead: {ahead['setting']} (environment); a receiver's ahead copy (one copy of the payload) "
+                  f"may take up to {ahead['copy_limit_mib']} MiB here ({ahead['source']})"
               if "error" not in ahead else f"receive_ahead: {ahead['error']}"]
     lines += format_entry_points(r["vllm_weight_transfer"], r["verl_entry_points"])
     lines += ["", r["auto"]]

@@ -12,7 +12,7 @@ from __future__ import annotations
 import importlib.util
 from typing import Any
 
-from ..transports import selection as caps
+from ..transports.ipc import support as caps
 
 BACKEND = "weightsync"  # the name weightsync_vllm registers (weightsync_vllm.BACKEND)
 

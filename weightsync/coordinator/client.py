@@ -543,7 +543,7 @@ class Party:
             except Exception:
                 pass  # the coordinator reports us silent if this keeps failing
 
-    def _account(self, kind: str, delta: int) -> None:
+    def account(self, kind: str, delta: int) -> None:
         try:
             self.control.resource(kind, delta)
         except Exception:

@@ -34,7 +34,7 @@ def format_status(status: dict[str, Any]) -> str:
         lines.append(f"    v{v['version']:<6} {v['state']:<12} slot={v['slot']}{stage_txt}{barrier}{speed}{digest}{reason}")
     if status.get("resources"):
         lines.append("  open resources: " + ", ".join(f"{k}={n}" for k, n in sorted(status["resources"].items())))
-    shadows = (status.get("resources") or {}).get("ahead_shadow_bytes")
-    if shadows:  # receive_ahead: one copy of the payload per receiver that keeps a shadow
-        lines.append(f"  receive_ahead shadows: {shadows / 2**20:.1f} MiB in all")
+    copies = (status.get("resources") or {}).get("ahead_copy_bytes")
+    if copies:  # receive_ahead: one copy of the payload per receiver that keeps one
+        lines.append(f"  receive_ahead copies: {copies / 2**20:.1f} MiB in all")
     return "\n".join(lines)

@@ -28,7 +28,7 @@ import numpy as np
 import torch
 
 from ..errors import WeightSyncError
-from ..transports.base import ENCODINGS, FULL, SKIP, SPARSE  # noqa: F401  (the encodings a record names)
+from ..records import ENCODINGS, FULL, SKIP, SPARSE  # noqa: F401  (the encodings a record names)
 
 KINDS = ENCODINGS
 HEADER = 16

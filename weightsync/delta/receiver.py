@@ -24,16 +24,26 @@ version being applied (as large as its delta).
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from typing import Any
+import dataclasses
 
 import torch
 
 from ..digest import xxh3
-from ..manifest import BucketPlan, Manifest
-from ..packing import Unpacker
-from ..transports.base import DeltaRecord
+from ..manifest import BucketPlan, Manifest, Unpacker
+from ..records import DeltaRecord
 from . import codec as delta
+
+Pairs = list[tuple[str, torch.Tensor]]
+
+
+@dataclasses.dataclass(frozen=True)
+class Undone:
+    """What undoing a failed version left: the version the shadow holds again (None: none), the
+    tensors to load again from it (views of the shadow, per bucket), and why, for the report."""
+
+    version: int | None
+    reload: list[Pairs]
+    why: str
 
 
 class DeltaReceiver:
@@ -102,27 +112,28 @@ class DeltaReceiver:
     def committed(self, version: int | None) -> None:
         self.version, self._undo, self._active = version, [], False
 
-    def failed(self, prev: int | None, reload: Callable[[list], Any] | None) -> str:
-        """Put the shadow back to ``prev`` and, with ``reload``, load the tensors the failed
-        version touched from it again; a reason suffix for the report. A shadow that diverged
-        is no base: nothing is put back nor reloaded, and ``version`` becomes None."""
+    def failed(self, prev: int | None) -> Undone | None:
+        """Put the shadow back to ``prev``; the tensors the failed version touched, to be loaded
+        again from it where a bucket of the version reached the model. A shadow that diverged
+        is no base: nothing is put back nor reloaded, and ``version`` becomes None. None: the
+        version was refused before the shadow changed."""
         if not self._active:
-            return ""  # refused before the shadow changed
+            return None
         self._active = False
         if self.diverged:
             self.version, self._undo = None, []
-            return "; the delta shadow differs from the sender's: serves no version until a full one"
+            return Undone(None, [], "; the delta shadow differs from the sender's: serves no version until a full one")
         if not self._keep_undo:
             self.version, self._undo = None, []
-            return "; serves no version until the next sync (a failed full version keeps no undo records)"
+            return Undone(None, [], "; serves no version until the next sync (a failed full version keeps no undo "
+                                    "records)")
         for b, undo in reversed(self._undo):
             delta.revert(self.bucket(b), undo)
         self._undo = []
         self.version = prev
-        if reload is not None:
-            for b in range(self.plan.bucket_count):
-                pairs = [(n, t) for n, t in self.unpacker.unpack(b, self.bucket(b), self.span)
-                         if self._index[n] in self._touched]
-                if pairs:
-                    reload(pairs)
-        return f"; rolled back to version {prev} from the delta shadow"
+        reload = []
+        for b in range(self.plan.bucket_count):
+            pairs = [(n, t) for n, t in self.unpacker.unpack(b, self.bucket(b), self.span) if self._index[n] in self._touched]
+            if pairs:
+                reload.append(pairs)
+        return Undone(prev, reload, f"; rolled back to version {prev} from the delta shadow")

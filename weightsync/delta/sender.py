@@ -23,21 +23,61 @@ from __future__ import annotations
 import dataclasses
 import logging
 import statistics
-from collections.abc import Iterable, Mapping
 
 import torch
 
-from ..digest import version_digest
-from ..manifest import BucketPlan, Manifest
-from ..packing import BucketSink, pack_stream
-from ..transports.base import DeltaRecord
+from .. import digest
+from ..manifest import BucketPlan, Manifest, NamedTensors, Packer, PackViews
+from ..records import DeltaRecord
 from . import codec as delta
-from .packing import EncodedPacking
 from .policy import DELTA, FULL, PRIME, AutoPolicy
 
 log = logging.getLogger("weightsync")
 
-NamedTensors = Mapping[str, torch.Tensor] | Iterable[tuple[str, torch.Tensor]]
+# transports that move bytes at memory speed: the host work of a delta (diff at the trainer,
+# apply and hash at each receiver) costs more than the bytes it saves there (measured with
+# benchmarks/delta_probe.py: shm 0.72 s full vs 2.7 s delta for 1.2 GB at 1 % changed)
+MEMORY_SPEED = frozenset({"shm", "ipc"})
+
+
+def wanted(mode: str, transport: str) -> bool:
+    """Whether a session runs delta sync: ``on`` always, ``auto`` except on memory-speed
+    transports (there it is ``off``: no snapshot, no shadow), ``off`` never."""
+    return mode == "on" or (mode == "auto" and transport not in MEMORY_SPEED)
+
+
+def host_reserve(mode: str, transport: str, plan: BucketPlan) -> int:
+    """Host bytes the sender keeps on its node beside ``transport``'s buffers for config
+    ``delta: mode``: the snapshot where the session runs delta sync, else 0."""
+    return delta.snapshot_bytes(plan.bucket_count, plan.bucket_bytes) if wanted(mode, transport) else 0
+
+
+class EncodedPacker:
+    """A delta version's encoded buckets, handed to a transport as a Packer hands tensors:
+    ``plan`` is the wire plan (BucketPlan.with_lengths), ``fill`` copies bucket b's encoding.
+    The payloads are host tensors the sender keeps until the version's outcome is known.
+
+    A delta version keeps the session plan's buckets, in the same order, with their lengths
+    replaced by the encoded lengths (0 for a skipped bucket, which still passes through the
+    transport as an empty bucket), so a transport only takes a version's bucket lengths from
+    ``packer.plan`` (sender) and ``record.moves(plan)`` (receiver): every encoding fits where
+    the full bucket would (delta.choose never picks a sparse form longer than the bucket)."""
+
+    def __init__(self, plan: BucketPlan, payloads: tuple[torch.Tensor | None, ...]):
+        self.plan, self.payloads = plan, payloads
+        self.done = False
+
+    def fill(self, b: int, dst: torch.Tensor, kind: str | None = None,
+             views: PackViews | None = None) -> int | torch.Tensor | None:
+        n = self.plan.buckets[b].nbytes
+        dst = dst[:n]
+        if n:
+            dst.copy_(self.payloads[b], non_blocking=False)
+        self.done = b == self.plan.bucket_count - 1
+        return None if kind is None else digest.compute(kind, dst)
+
+    def drain(self) -> None:
+        self.done = True  # nothing to walk: the tensors were read in stage()
 
 
 @dataclasses.dataclass
@@ -47,35 +87,6 @@ class _Pending:
     payloads: list[torch.Tensor | None]
     lost_base: bool  # a full bucket overwrote the base
     way: str = PRIME  # delta_policy: DELTA, PRIME or FULL
-
-
-class _Diff(BucketSink):
-    """pack_stream's sink: each bucket lands in one scratch buffer and is diffed against the
-    snapshot when complete (a full bucket is written into the snapshot there and then)."""
-
-    def __init__(self, owner: DeltaSender, base: bool):
-        self.owner, self.base = owner, base
-        n = owner.plan.bucket_count
-        self.kinds: list[str] = [delta.FULL] * n
-        self.payloads: list[torch.Tensor | None] = [None] * n
-        self.digests: list[int] = [0] * n
-        self.lost_base = False
-
-    def buffer(self, b: int) -> torch.Tensor:
-        # pack_stream zeroes the alignment gaps (the previous bucket's bytes): the diff and the
-        # digest depend on the tensors only
-        return self.owner.scratch[: self.owner.plan.buckets[b].nbytes]
-
-    def done(self, b: int, digest: int | torch.Tensor | None) -> None:
-        new = self.owner.scratch[: self.owner.plan.buckets[b].nbytes]
-        snap = self.owner.bucket(b)
-        self.digests[b] = int(digest)
-        if not self.base:
-            snap.copy_(new)
-            self.payloads[b] = snap
-            return
-        self.kinds[b], self.payloads[b] = delta.diff(snap, new)
-        self.lost_base |= self.kinds[b] == delta.FULL
 
 
 def _median(xs: list[float]) -> str:
@@ -132,25 +143,39 @@ class DeltaSender:
         self.pending, self.unwritten, self.base = _Pending(version, [], [], True, FULL), None, None
 
     def prepare(self, version: int, named: NamedTensors,
-                serving: list[int | None]) -> tuple[EncodedPacking, DeltaRecord, str]:
-        """Pack ``version`` into the snapshot and encode it; (the packing for the transport, its
+                serving: list[int | None]) -> tuple[EncodedPacker, DeltaRecord, str]:
+        """Pack ``version`` into the snapshot and encode it; (the packer for the transport, its
         delta record, the whole version's xxh3 digest). ``serving``: what each receiver serves."""
         if self.pending is not None:
             # the previous version's outcome is not known yet: the snapshot is no base
             self.pending, self.base = None, None
         self._write_committed()
         base = self.base is not None and bool(serving) and all(s == self.base for s in serving)
-        sink = _Diff(self, base)
+        n = self.plan.bucket_count
+        kinds: list[str] = [delta.FULL] * n
+        payloads: list[torch.Tensor | None] = [None] * n
+        digests: list[int] = [0] * n
+        lost_base = not base
+        packer, views = Packer(self.plan, self.manifest, named), PackViews()
         try:
-            for _ in pack_stream(self.plan, self.manifest, named, sink, "xxh3"):
-                pass
+            for b in range(n):
+                # each bucket lands in one scratch buffer (its alignment gaps zeroed: the diff and
+                # the digest depend on the tensors only) and is diffed against the snapshot; a
+                # full bucket is written into the snapshot there and then
+                new = self.scratch[: self.plan.buckets[b].nbytes]
+                digests[b] = int(packer.fill(b, new, "xxh3", views))
+                snap = self.bucket(b)
+                if not base:
+                    snap.copy_(new)
+                    payloads[b] = snap
+                    continue
+                kinds[b], payloads[b] = delta.diff(snap, new)
+                lost_base |= kinds[b] == delta.FULL
         except BaseException:
-            if sink.lost_base or not base:
+            if lost_base:
                 self.base = None
             raise
-        kinds, payloads = sink.kinds, sink.payloads
         lengths = [0 if k == delta.SKIP else int(p.numel()) for k, p in zip(kinds, payloads)]
-        lost_base = sink.lost_base or not base
         if base and not delta.pays(sum(lengths), self.plan.payload_bytes, self.mode):
             # auto: the delta would not pay; the snapshot becomes the new version, sent whole
             self.unwritten = _Pending(version, kinds, payloads, True)
@@ -161,11 +186,10 @@ class DeltaSender:
             lost_base = True
         full = all(k == delta.FULL for k in kinds)
         self.pending = _Pending(version, kinds, payloads, lost_base, PRIME if full else DELTA)
-        record = DeltaRecord(base=None if full else self.base, kinds=kinds, lengths=lengths, digests=sink.digests)
+        record = DeltaRecord(base=None if full else self.base, kinds=kinds, lengths=lengths, digests=digests)
         self.last = {"delta_bytes": sum(lengths), "payload_bytes": self.plan.payload_bytes,
                      "delta_buckets": sum(k != delta.FULL for k in kinds)}
-        packing = EncodedPacking(self.plan.with_lengths(lengths), self.manifest, (), tuple(payloads))
-        return packing, record, version_digest("xxh3", sink.digests)
+        return EncodedPacker(self.plan.with_lengths(lengths), tuple(payloads)), record, digest.version_digest("xxh3", digests)
 
     def resolved(self, version: int, committed: bool, seconds: float | None = None) -> None:
         """``version``'s sync() returned (``committed``, after ``seconds`` of stage and barrier)

@@ -1,15 +1,11 @@
 """Internal. Fault points installed from outside a party, on its transport object, so production classes
 carry no test hooks (parties.py uses them; so does the vLLM tier's trainer).
 
-- On the wire (``edit_packed``): a sender transport's staged Packing is wrapped so that once
-  bucket b is packed and its digest taken, an edit changes its bytes before the transport
-  may publish it. The seam is the BucketSink contract (packing.py): ``done(b, digest)`` comes
-  once b's last byte is in and its digest computed, before the next buffer is asked for;
-  every transport publishes bucket b only after that (shm after pack_stream yields b; shm on
-  an accelerator copies b from its device staging buffer to the segment from ``buffer(b + 1)``
-  on; the ipc ring from ``buffer(b + 1)`` or after the yield, broadcast launches b in
-  ``buffer(b + 1)`` or ``finish()``). Full and delta versions alike: both pack through
-  ``Packing.into(sink, kind)``.
+- On the wire (``edit_packed``): the Packer a sender transport is handed in ``stage`` is wrapped
+  so that once bucket b is filled and its digest taken, an edit changes its bytes before the
+  transport may publish it: every transport publishes bucket b only after ``fill(b, ...)``
+  returned (shm sets its ready word, the ipc ring publishes it, broadcast launches it).
+  Full and delta versions alike: both reach the transport as a packer.
 - In a receiver's load (``hold_receive``): the receiver's view of its transport is wrapped so
   that the receive generator, once the receiver resumes it after bucket b of a version
   (verified and loaded), first passes ``gate((version, b))``, which may block; the last
@@ -25,7 +21,6 @@ from typing import Any
 import torch
 
 from .. import device as devices
-from ..packing import BucketSink, Packing
 
 # (version, bucket, the bucket's packed bytes) -> None, changing the bytes in place
 Edit = Callable[[int, int, torch.Tensor], None]
@@ -53,44 +48,19 @@ def tampering(version: int, bucket: int, how: str) -> Edit:
     return edit
 
 
-class _EditingSink(BucketSink):
-    """Sits between a Packing and the transport's own sink: hands the transport's buffers
-    through, and edits bucket b once ``done(b, digest)`` passed the digest on. The transport
-    keeps calling its own sink directly; only the packing goes through this one."""
+class _EditedPacker:
+    """A packer (full or delta-encoded) whose bucket ``b`` is edited once filled and digested."""
 
-    def __init__(self, sink: BucketSink, version: int, packing: Packing, edit: Edit):
-        self._sink, self._version, self._plan, self._edit = sink, version, packing.plan, edit
-        self._buffers: dict[int, torch.Tensor] = {}
+    def __init__(self, packer: Any, version: int, edit: Edit):
+        self._packer, self._version, self._edit = packer, version, edit
 
-    def buffer(self, b: int) -> torch.Tensor:
-        buf = self._buffers[b] = self._sink.buffer(b)
-        return buf
-
-    def done(self, b: int, digest: int | torch.Tensor | None) -> None:
-        self._sink.done(b, digest)  # taken over the clean bytes (a device digest is queued first)
-        buf = self._buffers.pop(b, None)
-        if buf is not None:
-            self._edit(self._version, b, buf[: self._plan.buckets[b].nbytes])
+    def fill(self, b: int, dst: torch.Tensor, kind: str | None = None, views: Any = None) -> Any:
+        value = self._packer.fill(b, dst, kind, views)  # taken over the clean bytes (a device digest is queued first)
+        self._edit(self._version, b, dst[: self._packer.plan.buckets[b].nbytes])
+        return value
 
     def __getattr__(self, name: str) -> Any:
-        return getattr(self._sink, name)
-
-
-class _EditedPacking:
-    """A staged Packing (full or delta-encoded) whose ``into`` packs through _EditingSink."""
-
-    def __init__(self, packing: Packing, version: int, edit: Edit):
-        self._packing, self._version, self._edit = packing, version, edit
-
-    @property
-    def plan(self) -> Any:
-        return self._packing.plan
-
-    def into(self, sink: BucketSink, kind: str | None) -> Iterator[int]:
-        return self._packing.into(_EditingSink(sink, self._version, self._packing, self._edit), kind)
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self._packing, name)
+        return getattr(self._packer, name)
 
 
 def edit_packed(transport: Any, edit: Edit | None) -> None:
@@ -100,10 +70,10 @@ def edit_packed(transport: Any, edit: Edit | None) -> None:
     if wrapper is None:
         original = transport.stage
 
-        def wrapper(version: int, slot: int, packing: Packing, *args: Any, **kwargs: Any) -> Any:
+        def wrapper(version: int, slot: int, packer: Any) -> Any:
             if wrapper.edit is not None:
-                packing = _EditedPacking(packing, version, wrapper.edit)
-            return original(version, slot, packing, *args, **kwargs)
+                packer = _EditedPacker(packer, version, wrapper.edit)
+            return original(version, slot, packer)
 
         transport.stage = wrapper
     wrapper.edit = edit
@@ -121,9 +91,9 @@ class HeldTransport:
     def receive(self, version: int, *args: Any, **kwargs: Any) -> Iterator[Any]:
         received = self._transport.receive(version, *args, **kwargs)
         try:
-            for item in received:
-                yield item
-                self._gate((version, item[0]))
+            for bucket in received:
+                yield bucket
+                self._gate((version, bucket.index))
         finally:
             received.close()
 

@@ -4,7 +4,6 @@ digest trailer, the session's store, the current group and the two bucket buffer
 from __future__ import annotations
 
 import struct
-import time
 from collections.abc import Callable
 from typing import Any
 
@@ -13,8 +12,8 @@ import torch
 from ...coordinator.ops import BroadcastGroup
 from ...digest import compute, kind_of
 from ...errors import ConfigError, ProtocolError, WeightSyncError
-from ...packing import PackViews
-from ..base import Aborted, TransportContext
+from ...manifest import PackViews
+from ..base import Aborted, Deadline, TransportContext
 from ..ipc.wire import in_flight
 from .communicators import choose_communicator, comm_device
 from .groups import Group, retire
@@ -26,7 +25,7 @@ BUFFERS = in_flight(2)
 
 def put_checksum(buf: torch.Tensor, n: int, value: int | torch.Tensor | None = None,
                  kind: str = "xxh3") -> int | torch.Tensor:
-    """Append the bucket's digest (``value`` if pack_stream computed it already) as a
+    """Append the bucket's digest (``value`` if the packer computed it already) as a
     trailer. A device value is copied on the device: nothing waits for it."""
     value = compute(kind, buf[:n]) if value is None else value
     if isinstance(value, torch.Tensor):
@@ -61,7 +60,7 @@ class BroadcastEnd:
         self.trailer = TRAILER if kind_of(ctx.config, self.device) else 0
         self.group: Group | None = None
         self.buffers: list[torch.Tensor] | None = None
-        self.generation = 0  # bumped whenever the buffers go (ReceiverTransport.buffers_generation)
+        self.generation = 0  # bumped whenever the buffers go (Bucket.generation)
         self.views = PackViews()  # the sender's: where each bucket's tensors go in each buffer
         self.pending: list[Any] = []  # ops posted and not yet settled
 
@@ -78,7 +77,7 @@ class BroadcastEnd:
         n = self.ctx.plan.buckets[b].nbytes if nbytes is None else nbytes
         return self._buffers()[b % BUFFERS][: n + self.trailer]
 
-    def _join(self, group: BroadcastGroup, rank: int, deadline: float, poll: Callable[[], None]) -> Group:
+    def _join(self, group: BroadcastGroup, rank: int, deadline: Deadline, poll: Callable[[], None]) -> Group:
         """The group of this version: the current one if the epoch is unchanged, else built
         anew in a helper thread while this one keeps polling the coordinator."""
         # epochs count from 1 again in a restarted coordinator: its nonce keeps names unique
@@ -88,7 +87,7 @@ class BroadcastEnd:
         self._drop()
         names = [group.sender] + list(group.members)
         prefix = f"weightsync/{self.ctx.session}/{self.ctx.digest[:16]}/{group.nonce}/epoch{group.epoch}"
-        timeout = max(0.001, min(self.ctx.config.connect_timeout_s, deadline - time.monotonic()))
+        timeout = max(0.001, min(self.ctx.config.connect_timeout_s, deadline.left()))
         self.group = Group.build_polled(self.backend, self._store(), prefix, rank, len(names), self.device,
                                         timeout, names, self.communicator, poll,
                                         f"building broadcast group epoch {group.epoch}")

@@ -75,7 +75,7 @@ class Group:
         raises if the version was aborted meanwhile): a rendezvous can wait on a dead peer."""
         box: dict[str, Any] = {}
         # the rendezvous' first broadcast goes on the caller's stream (the ahead thread's own
-        # one, shadow.py), not on the helper thread's default stream, the engine's on CUDA
+        # one, ahead.py), not on the helper thread's default stream, the engine's on CUDA
         stream = devices.current_stream(device) if devices.has_streams(device) else None
 
         def run() -> None:

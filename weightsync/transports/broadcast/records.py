@@ -6,7 +6,7 @@ from __future__ import annotations
 import dataclasses
 from typing import ClassVar
 
-from ..base import SessionRecord, VersionRecord
+from ...records import SessionRecord, VersionRecord
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -18,9 +18,8 @@ class BroadcastSession(SessionRecord):
     host: str  # of the sender's TCPStore
     port: int
     store_id: str  # tells this sender's store from a restarted sender's
-    # receive_ahead: the sender may send a version in stage(), before the barrier, to receivers
-    # that keep a shadow of it (receive_ahead.py)
-    ahead: bool = False
+    # (ahead, from SessionRecord: with receive_ahead the sender may send a version in stage(),
+    # before the barrier, to receivers that keep an ahead copy of it: broadcast/ahead.py)
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -33,5 +32,5 @@ class BroadcastVersion(VersionRecord):
 
     transport: ClassVar[str] = "broadcast"
     session: BroadcastSession
-    # sent in stage(), before the barrier, into every member's shadow: apply() loads from there
+    # sent in stage(), before the barrier, into every member's ahead copy: apply() loads from there
     ahead: bool = False

@@ -36,21 +36,21 @@ from __future__ import annotations
 import dataclasses
 import secrets
 import time
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Iterator
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
 from ... import device as devices
+from ... import digest
 from ...coordinator.ops import BroadcastGroup
-from ...errors import ConfigError, DeadlineExceeded, VersionError, WeightSyncError
-from ...manifest import BucketPlan
-from ...packing import BucketSink, Packing
-from ..base import Aborted, Received, ReceiverTransport, SenderTransport, TransportContext, VersionRecord
-from ..shadow import Shadow
-from .ahead import AheadReceiver
-from .communicators import choose_backend, comm_device
+from ...errors import ChecksumError, ConfigError, DeadlineExceeded, VersionError, WeightSyncError
+from ...manifest import BucketPlan, Packer
+from ...records import VersionRecord
+from ..base import Aborted, Bucket, Deadline, ReceiverTransport, SenderTransport, Span, TransportContext
+from .ahead import AheadCopy
+from .communicators import choose_backend
 from .ends import BUFFERS, TRAILER, BroadcastEnd, get_checksum, put_checksum  # noqa: F401  (tests)
 from .groups import Group, settle
 from .records import BroadcastSession, BroadcastVersion
@@ -59,28 +59,24 @@ from .store import connect_store, host_store, store_host
 
 class BroadcastSender(BroadcastEnd, SenderTransport):
     name = "broadcast"
-    session_record = BroadcastSession
-    version_record = BroadcastVersion
-    pipelined = False  # bytes move at the barrier, when every receiver is in the collective
-    ahead_capable = True  # or in stage(), with receive_ahead, into the receivers' shadows
 
     def __init__(self, ctx: TransportContext):
-        super().__init__(ctx)
+        self.ctx = ctx
         self._setup(ctx, choose_backend(ctx.config.backend, ctx.device), f"sender '{ctx.name}'")
+        kind = digest.kind_of(ctx.config, self.device)  # of the buckets on the communicator's device
         self.store: dist.TCPStore | None = None
-        self.packings: dict[int, Packing] = {}
-        self.scratch: torch.Tensor | None = None  # where a failed version's rest is packed
+        self.packers: dict[int, Packer] = {}
         # tells this sender's store from a restarted sender's, even on a fixed rendezvous_port
         self.store_id = secrets.token_hex(8)
-        # receive_ahead: send in stage() when every receiver keeps a shadow; announced versions
-        # are readable while STAGING, as on a pipelined transport
-        self.ahead = ctx.config.receive_ahead != "off" and ctx.control is not None
-        self.pipelined = self.ahead
+        # receive_ahead: send in stage() when every receiver keeps an ahead copy; announced
+        # versions are readable while STAGING
+        ahead = ctx.config.receive_ahead != "off" and ctx.control is not None
+        self.session = BroadcastSession(backend=self.backend, communicator=self.communicator,
+                                        communicator_reason=self.communicator_reason,
+                                        host=store_host(ctx.config.rendezvous_host), port=self._store().port,
+                                        store_id=self.store_id, digest_kind=kind, ahead=ahead)
+        self.groups_ahead: dict[int, BroadcastGroup | None] = {}  # announced versions: their group (None: gone)
         self.sent_ahead: set[int] = set()
-
-    def buffer_device(self) -> torch.device:
-        return comm_device(choose_backend(self.ctx.config.backend, self.ctx.device), self.ctx.device,
-                           f"sender '{self.ctx.name}'")
 
     def _store(self) -> dist.TCPStore:
         if self.store is None:
@@ -88,56 +84,58 @@ class BroadcastSender(BroadcastEnd, SenderTransport):
                                     self.ctx.config.rendezvous_port, self.ctx.config.connect_timeout_s)
         return self.store
 
-    def session_info(self) -> BroadcastSession:
-        return self.session_record(backend=self.backend, communicator=self.communicator,
-                                   communicator_reason=self.communicator_reason,
-                                   host=store_host(self.ctx.config.rendezvous_host), port=self._store().port,
-                                   store_id=self.store_id, digest_kind=self.digest_kind, ahead=self.ahead)
-
-    def stage(self, version: int, slot: int, packing: Packing,
-              announce: Callable[[VersionRecord], None]) -> BroadcastVersion:
-        # Nothing moves before the barrier: the tensors are read, packed and sent in send(),
-        # with two buckets of memory instead of a copy of the model. So the trainer must
-        # leave them unchanged until sync() returns (the recipe syncs right after the step).
-        self.packings = {v: p for v, p in self.packings.items() if v > version}
-        self.sent_ahead = {v for v in self.sent_ahead if v > version - 8}
-        if self.ahead and self._send_ahead(version, packing, announce):
-            return self.version_record(session=self.session_info(), ahead=True)
-        self.packings[version] = packing
-        # the store's address rides along with every version: a restarted trainer hosts a
-        # new store, and receivers still connected to the dead one's follow it (receive())
-        return self.version_record(session=self.session_info())
-
-    def _send_ahead(self, version: int, packing: Packing, announce: Callable[[VersionRecord], None]) -> bool:
-        """Send ``version`` now, into every receiver's shadow, if the coordinator forms its group
-        ahead (every live receiver keeps a shadow and waits for it); False: at the barrier.
-        A failed transfer is not raised: the version is aborted, naming the fault, and
-        sync() raises it."""
+    def announce(self, version: int, slot: int) -> BroadcastVersion | None:
+        """With receive_ahead, ask the coordinator to form ``version``'s group now: it does when
+        every live receiver keeps an ahead copy and waits for it. Then stage() sends it, and
+        receivers' ahead threads join from here on; None: it goes at the barrier."""
+        if not self.session.ahead:
+            return None
         devices.set_current(self.device)
         try:
             group = self.ctx.control.bcast_form(version, ahead=True)
         except VersionError:
-            self._drain(packing)  # superseded or aborted meanwhile; nothing to send
-            return True
+            self.groups_ahead[version] = None  # superseded or aborted meanwhile; nothing to send
+            return None
         if group is None:
-            return False
-        # readable from here on: receivers' ahead threads join the group formed above
-        announce(self.version_record(session=self.session_info(), ahead=True))
-        self._stream(version, group, packing, time.monotonic() + self.ctx.config.sync_timeout_s)
-        self.sent_ahead.add(version)
-        return True
+            return None
+        self.groups_ahead[version] = group
+        return BroadcastVersion(session=self.session, ahead=True)
+
+    def stage(self, version: int, slot: int, packer: Packer) -> BroadcastVersion:
+        # Nothing moves before the barrier unless the version's group formed ahead: the tensors
+        # are read, packed and sent in send(), with two buckets of memory instead of a copy of
+        # the model. So the trainer must leave them unchanged until sync() returns (the recipe
+        # syncs right after the step).
+        self.packers = {v: p for v, p in self.packers.items() if v > version}
+        self.sent_ahead = {v for v in self.sent_ahead if v > version - 8}
+        if version in self.groups_ahead:
+            group = self.groups_ahead.pop(version)
+            if group is None:
+                packer.drain()
+                return BroadcastVersion(session=self.session, ahead=True)
+            # a failed transfer is not raised: the version is aborted, naming the fault, and sync() raises it
+            sent = self._stream(version, group, packer, self._deadline(version))
+            self.sent_ahead.add(version)
+            return BroadcastVersion(session=self.session, ahead=True, digest=sent)
+        self.packers[version] = packer
+        # the store's address rides along with every version: a restarted trainer hosts a
+        # new store, and receivers still connected to the dead one's follow it (receive())
+        return BroadcastVersion(session=self.session)
+
+    def _deadline(self, version: int) -> Deadline:
+        return Deadline(version, time.monotonic() + self.ctx.config.sync_timeout_s, self.ctx.control)
 
     def give_back(self, version: int) -> bool:
-        packing = self.packings.pop(version, None)
-        if packing is not None:
-            self._drain(packing)
-        return packing is not None
+        packer = self.packers.pop(version, None)
+        if packer is not None:
+            packer.drain()
+        return packer is not None
 
-    def send(self, version: int, deadline: float) -> None:
+    def send(self, version: int, deadline: Deadline) -> str | None:
         if version in self.sent_ahead:
-            return  # its bytes moved in stage(); the receivers only load at the barrier
-        packing = self.packings.pop(version, None)
-        if packing is None:
+            return None  # its bytes moved in stage(); the receivers only load at the barrier
+        packer = self.packers.pop(version, None)
+        if packer is None:
             raise VersionError(f"version {version} was not staged on the broadcast transport")
         devices.set_current(self.device)
         group = None
@@ -148,72 +146,59 @@ class BroadcastSender(BroadcastEnd, SenderTransport):
         except WeightSyncError as exc:
             self._failed(version, exc)
         if group is None or group.size == 1:
-            self._drain(packing)  # nobody to send to; the coordinator records the outcome
-            return
-        self._stream(version, group, packing, deadline)
+            packer.drain()  # nobody to send to; the coordinator records the outcome
+            return None
+        return self._stream(version, group, packer, deadline)
 
-    def _stream(self, version: int, group: BroadcastGroup, packing: Packing, deadline: float) -> None:
-        """Pack and send the version (_Launch). The iteration always runs to its end, even
-        after the transfer failed: it may be a collective on the trainer's own group (FSDP
-        full_tensor) that the other trainer ranks are inside. So errors of the transfer are
-        recorded, not raised, in there."""
-        run = _Launch(self, version, deadline, plan=packing.plan)
+    def _stream(self, version: int, group: BroadcastGroup, packer: Packer, deadline: Deadline) -> str | None:
+        """Pack and send the version (_Run); its digest, or None where the transfer failed. The
+        iteration always runs to its end, even after the transfer failed: it may be a collective
+        on the trainer's own group (FSDP full_tensor) that the other trainer ranks are inside. So
+        errors of the transfer are recorded, not raised, in here: sync()'s wait_outcome raises
+        SyncFailed with what the coordinator learned, naming every party at fault."""
+        devices.set_current(self.device)
+        run = _Run(self, version, deadline, packer.plan)
         try:
             run.group = self._join(group, 0, deadline, run.poll)
         except Exception as exc:
             run.fail(exc)
+        kind = self.session.digest_kind if self.trailer else None
         try:
-            for _ in packing.into(run, self.digest_kind if self.trailer else None):
-                pass
+            for b in range(packer.plan.bucket_count):
+                buf = run.claim(b) if run.error is None else None
+                if buf is None:
+                    break
+                run.done(b, packer.fill(b, buf, kind, self.views))
         except BaseException as exc:
             run.fail(exc)  # the trainer's tensors are off the manifest, or its iteration failed
             raise
+        packer.drain()  # the rest of a failed version, walked without a copy
         if run.error is None:
             try:
-                run.finish()
+                return run.finish()
             except Exception as exc:
                 run.fail(exc)
-        # a failed transfer is not raised here: sync()'s wait_outcome raises SyncFailed
-        # with what the coordinator learned, naming every party at fault
-
-    def _scratch(self) -> torch.Tensor:
-        if self.scratch is None:
-            self.scratch = torch.empty(self.ctx.plan.bucket_bytes + self.trailer, dtype=torch.uint8,
-                                       device=self.device)
-        return self.scratch
-
-    def _drain(self, packing: Packing) -> None:
-        """Iterate the version without sending: the iteration may be a collective on the
-        trainer's own group (FSDP full_tensor), which the other ranks are inside."""
-        try:
-            for _ in packing.into(_Launch(self, -1, 0.0, failed=True), None):
-                pass
-        except Exception:
-            pass  # the version has already failed; the first error is the one reported
+        return None
 
     def close(self) -> None:
         self._close_end()
-        self.packings.clear()
-        self.scratch = self.store = None
+        self.packers.clear()
+        self.store = None
 
 
-class _Launch(BucketSink):
-    """One version packed and broadcast. pack_stream asks for bucket b's buffer only once every
-    bucket before b is fully packed: that is when bucket b-1 is launched and bucket b-2, the
-    buffer's previous user, must have left. A tensor larger than a bucket spans several, so a
-    yield from pack_stream comes too late to be the signal. Once the transfer failed, the
-    rest of the version is packed into scratch."""
+class _Run:
+    """One version packed and broadcast. Bucket b's buffer is claimed once every bucket before b
+    is fully packed: that is when bucket b-1 is launched and bucket b-2, the buffer's previous
+    user, must have left."""
 
-    def __init__(self, sender: BroadcastSender, version: int, deadline: float, failed: bool = False,
-                 plan: BucketPlan | None = None):
+    def __init__(self, sender: BroadcastSender, version: int, deadline: Deadline, plan: BucketPlan):
         self.sender, self.version, self.deadline = sender, version, deadline
-        self.views = sender.views
-        self.plan = sender.ctx.plan if plan is None else plan  # the packing's wire lengths (shorter where its buckets are encoded)
+        self.plan = plan  # the packer's wire lengths (shorter where its buckets are encoded)
         self.group: Group | None = None
         self.launched: list[Any] = []
-        self.digests: dict[int, Any] = {}  # each bucket's, from pack_stream, until launched
+        self.digests: dict[int, Any] = {}  # each bucket's, from the packer, until launched
         self.written: list[Any] = []  # the same, in plan order, for the version's digest
-        self.error: BaseException | None = Aborted("draining") if failed else None
+        self.error: BaseException | None = None
 
     def poll(self) -> None:
         self.sender._poll(self.version)
@@ -230,51 +215,52 @@ class _Launch(BucketSink):
             i = len(self.launched)
             n = plan.buckets[i].nbytes
             if s.trailer:
-                self.written.append(put_checksum(s._wire(i, n), n, self.digests.pop(i, None), s.digest_kind))
-            self.launched.append(self.group.broadcast(s._wire(i, n), self.deadline - time.monotonic()))
+                self.written.append(put_checksum(s._wire(i, n), n, self.digests.pop(i, None), s.session.digest_kind))
+            self.launched.append(self.group.broadcast(s._wire(i, n), self.deadline.left()))
             s.pending.append(self.launched[-1])
 
-    def buffer(self, b: int) -> torch.Tensor:
-        if self.error is None:
-            try:
-                self.launch_until(b)
-                if b >= BUFFERS:
-                    settle(self.launched[b - BUFFERS], self.deadline, self.poll,
-                           f"bucket {b - BUFFERS} of version {self.version}")
-                return self.sender._wire(b, self.plan.buckets[b].nbytes)
-            except Exception as exc:
-                self.fail(exc)
-        return self.sender._scratch()
+    def claim(self, b: int) -> torch.Tensor | None:
+        """Bucket b's buffer; None once the transfer failed."""
+        try:
+            self.launch_until(b)
+            if b >= BUFFERS:
+                settle(self.launched[b - BUFFERS], self.deadline.at, self.poll,
+                       f"bucket {b - BUFFERS} of version {self.version}")
+            return self.sender._wire(b, self.plan.buckets[b].nbytes)
+        except Exception as exc:
+            self.fail(exc)
+            return None
 
     def done(self, b: int, digest: int | torch.Tensor | None) -> None:
         if digest is not None:
             self.digests[b] = digest
 
-    def finish(self) -> None:
-        """Launch what is left, wait for the last buckets, record the version's digest."""
+    def finish(self) -> str | None:
+        """Launch what is left, wait for the last buckets; the version's digest."""
         s, count = self.sender, self.plan.bucket_count
         self.launch_until(count)
         for b in range(max(0, count - BUFFERS), count):
-            settle(self.launched[b], self.deadline, self.poll, f"bucket {b} of version {self.version}")
+            settle(self.launched[b], self.deadline.at, self.poll, f"bucket {b} of version {self.version}")
         devices.synchronize(s.device)
         s.pending = []
-        s._record(self.version, self.written)  # device digests are final after the sync
+        kind = s.session.digest_kind if s.trailer else None
+        # device digests are final after the sync
+        return digest.version_digest(kind, [digest.as_int(d) for d in self.written]) if kind else None
 
 
-class BroadcastReceiver(AheadReceiver, BroadcastEnd, ReceiverTransport):
+class BroadcastReceiver(BroadcastEnd, ReceiverTransport):
     name = "broadcast"
-    session_record = BroadcastSession
-    version_record = BroadcastVersion
 
-    def __init__(self, ctx: TransportContext, wire: Mapping[str, Any]):
-        super().__init__(ctx, wire)
-        sends = bool(self.session.digest_kind)
-        self._setup(ctx, self.session.backend, f"receiver '{ctx.name}'", self.session.communicator)
+    def __init__(self, ctx: TransportContext, session: BroadcastSession):
+        self.ctx, self.session = ctx, session
+        sends = bool(session.digest_kind)
+        self._setup(ctx, session.backend, f"receiver '{ctx.name}'", session.communicator)
         if bool(self.trailer) != sends:
             raise ConfigError(f"receiver '{ctx.name}' has checksum={ctx.config.checksum} but the sender "
                               f"{'sends' if sends else 'does not send'} digests; use one config for every party")
+        self.digest_kind = session.digest_kind if ctx.digest_kind is not None else None
         self.store: dist.TCPStore | None = None
-        self.shadow: Shadow | None = None  # receive_ahead: the version taken before the barrier (ahead.py)
+        self.copy: AheadCopy | None = None  # receive_ahead: the version taken before the barrier
 
     def _store(self) -> dist.TCPStore:
         if self.store is None:
@@ -296,44 +282,49 @@ class BroadcastReceiver(AheadReceiver, BroadcastEnd, ReceiverTransport):
         self.store = None
         self.session = dataclasses.replace(self.session, host=info.host, port=info.port, store_id=info.store_id)
 
-    def _collective(self, version: int, info: BroadcastVersion, deadline: float,
-                    check: Callable[[], None]) -> Iterator[Received]:
-        self._follow(info.session)
+    def receive(self, version: int, record: VersionRecord, deadline: Deadline) -> Iterator[Bucket]:
+        if not record.ahead:
+            yield from self._collective(version, record, deadline)
+            return
+        if self.copy is None:
+            raise VersionError(f"version {version} was sent ahead but receiver '{self.ctx.name}' keeps no ahead "
+                               f"copy (receive_ahead: off here; use one config for every party)")
+        self.copy.wait(version, deadline)
+        yield from self.copy.buckets(record.moves(self.ctx.plan))
+
+    def _collective(self, version: int, record: BroadcastVersion, deadline: Deadline) -> Iterator[Bucket]:
+        self._follow(record.session)
 
         def poll() -> None:
-            try:
-                check()
-            except VersionError as exc:
-                raise Aborted(str(exc)) from None
+            deadline.check()
             self._poll(version)
 
         devices.set_current(self.device)
-        plan = self.plan_of(info)  # the wire lengths its record gives
+        plan = record.moves(self.ctx.plan)  # the wire lengths its record gives
         posted: dict[int, Any] = {}
         finished = False
         try:
-            left = max(0.001, deadline - time.monotonic())
-            group = self.ctx.control.bcast_group(version, timeout=left)
+            group = self.ctx.control.bcast_group(version, timeout=max(0.001, deadline.left()))
             g = self._join(group, group.rank, deadline, poll)
             if devices.has_streams(self.device):
                 # the buffers serve the barrier (the engine's stream) and the ahead thread (a
-                # stream of its own, shadow.py): freed with ops of either still queued, their
+                # stream of its own, ahead.py): freed with ops of either still queued, their
                 # memory must not go to a new tensor before those ops end
                 for buf in self._buffers():
                     devices.record_stream(buf, devices.current_stream(self.device))
 
             def post(b: int) -> None:
                 if b < plan.bucket_count:
-                    posted[b] = g.broadcast(self._wire(b, plan.buckets[b].nbytes), deadline - time.monotonic())
+                    posted[b] = g.broadcast(self._wire(b, plan.buckets[b].nbytes), deadline.left())
                     self.pending.append(posted[b])
 
             for b in range(BUFFERS):
                 post(b)
             for b, bucket in enumerate(plan.buckets):
-                settle(posted.pop(b), deadline, poll, f"bucket {b} of version {version}")
+                settle(posted.pop(b), deadline.at, poll, f"bucket {b} of version {version}")
                 wire = self._wire(b, bucket.nbytes)
                 expected = get_checksum(wire, bucket.nbytes) if self.trailer else None
-                yield b, wire[: bucket.nbytes], expected
+                yield Bucket(b, wire[: bucket.nbytes], expected if self.digest_kind else None, "", self.generation)
                 post(b + BUFFERS)  # the consumer is done with this buffer
             devices.synchronize(self.device)
             self.pending = []
@@ -350,12 +341,64 @@ class BroadcastReceiver(AheadReceiver, BroadcastEnd, ReceiverTransport):
                 # the consumer): our posted ops are out of step with the group, retire it
                 self._drop()
 
-    def buffers_generation(self) -> int:
-        return self.generation
+    # -- receive_ahead: versions sent in stage() --------------------------------------------------
+
+    def open_ahead(self) -> int | None:
+        """Allocate the ahead copy where the sender sends ahead; its bytes, or None (not ahead).
+
+        Raises:
+            CapacityError: one copy of the payload exceeds ``receive_ahead_max_mb``.
+        """
+        if not self.session.ahead or self.ctx.config.receive_ahead == "off":
+            return None
+        if self.copy is None:
+            self.copy = AheadCopy(self.ctx.plan, self.device, f"receiver '{self.ctx.name}'", self.ctx.config)
+            self.ctx.account("ahead_copy_bytes", +self.copy.nbytes)
+        return self.copy.nbytes
+
+    def prefetch(self, version: int, record: VersionRecord, deadline: Deadline) -> bool:
+        """Take a version sent ahead into the ahead copy; True if it came in whole and verified.
+        A bad bucket does not leave the collective (the other members' transfer goes on); the
+        version fails when apply() comes for it. Raises what broke the collective (the version
+        is aborted, naming the fault)."""
+        if not record.ahead or self.copy is None:
+            return False
+        copy = self.copy
+        bad: BaseException | None = None
+        # on a device, the collective, the copies and the digests are queued on the copy's own
+        # stream: the engine keeps generating on its stream meanwhile (ahead.py)
+        with copy.writing():
+            copy.begin(version)
+            try:
+                for bucket in self._collective(version, record, deadline):
+                    into = copy.bucket(bucket.index, bucket.data.numel())
+                    into.copy_(bucket.data)
+                    expected = None if bucket.digest is None else digest.as_int(bucket.digest)
+                    copy.digests.append(expected)
+                    if bad is None and expected is not None:
+                        try:
+                            # the copy is what the barrier loads: verify that one, now
+                            # (off the barrier: this thread may wait for the device)
+                            digest.verify(self.digest_kind, bucket.index, into, expected, version)
+                        except ChecksumError as exc:
+                            bad = exc
+            except BaseException as exc:
+                copy.finish(version, exc)
+                raise
+            copy.finish(version, bad)
+        return bad is None
+
+    def received_ahead(self, version: int, record: VersionRecord) -> bool:
+        return isinstance(record, BroadcastVersion) and record.ahead
+
+    def span(self, version: int, record: VersionRecord) -> Span | None:
+        if self.received_ahead(version, record) and self.copy is not None:
+            return self.copy.span()
+        return None
 
     def close(self) -> None:
         self._close_end()
         self.store = None
-        if self.shadow is not None:
-            self.ctx.account("ahead_shadow_bytes", -self.shadow.nbytes)
-            self.shadow = None
+        if self.copy is not None:
+            self.ctx.account("ahead_copy_bytes", -self.copy.nbytes)
+            self.copy = None

@@ -7,7 +7,7 @@ from __future__ import annotations
 import dataclasses
 from typing import ClassVar
 
-from ..base import Record, SessionRecord, VersionRecord
+from ...records import Record, SessionRecord, VersionRecord
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)

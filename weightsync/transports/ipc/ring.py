@@ -2,8 +2,8 @@
 streaming mode move versions through (transport.py: RingSender, RingReceiver). An end knows its
 transport only by the ``owner`` its errors start with and the ``resource`` it counts in status():
 
-  RingWriter   .session(record), .stage(version, packing), .send(version, deadline) -> digests
-  RingReader   .digest_kind, .receive(version, session, plan, deadline, check) -> buckets in order
+  RingWriter   .session(record), .stage(version, packer), .send(version, deadline) -> digests
+  RingReader   .digest_kind, .receive(version, session, plan, deadline) -> buckets in order
 
 Control words and handles on the wire: ipc/wire.py. Bucket b of a version goes to buffer b % nbuf.
 Before overwriting a buffer the writer waits until every receiver taking part in the version
@@ -26,11 +26,9 @@ import torch
 from ... import device as devices
 from ...digest import as_int, compute, kind_of
 from ...errors import CapacityError, DeadlineExceeded, ProtocolError, VersionError
-from ...manifest import BucketPlan, align_up
-from ...packing import BucketSink, Packing, PackViews
-from ..base import Aborted, Received, TransportContext, poll_until
-from ..memory import PAGE, Segment, attach, create, digest_word, reap_stale
-from ..wake import Waiter, wake
+from ...manifest import BucketPlan, Packer, PackViews, align_up
+from ..base import Aborted, Bucket, Deadline, TransportContext
+from ..memory import PAGE, Segment, Waiter, attach, create, digest_word, poll_until, reap_stale, wake
 from .records import DeviceHandle, DeviceRecord, HostBuffer, IpcSession
 from .wire import (
     BUCKET_BITS,
@@ -71,7 +69,7 @@ class RingWriter:
         self.buffers: list[torch.Tensor] = []
         self.handles: list[HostBuffer | DeviceHandle] = []
         self.control: Segment | None = None
-        self._pending: dict[int, Packing] = {}
+        self._pending: dict[int, Packer] = {}
         self.views = PackViews()  # where each bucket's tensors go in each buffer, made once
         try:
             self.control = self._segment(CONTROL_BYTES, f"an {owner} control block", f"{resource}_control")
@@ -105,35 +103,42 @@ class RingWriter:
         self.buffers.append(t)
         self.ctx.account(f"{self.resource}_handles", +1)
 
-    def session(self, record: type[S]) -> S:
+    def session(self, record: type[S], why: str = "") -> S:
         return record(control=self.control.ref, buffers=list(self.handles), nbuf=self.nbuf, capacity=self.capacity,
-                      digest_kind=self.digest_kind, device=DeviceRecord(**devices.describe(self.device)))
+                      digest_kind=self.digest_kind, device=DeviceRecord(**devices.describe(self.device)), why=why)
 
-    def stage(self, version: int, packing: Packing) -> None:
-        """Keep ``packing`` for send(): the ring is written at the barrier, bucket by bucket."""
+    def stage(self, version: int, packer: Packer) -> None:
+        """Keep ``packer`` for send(): the ring is written at the barrier, bucket by bucket."""
         if not 0 <= version < 1 << (63 - BUCKET_BITS) or self.ctx.plan.bucket_count >= 1 << BUCKET_BITS:
             raise VersionError(f"{self.owner}: version {version} is out of range (0 .. 2**39)")
-        self._pending = {version: packing}  # a newer version supersedes one staged but never sent
+        self._pending = {version: packer}  # a newer version supersedes one staged but never sent
 
-    def send(self, version: int, deadline: float) -> list[int] | None:
+    def take_back(self, version: int) -> Packer | None:
+        """The packer kept for ``version``, which will not be sent now (given back)."""
+        return self._pending.pop(version, None)
+
+    def send(self, version: int, deadline: Deadline) -> list[int] | None:
         """Pack the staged ``version`` through the ring: its bucket digests, or None where the
         coordinator aborted it (it has the reason; sync() reports it through wait_outcome)."""
-        packing = self._pending.pop(version, None)
-        if packing is None:
+        packer = self._pending.pop(version, None)
+        if packer is None:
             raise VersionError(f"{self.owner}: version {version} was not staged on this transport (superseded?)")
         devices.set_current(self.ctx.device)
         try:
             watch = Watch(self.ctx, version)
             watch.write_roster(self.control.words)
-            sink = _VersionSink(self, version, watch, deadline, packing.plan)
-            for b in packing.into(sink, self.digest_kind):
-                sink.publish_through(b - 1)  # b's copies are queued: waiting for b - 1 keeps the device busy
-            sink.publish_through(packing.plan.bucket_count - 1)
-            return sink.sums
+            run = _Run(self, version, watch, deadline, packer.plan)
+            for b in range(packer.plan.bucket_count):
+                digest = packer.fill(b, run.claim(b), self.digest_kind, self.views)
+                run.done(b, digest)
+                run.publish_through(b - 1)  # b's copies are queued: waiting for b - 1 keeps the device busy
+            run.publish_through(packer.plan.bucket_count - 1)
+            return run.sums
         except Aborted:
+            packer.drain()  # the iteration may be a collective the other trainer ranks are in
             return None
 
-    def wait_released(self, version: int, b: int, k: int, watch: Watch, deadline: float,
+    def wait_released(self, version: int, b: int, k: int, watch: Watch, deadline: Deadline,
                       owed: Callable[[], None] | None = None) -> None:
         """Wait until every receiver released bucket ``b`` of ``version`` from buffer ``k``;
         ``owed`` runs first if it has to wait: what the receivers may be waiting for."""
@@ -144,13 +149,13 @@ class RingWriter:
             owed()
             if not watch.pending(w, need, k):
                 return
-        poll_until(
-            lambda: not watch.pending(w, need, k), deadline, watch.refresh,
-            lambda: DeadlineExceeded(
+        try:
+            poll_until(lambda: not watch.pending(w, need, k), deadline, "", Waiter(w, RELEASED),  # rung after each release
+                       tick=watch.refresh)
+        except DeadlineExceeded:
+            raise DeadlineExceeded(
                 f"{self.owner}: receiver(s) {', '.join(watch.pending(w, need, k))} did not finish bucket {b} of "
-                f"version {version} before the deadline (stalled in load_weights, or never called apply?)"),
-            waiter=Waiter(w, RELEASED),  # receivers ring it after each release
-        )
+                f"version {version} before the deadline (stalled in load_weights, or never called apply?)") from None
 
     def close(self) -> None:
         self._pending.clear()
@@ -166,26 +171,24 @@ class RingWriter:
         self.segments.clear()
 
 
-class _VersionSink(BucketSink):
+class _Run:
     """One version packed into the writer's ring: bucket b goes to buffer b % nbuf once every
-    receiver released the bucket it held there; a bucket is published (digest, then ready
-    word) once its copies have landed. On a device an event per bucket says so (Fences): the
-    host queues bucket b's copies while b - 1's are still in flight, and blocks on one only
+    receiver released the bucket it held there (``claim``); a bucket is published (digest, then
+    ready word) once its copies have landed. On a device an event per bucket says so (Fences):
+    the host queues bucket b's copies while b - 1's are still in flight, and blocks on one only
     when its buffer is needed again."""
 
-    def __init__(self, ring: RingWriter, version: int, watch: Watch, deadline: float, plan: BucketPlan):
-        self.plan = plan  # the packing's wire lengths (shorter where its buckets are encoded)
+    def __init__(self, ring: RingWriter, version: int, watch: Watch, deadline: Deadline, plan: BucketPlan):
+        self.plan = plan  # the packer's wire lengths (shorter where its buckets are encoded)
         self.ring, self.version, self.watch, self.deadline = ring, version, watch, deadline
         self.published = self.fenced = -1
         self.asked: set[int] = set()
-        self.digests: dict[int, Any] = {}  # from pack_stream, by bucket, until published
+        self.digests: dict[int, Any] = {}  # from the packer, by bucket, until published
         self.sums: list[int] = []
         self.fences = devices.Fences(ring.device)
-        self.views = ring.views
 
-    def buffer(self, b: int) -> torch.Tensor:
-        # plan order is monotonic: when bucket b is asked for, every bucket before it is full
-        # (a tensor split over several buckets would otherwise hold them all unpublished)
+    def claim(self, b: int) -> torch.Tensor:
+        """Bucket b's buffer, once free; every bucket before b is full by then."""
         r = self.ring
         self.publish_through(b - 1, block=False)
         self.asked.add(b)
@@ -212,7 +215,7 @@ class _VersionSink(BucketSink):
             b = self.fenced + 1
             if b not in self.asked:
                 self.fences.mark(b - 1)  # claiming may wait on an earlier bucket: it must be marked
-                self.buffer(b)  # never handed out (nothing to write): still claim the buffer
+                self.claim(b)  # never handed out (nothing to write): still claim the buffer
             d = self.digests.get(b)
             if isinstance(d, torch.Tensor):
                 self.digests[b] = self.fences.host_copy(d)
@@ -235,7 +238,7 @@ class _VersionSink(BucketSink):
                 self.sums.append(as_int(compute(r.digest_kind, r.buffers[k][:n]) if d is None else d))
                 w[ready_word(k) + 1] = self.sums[-1]
             w[ready_word(k)] = tag(self.version, b)
-            wake(w, ready_word(k))  # receivers sleeping on the word (transports/wake.py)
+            wake(w, ready_word(k))  # receivers sleeping on the word (transports/memory.py)
             self.published = b
 
 
@@ -312,8 +315,7 @@ class RingReader:
         finally:
             fcntl.flock(self.control.fd, fcntl.LOCK_UN)
 
-    def receive(self, version: int, session: IpcSession, plan: BucketPlan, deadline: float,
-                check: Callable[[], None]) -> Iterator[Received]:
+    def receive(self, version: int, session: IpcSession, plan: BucketPlan, deadline: Deadline) -> Iterator[Bucket]:
         """The buckets of ``version`` (``plan``: the lengths it moves), from the ring its record's
         ``session`` names: a version from another control block than ours comes from a restarted
         trainer, whose new ring this end follows (dropping the dead one's mappings) now, before
@@ -321,9 +323,9 @@ class RingReader:
         if self.control is None or session.control != self.control.ref:
             self.close()
             self._attach(session)
-        return self._read(version, plan, deadline, check)
+        return self._read(version, plan, deadline)
 
-    def _read(self, version: int, plan: BucketPlan, deadline: float, check: Callable[[], None]) -> Iterator[Received]:
+    def _read(self, version: int, plan: BucketPlan, deadline: Deadline) -> Iterator[Bucket]:
         w = self.control.words
         loaded = devices.Fences(self.ctx.device)  # the engine's copies out of each bucket
         held: list[int] = []  # buckets loaded from and not yet released
@@ -336,11 +338,11 @@ class RingReader:
                 # the sender may be waiting for a bucket we hold before it publishes b: hand
                 # every one back (their loads land on their own) before waiting on the sender
                 self._release(version, held, loaded, need=b - 1)
-                self._wait(w, word, want, version, b, deadline, check)
+                self._wait(w, word, want, version, b, deadline)
             if b == 0:
                 must_wait_for_me(self.ctx, self.owner, version, w)  # before anything is loaded
             expected = int(w[word + 1]) if self.digest_kind else None
-            yield b, self.buffers[k][: bucket.nbytes], expected
+            yield Bucket(b, self.buffers[k][: bucket.nbytes], expected, generation=self.generation)
             loaded.mark(b)
             held.append(b)
         self._release(version, held, loaded, need=self.ctx.plan.bucket_count - 1)
@@ -357,13 +359,12 @@ class RingReader:
                 raise ProtocolError(f"{self.owner}: bucket {b} of version {version} was overwritten while it was "
                                     f"loaded (the sender gave up waiting for receiver '{self.ctx.name}')")
             w[mine + 2 + k] = want
-            # ring the sender's doorbell: any change of the word wakes it (wake.py), so racing
+            # ring the sender's doorbell: any change of the word wakes it (memory.py), so racing
             # receivers need no atomic increment
             w[RELEASED] = int(w[RELEASED]) + 1
             wake(w, RELEASED)
 
-    def _wait(self, w: np.ndarray, word: int, want: int, version: int, b: int, deadline: float,
-              check: Callable[[], None]) -> None:
+    def _wait(self, w: np.ndarray, word: int, want: int, version: int, b: int, deadline: Deadline) -> None:
         def arrived() -> bool:
             got = int(w[word])
             if got > want:
@@ -373,9 +374,8 @@ class RingReader:
                                     f"joined the transfer late and catches up with the next version")
             return got == want
 
-        poll_until(arrived, deadline, check,
-                   lambda: DeadlineExceeded(f"{self.owner}: bucket {b} of version {version} was not written "
-                                            f"before the deadline"), waiter=Waiter(w, word))
+        poll_until(arrived, deadline, f"{self.owner}: bucket {b} of version {version} was not written",
+                   Waiter(w, word))
 
     def close(self) -> None:
         if self.slot is not None and self.control is not None:

@@ -19,13 +19,15 @@ unchanged until it returns.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator, Mapping
-from typing import Any, ClassVar
+from collections.abc import Iterator
+from typing import ClassVar
 
 import torch
 
-from ...packing import Packing
-from ..base import Received, ReceiverTransport, SenderTransport, TransportContext, VersionRecord
+from ... import digest
+from ...manifest import Packer
+from ...records import VersionRecord
+from ..base import Bucket, Deadline, ReceiverTransport, SenderTransport, TransportContext
 from .records import IpcSession, IpcVersion
 from .ring import RingReader, RingWriter
 from .wire import NBUF
@@ -36,26 +38,32 @@ class RingSender(SenderTransport):
     and shm when whole versions exceed its budget. A subclass names its records, the
     ``resource`` its segments and handles count as, and where the buffers live."""
 
+    name: ClassVar[str]
     resource: ClassVar[str]
+    session_type: ClassVar[type[IpcSession]]
+    version_type: ClassVar[type[VersionRecord]]
 
-    def __init__(self, ctx: TransportContext, nbuf: int):
-        super().__init__(ctx)
-        self.ring = RingWriter(ctx, self.name, self.resource, self.buffer_device(), nbuf, self.digest_kind)
+    def __init__(self, ctx: TransportContext, nbuf: int, device: torch.device, why: str = ""):
+        self.ctx = ctx
+        kind = digest.kind_of(ctx.config, device)
+        self.ring = RingWriter(ctx, self.name, self.resource, device, nbuf, kind)
+        self.session = self.ring.session(self.session_type, why=why)
 
-    def session_info(self) -> IpcSession:
-        return self.ring.session(self.session_record)
-
-    def stage(self, version: int, slot: int, packing: Packing,
-              announce: Callable[[VersionRecord], None]) -> VersionRecord:
-        self.ring.stage(version, packing)  # written in send(), at the barrier
+    def stage(self, version: int, slot: int, packer: Packer) -> VersionRecord:
+        self.ring.stage(version, packer)  # written in send(), at the barrier
         # the whole rendezvous rides along with every version: a restarted trainer brings a
         # new control block and buffers, and receivers attached to the dead one's re-attach
-        return self.version_record(session=self.session_info())
+        return self.version_type(session=self.session)
 
-    def send(self, version: int, deadline: float) -> None:
+    def give_back(self, version: int) -> bool:
+        packer = self.ring.take_back(version)
+        if packer is not None:
+            packer.drain()
+        return packer is not None
+
+    def send(self, version: int, deadline: Deadline) -> str | None:
         sums = self.ring.send(version, deadline)
-        if sums is not None:
-            self._record(version, sums)
+        return digest.version_digest(self.session.digest_kind, sums) if sums is not None else None
 
     def close(self) -> None:
         self.ring.close()
@@ -65,25 +73,20 @@ class RingReceiver(ReceiverTransport):
     """A reading end of a RingSender's ring; ``loads_from_host``: its buffers may be in host
     memory whatever this receiver's device (shm's ring)."""
 
+    name: ClassVar[str]
     resource: ClassVar[str]
     loads_from_host: ClassVar[bool] = False
 
-    def __init__(self, ctx: TransportContext, wire: Mapping[str, Any]):
-        super().__init__(ctx, wire)
-        self.ring = RingReader(ctx, self.name, self.resource, self.session, loads_from_host=self.loads_from_host)
+    def __init__(self, ctx: TransportContext, session: IpcSession):
+        self.ctx = ctx
+        self.ring = RingReader(ctx, self.name, self.resource, session, loads_from_host=self.loads_from_host)
 
-    def ring_session(self, version: int, info: VersionRecord) -> IpcSession:
+    def ring_session(self, version: int, record: VersionRecord) -> IpcSession:
         """The ring a version's record names (raises where the record is of another kind)."""
-        return info.session
+        return record.session
 
-    def receive(self, version: int, info: VersionRecord, deadline: float,
-                check: Callable[[], None]) -> Iterator[Received]:
-        buckets = self.ring.receive(version, self.ring_session(version, info), self.plan_of(info), deadline, check)
-        self.digest_kind = self.ring.digest_kind  # a restarted sender's, where the ring followed one
-        yield from buckets
-
-    def buffers_generation(self) -> int:
-        return self.ring.generation
+    def receive(self, version: int, record: VersionRecord, deadline: Deadline) -> Iterator[Bucket]:
+        return self.ring.receive(version, self.ring_session(version, record), record.moves(self.ctx.plan), deadline)
 
     def close(self) -> None:
         self.ring.close()
@@ -92,18 +95,13 @@ class RingReceiver(ReceiverTransport):
 class IpcSender(RingSender):
     name = "ipc"
     resource = "ipc"
-    session_record = IpcSession
-    version_record = IpcVersion
+    session_type = IpcSession
+    version_type = IpcVersion
 
     def __init__(self, ctx: TransportContext, nbuf: int = NBUF):
-        super().__init__(ctx, nbuf)
-
-    def buffer_device(self) -> torch.device:
-        return self.ctx.device
+        super().__init__(ctx, nbuf, ctx.device)
 
 
 class IpcReceiver(RingReceiver):
     name = "ipc"
     resource = "ipc"
-    session_record = IpcSession
-    version_record = IpcVersion

@@ -8,7 +8,7 @@ from collections.abc import Mapping
 from typing import Any, ClassVar
 
 from ...errors import ProtocolError
-from ..base import SessionRecord, VersionRecord
+from ...records import SessionRecord, VersionRecord
 from ..ipc.records import IpcSession
 
 

@@ -18,16 +18,14 @@ verified marks (one receiver hashes for the node) do not apply.
 from __future__ import annotations
 
 import collections
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from typing import Any
 
 import torch
 
 from ... import device as devices
 from ...digest import as_int
-from ...errors import ProtocolError
-from ...manifest import BucketPlan
-from ...packing import BucketSink, PackViews
+from ...manifest import BucketPlan, PackViews
 from ..base import TransportContext
 
 BUFFERS = 2
@@ -46,6 +44,7 @@ class DeviceStage:
         self.nbytes = max([b.nbytes for b in ctx.plan.buckets] + [1])
         self.buffers: list[torch.Tensor] = []
         self.views = PackViews()  # the sender's: where each bucket's tensors go in each buffer
+        self.generation = 0  # bumped when the buffers go (Bucket.generation)
 
     def buffer(self, b: int, nbytes: int) -> torch.Tensor:
         if not self.buffers:
@@ -55,76 +54,58 @@ class DeviceStage:
             self.ctx.account("shm_staging_bytes", +BUFFERS * self.nbytes)
         return self.buffers[b % BUFFERS][:nbytes]
 
+    def receiving(self, plan: BucketPlan) -> Iterator[tuple[int, torch.Tensor, devices.Fences]]:
+        """The receiver's: (bucket, its staging buffer, the fences its loads are marked on), each
+        buffer handed out once the loads out of the bucket two before landed; at the end, once
+        every load landed (the copies out of the segment land with them)."""
+        loaded = devices.Fences(self.ctx.device)  # the engine's loads out of each staging buffer
+        for b, bucket in enumerate(plan.buckets):
+            if b >= BUFFERS:
+                loaded.done(b - BUFFERS, block=True)
+            yield b, self.buffer(b, bucket.nbytes), loaded
+        loaded.done(plan.bucket_count - 1, block=True)
+
     def close(self) -> None:
         self.views.clear()
         if self.buffers:
             self.ctx.account("shm_staging_bytes", -BUFFERS * self.nbytes)
             self.buffers = []
+            self.generation += 1
 
 
-class StagedSink(BucketSink):
-    """The sender's: bucket b is packed into staging buffer b % 2 and digested there by
-    pack_stream; after ``done`` its copy into the segment (``target(b)``) is queued, when the
-    next buffer is asked for (BucketSink's contract: the bucket is final by then), and
-    ``publish(b, digest)`` runs once that copy landed, in bucket order."""
+class StagedRun:
+    """The sender's: bucket b is packed into staging buffer b % 2 (``claim``) and digested there;
+    ``done`` queues its copy into the segment; ``landed`` gives the buckets, in order, whose copy
+    reached the host, with their digests, to be published."""
 
-    def __init__(self, stage: DeviceStage, plan: BucketPlan, target: Callable[[int], torch.Tensor],
-                 publish: Callable[[int, int | None], None]):
-        self.stage, self.plan, self.target, self.publish = stage, plan, target, publish
-        self.views = stage.views
+    def __init__(self, stage: DeviceStage, plan: BucketPlan):
+        self.stage, self.plan = stage, plan
         self.fences = devices.Fences(stage.ctx.device)
-        self.finished: tuple[int, Any] | None = None  # packed and digested, not yet on its way to the host
         self.queued: collections.deque[tuple[int, Any]] = collections.deque()
 
-    def buffer(self, b: int) -> torch.Tensor:
-        self.publish_through(b - 1, block=False)
+    def claim(self, b: int) -> tuple[list[tuple[int, int | None]], torch.Tensor]:
+        """Bucket b's staging buffer, once the bucket it held before reached the host; and the
+        buckets that landed meanwhile, to be published first."""
+        ready = self.landed(b - 1, block=False)
         if b >= BUFFERS:
-            self.publish_through(b - BUFFERS)  # its staging buffer is free once that bucket reached the host
-        return self.stage.buffer(b, self.plan.buckets[b].nbytes)
+            ready += self.landed(b - BUFFERS)
+        return ready, self.stage.buffer(b, self.plan.buckets[b].nbytes)
 
-    def done(self, b: int, digest: int | torch.Tensor | None) -> None:
-        self.finished = (b, digest)
-
-    def _ship(self) -> None:
-        if self.finished is None:
-            return
-        b, digest = self.finished
-        self.finished = None
+    def done(self, b: int, digest: int | torch.Tensor | None, target: torch.Tensor) -> None:
+        """Bucket b is packed (and digested): queue its copy to ``target`` in the segment."""
         n = self.plan.buckets[b].nbytes
-        self.target(b).copy_(self.stage.buffer(b, n), non_blocking=True)  # pinned segment: asynchronous
+        target.copy_(self.stage.buffer(b, n), non_blocking=True)  # pinned segment: asynchronous
         value = self.fences.host_copy(digest) if isinstance(digest, torch.Tensor) else digest
         self.fences.mark(b)
         self.queued.append((b, value))
 
-    def publish_through(self, last: int, block: bool = True) -> None:
-        """Publish the buckets up to ``last`` (without ``block``: those landed already)."""
-        self._ship()
+    def landed(self, last: int, block: bool = True) -> list[tuple[int, int | None]]:
+        """The buckets up to ``last`` whose copy landed (``block``: wait for them), in order."""
+        out = []
         while self.queued and self.queued[0][0] <= last:
             b, value = self.queued[0]
             if not self.fences.done(b, block):
-                return
+                break
             self.queued.popleft()
-            self.publish(b, as_int(value) if value is not None else None)
-
-
-def receive_staged(stage: DeviceStage, plan: BucketPlan, host_view: Callable[[int, int], torch.Tensor],
-                   wait_ready: Callable[[int], int | None], still_ready: Callable[[int], bool],
-                   version: int) -> Iterator[tuple[int, torch.Tensor, int | None]]:
-    """The receiver's: each bucket, once ``wait_ready(b)`` gave its digest, copied from the
-    segment (``host_view(b, nbytes)``) into staging buffer b % 2 once the loads out of bucket
-    b - 2 landed, and yielded from there. Raises ProtocolError if a bucket was overwritten in
-    the segment before its copy landed (``still_ready``)."""
-    loaded = devices.Fences(stage.ctx.device)  # the engine's loads out of each staging buffer
-    for b, bucket in enumerate(plan.buckets):
-        expected = wait_ready(b)
-        if b >= BUFFERS:
-            loaded.done(b - BUFFERS, block=True)
-        dst = stage.buffer(b, bucket.nbytes)
-        dst.copy_(host_view(b, bucket.nbytes), non_blocking=True)
-        yield b, dst, expected
-        loaded.mark(b)
-    loaded.done(plan.bucket_count - 1, block=True)  # the copies out of the segment landed with the loads
-    for b in range(plan.bucket_count):
-        if not still_ready(b):
-            raise ProtocolError(f"bucket {b} of version {version} was overwritten while it was loaded")
-
+            out.append((b, as_int(value) if value is not None else None))
+        return out

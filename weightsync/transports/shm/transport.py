@@ -52,24 +52,35 @@ import math
 import os
 import threading
 import time
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import numpy as np
 import torch
 
+from ... import digest
 from ...config import MiB, SyncConfig
-from ...digest import Checks, as_int, verify
-from ...errors import CapacityError, DeadlineExceeded, ProtocolError
-from ...manifest import BucketPlan, align_up, size_text
-from ...packing import BucketSink, Packing, PackViews
-from ..base import Received, ReceiverTransport, SenderTransport, TransportContext, VersionRecord, poll_until
+from ...errors import CapacityError, ProtocolError
+from ...manifest import BucketPlan, Packer, PackViews, align_up, size_text
+from ...records import VersionRecord
+from ..base import Bucket, Deadline, ReceiverTransport, SenderTransport, Span, TransportContext
 from ..ipc.transport import RingReceiver, RingSender
 from ..ipc.wire import CONTROL_BYTES, MAX_BUFFERS, in_flight
-from ..memory import PAGE, Segment, attach, create, digest_word, memory_available, reap_stale, resolve_backing
-from ..wake import Waiter, wake
-from .records import ShmSession, ShmStreamSession, ShmStreamVersion, ShmVersion, shm_session, shm_version
-from .staging import DeviceStage, StagedSink, hashes_on_device, receive_staged
+from ..memory import (
+    PAGE,
+    Segment,
+    Waiter,
+    attach,
+    create,
+    digest_word,
+    memory_available,
+    poll_until,
+    reap_stale,
+    resolve_backing,
+    wake,
+)
+from .records import ShmSession, ShmStreamSession, ShmStreamVersion, ShmVersion
+from .staging import DeviceStage, StagedRun, hashes_on_device
 
 
 def lock_word(fd: int, word: int) -> None:
@@ -136,41 +147,24 @@ def spans(buf: torch.Tensor, bases: list[int], plan: BucketPlan) -> Callable[[in
     return view
 
 
-class _SegmentSink(BucketSink):
-    """Packs into a slot's segment, bucket b at its page-aligned base."""
-
-    def __init__(self, seg: Segment, bases: list[int], plan: BucketPlan, views: PackViews):
-        self.seg, self.bases, self.plan, self.views = seg, bases, plan, views
-        self.digests: dict[int, Any] = {}
-
-    def buffer(self, b: int) -> torch.Tensor:
-        return self.seg.bytes[self.bases[b]: self.bases[b] + self.plan.buckets[b].nbytes]
-
-    def done(self, b: int, digest: int | torch.Tensor | None) -> None:
-        if digest is not None:
-            self.digests[b] = digest
-
-
 class ShmSender(SenderTransport):
-    name = "shm"
-    session_record = ShmSession
-    version_record = ShmVersion
-    pipelined = True
-    # versions stay in their segments: late or restarted receivers catch up without the trainer
-    keeps_versions = True
-    ahead_capable = True  # receivers verify the segment ahead (prefetch); nothing else to send
+    """Whole versions: each version packed once into a slot's segment, in stage()."""
 
-    def __init__(self, ctx: TransportContext, mode_reason: str = "shm whole versions"):
-        super().__init__(ctx)
-        # why whole versions (open_shm_sender decides the mode; shown in status())
-        self.mode_reason = mode_reason
+    def __init__(self, ctx: TransportContext, why: str = "shm whole versions"):
+        self.ctx = ctx
+        # hashed where the tensors are (staging.py on an accelerator node), host memory on a CPU
+        kind = digest.kind_of(ctx.config, ctx.device)
+        # versions stay in their segments: late or restarted receivers catch up without the
+        # trainer; receivers verify a segment ahead (prefetch), nothing else is sent
+        self.session = ShmSession(digest_kind=kind, keeps_versions=True, ahead=True, why=why)
         # on an accelerator node each bucket is digested on the device before its copy to the host
-        self.stage_on_device = DeviceStage(ctx) if hashes_on_device(ctx, self.digest_kind) else None
+        self.stage_on_device = DeviceStage(ctx) if hashes_on_device(ctx, kind) else None
         self.directory = ctx.config.shm_dir
         reap_stale(self.directory)
         self.size, self.bases = layout(ctx.plan)
         self.slots: dict[int, Segment] = {}
         self.views = PackViews()  # where each bucket's tensors go in each slot, made once
+        self.announced: tuple[int, Segment] | None = None
         # bytes this sender packed into segments, all versions together: everything the
         # trainer writes happens in stage(); tests check that the barrier adds nothing
         self.packed_bytes = 0
@@ -187,8 +181,9 @@ class ShmSender(SenderTransport):
             self.slots[slot] = seg
         return seg
 
-    def stage(self, version: int, slot: int, packing: Packing,
-              announce: Callable[[VersionRecord], None]) -> ShmVersion:
+    def announce(self, version: int, slot: int) -> ShmVersion:
+        """Invalidate the slot's buckets for ``version``: receivers may read each one from here
+        on, as soon as its ready word is set."""
         seg = self._slot(slot)
         head = seg.header
         count = self.ctx.plan.bucket_count
@@ -196,37 +191,49 @@ class ShmSender(SenderTransport):
         words[:, 0] = 0  # invalidate every bucket first
         words[:, 2] = 0  # and its verification
         head[3] = version
-        early = ShmVersion(segment=seg.ref, size=self.size)
-        announce(early)
-        sums: list[int] = []
+        self.announced = (version, seg)
+        return ShmVersion(segment=seg.ref, size=self.size)
+
+    def stage(self, version: int, slot: int, packer: Packer) -> ShmVersion:
+        if self.announced is None or self.announced[0] != version:
+            self.announce(version, slot)
+        seg = self.announced[1]
+        head, kind, plan = seg.header, self.session.digest_kind, packer.plan  # the packer's wire lengths
         ready = np.uint64(version + 1)
-        packed = 0
+        sums: list[int] = []
 
         def publish(b: int, value: int | None) -> None:
-            nonlocal packed
-            n, word = packing.plan.buckets[b].nbytes, _ready_word(b)
+            word = _ready_word(b)
             if value is not None:
                 sums.append(value)
                 head[word + 1] = value
             head[word] = ready
-            wake(head, word)  # receivers sleeping on the word (transports/wake.py)
-            packed += n
-            self.packed_bytes += n
+            wake(head, word)  # receivers sleeping on the word (memory.py)
+            self.packed_bytes += plan.buckets[b].nbytes
 
-        # the packing's wire lengths (shorter where its buckets are encoded)
-        sink = _SegmentSink(seg, self.bases, packing.plan, self.views)
         if self.stage_on_device is not None:
-            staged = StagedSink(self.stage_on_device, packing.plan, sink.buffer, publish)
-            for _ in packing.into(staged, self.digest_kind):
-                pass  # published by the sink as each bucket's copy to the host lands
-            staged.publish_through(packing.plan.bucket_count - 1)
+            run = StagedRun(self.stage_on_device, plan)
+            for b in range(plan.bucket_count):
+                landed, buf = run.claim(b)
+                for item in landed:
+                    publish(*item)
+                run.done(b, packer.fill(b, buf, kind, self.stage_on_device.views), self._view(seg, b, plan))
+            for item in run.landed(plan.bucket_count - 1):
+                publish(*item)
         else:
-            for b in packing.into(sink, self.digest_kind):  # pack_stream digested each bucket as it packed it
-                publish(b, as_int(sink.digests.pop(b)) if self.digest_kind else None)
-        return dataclasses.replace(early, checksums=sums, packed_bytes=packed, digest=self._record(version, sums))
+            for b in range(plan.bucket_count):
+                value = packer.fill(b, self._view(seg, b, plan), kind, self.views)  # hashed as it packed
+                publish(b, digest.as_int(value) if kind else None)
+        self.announced = None
+        packed = sum(bucket.nbytes for bucket in plan.buckets)
+        return ShmVersion(segment=seg.ref, size=self.size, checksums=sums, packed_bytes=packed,
+                          digest=digest.version_digest(kind, sums) if kind else None)
 
-    def digest_device(self) -> torch.device:
-        return self.ctx.device  # hashed where the tensors are (staging.py); host memory on a CPU
+    def _view(self, seg: Segment, b: int, plan: BucketPlan) -> torch.Tensor:
+        return seg.bytes[self.bases[b]: self.bases[b] + plan.buckets[b].nbytes]
+
+    def send(self, version: int, deadline: Deadline) -> str | None:
+        return None  # every byte moved in stage()
 
     def close(self) -> None:
         self.views.clear()
@@ -242,12 +249,12 @@ PAGE_BYTES = 4096
 
 
 class ShmReceiver(ReceiverTransport):
-    name = "shm"
-    session_record = ShmSession
-    version_record = ShmVersion
+    """A reader of whole versions from the sender's segments; verifies each bucket once per node
+    (module doc) on its way in, and keeps the segments mapped for rollback and catch-up."""
 
-    def __init__(self, ctx: TransportContext, wire: Mapping[str, Any]):
-        super().__init__(ctx, wire)
+    def __init__(self, ctx: TransportContext, session: ShmSession):
+        self.ctx = ctx
+        self.digest_kind = ctx.digest_kind  # None where this receiver's config turns digests off
         self.directory = ctx.config.shm_dir
         self.size, self.bases = layout(ctx.plan)
         self.attached: dict[str, Segment] = {}
@@ -259,12 +266,10 @@ class ShmReceiver(ReceiverTransport):
         self._ahead: dict[tuple[int, int], concurrent.futures.Future] = {}
         self._ahead_lock = threading.Lock()
         self._pool: concurrent.futures.ThreadPoolExecutor | None = None
-        self._generation = 0  # bumped whenever a mapping goes (buffers_generation)
+        self._generation = 0  # bumped whenever a mapping goes (Bucket.generation)
+        self.verified_ahead: int | None = None
         # torch digests on an accelerator: each bucket is copied to the device and checked there
         self.stage_on_device = DeviceStage(ctx) if hashes_on_device(ctx, self.digest_kind) else None
-
-    def buffers_generation(self) -> int:
-        return self._generation
 
     def _attach(self, name: str) -> Segment:
         with self._attach_lock:  # prefetch() may run in a thread beside apply()
@@ -289,42 +294,34 @@ class ShmReceiver(ReceiverTransport):
             self.ctx.account("shm_mappings", +1)
         return seg
 
-    def parse_version(self, wire: Mapping[str, Any]) -> ShmVersion | ShmStreamVersion:
-        return shm_version(wire)  # either mode: receive() tells a mode change from a malformed record
-
-    def receive(self, version: int, info: VersionRecord, deadline: float,
-                check: Callable[[], None]) -> Iterator[Received]:
-        if not isinstance(info, ShmVersion):
+    def receive(self, version: int, record: VersionRecord, deadline: Deadline) -> Iterator[Bucket]:
+        if not isinstance(record, ShmVersion):
             raise ProtocolError(f"shm: version {version} is published in streaming mode, but this receiver attached "
                                 f"to a whole-version session; restart the receiver")
-        seg = self._attach(info.segment)
+        seg = self._attach(record.segment)
         size = os.fstat(seg.fd).st_size
         if size < self.size:
             # reading a mapping past the end of its file raises SIGBUS: check before touching it
             raise ProtocolError(f"segment {seg.name} was truncated to {size} bytes; version {version} needs {self.size}")
+        if self.stage_on_device is not None:
+            yield from self._receive_staged(version, record, seg, deadline)
+            return
         head = seg.header
         ready = version + 1
-        sums = info.checksums or None
-        plan = self.plan_of(info)
-        buckets = plan.buckets
-        if self.stage_on_device is not None:
-            def wait_ready(b: int) -> int | None:
-                word = _ready_word(b)
-                self._wait_ready(head, word, ready, version, b, deadline, check)
-                return self._expected(head, word, sums, version, b)
-
-            yield from receive_staged(self.stage_on_device, plan, lambda b, n: self._view(seg, b, n), wait_ready,
-                                      lambda b: int(head[_ready_word(b)]) == ready, version)
-            return
+        sums = record.checksums or None
+        buckets = record.moves(self.ctx.plan).buckets
         started: list[tuple[int, int]] = []
         try:
             for b, bucket in enumerate(buckets):
                 word = _ready_word(b)
-                self._wait_ready(head, word, ready, version, b, deadline, check)
+                self._wait_ready(head, word, ready, version, b, deadline)
                 expected = self._expected(head, word, sums, version, b)
+                view = self._view(seg, b, bucket.nbytes)
+                checked = ""
                 if expected is not None:
-                    started += self._hash_ahead(version, info, seg, buckets, b)
-                yield b, self._view(seg, b, bucket.nbytes), expected
+                    started += self._hash_ahead(version, record, seg, buckets, b)
+                    checked = "here" if self._verified(version, record, b, view, expected) else "peer"
+                yield Bucket(b, view, expected, checked, self._generation)
                 if int(head[word]) != ready:
                     raise ProtocolError(f"bucket {b} of version {version} was overwritten while it was loaded")
         finally:
@@ -335,6 +332,24 @@ class ShmReceiver(ReceiverTransport):
                 f.cancel()
             concurrent.futures.wait(pending)
 
+    def _receive_staged(self, version: int, record: ShmVersion, seg: Segment, deadline: Deadline) -> Iterator[Bucket]:
+        """Each bucket, once written, copied from the segment into a staging buffer of this
+        receiver's device once the loads out of the bucket two before landed, and yielded from
+        there: what the receiver verifies is what the engine loads (staging.py)."""
+        head, ready, sums = seg.header, version + 1, record.checksums or None
+        plan = record.moves(self.ctx.plan)
+        stage = self.stage_on_device
+        for b, dst, loaded in stage.receiving(plan):
+            word = _ready_word(b)
+            self._wait_ready(head, word, ready, version, b, deadline)
+            expected = self._expected(head, word, sums, version, b)
+            dst.copy_(self._view(seg, b, plan.buckets[b].nbytes), non_blocking=True)
+            yield Bucket(b, dst, expected, "", stage.generation)  # its check is of this copy, the receiver's
+            loaded.mark(b)
+        for b in range(plan.bucket_count):
+            if int(head[_ready_word(b)]) != ready:
+                raise ProtocolError(f"bucket {b} of version {version} was overwritten while it was loaded")
+
     def _expected(self, head: np.ndarray, word: int, sums: list[int] | None, version: int, b: int) -> int | None:
         """The digest the sender wrote for bucket b (None: digests off here)."""
         expected = int(head[word + 1]) if self.digest_kind else None
@@ -342,7 +357,7 @@ class ShmReceiver(ReceiverTransport):
             raise ProtocolError(f"bucket {b} of version {version}: header checksum differs from the sender's report")
         return expected
 
-    def _hash_ahead(self, version: int, info: ShmVersion, seg: Segment, buckets: Any, b: int) -> list[tuple[int, int]]:
+    def _hash_ahead(self, version: int, record: ShmVersion, seg: Segment, buckets: Any, b: int) -> list[tuple[int, int]]:
         """Start the digest check of the written buckets from b on, up to HASH_THREADS + 1 of
         them, so they are verified while earlier ones load. Returns the keys it started."""
         head, ready, started = seg.header, version + 1, []
@@ -353,7 +368,7 @@ class ShmReceiver(ReceiverTransport):
                 word = _ready_word(k)
                 if (version, k) in self._ahead or int(head[word]) != ready:
                     continue
-                self._ahead[(version, k)] = self._pool.submit(self._verify_here, version, info, k,
+                self._ahead[(version, k)] = self._pool.submit(self._verify_here, version, record, k,
                                                              self._view(seg, k, buckets[k].nbytes), int(head[word + 1]))
                 started.append((version, k))
         return started
@@ -362,32 +377,22 @@ class ShmReceiver(ReceiverTransport):
         return seg.bytes[self.bases[b]: self.bases[b] + nbytes]
 
     @staticmethod
-    def _wait_ready(head: np.ndarray, word: int, ready: int, version: int, b: int,
-                    deadline: float, check: Callable[[], None]) -> None:
+    def _wait_ready(head: np.ndarray, word: int, ready: int, version: int, b: int, deadline: Deadline) -> None:
         if int(head[word]) == ready:
             return
-        # check() raises if the coordinator aborted the version (sender died, ...)
-        poll_until(lambda: int(head[word]) == ready, deadline, check,
-                   lambda: DeadlineExceeded(f"bucket {b} of version {version} was not written before the deadline"),
-                   waiter=Waiter(head, word))
+        # the deadline's check raises if the coordinator aborted the version (sender died, ...)
+        poll_until(lambda: int(head[word]) == ready, deadline, f"bucket {b} of version {version} was not written",
+                   Waiter(head, word))
 
-    def verify_bucket(self, version: int, info: ShmVersion, b: int, buf: torch.Tensor, expected: int | None,
-                      checks: Checks) -> bool:
-        """Verify bucket b unless another receiver on the node already did (see module doc).
-        True if this receiver hashed it."""
-        if self.stage_on_device is not None:
-            return super().verify_bucket(version, info, b, buf, expected, checks)  # the device copy: checked here
-        if expected is None or self.digest_kind is None:
-            return False
+    def _verified(self, version: int, record: ShmVersion, b: int, buf: torch.Tensor, expected: int) -> bool:
+        """Verify bucket b unless another receiver on the node already did (module doc); True if
+        this receiver hashed it. A ChecksumError is raised here, in bucket order."""
         with self._ahead_lock:
             started = self._ahead.pop((version, b), None)
-        # a ChecksumError is raised here, in bucket order
-        here = started.result() if started is not None else self._verify_here(version, info, b, buf, expected)
-        checks.add(self.digest_kind, b, expected)  # verified, here or by a peer: recorded for the version's digest
-        return here
+        return started.result() if started is not None else self._verify_here(version, record, b, buf, expected)
 
-    def _verify_here(self, version: int, info: ShmVersion, b: int, buf: torch.Tensor, expected: int) -> bool:
-        seg = self._attach(info.segment)
+    def _verify_here(self, version: int, record: ShmVersion, b: int, buf: torch.Tensor, expected: int) -> bool:
+        seg = self._attach(record.segment)
         word, mark = _ready_word(b) + 2, np.uint64(version + 1)
         if seg.control[word] == mark:
             return False
@@ -397,7 +402,7 @@ class ShmReceiver(ReceiverTransport):
             try:
                 if seg.control[word] == mark:
                     return False
-                verify(self.digest_kind, b, buf, expected, version)
+                digest.verify(self.digest_kind, b, buf, expected, version)
                 seg.control[word] = mark
                 return True
             finally:
@@ -410,35 +415,33 @@ class ShmReceiver(ReceiverTransport):
             return None
         return 0 if self.ctx.config.receive_ahead != "off" and self.digest_kind is not None else None
 
-    def prefetch(self, version: int, info: ShmVersion, deadline: float, check: Callable[[], None]) -> bool:
+    def prefetch(self, version: int, record: VersionRecord, deadline: Deadline) -> bool:
         """Verify (and mark for the node) each bucket as soon as the sender wrote it. With
         receive_ahead, also map every page of it into this process (one byte read per page):
         the receiver that did not hash a bucket would otherwise take its page faults in the
         barrier's load."""
-        if self.stage_on_device is not None:
+        if self.stage_on_device is not None or self.digest_kind is None:
             return False  # its check is of the copy on the device, made when the version is loaded
         touch = self.ctx.config.receive_ahead != "off"
-        checks = Checks(version)
-        for b, buf, expected in self.receive(version, info, deadline, check):
-            self.verify_bucket(version, info, b, buf, expected, checks)
-            if touch and buf.numel():
-                buf[::PAGE_BYTES].max()
+        for bucket in self.receive(version, record, deadline):
+            if touch and bucket.data.numel():
+                bucket.data[::PAGE_BYTES].max()
         self.verified_ahead = version
         return True
 
-    def received_ahead(self, version: int, info: VersionRecord) -> bool:
-        return getattr(self, "verified_ahead", None) == version
+    def received_ahead(self, version: int, record: VersionRecord) -> bool:
+        return self.verified_ahead == version
 
-    def span(self, version: int, info: VersionRecord) -> Callable[[int, int, int], torch.Tensor | None] | None:
-        if not isinstance(info, ShmVersion) or self.stage_on_device is not None:
+    def span(self, version: int, record: VersionRecord) -> Span | None:
+        if not isinstance(record, ShmVersion) or self.stage_on_device is not None:
             return None  # receive() says why; or loads come from the staging buffers, bucket by bucket
-        return spans(self._attach(info.segment).bytes, self.bases, self.ctx.plan)
+        return spans(self._attach(record.segment).bytes, self.bases, self.ctx.plan)
 
-    def can_replay(self, version: int, info: VersionRecord) -> bool:
-        if not isinstance(info, ShmVersion):
+    def can_replay(self, version: int, record: VersionRecord) -> bool:
+        if not isinstance(record, ShmVersion):
             return False
         try:
-            seg = self._attach(info.segment)
+            seg = self._attach(record.segment)
         except ProtocolError:
             return False
         head = seg.header
@@ -449,7 +452,6 @@ class ShmReceiver(ReceiverTransport):
     def close(self) -> None:
         if self.stage_on_device is not None:
             self.stage_on_device.close()
-            self._generation += 1
         if self._pool is not None:
             self._pool.shutdown(wait=True, cancel_futures=True)  # before the mappings they read go
         for seg in self.attached.values():
@@ -528,16 +530,15 @@ def choose_mode(plan: BucketPlan, config: SyncConfig, capacity: Callable[[SyncCo
 
 class ShmStreamSender(RingSender):
     """shm in streaming mode: the writing end of a ring of K buffers in host shared memory, even
-    on an accelerator node (buffer_device: the host)."""
+    on an accelerator node."""
 
     name = "shm"
     resource = "shm_ring"
-    session_record = ShmStreamSession
-    version_record = ShmStreamVersion
+    session_type = ShmStreamSession
+    version_type = ShmStreamVersion
 
     def __init__(self, ctx: TransportContext, mode: ShmMode):
-        super().__init__(ctx, mode.buffers)
-        self.mode_reason = mode.reason
+        super().__init__(ctx, mode.buffers, torch.device("cpu"), why=mode.reason)
 
 
 class ShmStreamReceiver(RingReceiver):
@@ -546,31 +547,25 @@ class ShmStreamReceiver(RingReceiver):
     name = "shm"
     resource = "shm_ring"
     loads_from_host = True
-    session_record = ShmStreamSession
-    version_record = ShmStreamVersion
 
-    def parse_version(self, wire: Mapping[str, Any]) -> ShmVersion | ShmStreamVersion:
-        return shm_version(wire)  # either mode: receive() tells a mode change from a malformed record
-
-    def ring_session(self, version: int, info: VersionRecord) -> ShmStreamSession:
-        if not isinstance(info, ShmStreamVersion):
+    def ring_session(self, version: int, record: VersionRecord) -> ShmStreamSession:
+        if not isinstance(record, ShmStreamVersion):
             # a restarted trainer that found room for whole versions: this session's receivers
             # were built for the ring
             raise ProtocolError(f"shm: version {version} is published in whole-version mode, but this receiver "
                                 f"attached to a streaming session; restart the receiver")
-        return info.session
+        return record.session
 
 
-# -- the registry's "shm": the mode --------------------------------------------------------------
+# -- the two ends of "shm": the mode -------------------------------------------------------------
 
 
-def open_shm_sender(ctx: TransportContext) -> SenderTransport:
-    """The "shm" sender: whole versions where they fit the budget, else the streaming ring."""
+def open_sender(ctx: TransportContext) -> SenderTransport:
+    """Whole versions where they fit the budget, else the streaming ring."""
     mode = choose_mode(ctx.plan, ctx.config, reserve=ctx.host_reserve)
     return ShmStreamSender(ctx, mode) if mode.streaming else ShmSender(ctx, mode.reason)
 
 
-def open_shm_receiver(ctx: TransportContext, wire: Mapping[str, Any]) -> ReceiverTransport:
-    """The "shm" receiver of the mode the sender published (its session record's ``mode``)."""
-    streaming = isinstance(shm_session(wire), ShmStreamSession)
-    return ShmStreamReceiver(ctx, wire) if streaming else ShmReceiver(ctx, wire)
+def open_receiver(ctx: TransportContext, session: ShmSession | ShmStreamSession) -> ReceiverTransport:
+    """The receiver of the mode the sender published."""
+    return ShmStreamReceiver(ctx, session) if isinstance(session, ShmStreamSession) else ShmReceiver(ctx, session)

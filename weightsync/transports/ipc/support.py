@@ -1,164 +1,21 @@
-"""Internal. The transport choice: which transport a session uses, building it by name, and what this
-machine can run.
-
-**The choice** is a pure function of the config and where parties run. Each party is described
-by an ``ops.Placement``: ``node_id`` (its Ray node id), ``host`` (node address), ``device``
-(type, index, physical), and for the sender ``ipc`` (can this process share device buckets by
-handle: :func:`ipc_support`, a :class:`Capability`).
-Two parties share a node (its /dev/shm, its devices) when their Ray node ids are equal; the
-host address decides only where a party has no node id (no Ray): several raylets on one
-machine, or nodes behind one address, are distinct nodes with distinct /dev/shm views.
-
-The chain for ``auto``, best first:
-  every receiver on the sender's device (same host, same physical accelerator)
-      -> ipc  when the sender's platform supports it, else shm
-  every receiver on the sender's node, weights in host memory (CPU)
-      -> shm
-  every receiver on the sender's node, on other devices
-      -> broadcast over the device collective (hccl / nccl); shm on CPU-only nodes
-  any receiver on another node
-      -> broadcast, to every receiver (shm within the sender's node beside a broadcast
-         across nodes is not built: receivers on the sender's node join the broadcast)
-
-**Building it by name**: :func:`sender_class` / :func:`receiver_class` import the module the
-transport table names (``weightsync.config``, where plugins add theirs) on first use, so a
-transport's optional dependencies (torch_npu, ...) are needed only when it is chosen.
-
-**What this machine can run** (the sender's ``ipc`` above, and ``weightsync doctor``):
-platform facts, component versions, and per-transport verdicts with the reason behind each.
-Version facts are read from files and package metadata, never by importing heavy stacks where
-a file says the same (vLLM and vllm-ascend are looked up by metadata only). The verdict
-functions are pure: they take the facts as arguments, so every rule is testable on a machine
-without the hardware.
+"""Internal. Whether this process can share device buckets by handle (the ipc transport), and the
+platform facts behind the verdict: component versions, read from files and package metadata,
+never by importing heavy stacks where a file says the same (vLLM and vllm-ascend are looked up by
+metadata only). The verdict functions are pure: they take the facts as arguments, so every rule is
+testable on a machine without the hardware. ``weightsync doctor`` prints them too.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import importlib
 import importlib.metadata
 import os
 import platform as _platform
 import re
 import shutil
 import subprocess
-from collections.abc import Callable, Mapping, Sequence
-from typing import TYPE_CHECKING, Any
-
-from ..coordinator.ops import Device, IpcSupport, Placement
-from ..errors import ConfigError
-
-if TYPE_CHECKING:  # the interface's module imports torch, which the doctor's facts need not
-    from .base import ReceiverTransport, SenderTransport, TransportContext
-
-from . import catalog
-from .catalog import COLOCATED, REMOTE, SAME_NODE
-
-
-def is_accelerator(kind: str) -> bool:
-    """Whether ``kind`` is a device with memory of its own (not the host): anything but the CPU,
-    which a Placement names as "cpu"."""
-    return kind != "cpu"
-
-
-HOST = Device(type="cpu")
-
-
-def node_key(party: Placement) -> str | None:
-    """What identifies a party's node: its Ray node id, else (no Ray) its host address."""
-    return party.node_id or party.host
-
-
-def on_one_node(a: Placement, b: Placement) -> bool:
-    if a.node_id and b.node_id:
-        return a.node_id == b.node_id
-    return a.host == b.host
-
-
-def node_label(party: Placement) -> str:
-    """A node as people read it: address and short Ray node id (simulated nodes share an address)."""
-    node = party.node_id
-    return f"{party.host} (node {node[:8]})" if node else str(party.host)
-
-
-def placement(sender: Placement, receiver: Placement) -> str:
-    """Where ``receiver`` runs relative to ``sender``: COLOCATED, SAME_NODE or REMOTE."""
-    if not on_one_node(sender, receiver):
-        return REMOTE
-    sd, rd = sender.device or HOST, receiver.device or HOST
-    kind = sd.type
-    if kind != rd.type:
-        return SAME_NODE
-    if not is_accelerator(kind):
-        return COLOCATED  # host memory: one node is one "device"
-    mine, theirs = sd.physical, rd.physical
-    return COLOCATED if mine is not None and mine == theirs else SAME_NODE
-
-
-def _describe(receivers: Sequence[Placement], where: list[str], *kinds: str) -> str:
-    names = [r.name or f"rank {r.rank}" for r, w in zip(receivers, where) if w in kinds]
-    shown = ", ".join(str(n) for n in names[:4]) + (f" and {len(names) - 4} more" if len(names) > 4 else "")
-    return f"{len(names)} receiver(s) ({shown})"
-
-
-def _far(receivers: Sequence[Placement], where: list[str]) -> str:
-    return ", ".join(sorted({node_label(r) for r, w in zip(receivers, where) if w == REMOTE}))
-
-
-def shared_device(sender: Placement, receivers: Sequence[Placement]) -> str | None:
-    """Two parties on one physical accelerator, or None. A device collective (NCCL, HCCL)
-    cannot hold one device twice: NCCL stops with "Duplicate GPU detected" or hangs."""
-    seen: dict[tuple, str] = {}
-    for who, party in [("the sender", sender)] + [(f"receiver '{r.name or r.rank}'", r) for r in receivers]:
-        dev = party.device or HOST
-        if not is_accelerator(dev.type) or dev.physical is None:
-            continue
-        key = (node_key(party), dev.type, dev.physical)
-        if key in seen:
-            return f"{seen[key]} and {who} share physical {dev.type} {dev.physical} on {node_label(party)}"
-        seen[key] = who
-    return None
-
-
-def choose_transport(requested: str, sender: Placement, receivers: Sequence[Placement],
-                     backend: str = "auto") -> tuple[str, str]:
-    """Return (transport, reason). An explicit choice that cannot work raises ConfigError with the
-    reason its folder gives; ``auto`` takes the transport whose rule ranks first for this
-    placement (transports/catalog.py: each folder declares its rules) and says why.
-    ``backend`` is the broadcast backend of the config (gloo may share a device)."""
-    where = [placement(sender, r) for r in receivers]
-    device = (sender.device or HOST).type
-    facts = catalog.Facts(
-        sender=sender, receivers=receivers, where=where, device=device,
-        on_device=f"physical {device} {(sender.device or HOST).physical}" if is_accelerator(device) else "host",
-        node=node_label(sender), ipc=sender.ipc or IpcSupport(ok=False, reason="the sender did not report ipc support"),
-        clash=shared_device(sender, receivers) if backend != "gloo" else None,
-        describe=lambda *kinds: _describe(receivers, where, *kinds), far=lambda: _far(receivers, where))
-    if requested != "auto":
-        why = catalog.get(requested).refuses(facts)
-        if why:
-            raise ConfigError(why)
-        return requested, f"transport '{requested}' requested by config"
-    ranked = catalog.ranked(facts)
-    if not ranked:
-        raise ConfigError(f"auto: no transport serves this placement ({', '.join(where) or 'no receivers'})")
-    return ranked[0][1], ranked[0][2]
-
-
-def sender_class(name: str) -> Callable[[TransportContext], SenderTransport]:
-    """What builds the sender of transport ``name`` from a TransportContext (a class or a factory)."""
-    t = catalog.get(name)
-    return getattr(importlib.import_module(t.module), t.sender)
-
-
-def receiver_class(name: str) -> Callable[[TransportContext, Mapping[str, Any]], ReceiverTransport]:
-    """What builds the receiver of ``name`` from a TransportContext and the wire form of the
-    sender's session record (parsed there: transports/base.py)."""
-    t = catalog.get(name)
-    return getattr(importlib.import_module(t.module), t.receiver)
-
-
-# -- what this machine can run ------------------------------------------------------------------
+from collections.abc import Mapping
+from typing import Any
 
 ASCEND_ROOT = "/usr/local/Ascend"
 # minimums for NPU device IPC (memory sharing between processes on one chip)
@@ -369,7 +226,7 @@ def ipc_support(device_type: str, shm_dir: str = "/dev/shm", environ: Mapping[st
         hdk, _ = driver_version()
         cann, _ = cann_version(env)
         return npu_ipc_support(hdk, cann, package_version("torch_npu", "torch-npu"), env.get("VLLM_ASCEND_ENABLE_NZ"))
-    from .. import device as devices  # torch comes with it: only for an accelerator a plugin registered
+    from ... import device as devices  # torch comes with it: only for an accelerator a plugin registered
 
     acc = devices.accelerator(device_type)
     if acc is not None:  # it says for itself
