@@ -8,7 +8,7 @@ cores). A sync does more than one copy, so this script measures what the data pa
 costs, in separate processes like the real parties, using the library's own functions:
 
 host path (what shm does), over one buffer in /dev/shm laid out as an shm segment
-  stage     trainer process: pack_stream into the buffer, xxh3 per bucket while packing
+  stage     trainer process: a Packer fills the buffer, xxh3 per bucket while packing
   apply     rollout process: per bucket, verify its xxh3, then load_weights of its views
             (the benchmark's engine: one torch copy_ per tensor, as vLLM's loaders do)
   together  both at once, the rollout loading each bucket right behind the trainer; with
@@ -46,8 +46,7 @@ from weightsync.bench.layout_source import resolve
 from weightsync.bench.results import machine_info
 from weightsync.digest import verify
 from weightsync.digest import xxh3 as checksum
-from weightsync.manifest import BucketPlan, Manifest, plan_buckets
-from weightsync.packing import Buffers, Unpacker, pack_stream
+from weightsync.manifest import BucketPlan, Manifest, Packer, PackViews, Unpacker, pack, plan_buckets
 from weightsync.testing.layouts import materialize
 from weightsync.testing.parties import ToyEngine
 from weightsync.transports.shm.transport import layout, spans
@@ -88,7 +87,7 @@ def _host_party(role: str, k: int, model: str, bucket_mb: float, repeats: int, r
     windows = [buf[bases[b]: bases[b] + bucket.nbytes] for b, bucket in enumerate(plan.buckets)]
     tensors = materialize(manifest, seed=0) if role == "stage" else None
     if role == "stage":
-        list(pack_stream(plan, manifest, tensors, Buffers(lambda b: windows[b])))  # untimed: pages resident
+        pack(plan, manifest, tensors, windows)  # untimed: pages resident
     barrier.wait()
     if role == "stage":
         os.unlink(path)  # every party has it mapped now: the pages go when the last one exits
@@ -99,7 +98,9 @@ def _host_party(role: str, k: int, model: str, bucket_mb: float, repeats: int, r
     span = spans(buf, bases, plan)
 
     def stage(hashed: bool, run: int) -> None:
-        for b in pack_stream(plan, manifest, tensors, Buffers(lambda b: windows[b]), "xxh3" if hashed else None):
+        packer, views, kind = Packer(plan, manifest, tensors), PackViews(), "xxh3" if hashed else None
+        for b in range(plan.bucket_count):
+            packer.fill(b, windows[b], kind, views)
             ready[b] = run  # after the bucket's bytes: x86 keeps stores in order
 
     def apply(hashed: bool, run: int | None) -> None:
@@ -142,7 +143,7 @@ def _gloo_party(rank: int, model: str, bucket_mb: float, repeats: int, store_pat
     packed = torch.zeros(size, dtype=torch.uint8)
     if rank == 0:
         tensors = materialize(manifest, seed=0)
-        list(pack_stream(plan, manifest, tensors, Buffers(lambda b: packed[bases[b]: bases[b] + plan.buckets[b].nbytes])))
+        pack(plan, manifest, tensors, [packed[bases[b]: bases[b] + plan.buckets[b].nbytes] for b in range(plan.bucket_count)])
     else:
         engine = ToyEngine(manifest)  # the rollout gets its bytes from the wire
     unpacker = Unpacker(plan, manifest)

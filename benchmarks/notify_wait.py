@@ -1,5 +1,5 @@
 """What a receiver's wait for its ready words costs: polling (10 .. 250 us sleeps) against a
-futex sleep on the word (weightsync/transports/wake.py), on this machine.
+futex sleep on the word (weightsync/transports/memory.py), on this machine.
 
 A writer process publishes ``--buckets`` ready words, one every ``--gap-ms`` (a sender slower
 than the receiver, the case where a receiver waits), stamping CLOCK_MONOTONIC into the word
@@ -24,8 +24,9 @@ import time
 
 import numpy as np
 
-from weightsync.transports import wake
-from weightsync.transports.base import poll_until
+from weightsync.transports import memory as wake
+from weightsync.transports.base import Deadline
+from weightsync.transports.memory import poll_until
 
 WORDS = 2 * 4096 // 8
 
@@ -41,8 +42,8 @@ def waiter(fd: int, buckets: int, futex: bool) -> dict:
     cpu0 = resource.getrusage(resource.RUSAGE_SELF)
     for b in range(buckets):
         word = 2 * b
-        poll_until(lambda word=word, b=b: int(w[word]) == b + 1, time.monotonic() + 60, lambda: None,
-                   lambda b=b: TimeoutError(f"bucket {b}"), waiter=wake.Waiter(w, word) if futex else None)
+        poll_until(lambda word=word, b=b: int(w[word]) == b + 1, Deadline(0, time.monotonic() + 60), f"bucket {b}",
+                   wake.Waiter(w, word) if futex else None, tick=lambda: None)
         late.append(time.monotonic_ns() - int(w[word + 1]))
     cpu1 = resource.getrusage(resource.RUSAGE_SELF)
     cpu = (cpu1.ru_utime - cpu0.ru_utime) + (cpu1.ru_stime - cpu0.ru_stime)

@@ -11,8 +11,7 @@ import pytest
 import torch
 
 from weightsync.digest import xxh3 as checksum
-from weightsync.manifest import Manifest, TensorSpec, plan_buckets
-from weightsync.packing import Buffers, Unpacker, pack_stream
+from weightsync.manifest import Manifest, TensorSpec, Unpacker, pack, plan_buckets
 from weightsync.testing.layouts import layout, materialize
 
 pytest.importorskip("pytest_benchmark")
@@ -47,16 +46,13 @@ def test_plan_buckets(benchmark, name):
 
 
 def test_pack(benchmark, plan, tensors, buckets):
-    def pack():
-        return list(pack_stream(plan, MANIFEST, tensors, Buffers(lambda b: buckets[b])))
-
-    done = benchmark(pack)
-    assert sorted(done) == list(range(plan.bucket_count))
+    done = benchmark(lambda: pack(plan, MANIFEST, tensors, buckets))
+    assert len(done) == plan.bucket_count
     benchmark.extra_info["GB/s"] = MANIFEST.total_bytes / benchmark.stats.stats.median / 1e9
 
 
 def test_unpack(benchmark, plan, tensors, buckets):
-    list(pack_stream(plan, MANIFEST, tensors, Buffers(lambda b: buckets[b])))
+    pack(plan, MANIFEST, tensors, buckets)
     unpacker = Unpacker(plan, MANIFEST)
 
     def unpack():
@@ -79,7 +75,7 @@ def test_pack_transposed_split(benchmark):
     manifest = Manifest((TensorSpec("w", "float32", tuple(weight.shape)),))
     p = plan_buckets(manifest, BUCKET)
     out = [torch.empty(b.nbytes, dtype=torch.uint8) for b in p.buckets]
-    done = benchmark(lambda: list(pack_stream(p, manifest, {"w": weight}, Buffers(lambda b: out[b]), "xxh3")))
+    done = benchmark(lambda: pack(p, manifest, {"w": weight}, out, "xxh3"))
     assert len(done) == p.bucket_count == 8
     assert torch.equal(torch.cat(out).view(torch.float32).view(weight.shape), weight)
     benchmark.extra_info["GB/s"] = manifest.total_bytes / benchmark.stats.stats.median / 1e9

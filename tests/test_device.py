@@ -27,7 +27,7 @@ def _share(kind: str, parties: int) -> dict:
 
 # shm-stream: shm under a budget below two versions, a ring of host buffers read onto the device.
 # ipc is what auto chooses here, so ("auto", "ipc") runs ipc's device path; naming ipc explicitly
-# is the catalog's explicit rule, which test_selection.py checks without a job
+# is the transports' explicit rule, which test_selection.py checks without a job
 @pytest.mark.parametrize("transport,chosen", [("auto", "ipc"), ("shm", "shm"), ("shm-stream", "shm")])
 @pytest.mark.parametrize("digest", ["auto", "off"])
 @pytest.mark.parametrize("kind", KINDS)

@@ -2,9 +2,6 @@
 
 from __future__ import annotations
 
-import importlib
-import sys
-from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 from .errors import (
@@ -29,35 +26,37 @@ if TYPE_CHECKING:
     from .sender import StagedVersion, SyncResult, WeightSender
     from .targets import CopyInto
 
-# Loaded on first use: every process that unpickles the coordinator actor's class imports this
-# package first, and the coordinator needs no torch (importing it is most of an actor's start).
-_LAZY = {
-    "SyncConfig": ".config", "Coordinator": ".coordinator.client", "check_staleness": ".coordinator.staleness",
-    "Manifest": ".manifest", "TensorSpec": ".manifest", "build_manifest": ".manifest",
-    "WeightReceiver": ".receiver", "StagedVersion": ".sender", "SyncResult": ".sender", "WeightSender": ".sender",
-    "CopyInto": ".targets",
-}
 
+def __getattr__(name: str) -> Any:
+    """The public names below, each imported on first use: every process that unpickles the
+    coordinator actor's class imports this package first, and the coordinator needs no torch
+    (importing it is most of an actor's start)."""
+    if name == "SyncConfig":
+        from .config import SyncConfig as value
+    elif name == "Coordinator":
+        from .coordinator.client import Coordinator as value
+    elif name == "check_staleness":
+        from .coordinator.staleness import check_staleness as value
+    elif name in ("Manifest", "TensorSpec", "build_manifest"):
+        from . import manifest
 
-def _lazy(package: str, where: dict[str, str]) -> Callable[[str], Any]:
-    """A module ``__getattr__`` that imports each name of ``where`` from its module (relative to
-    ``package``) on first use and keeps it."""
+        value = getattr(manifest, name)
+    elif name == "WeightReceiver":
+        from .receiver import WeightReceiver as value
+    elif name in ("StagedVersion", "SyncResult", "WeightSender"):
+        from . import sender
 
-    def __getattr__(name: str) -> Any:
-        if name not in where:
-            raise AttributeError(f"module {package!r} has no attribute {name!r}")
-        value = getattr(importlib.import_module(where[name], package), name)
-        setattr(sys.modules[package], name, value)
-        return value
-
-    return __getattr__
-
-
-__getattr__ = _lazy(__name__, _LAZY)
+        value = getattr(sender, name)
+    elif name == "CopyInto":
+        from .targets import CopyInto as value
+    else:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    globals()[name] = value
+    return value
 
 
 def __dir__() -> list[str]:
-    return sorted({*globals(), *_LAZY})
+    return sorted({*globals(), *__all__})
 
 
 __version__ = "0.1.0"

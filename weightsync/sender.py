@@ -186,9 +186,10 @@ class WeightSender(Party):
         receivers = self.control.receivers(self.expected_receivers or 0, timeout=config.connect_timeout_s)
         me = ops.Placement(host=self.host, node_id=self.node_id, device=ops.Device(**describe(self.device)))
         name, reason = transports.choose(config.transport, me, receivers, config.backend, config.shm_dir)
+        delta = config.delta != "off" and wanted(config.delta, name)  # delta sync runs in this session
         ctx = TransportContext(config=config, plan=plan, manifest=manifest, digest=digest, session=self.session,
                                name=self.name, rank=self.rank, device=self.device, member=self,
-                               host_reserve=host_reserve(config.delta, name, plan))
+                               host_reserve=host_reserve(config.delta, name, plan) if delta else 0)
         transport = transports.get(name).sender(ctx)
         session = transport.session
         if config.receive_ahead == "on" and not session.ahead:
@@ -208,7 +209,7 @@ class WeightSender(Party):
             transport.close()
             raise
         self.manifest, self.transport, self.transport_name, self.plan = manifest, transport, name, plan
-        if self.sends and wanted(config.delta, name):
+        if self.sends and delta:
             self._delta = DeltaSender(plan, manifest, config.delta)
 
     # -- per version ---------------------------------------------------------------------

@@ -87,7 +87,7 @@ class IpcSupport(Message):
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class Placement(Message):
-    """Where a party runs, as transport selection reads it (selection.py). ``ipc``: for the
+    """Where a party runs, as transport selection reads it (transports/__init__.py). ``ipc``: for the
     sender only, whether it can share device buckets by handle (selection.Capability)."""
 
     name: str = ""
@@ -444,7 +444,7 @@ class WaitOutcome(Request):
 class WaitVersion(Request):
     """Receivers: until ``version`` (None: anything newer than what they serve) can be read.
     ``prefetch``: only to read ahead, not applied yet; ``after``: nothing at or below it (what
-    an ahead thread took already); ``ahead``: the caller is an ahead thread (receive_ahead.py)."""
+    an ahead thread took already); ``ahead``: the caller is an ahead thread (receiver.py: AheadThread)."""
 
     reply: ClassVar[type[Message]] = Target
     party: int

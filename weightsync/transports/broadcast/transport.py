@@ -15,7 +15,7 @@ once and reused; a new member set or a failed version bumps the epoch and the pa
 re-form under a fresh store prefix, so a new group never meets traffic of an old one.
 
 One version, on the wire:
-  sender    pack bucket b+1 (pack_stream) while bucket b is in flight, two buffers
+  sender    pack bucket b+1 (the Packer) while bucket b is in flight, two buffers
   receivers post bucket b+1 while bucket b is verified and loaded, two buffers
   each bucket: [payload bytes][8-byte digest of them] (no trailer with digest: off)
 Digests: every bucket carries one, verified by every receiver before it loads. On gloo the

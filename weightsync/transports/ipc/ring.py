@@ -256,7 +256,7 @@ class RingReader:
         self.slot: int | None = None
         self.control: Segment | None = None
         self.digest_kind: str | None = None
-        self.generation = 0  # bumped whenever the buffers go (ReceiverTransport.buffers_generation)
+        self.generation = 0  # bumped whenever the buffers go (Bucket.generation)
         self._attach(session)
 
     def _attach(self, info: IpcSession) -> None:

@@ -79,8 +79,8 @@ from ..memory import (
     resolve_backing,
     wake,
 )
+from .on_device import DeviceBuffers, HostCopies, hashes_on_device
 from .records import ShmSession, ShmStreamSession, ShmStreamVersion, ShmVersion
-from .staging import DeviceStage, StagedRun, hashes_on_device
 
 
 def lock_word(fd: int, word: int) -> None:
@@ -152,13 +152,13 @@ class ShmSender(SenderTransport):
 
     def __init__(self, ctx: TransportContext, why: str = "shm whole versions"):
         self.ctx = ctx
-        # hashed where the tensors are (staging.py on an accelerator node), host memory on a CPU
+        # hashed where the tensors are (on_device.py on an accelerator node), host memory on a CPU
         kind = digest.kind_of(ctx.config, ctx.device)
         # versions stay in their segments: late or restarted receivers catch up without the
         # trainer; receivers verify a segment ahead (prefetch), nothing else is sent
         self.session = ShmSession(digest_kind=kind, keeps_versions=True, ahead=True, why=why)
         # on an accelerator node each bucket is digested on the device before its copy to the host
-        self.stage_on_device = DeviceStage(ctx) if hashes_on_device(ctx, kind) else None
+        self.on_device = DeviceBuffers(ctx) if hashes_on_device(ctx, kind) else None
         self.directory = ctx.config.shm_dir
         reap_stale(self.directory)
         self.size, self.bases = layout(ctx.plan)
@@ -211,13 +211,13 @@ class ShmSender(SenderTransport):
             wake(head, word)  # receivers sleeping on the word (memory.py)
             self.packed_bytes += plan.buckets[b].nbytes
 
-        if self.stage_on_device is not None:
-            run = StagedRun(self.stage_on_device, plan)
+        if self.on_device is not None:
+            run = HostCopies(self.on_device, plan)
             for b in range(plan.bucket_count):
                 landed, buf = run.claim(b)
                 for item in landed:
                     publish(*item)
-                run.done(b, packer.fill(b, buf, kind, self.stage_on_device.views), self._view(seg, b, plan))
+                run.done(b, packer.fill(b, buf, kind, self.on_device.views), self._view(seg, b, plan))
             for item in run.landed(plan.bucket_count - 1):
                 publish(*item)
         else:
@@ -237,8 +237,8 @@ class ShmSender(SenderTransport):
 
     def close(self) -> None:
         self.views.clear()
-        if self.stage_on_device is not None:
-            self.stage_on_device.close()
+        if self.on_device is not None:
+            self.on_device.close()
         for seg in self.slots.values():
             seg.close()
             self.ctx.account("shm_segments", -1)
@@ -269,7 +269,7 @@ class ShmReceiver(ReceiverTransport):
         self._generation = 0  # bumped whenever a mapping goes (Bucket.generation)
         self.verified_ahead: int | None = None
         # torch digests on an accelerator: each bucket is copied to the device and checked there
-        self.stage_on_device = DeviceStage(ctx) if hashes_on_device(ctx, self.digest_kind) else None
+        self.on_device = DeviceBuffers(ctx) if hashes_on_device(ctx, self.digest_kind) else None
 
     def _attach(self, name: str) -> Segment:
         with self._attach_lock:  # prefetch() may run in a thread beside apply()
@@ -303,8 +303,8 @@ class ShmReceiver(ReceiverTransport):
         if size < self.size:
             # reading a mapping past the end of its file raises SIGBUS: check before touching it
             raise ProtocolError(f"segment {seg.name} was truncated to {size} bytes; version {version} needs {self.size}")
-        if self.stage_on_device is not None:
-            yield from self._receive_staged(version, record, seg, deadline)
+        if self.on_device is not None:
+            yield from self._receive_on_device(version, record, seg, deadline)
             return
         head = seg.header
         ready = version + 1
@@ -332,19 +332,19 @@ class ShmReceiver(ReceiverTransport):
                 f.cancel()
             concurrent.futures.wait(pending)
 
-    def _receive_staged(self, version: int, record: ShmVersion, seg: Segment, deadline: Deadline) -> Iterator[Bucket]:
-        """Each bucket, once written, copied from the segment into a staging buffer of this
+    def _receive_on_device(self, version: int, record: ShmVersion, seg: Segment, deadline: Deadline) -> Iterator[Bucket]:
+        """Each bucket, once written, copied from the segment into a device buffer of this
         receiver's device once the loads out of the bucket two before landed, and yielded from
-        there: what the receiver verifies is what the engine loads (staging.py)."""
+        there: what the receiver verifies is what the engine loads (on_device.py)."""
         head, ready, sums = seg.header, version + 1, record.checksums or None
         plan = record.moves(self.ctx.plan)
-        stage = self.stage_on_device
-        for b, dst, loaded in stage.receiving(plan):
+        buffers = self.on_device
+        for b, dst, loaded in buffers.receiving(plan):
             word = _ready_word(b)
             self._wait_ready(head, word, ready, version, b, deadline)
             expected = self._expected(head, word, sums, version, b)
             dst.copy_(self._view(seg, b, plan.buckets[b].nbytes), non_blocking=True)
-            yield Bucket(b, dst, expected, "", stage.generation)  # its check is of this copy, the receiver's
+            yield Bucket(b, dst, expected, "", buffers.generation)  # its check is of this copy, the receiver's
             loaded.mark(b)
         for b in range(plan.bucket_count):
             if int(head[_ready_word(b)]) != ready:
@@ -411,7 +411,7 @@ class ShmReceiver(ReceiverTransport):
     def open_ahead(self) -> int | None:
         # the segment holds the whole version already: ahead is verifying it (prefetch); what a
         # receiver digesting on its device checks is its own copy, made at the barrier
-        if self.stage_on_device is not None:
+        if self.on_device is not None:
             return None
         return 0 if self.ctx.config.receive_ahead != "off" and self.digest_kind is not None else None
 
@@ -420,7 +420,7 @@ class ShmReceiver(ReceiverTransport):
         receive_ahead, also map every page of it into this process (one byte read per page):
         the receiver that did not hash a bucket would otherwise take its page faults in the
         barrier's load."""
-        if self.stage_on_device is not None or self.digest_kind is None:
+        if self.on_device is not None or self.digest_kind is None:
             return False  # its check is of the copy on the device, made when the version is loaded
         touch = self.ctx.config.receive_ahead != "off"
         for bucket in self.receive(version, record, deadline):
@@ -433,8 +433,8 @@ class ShmReceiver(ReceiverTransport):
         return self.verified_ahead == version
 
     def span(self, version: int, record: VersionRecord) -> Span | None:
-        if not isinstance(record, ShmVersion) or self.stage_on_device is not None:
-            return None  # receive() says why; or loads come from the staging buffers, bucket by bucket
+        if not isinstance(record, ShmVersion) or self.on_device is not None:
+            return None  # receive() says why; or loads come from the device buffers, bucket by bucket
         return spans(self._attach(record.segment).bytes, self.bases, self.ctx.plan)
 
     def can_replay(self, version: int, record: VersionRecord) -> bool:
@@ -450,8 +450,8 @@ class ShmReceiver(ReceiverTransport):
         )
 
     def close(self) -> None:
-        if self.stage_on_device is not None:
-            self.stage_on_device.close()
+        if self.on_device is not None:
+            self.on_device.close()
         if self._pool is not None:
             self._pool.shutdown(wait=True, cancel_futures=True)  # before the mappings they read go
         for seg in self.attached.values():

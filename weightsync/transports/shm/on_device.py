@@ -2,11 +2,11 @@
 check covers both PCIe legs and no byte is hashed by the host.
 
 The host's xxh3 of a version of 1.17 GiB took 0.19 s per side on an H100 node, five times the
-whole transfer. Here the sender packs bucket b on its device (one of two staging buffers),
+whole transfer. Here the sender packs bucket b on its device (one of two device buffers),
 digests it there (the torch digest: the one-pass kernel on CUDA), then copies it to its place
 in the segment; the bucket is published (digest word, then ready word) once that copy landed,
 seen through an event, so the host keeps packing the next bucket meanwhile. A receiver copies
-each bucket from the segment into a staging buffer of its own device, digests that copy there
+each bucket from the segment into a device buffer of its own device, digests that copy there
 (digest.Checks: compared once, at the end of the version) and loads from it. So what is
 verified is what the engine loads, after both copies over the bus.
 
@@ -36,8 +36,8 @@ def hashes_on_device(ctx: TransportContext, kind: str | None) -> bool:
     return kind == "torch" and devices.has_streams(ctx.device)
 
 
-class DeviceStage:
-    """A party's two staging buffers on its device, allocated at the first version."""
+class DeviceBuffers:
+    """A party's two device buffers on its device, allocated at the first version."""
 
     def __init__(self, ctx: TransportContext):
         self.ctx = ctx
@@ -51,14 +51,14 @@ class DeviceStage:
             devices.set_current(self.ctx.device)
             self.buffers = [torch.empty(self.nbytes, dtype=torch.uint8, device=self.ctx.device)
                             for _ in range(BUFFERS)]
-            self.ctx.account("shm_staging_bytes", +BUFFERS * self.nbytes)
+            self.ctx.account("shm_device_bytes", +BUFFERS * self.nbytes)
         return self.buffers[b % BUFFERS][:nbytes]
 
     def receiving(self, plan: BucketPlan) -> Iterator[tuple[int, torch.Tensor, devices.Fences]]:
-        """The receiver's: (bucket, its staging buffer, the fences its loads are marked on), each
+        """The receiver's: (bucket, its device buffer, the fences its loads are marked on), each
         buffer handed out once the loads out of the bucket two before landed; at the end, once
         every load landed (the copies out of the segment land with them)."""
-        loaded = devices.Fences(self.ctx.device)  # the engine's loads out of each staging buffer
+        loaded = devices.Fences(self.ctx.device)  # the engine's loads out of each device buffer
         for b, bucket in enumerate(plan.buckets):
             if b >= BUFFERS:
                 loaded.done(b - BUFFERS, block=True)
@@ -68,33 +68,33 @@ class DeviceStage:
     def close(self) -> None:
         self.views.clear()
         if self.buffers:
-            self.ctx.account("shm_staging_bytes", -BUFFERS * self.nbytes)
+            self.ctx.account("shm_device_bytes", -BUFFERS * self.nbytes)
             self.buffers = []
             self.generation += 1
 
 
-class StagedRun:
-    """The sender's: bucket b is packed into staging buffer b % 2 (``claim``) and digested there;
+class HostCopies:
+    """The sender's: bucket b is packed into device buffer b % 2 (``claim``) and digested there;
     ``done`` queues its copy into the segment; ``landed`` gives the buckets, in order, whose copy
     reached the host, with their digests, to be published."""
 
-    def __init__(self, stage: DeviceStage, plan: BucketPlan):
-        self.stage, self.plan = stage, plan
-        self.fences = devices.Fences(stage.ctx.device)
+    def __init__(self, buffers: DeviceBuffers, plan: BucketPlan):
+        self.buffers, self.plan = buffers, plan
+        self.fences = devices.Fences(buffers.ctx.device)
         self.queued: collections.deque[tuple[int, Any]] = collections.deque()
 
     def claim(self, b: int) -> tuple[list[tuple[int, int | None]], torch.Tensor]:
-        """Bucket b's staging buffer, once the bucket it held before reached the host; and the
+        """Bucket b's device buffer, once the bucket it held before reached the host; and the
         buckets that landed meanwhile, to be published first."""
         ready = self.landed(b - 1, block=False)
         if b >= BUFFERS:
             ready += self.landed(b - BUFFERS)
-        return ready, self.stage.buffer(b, self.plan.buckets[b].nbytes)
+        return ready, self.buffers.buffer(b, self.plan.buckets[b].nbytes)
 
     def done(self, b: int, digest: int | torch.Tensor | None, target: torch.Tensor) -> None:
         """Bucket b is packed (and digested): queue its copy to ``target`` in the segment."""
         n = self.plan.buckets[b].nbytes
-        target.copy_(self.stage.buffer(b, n), non_blocking=True)  # pinned segment: asynchronous
+        target.copy_(self.buffers.buffer(b, n), non_blocking=True)  # pinned segment: asynchronous
         value = self.fences.host_copy(digest) if isinstance(digest, torch.Tensor) else digest
         self.fences.mark(b)
         self.queued.append((b, value))
