@@ -13,6 +13,7 @@ from weightsync.errors import ConfigError, ProtocolError, SyncFailed
 from weightsync.testing.layouts import layout, materialize
 from weightsync.testing.parties import assert_serves, rollout_actor
 from weightsync.transports.ipc.support import DISABLE_IPC_VAR
+from weightsync.transports.ipc.records import DeviceHandle
 from weightsync.transports.ipc.wire import import_handle, tag
 
 # 30 KiB buckets: the 125 KiB embedding of "tiny" spans five buckets, more than the two
@@ -108,10 +109,13 @@ def test_sender_stops_waiting_for_a_receiver_declared_dead(ray_cluster, coordina
 
 def test_receiver_refuses_handles_outside_the_allowlist():
     # the control plane carries handles as data; only known rebuild functions are ever called
+    handle = dict(kind="cuda", physical=0, size=[4096], stride=[1], offset=0, typed=False, dtype="uint8",
+                  handle=b"\x01" * 64, storage_bytes=4096, storage_offset=0, ref_handle=None, ref_offset=0,
+                  event=None, event_sync=True)
     with pytest.raises(ProtocolError, match="unknown kind"):
-        import_handle({"kind": "pickle", "physical": 0})
-    with pytest.raises(ProtocolError, match="malformed"):
-        import_handle({"kind": "cuda", "physical": "0"})
+        import_handle(DeviceHandle(**{**handle, "kind": "pickle"}))
+    with pytest.raises(ProtocolError, match="ipc: DeviceHandle field 'physical' is str, not int"):
+        DeviceHandle.from_wire({**handle, "physical": "0"})  # a handle's fields are checked where it arrives
 
 
 def test_tags_order_buckets_within_and_across_versions():
@@ -122,10 +126,11 @@ def test_tags_order_buckets_within_and_across_versions():
 _CHILD = """
 import sys, torch
 from weightsync import records
+from weightsync.transports.ipc.records import DeviceHandle
 from weightsync.transports.ipc.wire import import_handle
 if sys.argv[1] == "npu":
     import torch_npu  # noqa: F401
-t = import_handle(records.decode(sys.stdin.buffer.read()))
+t = import_handle(DeviceHandle.from_wire(records.decode(sys.stdin.buffer.read())))
 print(int(t.view(torch.int32).sum().item()))
 """
 
@@ -141,7 +146,7 @@ def _roundtrip_in_child(kind: str):
     dev = resolve(kind)
     t = torch.arange(4096, dtype=torch.int32, device=dev).view(torch.uint8)
     # a plain subprocess, not multiprocessing's spawn: that leaves its resource tracker running
-    out = subprocess.run([sys.executable, "-c", _CHILD, kind], input=records.encode(export_handle(t)),
+    out = subprocess.run([sys.executable, "-c", _CHILD, kind], input=records.encode(export_handle(t).to_wire()),
                          capture_output=True, timeout=120, check=True)
     assert int(out.stdout) == int(t.view(torch.int32).sum().item())
 

@@ -12,11 +12,10 @@ import json
 import os
 import platform as _platform
 import sys
-from typing import Any
 
 from ..transports.ipc import support as caps
 from ..transports.ipc.support import Capability
-from .doctor_entry import format_entry_points, verl_entry_points, vllm_engines
+from .doctor_entry import Report, format_entry_points, verl_entry_points, vllm_engines
 
 _PACKAGES = {  # label -> distribution names to try
     "weightsync": ("weightsync",),
@@ -51,7 +50,7 @@ def _nvidia_driver() -> str | None:
     return None
 
 
-def _shm(shm_dir: str) -> dict[str, Any]:
+def _shm(shm_dir: str) -> Report:
     try:
         st = os.statvfs(shm_dir)
     except OSError as exc:
@@ -60,7 +59,7 @@ def _shm(shm_dir: str) -> dict[str, Any]:
             "free_mib": round(st.f_bavail * st.f_frsize / 2**20)}
 
 
-def _segments(choice: str, shm_dir: str) -> dict[str, Any]:
+def _segments(choice: str, shm_dir: str) -> Report:
     """Where shm / host-ipc segments would live with ``shm_backing=choice``, and why."""
     from ..transports.memory import resolve_backing
 
@@ -95,7 +94,7 @@ def _broadcast(kind: str, registered: bool) -> Capability:
     return Capability(True, "backend gloo (host memory); also across nodes")
 
 
-def _groups(kind: str) -> dict[str, Any]:
+def _groups(kind: str) -> Report:
     """The broadcast group's constructions per backend, and the one this platform would use
     with the config's ``communicator`` (``WEIGHTSYNC_COMMUNICATOR``, default auto)."""
     from ..device import backend_for
@@ -105,14 +104,14 @@ def _groups(kind: str) -> dict[str, Any]:
     requested = os.environ.get("WEIGHTSYNC_COMMUNICATOR", "auto")
     try:
         name, why = communicators.choose_communicator(requested, backend)
-        used: dict[str, Any] = {"backend": backend, "communicator": name, "reason": why}
+        used: Report = {"backend": backend, "communicator": name, "reason": why}
     except Exception as exc:  # an explicit choice that cannot work here, or nothing can
         used = {"backend": backend, "communicator": None, "reason": str(exc)}
     return {"used_here": used, "requested": requested,
             "constructions": {b: communicators.constructions(b) for b in ("hccl", "nccl", "gloo")}}
 
 
-def collect(shm_dir: str = "/dev/shm", shm_backing: str | None = None) -> dict[str, Any]:
+def collect(shm_dir: str = "/dev/shm", shm_backing: str | None = None) -> Report:
     """Everything the report shows, as plain data."""
     from .. import device, transports
 
@@ -162,7 +161,7 @@ def collect(shm_dir: str = "/dev/shm", shm_backing: str | None = None) -> dict[s
     }
 
 
-def _receive_ahead() -> dict[str, Any]:
+def _receive_ahead() -> Report:
     """The receive_ahead setting from the environment and what an ahead copy may take on this node."""
     from ..config import SyncConfig
     from ..errors import ConfigError
@@ -176,7 +175,7 @@ def _receive_ahead() -> dict[str, Any]:
     return {"setting": cfg.receive_ahead, "copy_limit_mib": round(limit / 2**20), "source": source}
 
 
-def format_report(r: dict[str, Any]) -> str:
+def format_report(r: Report) -> str:
     lines = ["weightsync doctor", "",
              f"platform:      {r['platform']} ({r['device_count']} device(s), {r['cpu_count']} CPU cores)",
              f"host:          {r['host']} / {r['os']}"]

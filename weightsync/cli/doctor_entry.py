@@ -16,6 +16,10 @@ from ..transports.ipc import support as caps
 
 BACKEND = "weightsync"  # the name weightsync_vllm registers (weightsync_vllm.BACKEND)
 
+# doctor's report is a JSON document (``--json`` prints it; people paste it into bug reports): plain
+# data by design, read back by its text form
+Report = dict[str, Any]
+
 
 def _has_module(name: str) -> bool:
     try:
@@ -24,7 +28,7 @@ def _has_module(name: str) -> bool:
         return False
 
 
-def vllm_engines() -> dict[str, Any]:
+def vllm_engines() -> Report:
     """vLLM's weight-transfer engines here: worker-side names, trainer-side names, whether
     ours is among them; or why there are none."""
     version = caps.package_version("vllm")
@@ -58,7 +62,7 @@ def vllm_engines() -> dict[str, Any]:
             "weightsync": ours, "reason": reason}
 
 
-def verl_entry_points() -> dict[str, dict[str, Any]]:
+def verl_entry_points() -> dict[str, Report]:
     """Our verl entry points and whether the installed verl (or verl tree on sys.path) has
     what each plugs into."""
     version = caps.package_version("verl")
@@ -95,7 +99,7 @@ def verl_entry_points() -> dict[str, dict[str, Any]]:
     }
 
 
-def format_entry_points(vllm: dict[str, Any], verl: dict[str, dict[str, Any]]) -> list[str]:
+def format_entry_points(vllm: Report, verl: dict[str, Report]) -> list[str]:
     lines = ["", "vLLM weight-transfer engines:"]
     if vllm["available"]:
         lines.append(f"  worker   {', '.join(vllm['worker_engines'])}")

@@ -162,7 +162,7 @@ class RolloutWorker(_Party):
         """Fault in host memory: flip one bit of byte ``offset`` of bucket ``bucket`` in the
         receiver's delta shadow (a bit flip, a stray write), where nothing checks it until
         the next delta version rebuilds that bucket."""
-        self.receiver._loaders.delta.shadow.bucket(bucket)[offset] ^= 0x40
+        self.receiver.shadow.bucket(bucket)[offset] ^= 0x40
 
     def prefetch(self, version: int | None = None) -> int | None:
         return self.receiver.prefetch(version)

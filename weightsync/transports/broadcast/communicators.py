@@ -130,8 +130,9 @@ def choose_communicator(requested: str, backend: str, probe: Callable[[str], str
     raise ConfigError(f"no '{backend}' group can be built here: " + "; ".join(skipped))
 
 
-def constructions(backend: str, probe: Callable[[str], str | None] = probe) -> dict[str, dict[str, Any]]:
-    """Every construction of ``backend`` and whether it can be built here (for doctor)."""
+def constructions(backend: str, probe: Callable[[str], str | None] = probe) -> dict[str, dict[str, bool | str]]:
+    """Every construction of ``backend`` and whether it can be built here (for doctor: its
+    JSON report shows ``available``, ``what`` and, where not, ``reason``)."""
     out = {}
     for name in _options(backend) or ():
         why_not = probe(name)

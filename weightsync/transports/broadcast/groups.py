@@ -73,7 +73,7 @@ class Group:
                      what: str) -> Group:
         """:meth:`build` in a helper thread while this one keeps calling ``poll()`` (which
         raises if the version was aborted meanwhile): a rendezvous can wait on a dead peer."""
-        box: dict[str, Any] = {}
+        box: dict[str, Group | BaseException] = {}
         # the rendezvous' first broadcast goes on the caller's stream (the ahead thread's own
         # one, ahead.py), not on the helper thread's default stream, the engine's on CUDA
         stream = devices.current_stream(device) if devices.has_streams(device) else None

@@ -99,7 +99,7 @@ class RingWriter:
         devices.set_current(self.ctx.device)
         t = torch.empty(self.capacity, dtype=torch.uint8, device=self.ctx.device)
         check_nd(t)
-        self.handles.append(DeviceHandle.from_wire(export_handle(t)))
+        self.handles.append(export_handle(t))
         self.buffers.append(t)
         self.ctx.account(f"{self.resource}_handles", +1)
 
@@ -283,7 +283,7 @@ class RingReader:
                     seg.pin(ctx.device)
                     self.buffers.append(seg.bytes[: self.capacity])
                 else:
-                    self.buffers.append(import_handle(h.to_wire()))
+                    self.buffers.append(import_handle(h))
                     self.opened += 1
                     ctx.account(f"{self.resource}_handles", +1)
         except BaseException:

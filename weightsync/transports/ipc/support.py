@@ -15,7 +15,6 @@ import re
 import shutil
 import subprocess
 from collections.abc import Mapping
-from typing import Any
 
 ASCEND_ROOT = "/usr/local/Ascend"
 # minimums for NPU device IPC (memory sharing between processes on one chip)
@@ -36,12 +35,6 @@ class Capability:
     ok: bool
     reason: str
     notes: tuple[str, ...] = ()
-
-    def to_dict(self) -> dict[str, Any]:
-        out: dict[str, Any] = {"ok": self.ok, "reason": self.reason}
-        if self.notes:
-            out["notes"] = list(self.notes)
-        return out
 
 
 # -- versions ------------------------------------------------------------------------------

@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import importlib
 import os
-from typing import Any
 
 import numpy as np
 import torch
@@ -38,6 +37,7 @@ from ...coordinator.state import State
 from ...errors import CapacityError, ConfigError, ProtocolError, VersionError
 from ...manifest import dtype_name, dtype_of
 from ..base import Aborted, TransportContext
+from .records import DeviceHandle
 
 
 def _rebuild(kind: str) -> tuple[str, str] | None:
@@ -53,8 +53,8 @@ HANDLE_ARGS = ("tensor_cls", "tensor_size", "tensor_stride", "tensor_offset", "s
                "ref_counter_handle", "ref_counter_offset", "event_handle", "event_sync_required")
 
 
-def export_handle(t: torch.Tensor) -> dict[str, Any]:
-    """A device tensor's IPC handle as msgpack-safe data."""
+def export_handle(t: torch.Tensor) -> DeviceHandle:
+    """A device tensor's IPC handle, as the record that crosses to the receivers."""
     from torch.multiprocessing import reductions  # looked up now: torch_npu patches it on import
 
     kind = t.device.type
@@ -68,30 +68,24 @@ def export_handle(t: torch.Tensor) -> dict[str, Any]:
                             f"this version of weightsync knows; use transport 'shm'")
     a = dict(zip(HANDLE_ARGS, args))
     ref, event = a["ref_counter_handle"], a["event_handle"]
-    return {
-        "kind": kind, "physical": devices.physical_index(torch.device(kind, int(a["storage_device"]))),
-        "size": [int(x) for x in a["tensor_size"]], "stride": [int(x) for x in a["tensor_stride"]],
-        "offset": int(a["tensor_offset"]), "typed": a["storage_cls"] is torch.storage.TypedStorage,
-        "dtype": dtype_name(a["dtype"]), "handle": bytes(a["storage_handle"]),
-        "storage_bytes": int(a["storage_size_bytes"]), "storage_offset": int(a["storage_offset_bytes"]),
-        "ref_handle": None if ref is None else bytes(ref), "ref_offset": int(a["ref_counter_offset"] or 0),
-        "event": None if event is None else bytes(event), "event_sync": bool(a["event_sync_required"]),
-    }
+    return DeviceHandle(
+        kind=kind, physical=devices.physical_index(torch.device(kind, int(a["storage_device"]))),
+        size=[int(x) for x in a["tensor_size"]], stride=[int(x) for x in a["tensor_stride"]],
+        offset=int(a["tensor_offset"]), typed=a["storage_cls"] is torch.storage.TypedStorage,
+        dtype=dtype_name(a["dtype"]), handle=bytes(a["storage_handle"]),
+        storage_bytes=int(a["storage_size_bytes"]), storage_offset=int(a["storage_offset_bytes"]),
+        ref_handle=None if ref is None else bytes(ref), ref_offset=int(a["ref_counter_offset"] or 0),
+        event=None if event is None else bytes(event), event_sync=bool(a["event_sync_required"]),
+    )
 
 
-def _field(h: dict[str, Any], key: str, kind: type | tuple[type, ...]) -> Any:
-    value = h.get(key)
-    if not isinstance(value, kind) or (isinstance(value, bool) and kind is int):
-        raise ProtocolError(f"ipc handle field {key!r} is malformed: {type(value).__name__}")
-    return value
-
-
-def import_handle(h: dict[str, Any]) -> torch.Tensor:
-    """Open a handle from :func:`export_handle` on this process's view of the same device."""
-    kind = _field(h, "kind", str)
+def import_handle(h: DeviceHandle) -> torch.Tensor:
+    """Open a handle from :func:`export_handle` (its fields checked where the record was parsed)
+    on this process's view of the same device."""
+    kind = h.kind
     if _rebuild(kind) is None:
         raise ProtocolError(f"ipc handle of unknown kind {kind!r}")
-    physical = _field(h, "physical", int)
+    physical = h.physical
     local = devices.local_index(kind, physical)
     if local is None:
         var = devices.visible_devices_var(kind)
@@ -99,16 +93,13 @@ def import_handle(h: dict[str, Any]) -> torch.Tensor:
                             f"cannot see ({var}={os.environ.get(var or '', '')!r}); ipc needs both on one device")
     module, name = _rebuild(kind)
     rebuild = getattr(importlib.import_module(module), name)
-    ints = [_field(h, k, int) for k in ("offset", "storage_bytes", "storage_offset", "ref_offset")]
-    size = [int(x) for x in _field(h, "size", list)]
-    stride = [int(x) for x in _field(h, "stride", list)]
     return rebuild(
-        tensor_cls=torch.Tensor, tensor_size=torch.Size(size), tensor_stride=tuple(stride), tensor_offset=ints[0],
-        storage_cls=torch.storage.TypedStorage if _field(h, "typed", bool) else torch.UntypedStorage,
-        dtype=dtype_of(_field(h, "dtype", str)), storage_device=local, storage_handle=_field(h, "handle", bytes),
-        storage_size_bytes=ints[1], storage_offset_bytes=ints[2], requires_grad=False,
-        ref_counter_handle=_field(h, "ref_handle", (bytes, type(None))), ref_counter_offset=ints[3],
-        event_handle=_field(h, "event", (bytes, type(None))), event_sync_required=_field(h, "event_sync", bool),
+        tensor_cls=torch.Tensor, tensor_size=torch.Size(h.size), tensor_stride=tuple(h.stride),
+        tensor_offset=h.offset, storage_cls=torch.storage.TypedStorage if h.typed else torch.UntypedStorage,
+        dtype=dtype_of(h.dtype), storage_device=local, storage_handle=h.handle,
+        storage_size_bytes=h.storage_bytes, storage_offset_bytes=h.storage_offset, requires_grad=False,
+        ref_counter_handle=h.ref_handle, ref_counter_offset=h.ref_offset,
+        event_handle=h.event, event_sync_required=h.event_sync,
     )
 
 
