@@ -45,12 +45,11 @@ def depth(module: str) -> int:
     return 1 + max((depth(n) for n in GRAPH[module]), default=0)
 
 
-def floors(skip: tuple[str, ...] = ()) -> tuple[int, tuple[str, ...]]:
-    return max((climb(m) for m in MODS if not (skip and m.startswith(skip))), key=lambda x: x[0])
+def floors() -> tuple[int, tuple[str, ...]]:
+    return max((climb(m) for m in MODS), key=lambda x: x[0])
 
 
 if __name__ == "__main__":
-    for label, skip in (("the package", ()), ("without bench/", ("weightsync.bench",))):
-        n, chain = floors(skip)
-        print(f"{label}: {n} floors: " + " -> ".join(chain))
+    n, chain = floors()
+    print(f"the package: {n} floors: " + " -> ".join(chain))
     print(f"longest chain of modules: {max(depth(m) for m in MODS)}")

@@ -6,8 +6,9 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
-from ..config import SyncConfig
-from ..testing.layouts import LAYOUTS
+from weightsync.config import SyncConfig
+from weightsync.testing.layouts import LAYOUTS
+
 from .delta_rows import DELTA_MODES
 from .expect import KEYS, parse_expectation
 from .updates import UPDATES

@@ -23,10 +23,11 @@ from typing import Any
 import numpy as np
 import ray
 
-from .. import transports
-from ..coordinator.client import Coordinator
-from ..device import ray_options
-from ..manifest import Manifest
+from weightsync import transports
+from weightsync.coordinator.client import Coordinator
+from weightsync.device import ray_options
+from weightsync.manifest import Manifest
+
 from .actors import BenchRollout, BenchTrainer
 from .delta_rows import delta_suffix
 from .fixed_cost import FIXED_COST, add_version, medians, new_samples
