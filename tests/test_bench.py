@@ -168,7 +168,7 @@ def test_memory_estimates_refuse_what_does_not_fit():
 
 
 def _tiny_shapes():
-    from weightsync.testing.layouts import layout
+    from weightsync_bench.layouts import layout
 
     return [s.shape for s in layout("tiny")]
 
@@ -351,7 +351,7 @@ def test_a_fixed_cost_row_times_the_prestaged_barrier_of_a_layout_without_bytes(
     """--fixed-cost only: the shm row between actors that hold the tiny layout cut to <= 1024
     elements a tensor, its pre-staged barriers split into the receiver's phases, the sender's
     sync() and the coordinator calls of a version (weightsync_bench.fixed_cost)."""
-    from weightsync.testing.layouts import fixed_cost, layout
+    from weightsync_bench.layouts import fixed_cost, layout
 
     out = tmp_path / "fixed.json"
     rc = main(["bench", "--device", "cpu", "--model", "tiny", "--transport", "shm", "--receivers", "1",

@@ -15,11 +15,10 @@ import time
 import psutil
 import pytest
 import torch
+from support.parties import wait_until
 from weightsync_bench import delta_rows, expect, memory_fit, updates
 from weightsync_bench.cli import default_store_gb
-
-from weightsync.testing.layouts import layout, materialize
-from weightsync.testing.parties import wait_until
+from weightsync_bench.layouts import layout, materialize
 
 pytestmark = pytest.mark.bench  # the bench tier runs them (scripts/tiers/bench.sh)
 

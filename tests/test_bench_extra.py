@@ -10,9 +10,9 @@ import sys
 
 import pytest
 from weightsync_bench import layout_source
+from weightsync_bench.layouts import layout
 
 from weightsync import cli
-from weightsync.testing.layouts import layout
 
 pytestmark = pytest.mark.bench  # the bench tier runs them (scripts/tiers/bench.sh)
 

@@ -8,9 +8,8 @@ import argparse
 
 import pytest
 from weightsync_bench import fixed_cost, interleave, plan, results, rounds
+from weightsync_bench.layouts import FIXED_COST_ELEMS, layout
 from weightsync_bench.options import add_bench_arguments, apply_preset
-
-from weightsync.testing.layouts import FIXED_COST_ELEMS, layout
 
 
 def _parsed(*argv: str) -> argparse.Namespace:

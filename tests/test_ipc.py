@@ -7,11 +7,11 @@ import time
 
 import pytest
 import torch
+from support.parties import assert_serves, rollout_actor
+from weightsync_bench.layouts import layout, materialize
 
 from weightsync import records
 from weightsync.errors import ConfigError, ProtocolError, SyncFailed
-from weightsync.testing.layouts import layout, materialize
-from weightsync.testing.parties import assert_serves, rollout_actor
 from weightsync.transports.ipc.wire import import_handle, tag
 from weightsync.transports.selection import DISABLE_IPC_VAR
 

@@ -4,13 +4,13 @@ import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from support.parties import same_bits
+from weightsync_bench.layouts import layout, materialize
 
 from weightsync import ManifestError
 from weightsync.digest import xxh3 as checksum
 from weightsync.manifest import DTYPES, Manifest, TensorSpec, build_manifest, check_manifest, plan_buckets, size_text
 from weightsync.packing import Buffers, Unpacker, gaps, pack_stream
-from weightsync.testing.layouts import layout, materialize
-from weightsync.testing.parties import same_bits
 
 
 def random_tensor(dtype: torch.dtype, shape, seed: int) -> torch.Tensor:

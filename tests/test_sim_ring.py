@@ -19,14 +19,14 @@ from pathlib import Path
 import pytest
 import torch
 import weightsync_sim as sim
+from support.parties import same_bits
+from weightsync_bench.layouts import materialize
 
 from weightsync.config import SyncConfig
 from weightsync.device import resolve
 from weightsync.digest import verify
 from weightsync.manifest import Manifest, TensorSpec, plan_buckets
 from weightsync.packing import Packing, Unpacker
-from weightsync.testing.layouts import materialize
-from weightsync.testing.parties import same_bits
 from weightsync.transports.base import TransportContext
 from weightsync.transports.ipc.transport import IpcReceiver, IpcSender
 

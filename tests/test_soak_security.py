@@ -10,10 +10,10 @@ import threading
 
 import pytest
 import ray
+from support.parties import assert_serves, start_parties, wait_until
+from weightsync_bench.layouts import layout, materialize
 
 from weightsync import Coordinator, ProtocolError, WeightReceiver, records, transports
-from weightsync.testing.layouts import layout, materialize
-from weightsync.testing.parties import assert_serves, start_parties, wait_until
 from weightsync.transports.memory import SEGMENT_REF, holders, locate, our_segments
 
 MANIFEST = layout("tiny")

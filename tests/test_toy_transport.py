@@ -8,12 +8,13 @@ from __future__ import annotations
 import textwrap
 
 import pytest
+from support.parties import same_bits
 from test_reset_cache import MANIFEST, run
+from weightsync_bench.engine import ToyEngine
 
 import weightsync.transports as transports
 from weightsync import ConfigError, SyncConfig, WeightReceiver, WeightSender
 from weightsync.coordinator import ops
-from weightsync.testing.parties import ToyEngine, same_bits
 from weightsync.transports import catalog, selection
 
 INIT = '''

@@ -19,11 +19,11 @@ from weightsync.coordinator.client import Coordinator
 from weightsync.manifest import Manifest
 from weightsync.receiver import WeightReceiver
 from weightsync.sender import WeightSender
-from weightsync.testing.layouts import materialize
-from weightsync.testing.parties import ToyEngine
 
 from .bits import digest
 from .bits import flat_bytes as _flat
+from .engine import ToyEngine
+from .layouts import materialize
 from .peak_memory import PeakTracker
 from .updates import Versions
 

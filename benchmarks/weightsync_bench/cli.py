@@ -219,11 +219,11 @@ def _run_size(args: argparse.Namespace, label: str, manifest: Any, weights_path:
     import torch
 
     from weightsync.manifest import Manifest
-    from weightsync.testing.layouts import fixed_cost as fixed_cost_specs
 
     from . import fixed_cost, interleave
     from .actors import BenchRollout, BenchTrainer
     from .ceiling import device_ceilings, host_ceiling
+    from .layouts import fixed_cost as fixed_cost_specs
     from .peak_memory import NodeShmem
     from .runner import Bench
 

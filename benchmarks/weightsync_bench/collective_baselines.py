@@ -30,11 +30,12 @@ import ray
 import torch
 
 from weightsync.manifest import Manifest
-from weightsync.testing.layouts import layout, materialize
-from weightsync.testing.parties import ToyEngine
 from weightsync.transports.broadcast.communicators import choose_backend, comm_device
 from weightsync.transports.broadcast.groups import Group
 from weightsync.transports.broadcast.store import connect_store, host_store, store_host
+
+from .engine import ToyEngine
+from .layouts import layout, materialize
 
 # a peer that never joins (or a collective that never returns) ends the baseline, not the run
 TIMEOUT_S = 300.0
@@ -280,18 +281,36 @@ class _BenchTrainer:
         self.sender.close()
 
 
+class _BenchRollout:
+    """Receiver rank: a WeightReceiver feeding a ToyEngine, with no expected layout to check, as
+    the raw baselines have none."""
+
+    def __init__(self, coordinator: Any, manifest_wire: list, name: str, rank: int, config: dict):
+        from weightsync.config import SyncConfig
+        from weightsync.receiver import WeightReceiver
+
+        self.engine = ToyEngine(Manifest.from_wire(manifest_wire))
+        self.receiver = WeightReceiver(coordinator, self.engine.load_weights, name=name, rank=rank,
+                                       post_load=self.engine.post_load, config=SyncConfig.load(config))
+
+    def apply(self, version: int) -> int | None:
+        return self.receiver.apply(version)
+
+    def close(self) -> None:
+        self.receiver.close()
+
+
 def bucketed_broadcast(manifest: Manifest, receivers: int, *, config: dict | None = None, repeats: int = 3,
                        resources: dict | None = None) -> list[float]:
     """Seconds per version over the broadcast transport: pack, send, verify, load, commit.
     The first version (group construction, first-touch of the buffers) is not counted."""
     from weightsync.coordinator.client import Coordinator
-    from weightsync.testing.parties import RolloutWorker
 
     cfg = {"transport": "broadcast", "bucket_mb": 64.0, **(config or {})}
     coord = Coordinator.create(cfg, name=f"weightsync-bench-{os.getpid()}-{secrets.token_hex(3)}")
     opts = {"num_cpus": 0, **(resources or {})}
-    workers = [ray.remote(RolloutWorker).options(**opts).remote(coord, manifest.to_wire(), f"bench-rollout-{i}",
-                                                                 rank=i, config=cfg, check=False)
+    workers = [ray.remote(_BenchRollout).options(**opts).remote(coord, manifest.to_wire(), f"bench-rollout-{i}",
+                                                                 rank=i, config=cfg)
                for i in range(receivers)]
     trainer = ray.remote(_BenchTrainer).options(**opts).remote(coord, manifest.to_wire(), receivers)
     try:
@@ -332,7 +351,7 @@ def _cell(r: dict[str, Any], key: str) -> str:
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="python -m weightsync_bench.collective_baselines",
                                      description="bucketed broadcast vs a raw flat broadcast and per-tensor broadcast")
-    parser.add_argument("--layout", default="moe-small", help="built-in layout (see weightsync.testing.layouts)")
+    parser.add_argument("--layout", default="moe-small", help="built-in layout (see weightsync_bench.layouts)")
     parser.add_argument("--dtype", default="bfloat16")
     parser.add_argument("--receivers", type=int, nargs="+", default=[1, 3])
     parser.add_argument("--bucket-mb", type=float, default=64.0)

@@ -10,7 +10,8 @@ import struct
 import torch
 
 from weightsync.manifest import Manifest, TensorSpec
-from weightsync.testing.layouts import LAYOUTS, layout
+
+from .layouts import LAYOUTS, layout
 
 # safetensors dtype codes -> our dtype names
 _ST_DTYPES = {

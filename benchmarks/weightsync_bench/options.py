@@ -7,10 +7,10 @@ import argparse
 from typing import Any
 
 from weightsync.config import SyncConfig
-from weightsync.testing.layouts import LAYOUTS
 
 from .delta_rows import DELTA_MODES
 from .expect import KEYS, parse_expectation
+from .layouts import LAYOUTS
 from .updates import UPDATES
 
 TRANSPORTS = ("shm", "ipc", "broadcast", "auto")

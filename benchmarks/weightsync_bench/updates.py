@@ -242,7 +242,7 @@ class Versions:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from weightsync.testing.layouts import layout
+    from .layouts import layout
 
     p = argparse.ArgumentParser(prog="python -m weightsync_bench.updates",
                                 description="changed fraction of bf16 weights per AdamW step")

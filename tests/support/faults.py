@@ -1,4 +1,4 @@
-"""Internal. Fault points installed from outside a party, on its transport object, so production classes
+"""Fault points installed from outside a party, on its transport object, so production classes
 carry no test hooks (parties.py uses them; so does the vLLM tier's trainer).
 
 - On the wire (``edit_packed``): a sender transport's staged Packing is wrapped so that once
@@ -24,8 +24,8 @@ from typing import Any
 
 import torch
 
-from .. import device as devices
-from ..packing import BucketSink, Packing
+from weightsync import device as devices
+from weightsync.packing import BucketSink, Packing
 
 # (version, bucket, the bucket's packed bytes) -> None, changing the bytes in place
 Edit = Callable[[int, int, torch.Tensor], None]
