@@ -13,6 +13,7 @@
 # BASELINES override the bench's (2; "ray-numpy ray-rdt").
 set -uo pipefail
 cd "$(dirname "$0")/.."
+. scripts/lib/env.sh
 kind="" out="" steps="tests,digest,bench"
 while [ $# -gt 0 ]; do
     case "$1" in

@@ -18,7 +18,7 @@ from weightsync.transports.memory import SEGMENT_REF, holders, locate, our_segme
 
 MANIFEST = layout("tiny")
 CPU_TRANSPORTS = [t for t in ("shm", "ipc", "broadcast") if t in transports.names()]
-SOAK_VERSIONS = int(os.environ.get("WEIGHTSYNC_SOAK_VERSIONS", "300"))
+SOAK_VERSIONS = int(os.environ.get("WSTEST_SOAK_VERSIONS", "300"))
 
 
 def _gone(pid: int) -> bool:

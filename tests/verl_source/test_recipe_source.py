@@ -1,4 +1,4 @@
-"""verl's REAL one-step-off recipe (from the tree in WEIGHTSYNC_VERL_SRC) with weightsync.
+"""verl's REAL one-step-off recipe (from the tree in WSTEST_VERL_SRC) with weightsync.
 
 The recipe's trainer is built from the recipe's own Hydra config (the user's command-line
 overrides plus the weightsync lines), its own ``init_workers`` steps run with worker
