@@ -11,14 +11,23 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
+import sys
 import time
+from pathlib import Path
 
 import ray
 import torch
+from weightsync_bench.layouts import layout, materialize
 
-from weightsync.testing.layouts import layout, materialize
-from weightsync.testing.parties import JOB_DEFAULTS, TrainerWorker, new_coordinator, rollout_actor, stop_actors
+# the tests' party actors (tests/support/parties.py), importable here and in the Ray workers this
+# process starts, which inherit PYTHONPATH
+_TESTS = str(Path(__file__).resolve().parents[1] / "tests")
+sys.path.insert(0, _TESTS)
+os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, [_TESTS, os.environ.get("PYTHONPATH")]))
+
+from support.parties import JOB_DEFAULTS, TrainerWorker, new_coordinator, rollout_actor, stop_actors  # noqa: E402
 
 
 class DriftTrainer(TrainerWorker):

@@ -39,16 +39,16 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from weightsync_bench.actors import digest
+from weightsync_bench.ceiling import host_ceiling
+from weightsync_bench.engine import ToyEngine
+from weightsync_bench.layout_source import resolve
+from weightsync_bench.layouts import materialize
+from weightsync_bench.results import machine_info
 
-from weightsync.bench.actors import digest
-from weightsync.bench.ceiling import host_ceiling
-from weightsync.bench.layout_source import resolve
-from weightsync.bench.results import machine_info
 from weightsync.digest import verify
 from weightsync.digest import xxh3 as checksum
 from weightsync.manifest import BucketPlan, Manifest, Packer, PackViews, Unpacker, pack, plan_buckets
-from weightsync.testing.layouts import materialize
-from weightsync.testing.parties import ToyEngine
 from weightsync.transports.shm.transport import layout, spans
 
 MiB = 1 << 20

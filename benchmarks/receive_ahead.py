@@ -4,7 +4,7 @@ of the payload, same run, interleaved (docs/one-step-off.md).
     python benchmarks/receive_ahead.py [--transports broadcast,shm] [--rounds 6] [--json PATH]
 
 Per transport two jobs run side by side, each a coordinator, 2 rollout workers and a trainer
-(real Ray actors, weightsync.testing.parties): one with ``receive_ahead: off``, one with ``on``. Each
+(real Ray actors, tests/support/parties.py): one with ``receive_ahead: off``, one with ``on``. Each
 round moves one version through each job, the order alternating, as the one-step-off recipe
 does it: the trainer stages the version (right after its optimizer step), the rollout keeps
 generating (here: with receive_ahead, waits until the version is in, ``prefetch()``; without,
@@ -24,13 +24,21 @@ import os
 import statistics
 import sys
 import time
+from pathlib import Path
 
 import ray
 import torch
+from weightsync_bench.layouts import _dense
 
 from weightsync.manifest import Manifest
-from weightsync.testing.layouts import _dense
-from weightsync.testing.parties import new_coordinator, rollout_actor, stop_actors, trainer_actor
+
+# the tests' party actors (tests/support/parties.py), importable here and in the Ray workers this
+# process starts, which inherit PYTHONPATH
+_TESTS = str(Path(__file__).resolve().parents[1] / "tests")
+sys.path.insert(0, _TESTS)
+os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, [_TESTS, os.environ.get("PYTHONPATH")]))
+
+from support.parties import new_coordinator, rollout_actor, stop_actors, trainer_actor  # noqa: E402
 
 # Qwen2.5-0.5B's widths with a 32k vocabulary and 3 layers: ~200 MB in bf16
 MANIFEST = Manifest(tuple(_dense(32000, 896, 4864, 3, 14, 2, 64, True, False, False, "bfloat16")))

@@ -9,10 +9,10 @@ from __future__ import annotations
 
 import pytest
 import torch
+from weightsync_bench.layouts import layout, materialize
 
 from weightsync.digest import xxh3 as checksum
 from weightsync.manifest import Manifest, TensorSpec, Unpacker, pack, plan_buckets
-from weightsync.testing.layouts import layout, materialize
 
 pytest.importorskip("pytest_benchmark")
 

@@ -36,9 +36,9 @@ from typing import Any
 
 import ray
 import torch
+from weightsync_bench.timeline import Recorder, Span, render_png
 
 from weightsync import Coordinator, SyncConfig, WeightReceiver, WeightSender
-from weightsync.testing.timeline import Recorder, Span, render_png
 from weightsync.transports.memory import reap_stale
 
 
@@ -99,8 +99,8 @@ def pin(cpus: list[int] | None) -> None:
 @ray.remote(num_cpus=0)
 class Rollout:
     """Stands in for a vLLM worker: samples with the weights it serves, tags the batch. Not
-    weightsync.testing's RolloutWorker: this one generates with a real policy, and the
-    example reads in one file."""
+    the tests' RolloutWorker: this one generates with a real policy, and the example reads
+    in one file."""
 
     def __init__(self, coordinator: Coordinator, task: Task, rank: int, cpus: list[int] | None):
         pin(cpus)

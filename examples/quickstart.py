@@ -14,7 +14,7 @@ def make_model() -> torch.nn.Module:
 @ray.remote(num_cpus=0)
 class Rollout:
     """Stands in for a vLLM worker: load_weights(Iterable[(name, tensor)]) copies in place.
-    Written out here rather than weightsync.testing's ToyEngine: the example reads in one file
+    Written out here rather than the bench's ToyEngine: the example reads in one file
     and its engine is the torch module the trainer trains, not a dict of zeros."""
 
     def __init__(self, coordinator: Coordinator, rank: int):

@@ -4,6 +4,7 @@
 # 2-core VM). Extra arguments go to `weightsync bench`, e.g. --full for the thorough matrix.
 set -euo pipefail
 cd "$(dirname "$0")/.."
+. scripts/lib/env.sh
 bash scripts/setup.sh bench,plot
 . .venv/bin/activate
 mkdir -p results

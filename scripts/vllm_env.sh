@@ -4,7 +4,7 @@
 # the real Python model code), transformers<5, and weightsync (editable) with its dev extra.
 # A venv of its own because vLLM's pins differ from the verl extra's.
 #
-# WEIGHTSYNC_VLLM_VERSION picks the vLLM release (default 0.11.0): 0.10.1 is the one inside the
+# WSTEST_VLLM_VERSION picks the vLLM release (default 0.11.0): 0.10.1 is the one inside the
 # official Ascend verl image (vLLM commit 38217877aa); its venv is .venv-vllm-0.10.1.
 #
 # Idempotent (scripts/lib/venv.sh): a stamp records what was installed; when it matches, this
@@ -20,14 +20,15 @@
 # wrong RoPE base.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-version="${WEIGHTSYNC_VLLM_VERSION:-0.11.0}"
+. scripts/lib/env.sh
+version="${WSTEST_VLLM_VERSION:-0.11.0}"
 case "$version" in  # the sdists' sha256 on PyPI, pinned
     0.11.0) vllm_sha="f435a64c24e9c4178d657a76f8edd8548ddc444012f7d06a9f79ac3a6392bfae"; default_venv=.venv-vllm ;;
     0.10.1) vllm_sha="99d00498f25b94767bb2696e88feb67730677dae605c9b8af99492dc3c34492d"; default_venv=.venv-vllm-0.10.1 ;;
     *) echo "vllm_env.sh: no pinned sdist for vLLM $version (0.11.0, 0.10.1)" >&2; exit 2 ;;
 esac
-venv="${WEIGHTSYNC_VLLM_VENV:-$default_venv}"
-torch_spec="${WEIGHTSYNC_TORCH:-torch==2.13.0}"
+venv="${WSTEST_VLLM_VENV:-$default_venv}"
+torch_spec="${WSTEST_TORCH:-torch==2.13.0}"
 . scripts/lib/venv.sh
 stamp_key="vllm=${version} sha=${vllm_sha} torch=${torch_spec} pyproject=$(pyproject_hash)"
 stamp="$venv/.weightsync-vllm-stamp"

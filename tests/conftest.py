@@ -50,8 +50,7 @@ def ray_cluster():
     ray.shutdown()
     # no Ray process (raylet, GCS, workers) started by this run may outlive it
     import psutil
-
-    from weightsync.testing.parties import wait_until
+    from support.parties import wait_until
 
     def running() -> list:
         return [p for p in psutil.Process().children(recursive=True) if p.is_running()
@@ -65,7 +64,7 @@ def ray_cluster():
 @pytest.fixture
 def coordinator_factory(ray_cluster):
     """make(config_dict) -> Coordinator with a unique name; shut down after the test."""
-    from weightsync.testing.parties import new_coordinator
+    from support.parties import new_coordinator
 
     made = []
 
@@ -81,7 +80,7 @@ def coordinator_factory(ray_cluster):
 @pytest.fixture
 def actors(ray_cluster):
     """Track Ray actors a test starts; each is closed (if it can be) and killed afterwards."""
-    from weightsync.testing.parties import stop_actors
+    from support.parties import stop_actors
 
     started = []
 
@@ -97,10 +96,10 @@ def actors(ray_cluster):
 @pytest.fixture
 def start_job(coordinator_factory, actors):
     """The one way a test starts a job: start_job(config, receivers=2, manifest=layout("tiny"),
-    options=, rollout=, trainer=) -> weightsync.testing.parties.Job (a coordinator with ``config``,
+    options=, rollout=, trainer=) -> support.parties.Job (a coordinator with ``config``,
     ``receivers`` rollout workers and a trainer, all given ``config``); torn down after the test."""
-    from weightsync.testing.layouts import layout
-    from weightsync.testing.parties import start_parties
+    from support.parties import start_parties
+    from weightsync_bench.layouts import layout
 
     def start(config: dict, receivers: int = 2, manifest=None, **kwargs):
         job = start_parties(coordinator_factory(config), manifest or layout("tiny"), config, receivers, **kwargs)
@@ -118,8 +117,7 @@ def shm_clean():
     import time
 
     import psutil
-
-    from weightsync.testing.parties import wait_until
+    from support.parties import wait_until
 
     started = time.time()
     before = set(our_segments()) | {name for _, _, name in holders()}

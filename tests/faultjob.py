@@ -4,7 +4,7 @@ test's time). Each test begins with ``fresh()``: every party alive and serving t
 newest version, whatever the test before it killed, stopped or corrupted.
 
 Faults land where the test puts them, never where a sleep guesses: the parties stop at a
-fault point (weightsync.testing.parties: a rollout after loading bucket k, a trainer before tensor
+fault point (support.parties: a rollout after loading bucket k, a trainer before tensor
 i) and say so; the test acts there. Waits in here wait for a state the coordinator reports
 (a party seen dead, a version aborted), with a deadline, not for time to pass.
 """
@@ -17,11 +17,7 @@ from typing import Any
 
 import pytest
 import ray
-
-from weightsync import SyncFailed
-from weightsync.device import ray_options
-from weightsync.manifest import Manifest, plan_buckets
-from weightsync.testing.parties import (
+from support.parties import (
     JOB_DEFAULTS,
     RolloutWorker,
     new_coordinator,
@@ -30,7 +26,11 @@ from weightsync.testing.parties import (
     stop_actors,
     trainer_actor,
 )
-from weightsync.testing.parties import wait_until as _wait_until
+from support.parties import wait_until as _wait_until
+
+from weightsync import SyncFailed
+from weightsync.device import ray_options
+from weightsync.manifest import Manifest, plan_buckets
 
 # threaded actors: reached() / release() run beside an apply() or stage() held at a fault point
 THREADED = {"max_concurrency": 4}
@@ -39,7 +39,7 @@ RECEIVERS = ("rollout-0", "rollout-1")
 
 
 def wait_until(what: str, cond, timeout: float = DEADLINE_S, **kwargs: Any) -> Any:
-    """weightsync.testing.wait_until with this job's deadline."""
+    """support.parties.wait_until with this job's deadline."""
     return _wait_until(what, cond, timeout, **kwargs)
 
 

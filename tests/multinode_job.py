@@ -26,10 +26,10 @@ from typing import Any
 import psutil
 import ray
 from ray.cluster_utils import Cluster
+from support.parties import TrainerWorker, check_serves, rollout_actor, trainer_actor, wait_until
 
 from weightsync import Coordinator, SyncFailed
 from weightsync.manifest import Manifest, TensorSpec
-from weightsync.testing.parties import TrainerWorker, check_serves, rollout_actor, trainer_actor, wait_until
 
 DEADLINE_S = 30.0
 # test_broadcast.py's WIDE layout: the first tensor spans 6 buckets and the version is far larger

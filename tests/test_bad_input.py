@@ -7,16 +7,16 @@ import os
 import pytest
 import ray
 import torch
-
-from weightsync import CapacityError, ConfigError, ManifestError, SyncConfig, VersionError
-from weightsync.manifest import Manifest, Packer, TensorSpec, build_manifest, plan_buckets
-from weightsync.testing.layouts import layout, materialize
-from weightsync.testing.parties import (
+from support.parties import (
     assert_serves,
     new_coordinator,
     start_parties,
     stop_actors,
 )
+from weightsync_bench.layouts import layout, materialize
+
+from weightsync import CapacityError, ConfigError, ManifestError, SyncConfig, VersionError
+from weightsync.manifest import Manifest, Packer, TensorSpec, build_manifest, plan_buckets
 from weightsync.transports.base import TransportContext
 from weightsync.transports.memory import holders, locate, memory_available
 from weightsync.transports.shm.transport import ShmSender

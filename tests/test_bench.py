@@ -8,10 +8,10 @@ import math
 
 import pytest
 import torch
+from weightsync_bench import expect, layout_source, memory_fit, results
+from weightsync_bench.cli import exit_status
+from weightsync_bench.runner import transport_unavailable
 
-from weightsync.bench import expect, layout_source, memory_fit, results
-from weightsync.bench.cli import exit_status
-from weightsync.bench.runner import transport_unavailable
 from weightsync.cli import main
 
 pytestmark = pytest.mark.bench  # the bench tier runs them (scripts/tiers/bench.sh)
@@ -78,7 +78,7 @@ def test_bench_tiny_shm_end_to_end(ray_cluster, tmp_path):
 def test_bench_tiny_broadcast_collective_baselines_and_delta_rows(ray_cluster, tmp_path):
     """One bench run for two sets of outcomes (a bench run costs seconds of its own): the
     broadcast row and the collective baselines, and a delta row beside the full row of its
-    configuration on an AdamW update (the update model: weightsync.bench.updates)."""
+    configuration on an AdamW update (the update model: weightsync_bench.updates)."""
     out = tmp_path / "bench.json"
     rc = main(["bench", "--device", "cpu", "--model", "tiny", "--transport", "broadcast", "--backend", "gloo", "--receivers", "1",
                "--bucket-mb", "0.25", "--versions", "2", "--rounds", "1", "--warmup", "1", "--checksum", "on", "--baselines",
@@ -168,7 +168,7 @@ def test_memory_estimates_refuse_what_does_not_fit():
 
 
 def _tiny_shapes():
-    from weightsync.testing.layouts import layout
+    from weightsync_bench.layouts import layout
 
     return [s.shape for s in layout("tiny")]
 
@@ -350,8 +350,8 @@ def test_rows_whose_turn_comes_after_the_deadline_are_recorded_not_run(ray_clust
 def test_a_fixed_cost_row_times_the_prestaged_barrier_of_a_layout_without_bytes(ray_cluster, tmp_path, capsys):
     """--fixed-cost only: the shm row between actors that hold the tiny layout cut to <= 1024
     elements a tensor, its pre-staged barriers split into the receiver's phases, the sender's
-    sync() and the coordinator calls of a version (weightsync.bench.fixed_cost)."""
-    from weightsync.testing.layouts import fixed_cost, layout
+    sync() and the coordinator calls of a version (weightsync_bench.fixed_cost)."""
+    from weightsync_bench.layouts import fixed_cost, layout
 
     out = tmp_path / "fixed.json"
     rc = main(["bench", "--device", "cpu", "--model", "tiny", "--transport", "shm", "--receivers", "1",

@@ -1,4 +1,4 @@
-"""`weightsync bench --update / --delta`: the update model (weightsync.bench.updates) on the tiny
+"""`weightsync bench --update / --delta`: the update model (weightsync_bench.updates) on the tiny
 layout, delta rows beside full rows, and Ctrl-C stopping a running bench. Timing goals are not
 asserted here (the machine is shared). A bench run with delta rows end to end shares its run
 with the broadcast baselines: test_bench.py::test_bench_tiny_broadcast_collective_baselines_and_delta_rows."""
@@ -15,11 +15,10 @@ import time
 import psutil
 import pytest
 import torch
-
-from weightsync.bench import delta_rows, expect, memory_fit, updates
-from weightsync.bench.cli import default_store_gb
-from weightsync.testing.layouts import layout, materialize
-from weightsync.testing.parties import wait_until
+from support.parties import wait_until
+from weightsync_bench import delta_rows, expect, memory_fit, updates
+from weightsync_bench.cli import default_store_gb
+from weightsync_bench.layouts import layout, materialize
 
 pytestmark = pytest.mark.bench  # the bench tier runs them (scripts/tiers/bench.sh)
 

@@ -1,4 +1,4 @@
-"""The bench's fixed-cost rows and its coordinator calls per version (weightsync.bench.fixed_cost):
+"""The bench's fixed-cost rows and its coordinator calls per version (weightsync_bench.fixed_cost):
 the layout whose bytes cost nothing, the plan's rows, and the pure statistics. No Ray; the row
 end to end is in tests/test_bench.py (bench tier)."""
 
@@ -7,10 +7,9 @@ from __future__ import annotations
 import argparse
 
 import pytest
-
-from weightsync.bench import fixed_cost, interleave, plan, results, rounds
-from weightsync.bench.options import add_bench_arguments, apply_preset
-from weightsync.testing.layouts import FIXED_COST_ELEMS, layout
+from weightsync_bench import fixed_cost, interleave, plan, results, rounds
+from weightsync_bench.layouts import FIXED_COST_ELEMS, layout
+from weightsync_bench.options import add_bench_arguments, apply_preset
 
 
 def _parsed(*argv: str) -> argparse.Namespace:

@@ -8,9 +8,9 @@ import argparse
 import json
 
 import pytest
+from weightsync_bench import rdt_rows, summary
+from weightsync_bench.options import PRESETS, add_bench_arguments, apply_preset
 
-from weightsync.bench import rdt_rows, summary
-from weightsync.bench.options import PRESETS, add_bench_arguments, apply_preset
 from weightsync.cli import main
 
 pytestmark = pytest.mark.bench  # the bench tier runs them (scripts/tiers/bench.sh)
@@ -102,7 +102,7 @@ def test_the_closing_summary_puts_each_barrier_against_one_copy_and_the_fastest_
 
 
 def test_baselines_keep_their_actors_for_the_run_only_where_shm_keeps_room_for_whole_versions():
-    from weightsync.bench import memory_fit
+    from weightsync_bench import memory_fit
 
     gib = memory_fit.GiB
     # 1 GiB payload, 1 receiver, one flat group, 3 shm segments: models 2 + shm 6 + reserve 1.6 (of 32 GiB total)

@@ -1,4 +1,4 @@
-"""The interleaved rounds of `weightsync bench` (weightsync.bench.rounds): the order rotation,
+"""The interleaved rounds of `weightsync bench` (weightsync_bench.rounds): the order rotation,
 the per-row statistics over rounds, and the A/B side tagging and verdicts. Pure parts, no Ray."""
 
 from __future__ import annotations
@@ -7,8 +7,7 @@ import random
 
 import numpy as np
 import pytest
-
-from weightsync.bench import expect, rounds
+from weightsync_bench import expect, rounds
 
 
 def test_every_row_takes_every_position_once_per_cycle_of_rounds():
@@ -130,7 +129,7 @@ def test_the_two_sides_of_an_ab_run_stay_apart_and_are_judged_beyond_their_iqr()
 def test_the_other_side_keeps_the_drivers_pythonpath_after_its_tree():
     """On a node whose Ray comes through PYTHONPATH (an offline GPU node), the other side's
     workers lost it and died importing ray (H200, --against, 2026-11-26)."""
-    from weightsync.bench import interleave
+    from weightsync_bench import interleave
 
     env = interleave.side_runtime_env("/tmp/wsbench-x", inherited="/tmp/site:/repo")
     assert env["env_vars"]["PYTHONPATH"] == "/tmp/wsbench-x:/tmp/site:/repo"

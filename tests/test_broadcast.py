@@ -13,12 +13,12 @@ import pytest
 import ray
 import torch
 from faultjob import RECEIVERS, Job, apply_fails, survivor_commits, sync_failed
+from support.parties import assert_serves, trainer_actor
+from weightsync_bench.layouts import layout
 
 from weightsync.device import ray_options
 from weightsync.errors import ConfigError
 from weightsync.manifest import Manifest, TensorSpec
-from weightsync.testing.layouts import layout
-from weightsync.testing.parties import assert_serves, trainer_actor
 from weightsync.transports.broadcast.communicators import choose_backend, comm_device
 from weightsync.transports.broadcast.transport import TRAILER, get_checksum, put_checksum
 

@@ -10,11 +10,11 @@ import time
 
 import pytest
 import ray
+from support.parties import wait_until
 
 from weightsync import records
 from weightsync.coordinator import ops
 from weightsync.coordinator.channel import Link
-from weightsync.testing.parties import wait_until
 
 CONFIG = {"transport": "shm", "bucket_mb": 1 / 16}
 

@@ -5,12 +5,12 @@ from __future__ import annotations
 
 import pytest
 import torch
+from support.parties import same_bits
 from test_reset_cache import CFG, MANIFEST, run
+from weightsync_bench.layouts import materialize
 
 from weightsync import CopyInto, ManifestError, SyncConfig, WeightReceiver, WeightSender
 from weightsync.manifest import Manifest, TensorSpec
-from weightsync.testing.layouts import materialize
-from weightsync.testing.parties import same_bits
 
 
 def test_copy_into_writes_every_pair_in_place_from_a_generator():

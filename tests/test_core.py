@@ -4,18 +4,18 @@ import threading
 
 import pytest
 import ray
-
-from weightsync import ManifestError, SyncConfig, SyncFailed, VersionError, WeightReceiver, WeightSender
-from weightsync.manifest import Manifest, TensorSpec
-from weightsync.testing.layouts import layout, materialize
-from weightsync.testing.parties import (
-    ToyEngine,
+from support.parties import (
     assert_same_weights,
     assert_serves,
     rollout_actor,
     trainer_actor,
     wait_until,
 )
+from weightsync_bench.engine import ToyEngine
+from weightsync_bench.layouts import layout, materialize
+
+from weightsync import ManifestError, SyncConfig, SyncFailed, VersionError, WeightReceiver, WeightSender
+from weightsync.manifest import Manifest, TensorSpec
 from weightsync.transports.memory import locate
 
 # tiny layout with a 64 KiB bucket: the embedding (1000 x 64 bf16 = 125 KiB) is split in chunks

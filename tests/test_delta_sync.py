@@ -12,12 +12,12 @@ import pytest
 import ray
 import torch
 from faultjob import DEADLINE_S, RECEIVERS, Job, apply_fails, sync_failed, wait_until
+from support.parties import check_serves
+from weightsync_bench.layouts import layout, materialize
 
 from weightsync import transports
 from weightsync.digest import version_digest
 from weightsync.manifest import pack, plan_buckets
-from weightsync.testing.layouts import layout, materialize
-from weightsync.testing.parties import check_serves
 
 ALL = [t for t in ("shm", "ipc", "broadcast") if t in transports.names()]
 MANIFEST = layout("tiny")  # 7 buckets of 64 KiB

@@ -9,9 +9,9 @@ from __future__ import annotations
 
 import pytest
 from faultjob import sim_env
+from weightsync_bench.layouts import layout
 
 from weightsync.device import ray_options
-from weightsync.testing.layouts import layout
 
 # 30 KiB buckets: the 125 KiB embedding of "tiny" is split over five of them
 CFG = {"bucket_mb": 0.03}

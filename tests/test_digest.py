@@ -10,12 +10,12 @@ import numpy as np
 import pytest
 import ray
 import torch
+from support.parties import TrainerWorker, assert_serves, same_bits
+from weightsync_bench.layouts import layout, materialize
 
 from weightsync import ConfigError, SyncConfig, SyncFailed
 from weightsync import digest as D
 from weightsync.manifest import pack, plan_buckets
-from weightsync.testing.layouts import layout, materialize
-from weightsync.testing.parties import TrainerWorker, assert_serves, same_bits
 
 TINY = layout("tiny")
 BUCKET = 1 << 16  # 64 KiB: the tiny layout spans several buckets, one tensor split over some

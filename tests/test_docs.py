@@ -13,9 +13,9 @@ import shlex
 from pathlib import Path
 
 import pytest
+from weightsync_bench.expect import KEYS
 
 from weightsync import SyncConfig
-from weightsync.bench.expect import KEYS
 from weightsync.cli import build_parser, main
 
 ROOT = Path(__file__).resolve().parents[1]

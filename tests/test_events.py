@@ -7,11 +7,11 @@ import logging
 import threading
 
 import pytest
+from weightsync_bench.engine import ToyEngine
+from weightsync_bench.layouts import layout, materialize
 
 from weightsync import WeightReceiver, WeightSender
 from weightsync.manifest import plan_buckets, size_text
-from weightsync.testing.layouts import layout, materialize
-from weightsync.testing.parties import ToyEngine
 
 MANIFEST = layout("tiny")
 CFG = {"transport": "shm", "bucket_mb": 1 / 16, "device": "cpu"}

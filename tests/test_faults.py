@@ -17,9 +17,9 @@ import signal
 import pytest
 import ray
 from faultjob import DEADLINE_S, RECEIVERS, Job, apply_fails, survivor_commits, sync_failed, wait_until
+from weightsync_bench.layouts import layout
 
 from weightsync import transports
-from weightsync.testing.layouts import layout
 
 ALL = [t for t in ("shm", "ipc", "broadcast") if t in transports.names()]
 STORAGE_OR_POINT_TO_POINT = [t for t in ("shm", "ipc") if t in transports.names()]

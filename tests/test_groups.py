@@ -8,9 +8,9 @@ from __future__ import annotations
 
 import pytest
 import ray
+from weightsync_bench.layouts import layout
 
 from weightsync.errors import ConfigError
-from weightsync.testing.layouts import layout
 from weightsync.transports.broadcast.communicators import choose_communicator, probe
 
 

@@ -7,13 +7,13 @@ import time
 
 import pytest
 import torch
+from support.parties import assert_serves, rollout_actor
+from weightsync_bench.layouts import layout, materialize
 
 from weightsync import records
 from weightsync.errors import ConfigError, ProtocolError, SyncFailed
-from weightsync.testing.layouts import layout, materialize
-from weightsync.testing.parties import assert_serves, rollout_actor
-from weightsync.transports.ipc.support import DISABLE_IPC_VAR
 from weightsync.transports.ipc.records import DeviceHandle
+from weightsync.transports.ipc.support import DISABLE_IPC_VAR
 from weightsync.transports.ipc.wire import import_handle, tag
 
 # 30 KiB buckets: the 125 KiB embedding of "tiny" spans five buckets, more than the two

@@ -132,6 +132,33 @@ def test_an_unmarked_module_is_found(tmp_path):
     assert [marking(tmp_path / n) for n in ("plain.py", "marked.py")] == [False, True]
 
 
+# beside the package, not in it: the benchmark program (benchmarks/weightsync_bench), which only the
+# ``weightsync bench`` command reaches, and the tests' support (tests/support), which nothing does
+BESIDE = {"weightsync_bench": {"weightsync/cli/__init__.py"}, "support": set()}
+
+
+def imports_beside(path: Path) -> list[str]:
+    """The modules of BESIDE that ``path`` imports, where it may not."""
+    where = str(path.relative_to(ROOT))
+    found = []
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            names = [a.name for a in node.names]
+        elif isinstance(node, ast.ImportFrom) and not node.level:
+            names = [node.module or ""]
+        else:
+            continue
+        found += [n for n in names if n.split(".")[0] in BESIDE and where not in BESIDE[n.split(".")[0]]]
+    return found
+
+
+def test_the_package_reaches_the_benchmark_only_from_its_command_and_the_tests_never():
+    found = {str(p.relative_to(ROOT)): f for p in PKG.rglob("*.py") if (f := imports_beside(p))}
+    assert found == {}
+    # the check sees such an import: the tests' parties load into the bench's engine
+    assert "weightsync_bench.engine" in imports_beside(ROOT / "tests" / "support" / "parties.py")
+
+
 def test_coordinator_calls_go_through_the_typed_control_plane():
     """A call names its request record, never an op string; nothing dispatches by name."""
     raw = re.compile(r"""\.(call|rpc|_call)\(\s*["']""")

@@ -1,8 +1,7 @@
 """Built-in layouts are the real models' shapes: parameter counts as published."""
 
 import pytest
-
-from weightsync.testing.layouts import layout
+from weightsync_bench.layouts import layout
 
 
 @pytest.mark.parametrize("name, params", [("qwen2.5-1.5b", 1_543_714_304), ("qwen2.5-3b", 3_085_938_688)])

@@ -11,10 +11,10 @@ from pathlib import Path
 import pytest
 import ray
 import torch
+from support.parties import assert_serves, rollout_actor
+from weightsync_bench.timeline import Recorder, Span, busy_seconds, render_png
 
 from weightsync import StalenessError, VersionError, WeightSender, build_manifest, check_staleness
-from weightsync.testing.parties import assert_serves, rollout_actor
-from weightsync.testing.timeline import Recorder, Span, busy_seconds, render_png
 
 ROOT = Path(__file__).resolve().parents[1]
 

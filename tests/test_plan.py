@@ -4,6 +4,8 @@ import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from support.parties import same_bits
+from weightsync_bench.layouts import layout, materialize
 
 from weightsync import ManifestError
 from weightsync.digest import xxh3 as checksum
@@ -20,8 +22,6 @@ from weightsync.manifest import (
     plan_buckets,
     size_text,
 )
-from weightsync.testing.layouts import layout, materialize
-from weightsync.testing.parties import same_bits
 
 
 def random_tensor(dtype: torch.dtype, shape, seed: int) -> torch.Tensor:

@@ -7,11 +7,11 @@ from __future__ import annotations
 import pytest
 import ray
 from faultjob import DEADLINE_S, RECEIVERS, Job, apply_fails, sync_failed, wait_until
+from weightsync_bench.layouts import layout
 
 from weightsync.config import SyncConfig
 from weightsync.errors import CapacityError, ConfigError
 from weightsync.manifest import plan_buckets
-from weightsync.testing.layouts import layout
 from weightsync.transports.broadcast.ahead import AheadCopy
 
 TINY = layout("tiny")
@@ -128,8 +128,9 @@ def test_shm_versions_are_verified_ahead_and_the_barrier_hashes_nothing(ray_clus
 def test_receive_ahead_on_a_transport_that_moves_bytes_at_the_barrier_is_refused(coordinator_factory):
     """Streaming shm (a ring, as ipc) moves a version in sync(): `on` there fails the first
     stage, saying why and what works."""
+    from weightsync_bench.layouts import materialize
+
     from weightsync import WeightSender
-    from weightsync.testing.layouts import materialize
 
     coord = coordinator_factory({"transport": "shm", "shm_budget_mb": 0.25, "receive_ahead": "on",
                                  "bucket_mb": BUCKET_MB})

@@ -8,10 +8,11 @@ from __future__ import annotations
 import threading
 
 import pytest
+from support.parties import same_bits
+from weightsync_bench.engine import ToyEngine
+from weightsync_bench.layouts import layout, materialize
 
 from weightsync import SyncConfig, SyncFailed, WeightReceiver, WeightSender
-from weightsync.testing.layouts import layout, materialize
-from weightsync.testing.parties import ToyEngine, same_bits
 
 CFG = {"transport": "shm", "bucket_mb": 1 / 16, "device": "cpu"}
 MANIFEST = layout("tiny")

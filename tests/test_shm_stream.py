@@ -19,11 +19,11 @@ import pytest
 import ray
 import torch
 from faultjob import RECEIVERS, Job, sync_failed, wait_until
+from weightsync_bench.layouts import layout
 
 from weightsync import SyncConfig
 from weightsync.errors import CapacityError
 from weightsync.manifest import plan_buckets
-from weightsync.testing.layouts import layout
 from weightsync.transports.base import TransportContext
 from weightsync.transports.shm.transport import ShmSender, choose_mode, open_sender
 from weightsync.transports.shm.transport import layout as segment_layout

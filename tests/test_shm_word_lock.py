@@ -13,7 +13,7 @@ import sys
 import threading
 from pathlib import Path
 
-from weightsync.testing.parties import wait_until
+from support.parties import wait_until
 
 # the other receiver: its first thread holds bucket 2's word; on "go" its second thread asks for
 # bucket 1's, first with a plain lockf, then with lock_word

@@ -19,13 +19,13 @@ from pathlib import Path
 import pytest
 import torch
 import weightsync_sim as sim
+from support.parties import same_bits
+from weightsync_bench.layouts import materialize
 
 from weightsync.config import SyncConfig
 from weightsync.device import resolve
 from weightsync.digest import verify
 from weightsync.manifest import Manifest, Packer, TensorSpec, Unpacker, plan_buckets
-from weightsync.testing.layouts import materialize
-from weightsync.testing.parties import same_bits
 from weightsync.transports.base import Deadline, TransportContext
 from weightsync.transports.ipc.records import IpcVersion
 from weightsync.transports.ipc.transport import IpcReceiver, IpcSender

@@ -10,15 +10,15 @@ import threading
 
 import pytest
 import ray
+from support.parties import assert_serves, start_parties, wait_until
+from weightsync_bench.layouts import layout, materialize
 
 from weightsync import Coordinator, ProtocolError, WeightReceiver, records, transports
-from weightsync.testing.layouts import layout, materialize
-from weightsync.testing.parties import assert_serves, start_parties, wait_until
 from weightsync.transports.memory import SEGMENT_REF, holders, locate, our_segments
 
 MANIFEST = layout("tiny")
 CPU_TRANSPORTS = [t for t in ("shm", "ipc", "broadcast") if t in transports.names()]
-SOAK_VERSIONS = int(os.environ.get("WEIGHTSYNC_SOAK_VERSIONS", "300"))
+SOAK_VERSIONS = int(os.environ.get("WSTEST_SOAK_VERSIONS", "300"))
 
 
 def _gone(pid: int) -> bool:

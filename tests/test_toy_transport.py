@@ -6,14 +6,15 @@ from __future__ import annotations
 
 import pytest
 import torch
+from support.parties import same_bits
 from test_reset_cache import MANIFEST, run
+from weightsync_bench.engine import ToyEngine
 
 import weightsync.transports as transports
 from weightsync import ConfigError, SyncConfig, WeightReceiver, WeightSender
 from weightsync.coordinator import ops
 from weightsync.digest import as_int, kind_of, version_digest
 from weightsync.records import SessionRecord, VersionRecord
-from weightsync.testing.parties import ToyEngine, same_bits
 from weightsync.transports.base import (
     Bucket,
     Facts,

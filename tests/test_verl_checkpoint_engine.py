@@ -65,10 +65,9 @@ def test_manager_transfer_is_bit_exact(worker_groups, transport, delta):
     the bytes changed, as an RL step changes a few percent of the elements) under a quarter of
     it, the sparse buckets rebuilt in every rollout worker's shadow."""
     import ray
+    from support.parties import assert_same_weights
     from verl.checkpoint_engine import CheckpointEngineManager
     from weightsync_verl.testing import ReplicaGates, hf_weights
-
-    from weightsync.testing.parties import assert_same_weights
 
     actors, rollouts = worker_groups
     cfg = _config(transport, delta)
@@ -120,10 +119,9 @@ def test_a_version_staged_ahead_is_synced_without_a_second_walk(worker_groups, t
     it is withdrawn on every rank alike, and the sync stages the next integer afresh, walked by
     every rank once more. Either way the rollouts end with that step's weights, bit for bit."""
     import ray
+    from support.parties import assert_same_weights
     from verl.checkpoint_engine import CheckpointEngineManager
     from weightsync_verl.testing import ReplicaGates, hf_weights
-
-    from weightsync.testing.parties import assert_same_weights
 
     actors, rollouts = worker_groups
     cfg = _config(transport)

@@ -121,9 +121,8 @@ def test_one_step_off_trainer_syncs_bit_exact(ray_cluster, monkeypatch, transpor
     """The trainer's initial sync (step 0, as fit() does) and two steps' syncs each leave the
     rollout workers with the actor's weights of that step, bit for bit, in the trainer's order."""
     import ray
+    from support.parties import assert_same_weights
     from weightsync_verl.testing import CpuGroups, hf_weights
-
-    from weightsync.testing.parties import assert_same_weights
 
     config = compose_config(transport, monkeypatch)
     assert config.actor_rollout_ref.rollout.checkpoint_engine.engine_kwargs.weightsync.transport == transport

@@ -71,10 +71,10 @@ def make_trainer(groups, config):
 
 def test_recipe_syncs_versions_bit_exactly_and_bounds_staleness(groups):
     import ray
+    from support.parties import assert_same_weights
     from weightsync_verl.testing import hf_weights
 
     from weightsync import StalenessError
-    from weightsync.testing.parties import assert_same_weights
 
     trainer = make_trainer(groups, trainer_config("ws-verl-recipe"))
     actor_wg, rollout_wg = trainer.actor_wg, trainer.rollout_wg
@@ -130,9 +130,8 @@ def test_next_version_travels_as_soon_as_update_actor_returns(groups):
     rollout's shadow at once; the step's sync then only completes the barrier. Bit-exact,
     and every such version is marked staged ahead and received ahead."""
     import ray
+    from support.parties import assert_same_weights, wait_until
     from weightsync_verl.testing import hf_weights
-
-    from weightsync.testing.parties import assert_same_weights, wait_until
 
     trainer = make_trainer(groups, trainer_config("ws-verl-ahead", weightsync={
         **SETTINGS, "transport": "broadcast", "coordinator_name": "ws-verl-ahead"}))

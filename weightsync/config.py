@@ -28,15 +28,11 @@ DELTAS = ("off", "auto", "on")
 RECEIVE_AHEADS = ("off", "auto", "on")
 CONTROL_CHANNELS = ("socket", "ray")
 ENV_PREFIX = "WEIGHTSYNC_"
-# WEIGHTSYNC_ variables that are not config fields: read by the scripts, the test tiers and
-# the capability probe; every other WEIGHTSYNC_ variable must name a field (typos fail loudly)
-# read by the scripts, the test tiers and the capability probe: a shell that exports one (e.g.
-# ``WEIGHTSYNC_TIERS=gen bash scripts/test.sh``) must not make every config load fail
+# WEIGHTSYNC_ variables that are not config fields, each read by the package itself; every other
+# WEIGHTSYNC_ variable must name a field (typos fail loudly)
 NON_CONFIG_ENV = frozenset({
-    "WEIGHTSYNC_CONFORMANCE_DIR", "WEIGHTSYNC_DIGEST_KERNEL", "WEIGHTSYNC_DISABLE_IPC", "WEIGHTSYNC_SOAK_VERSIONS", "WEIGHTSYNC_TIERS",
-    "WEIGHTSYNC_TORCH", "WEIGHTSYNC_VERL_E2E_TORCH", "WEIGHTSYNC_VERL_E2E_VENV", "WEIGHTSYNC_VERL_SRC",
-    "WEIGHTSYNC_VERL_VLLM", "WEIGHTSYNC_VLLM_CPU", "WEIGHTSYNC_VLLM_TIER", "WEIGHTSYNC_VLLM_VENV",
-    "WEIGHTSYNC_VLLM_VERSION", "WEIGHTSYNC_NOTIFY", "WEIGHTSYNC_RING_BUFFERS", "WEIGHTSYNC_DEVICE_MODULES",
+    "WEIGHTSYNC_DIGEST_KERNEL", "WEIGHTSYNC_DISABLE_IPC", "WEIGHTSYNC_NOTIFY", "WEIGHTSYNC_RING_BUFFERS",
+    "WEIGHTSYNC_DEVICE_MODULES",
 })
 MiB = 1 << 20
 
@@ -212,9 +208,9 @@ class SyncConfig:
         """Apply ``WEIGHTSYNC_<FIELD>`` variables on top of ``base``; unknown ones are errors.
 
         Args:
-            environ: The variables; ``os.environ`` when None. ``WEIGHTSYNC_`` variables read
-                by the scripts and the capability probe (``WEIGHTSYNC_DISABLE_IPC``,
-                ``WEIGHTSYNC_TORCH``, ...) are not config keys and are skipped.
+            environ: The variables; ``os.environ`` when None. ``WEIGHTSYNC_`` variables the
+                package reads elsewhere (``WEIGHTSYNC_DISABLE_IPC``, ``WEIGHTSYNC_NOTIFY``, ...)
+                are not config keys and are skipped.
             base: The config the values go on top of; the defaults when None.
 
         Returns:

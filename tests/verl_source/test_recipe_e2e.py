@@ -1,6 +1,6 @@
 """The user's run end to end on CPU (issue 24): verl's recipe at ccd7d934 from its source tree,
 started with ``python -m weightsync_verl.one_step_off``, generating through verl's own async
-vLLM server with vLLM's real CPU engine (scripts/verl_source.sh with WEIGHTSYNC_VERL_VLLM=cpu),
+vLLM server with vLLM's real CPU engine (scripts/verl_source.sh with WSTEST_VERL_VLLM=cpu),
 an FSDP2 actor on 2 CPU ranks; see e2e_run.py for the overrides. Every step's batch was
 generated with the previous version (tag = step - 1), no NCCL group is asked for, and at every
 step the rollout's log-probs of its sampled tokens match, within 1e-3 (fp32), those that the
@@ -31,7 +31,7 @@ def _real_vllm() -> bool:
 
 @pytest.mark.timeout(2400)  # 347 s on the loaded 2-core VM: Ray, 6 processes importing torch, verl, vLLM
 @pytest.mark.skipif(not _real_vllm(), reason="needs vLLM's CPU engine in this venv: "
-                    "WEIGHTSYNC_VERL_VLLM=cpu scripts/verl_source.sh ccd7d934 <dir>")
+                    "WSTEST_VERL_VLLM=cpu scripts/verl_source.sh ccd7d934 <dir>")
 def test_user_run_end_to_end_with_verls_vllm_server(tmp_path: Path):
     if not Path(SRC, "recipe/one_step_off_policy/agent_loop").is_dir():
         pytest.skip("this generation's recipe has no async server path (agent_loop): ccd7d934 / v0.7.0 only")

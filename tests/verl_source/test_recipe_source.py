@@ -1,4 +1,4 @@
-"""verl's REAL one-step-off recipe (from the tree in WEIGHTSYNC_VERL_SRC) with weightsync.
+"""verl's REAL one-step-off recipe (from the tree in WSTEST_VERL_SRC) with weightsync.
 
 The recipe's trainer is built from the recipe's own Hydra config (the user's command-line
 overrides plus the weightsync lines), its own ``init_workers`` steps run with worker
@@ -142,11 +142,10 @@ def test_recipe_init_workers_and_fit_syncs_bit_exactly(tmp_path, ray_cluster, re
         from verl.trainer.ppo.utils import Role
     except ImportError:  # v0.5.0 / v0.5.0-80 define it in ray_trainer
         from verl.trainer.ppo.ray_trainer import Role
+    from support.parties import assert_same_weights, same_bits
     from verl.utils import hf_tokenizer
     from verl.utils.dataset.rl_dataset import collate_fn
     from weightsync_verl.recipe import FSDPActorWeightSyncMixin, RolloutWeightSyncMixin, WeightSyncTrainerMixin
-
-    from weightsync.testing.parties import assert_same_weights, same_bits
 
     from . import cpu_workers
 

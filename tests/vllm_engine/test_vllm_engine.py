@@ -23,8 +23,7 @@ import time
 import pytest
 import ray
 import wt_parties as P
-
-from weightsync.testing.parties import RolloutWorker
+from support.parties import RolloutWorker
 
 VERSIONS = 3
 BOUND = 1e-4  # fp32: ~1e-5 observed in the gen tier
@@ -139,7 +138,7 @@ def test_a_corrupt_bucket_fails_the_update_and_the_engine_keeps_the_previous_wei
 
 
 def test_a_receiver_killed_during_the_update_leaves_the_served_version(coordinator_factory, sides):
-    """Two receivers: vLLM's worker and a second rollout (weightsync.testing.parties's RolloutWorker),
+    """Two receivers: vLLM's worker and a second rollout (support.parties.RolloutWorker),
     which stops after bucket 0 of version 2 (its fault point) and is killed there. The
     trainer's error names it; vLLM's worker verified version 2 but the coordinator aborted
     it, so finish drops it: vLLM still labels and generates version 1. Version 3 then

@@ -129,9 +129,9 @@ class Trainer:
         self.model.load_state_dict(self.previous.state_dict())
 
     def tamper(self, version: int, bucket: int) -> None:
-        """weightsync's wire fault point (as weightsync.testing.parties.TrainerWorker.tamper): one
+        """weightsync's wire fault point (as support.parties.TrainerWorker.tamper): one
         byte of bucket ``bucket`` of ``version`` flipped after its digest was taken, before it is published."""
-        from weightsync.testing.faults import edit_packed, tampering
+        from support.faults import edit_packed, tampering
 
         edit_packed(self.engine.sender.transport, tampering(version, bucket, "corrupt"))
 

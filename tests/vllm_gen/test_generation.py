@@ -18,8 +18,7 @@ import engine as E
 import parties
 import pytest
 import ray
-
-from weightsync.testing.parties import stop_actors
+from support.parties import stop_actors
 
 VERSIONS = 3
 BOUND = 1e-4  # fp32: ~1e-5 observed

@@ -15,12 +15,12 @@ import pytest
 import ray
 import torch
 import vllm_cpu  # noqa: E402  (tests/vllm_tier is on sys.path: pytest prepends it)
+from support.parties import assert_same_weights, stop_actors
 
 from weightsync.config import SyncConfig
 from weightsync.manifest import Manifest, TensorSpec
 from weightsync.receiver import WeightReceiver
 from weightsync.sender import WeightSender
-from weightsync.testing.parties import assert_same_weights, stop_actors
 
 VERSIONS = 3
 FUSED = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_proj", "up_proj")}

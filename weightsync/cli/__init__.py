@@ -1,17 +1,39 @@
-"""Internal. The ``weightsync`` command. Each subcommand lives in its own module."""
+"""Internal. The ``weightsync`` command. Each subcommand lives in its own module; ``bench`` is the
+benchmark program ``weightsync_bench`` (benchmarks/), which ships beside the package."""
 
 from __future__ import annotations
 
 import argparse
-import importlib
 import sys
+from collections.abc import Callable
+from types import ModuleType
 
-# subcommand -> (module with add_arguments(parser) and run(args) -> int, one-line help)
-SUBCOMMANDS = {
-    "bench": ("weightsync.bench", "measure sync throughput of transports against baselines and the copy ceiling"),
-    "doctor": ("weightsync.cli.doctor", "print platform, versions and which transports can run here"),
-    "status": ("weightsync.cli.status", "print the status of a running coordinator"),
-    "reap": ("weightsync.cli.status", "remove segment files (shm_backing=files) left by dead processes"),
+
+def _bench() -> ModuleType:
+    from weightsync_bench import cli
+
+    return cli
+
+
+def _doctor() -> ModuleType:
+    from . import doctor
+
+    return doctor
+
+
+def _status() -> ModuleType:
+    from . import status
+
+    return status
+
+
+# subcommand -> (loader of its module, which has add_<name>_arguments(parser) and run_<name>(args) -> int,
+# one-line help)
+SUBCOMMANDS: dict[str, tuple[Callable[[], ModuleType], str]] = {
+    "bench": (_bench, "measure sync throughput of transports against baselines and the copy ceiling"),
+    "doctor": (_doctor, "print platform, versions and which transports can run here"),
+    "status": (_status, "print the status of a running coordinator"),
+    "reap": (_status, "remove segment files (shm_backing=files) left by dead processes"),
 }
 # subcommands whose packages come with an extra (pyproject.toml)
 EXTRAS = {"bench": "bench"}
@@ -24,11 +46,11 @@ def build_parser() -> argparse.ArgumentParser:
         description="Move model weights from an RL trainer to its rollout engines; these commands measure, "
                     "diagnose and inspect it (docs: docs/index.md).")
     sub = parser.add_subparsers(dest="command", required=True)
-    for name, (module, help_text) in SUBCOMMANDS.items():
+    for name, (load, help_text) in SUBCOMMANDS.items():
         p = sub.add_parser(name, help=help_text, description=help_text)
-        p.set_defaults(_module=module)
+        p.set_defaults(_load=load)
         try:
-            mod = importlib.import_module(module)
+            mod = load()
         except ImportError as exc:
             if name not in EXTRAS:
                 raise
@@ -48,7 +70,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     if unknown:
         parser.error(f"unrecognized arguments: {' '.join(unknown)}")
-    mod = importlib.import_module(args._module)
+    mod = args._load()
     run = getattr(mod, f"run_{args.command}", None) or mod.run
     return int(run(args) or 0)
 

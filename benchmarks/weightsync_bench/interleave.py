@@ -1,4 +1,4 @@
-"""Internal. Runs a size's rows in interleaved rounds (weightsync.bench.rounds) and measures, per row and
+"""Internal. Runs a size's rows in interleaved rounds (weightsync_bench.rounds) and measures, per row and
 round, what a shared machine does to it: the 1-minute load average, the parties' own CPU
 seconds (a neighbour stretches wall time far more than the CPU our processes burn) and the
 CPU seconds everyone else used meanwhile. With ``--against REV`` a second set of actors runs
@@ -110,12 +110,14 @@ def side_runtime_env(tree: str, inherited: str | None = None) -> dict[str, Any]:
 
 
 def _enter(tree: str) -> str:
-    """In a worker of the other side: ``tree`` first on sys.path and every ``weightsync`` module
-    dropped, so the next import is the rev's. Needed because Ray puts the driver's directory
-    (this checkout) at the front of every worker's path, ahead of PYTHONPATH."""
-    if sys.path[:1] != [tree]:
-        sys.path.insert(0, tree)
-    for name in [m for m in sys.modules if m == "weightsync" or m.startswith("weightsync.")]:
+    """In a worker of the other side: ``tree`` and its ``benchmarks`` first on sys.path and every
+    ``weightsync`` and ``weightsync_bench`` module dropped, so the next import is the rev's. Needed
+    because Ray puts the driver's directory (this checkout) at the front of every worker's path,
+    ahead of PYTHONPATH, and an installed checkout's import hook would find its own bench."""
+    for path in (os.path.join(tree, "benchmarks"), tree):
+        if path not in sys.path[:2]:
+            sys.path.insert(0, path)
+    for name in [m for m in sys.modules if m.split(".")[0] in ("weightsync", "weightsync_bench")]:
         del sys.modules[name]
     import weightsync
 
@@ -126,6 +128,9 @@ def side_class(tree: str, cls: type) -> type:
     """An actor class that builds the rev's own ``cls`` (same module and name, imported from
     ``tree``) and forwards this checkout's actor protocol (``cls``'s public methods) to it."""
     module, name = cls.__module__, cls.__name__
+    if not (Path(tree) / "benchmarks" / "weightsync_bench").is_dir():
+        # a revision whose benchmark was still inside the package, as weightsync.bench
+        module = module.replace("weightsync_bench.", "weightsync.bench.", 1)
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         import importlib

@@ -17,7 +17,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from .. import device as devices
+from weightsync import device as devices
 
 
 def _best(fn: Callable[[], None], repeats: int, sync: Callable[[], None] = lambda: None) -> float:

@@ -14,7 +14,7 @@ same group construction the transport uses (:class:`weightsync.transports.broadc
 Each returns seconds per repetition. Ray must be initialised by the caller; the actors take
 no CPU resource (they measure the machine, not Ray's scheduler) and are killed afterwards.
 
-    python -m weightsync.bench.collective_baselines --layout moe-small --receivers 1 3
+    python -m weightsync_bench.collective_baselines --layout moe-small --receivers 1 3
 """
 
 from __future__ import annotations
@@ -29,12 +29,13 @@ from typing import Any
 import ray
 import torch
 
-from ..manifest import Manifest
-from ..testing.layouts import layout, materialize
-from ..testing.parties import ToyEngine
-from ..transports.broadcast.communicators import choose_backend, comm_device
-from ..transports.broadcast.groups import Group
-from ..transports.broadcast.store import connect_store, host_store, store_host
+from weightsync.manifest import Manifest
+from weightsync.transports.broadcast.communicators import choose_backend, comm_device
+from weightsync.transports.broadcast.groups import Group
+from weightsync.transports.broadcast.store import connect_store, host_store, store_host
+
+from .engine import ToyEngine
+from .layouts import layout, materialize
 
 # a peer that never joins (or a collective that never returns) ends the baseline, not the run
 TIMEOUT_S = 300.0
@@ -44,7 +45,7 @@ class Peer:
     """One rank of a baseline group: rank 0 sends, the others receive into a ToyEngine."""
 
     def __init__(self, rank: int, size: int, manifest_wire: list, backend: str = "gloo", device: str = "cpu"):
-        from ..device import resolve
+        from weightsync.device import resolve
 
         self.rank, self.size = rank, size
         self.manifest = Manifest.from_wire(manifest_wire)
@@ -160,7 +161,7 @@ def _views(manifest: Manifest, flat: torch.Tensor):
 
 
 def _sync(device: torch.device) -> None:
-    from ..device import synchronize
+    from weightsync.device import synchronize
 
     synchronize(device)
 
@@ -265,7 +266,7 @@ class _BenchTrainer:
     """Sender rank 0 holding one fixed set of tensors, so timing excludes making them."""
 
     def __init__(self, coordinator: Any, manifest_wire: list, receivers: int):
-        from ..sender import WeightSender
+        from weightsync.sender import WeightSender
 
         self.manifest = Manifest.from_wire(manifest_wire)
         self.tensors = materialize(self.manifest, seed=1)
@@ -280,18 +281,36 @@ class _BenchTrainer:
         self.sender.close()
 
 
+class _BenchRollout:
+    """Receiver rank: a WeightReceiver feeding a ToyEngine, with no expected layout to check, as
+    the raw baselines have none."""
+
+    def __init__(self, coordinator: Any, manifest_wire: list, name: str, rank: int, config: dict):
+        from weightsync.config import SyncConfig
+        from weightsync.receiver import WeightReceiver
+
+        self.engine = ToyEngine(Manifest.from_wire(manifest_wire))
+        self.receiver = WeightReceiver(coordinator, self.engine.load_weights, name=name, rank=rank,
+                                       post_load=self.engine.post_load, config=SyncConfig.load(config))
+
+    def apply(self, version: int) -> int | None:
+        return self.receiver.apply(version)
+
+    def close(self) -> None:
+        self.receiver.close()
+
+
 def bucketed_broadcast(manifest: Manifest, receivers: int, *, config: dict | None = None, repeats: int = 3,
                        resources: dict | None = None) -> list[float]:
     """Seconds per version over the broadcast transport: pack, send, verify, load, commit.
     The first version (group construction, first-touch of the buffers) is not counted."""
-    from ..coordinator.client import Coordinator
-    from ..testing.parties import RolloutWorker
+    from weightsync.coordinator.client import Coordinator
 
     cfg = {"transport": "broadcast", "bucket_mb": 64.0, **(config or {})}
     coord = Coordinator.create(cfg, name=f"weightsync-bench-{os.getpid()}-{secrets.token_hex(3)}")
     opts = {"num_cpus": 0, **(resources or {})}
-    workers = [ray.remote(RolloutWorker).options(**opts).remote(coord, manifest.to_wire(), f"bench-rollout-{i}",
-                                                                 rank=i, config=cfg, check=False)
+    workers = [ray.remote(_BenchRollout).options(**opts).remote(coord, manifest.to_wire(), f"bench-rollout-{i}",
+                                                                 rank=i, config=cfg)
                for i in range(receivers)]
     trainer = ray.remote(_BenchTrainer).options(**opts).remote(coord, manifest.to_wire(), receivers)
     try:
@@ -330,9 +349,9 @@ def _cell(r: dict[str, Any], key: str) -> str:
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(prog="python -m weightsync.bench.collective_baselines",
+    parser = argparse.ArgumentParser(prog="python -m weightsync_bench.collective_baselines",
                                      description="bucketed broadcast vs a raw flat broadcast and per-tensor broadcast")
-    parser.add_argument("--layout", default="moe-small", help="built-in layout (see weightsync.testing.layouts)")
+    parser.add_argument("--layout", default="moe-small", help="built-in layout (see weightsync_bench.layouts)")
     parser.add_argument("--dtype", default="bfloat16")
     parser.add_argument("--receivers", type=int, nargs="+", default=[1, 3])
     parser.add_argument("--bucket-mb", type=float, default=64.0)

@@ -1,4 +1,4 @@
-"""Internal. Fault points installed from outside a party, on its transport object, so production classes
+"""Fault points installed from outside a party, on its transport object, so production classes
 carry no test hooks (parties.py uses them; so does the vLLM tier's trainer).
 
 - On the wire (``edit_packed``): the Packer a sender transport is handed in ``stage`` is wrapped
@@ -20,7 +20,7 @@ from typing import Any
 
 import torch
 
-from .. import device as devices
+from weightsync import device as devices
 
 # (version, bucket, the bucket's packed bytes) -> None, changing the bytes in place
 Edit = Callable[[int, int, torch.Tensor], None]

@@ -31,7 +31,7 @@ from typing import Any
 
 import torch
 
-from ..manifest import Manifest, TensorSpec
+from weightsync.manifest import Manifest, TensorSpec
 
 UPDATES = ("random", "adamw-1e-6", "adamw-1e-5")
 BLOCKS = (64, 4096)  # granularities a delta could work at: a cache line, a page
@@ -242,9 +242,9 @@ class Versions:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from ..testing.layouts import layout
+    from .layouts import layout
 
-    p = argparse.ArgumentParser(prog="python -m weightsync.bench.updates",
+    p = argparse.ArgumentParser(prog="python -m weightsync_bench.updates",
                                 description="changed fraction of bf16 weights per AdamW step")
     p.add_argument("--layout", default="qwen2.5-0.5b")
     p.add_argument("--lr", nargs="+", type=float, default=[1e-6, 1e-5])

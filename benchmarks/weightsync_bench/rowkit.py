@@ -8,7 +8,7 @@ import re
 
 import ray
 
-from ..device import ray_resource
+from weightsync.device import ray_resource
 
 # generous: a row on a loaded 2-core machine can be slow, but never hangs the benchmark
 ROW_TIMEOUT_S = 600.0

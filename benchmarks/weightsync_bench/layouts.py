@@ -7,7 +7,7 @@ from collections.abc import Callable, Iterable
 
 import torch
 
-from ..manifest import Manifest, TensorSpec, dtype_name
+from weightsync.manifest import Manifest, TensorSpec, dtype_name
 
 
 def _dense(vocab: int, hidden: int, inter: int, layers: int, heads: int, kv_heads: int,

@@ -1,4 +1,4 @@
-"""Internal. Drives the collective broadcast baselines of :mod:`weightsync.bench.collective_baselines` for the
+"""Internal. Drives the collective broadcast baselines of :mod:`weightsync_bench.collective_baselines` for the
 benchmark. Those functions start their own group of Ray actors (sender rank 0 + N receivers,
 the broadcast transport's group construction) over the same layout and device; each
 baseline row says why when it cannot run here."""
@@ -6,15 +6,14 @@ baseline row says why when it cannot run here."""
 from __future__ import annotations
 
 import contextlib
-import importlib
 import threading
 from typing import Any
 
 import psutil
 
-from ..device import backend_for, ray_options
+from weightsync.device import backend_for, ray_options
 
-# per baseline: the function of weightsync.bench.collective_baselines and whether it checks the bytes
+# per baseline: the function of weightsync_bench.collective_baselines and whether it checks the bytes
 # bcast-flat-load is the fair wire baseline of the broadcast transport: one flat broadcast and
 # the load into the model (what our broadcast also does), only without packing or digests
 FUNCTIONS = {"bcast-per-tensor": ("per_tensor_broadcast", True), "bcast-flat": ("raw_broadcast", False),
@@ -23,9 +22,11 @@ FUNCTIONS = {"bcast-per-tensor": ("per_tensor_broadcast", True), "bcast-flat": (
 
 def _module():
     try:
-        return importlib.import_module("weightsync.bench.collective_baselines"), None
+        from . import collective_baselines
+
+        return collective_baselines, None
     except ImportError as exc:
-        return None, f"weightsync.bench.collective_baselines is not part of this build ({exc})"
+        return None, f"weightsync_bench.collective_baselines is not part of this build ({exc})"
 
 
 def unavailable(kind: str, backend: str, device: str, payload: int, receivers: int, made: bool = False) -> str | None:
@@ -36,7 +37,7 @@ def unavailable(kind: str, backend: str, device: str, payload: int, receivers: i
         return why
     fn = FUNCTIONS[kind][0]
     if not hasattr(mod, fn):
-        return f"weightsync.bench.collective_baselines has no {fn}()"
+        return f"weightsync_bench.collective_baselines has no {fn}()"
     want = backend_for(device)
     if backend != want and not (backend == "gloo" and device == "cpu"):
         return f"backend {backend} does not match device {device} (expected {want})"
@@ -102,7 +103,7 @@ def close(keep: dict) -> None:
 
 
 def row(bench: Any, kind: str, receivers: int, backend: str) -> dict[str, Any]:
-    """``bcast-per-tensor`` / ``bcast-flat`` from weightsync.bench.collective_baselines: its own
+    """``bcast-per-tensor`` / ``bcast-flat`` from weightsync_bench.collective_baselines: its own
     group of actors (same layout, device and receiver count), made in its first round and kept
     for the others, as the bench's own actors are; peak memory is not tracked."""
     from .interrupt import tick

@@ -7,7 +7,8 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
-from ..config import SyncConfig
+from weightsync.config import SyncConfig
+
 from .delta_rows import delta_suffix
 from .fixed_cost import FIXED_COST
 

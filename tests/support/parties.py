@@ -1,5 +1,5 @@
-"""Internal. Stand-ins for a trainer and an inference engine, used by the tests, the benchmark and the
-README example. Real weightsync parties, real Ray actors; only the model is a dict.
+"""Stand-ins for a trainer and a rollout worker, used by the tests. Real weightsync parties, real Ray
+actors; only the model is a dict (weightsync_bench.engine.ToyEngine, the bench's engine too).
 
 Fault points, so a test decides where a fault lands instead of betting on a sleep: a rollout
 worker stops after loading bucket k of a version (``hold_at``), a trainer stops before
@@ -21,50 +21,17 @@ from collections.abc import Iterable, Mapping
 from typing import Any, NamedTuple
 
 import torch
+from weightsync_bench.engine import ToyEngine
+from weightsync_bench.layouts import materialize
 
-from .. import device as devices
-from ..config import SyncConfig
-from ..coordinator.client import Coordinator
-from ..manifest import Manifest
-from ..receiver import WeightReceiver
-from ..sender import SyncResult, WeightSender
-from ..targets import CopyInto
+from weightsync import device as devices
+from weightsync.config import SyncConfig
+from weightsync.coordinator.client import Coordinator
+from weightsync.manifest import Manifest
+from weightsync.receiver import WeightReceiver
+from weightsync.sender import SyncResult, WeightSender
+
 from .faults import edit_packed, hold_receive, tampering
-from .layouts import materialize
-
-
-class ToyEngine:
-    """A model as a dict of tensors with vLLM's ``load_weights`` contract (copy in place): the
-    one engine stand-in of the tests, the bench and benchmarks/floors.py. Its parameters are
-    zeroed at construction, which writes every page, so the first sync pays no page faults
-    (the bench times it)."""
-
-    def __init__(self, manifest: Manifest, device: str = "cpu", load_delay_s: float = 0.0):
-        where = devices.resolve(device)
-        self.params = {s.name: torch.zeros(s.shape, dtype=s.torch_dtype, device=where) for s in manifest}
-        self.loads = 0
-        self.post_loads = 0
-        self.load_delay_s = load_delay_s  # a slow engine, so faults can land mid-transfer
-        self._batched = CopyInto(self.params)
-
-    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
-        if self.load_delay_s:
-            time.sleep(self.load_delay_s)
-        done = set()
-        for name, tensor in weights:
-            self.params[name].copy_(tensor)
-            done.add(name)
-        self.loads += 1
-        return done
-
-    def copy_in(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
-        """``load_weights`` with nothing but the copies, batched (weightsync.CopyInto): no names
-        kept, no counts, no delay. The bench's loader for every row, baselines included, so a
-        row times the transfer and not the stand-in's bookkeeping."""
-        self._batched.load_weights(weights)
-
-    def post_load(self) -> None:
-        self.post_loads += 1
 
 
 def same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:

@@ -14,21 +14,22 @@ from typing import Any
 
 import torch
 
-from ..config import SyncConfig
-from ..coordinator.client import Coordinator
-from ..manifest import Manifest
-from ..receiver import WeightReceiver
-from ..sender import WeightSender
-from ..testing.layouts import materialize
-from ..testing.parties import ToyEngine
+from weightsync.config import SyncConfig
+from weightsync.coordinator.client import Coordinator
+from weightsync.manifest import Manifest
+from weightsync.receiver import WeightReceiver
+from weightsync.sender import WeightSender
+
 from .bits import digest
 from .bits import flat_bytes as _flat
+from .engine import ToyEngine
+from .layouts import materialize
 from .peak_memory import PeakTracker
 from .updates import Versions
 
 
 def _collective():
-    """weightsync.bench.collective_baselines if it is installed (written separately), else None."""
+    """weightsync_bench.collective_baselines if it is installed (written separately), else None."""
     try:
         from . import collective_baselines
     except ImportError:
@@ -43,7 +44,7 @@ def _calls(result: Any) -> dict[str, int | None]:
 
 class BenchTrainer:
     """Trainer rank 0: holds the model, makes each version from the one before by the run's
-    update model (weightsync.bench.updates: every byte, or an AdamW step) and sends."""
+    update model (weightsync_bench.updates: every byte, or an AdamW step) and sends."""
 
     def __init__(self, manifest_wire: list, device: str = "cpu", weights_path: str | None = None, seed: int = 0,
                  update: str = "random"):
@@ -108,7 +109,7 @@ class BenchTrainer:
     def shm_bytes(self) -> int:
         """Bytes of this process's segments: memfds it holds, files in the shm directory (0 for
         transports without segments)."""
-        from ..transports.memory import holders
+        from weightsync.transports.memory import holders
 
         directory = self.sender.config.shm_dir if self.sender else "/dev/shm"
         prefix = f"wsync_{os.getpid()}_"
@@ -152,7 +153,7 @@ class BenchTrainer:
         # nested in a list so Ray hands the receivers the reference, not the value
         return {"t0": t0, "put_s": time.monotonic() - t0, "ref": [ref], "changed_fraction": changed}
 
-    # -- collective baselines (weightsync.bench.collective_baselines) --------------------------------
+    # -- collective baselines (weightsync_bench.collective_baselines) --------------------------------
 
     def collective_call(self, fn: str, *args: Any, **kwargs: Any) -> Any:
         mod = _collective()

@@ -185,7 +185,7 @@ class RdtPair:
 def pair_for(bench: Any, name: str, receivers: int) -> RdtPair:
     """The actors of RDT row ``name`` for the runner's Bench: its layout, device and update
     model, ``receivers`` rollouts; on the bench's device share when colocated (CUDA_IPC)."""
-    from ..device import ray_options
+    from weightsync.device import ray_options
 
     opts = {k: v for k, v in bench._base.items() if k != "runtime_env"}
     return RdtPair(name, bench.manifest.to_wire(), bench.device, receivers, bench._update, opts,

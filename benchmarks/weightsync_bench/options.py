@@ -6,10 +6,11 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
-from ..config import SyncConfig
-from ..testing.layouts import LAYOUTS
+from weightsync.config import SyncConfig
+
 from .delta_rows import DELTA_MODES
 from .expect import KEYS, parse_expectation
+from .layouts import LAYOUTS
 from .updates import UPDATES
 
 TRANSPORTS = ("shm", "ipc", "broadcast", "auto")

@@ -2,7 +2,7 @@
 every row and round (tqdm, on a terminal), and the same estimate in the line each row prints
 when it ends (logs and pipes see no bar).
 
-The work is counted in versions moved, the unit every row ticks in (weightsync.bench.interleave
+The work is counted in versions moved, the unit every row ticks in (weightsync_bench.interleave
 says how many a row moves); rows of one run differ in seconds per version, so the ETA is a
 rate over everything done so far, which the interleaved order keeps representative.
 """

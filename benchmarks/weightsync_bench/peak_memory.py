@@ -11,7 +11,7 @@ import resource
 
 import psutil
 
-from ..transports.memory import meminfo
+from weightsync.transports.memory import meminfo
 
 
 def rss() -> int:

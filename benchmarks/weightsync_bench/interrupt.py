@@ -20,8 +20,8 @@ from typing import Any
 import psutil
 import ray
 
-from ..config import SyncConfig
-from ..transports.memory import reap_stale
+from weightsync.config import SyncConfig
+from weightsync.transports.memory import reap_stale
 
 # the exit status of a process stopped by SIGINT, as a shell reports it
 INTERRUPTED = 130
@@ -111,7 +111,7 @@ class Progress:
         except ImportError:
             yield None
             return
-        # position 1: below the run's overall bar (weightsync.bench.progress)
+        # position 1: below the run's overall bar (weightsync_bench.progress)
         with tqdm(total=total, desc=desc, file=sys.stderr, leave=False, dynamic_ncols=True, position=1) as bar:
             yield bar
 

@@ -10,8 +10,9 @@ import sys
 import time
 from typing import Any
 
-from ..config import SyncConfig
-from ..device import backend_for
+from weightsync.config import SyncConfig
+from weightsync.device import backend_for
+
 from . import memory_fit, results
 from . import plan as plans
 from .expect import evaluate, fastest
@@ -25,10 +26,11 @@ __all__ = ["BASELINE_CHOICES", "PRESETS", "TRANSPORTS", "add_bench_arguments", "
 def _row_need(item: Item, manifest: Any, first_use: bool = True) -> tuple[int, int, str]:
     import dataclasses
 
-    from ..delta.strategy import host_reserve
-    from ..errors import CapacityError
-    from ..manifest import plan_buckets
-    from ..transports.shm.transport import choose_mode
+    from weightsync.delta.strategy import host_reserve
+
+    from weightsync.errors import CapacityError
+    from weightsync.manifest import plan_buckets
+    from weightsync.transports.shm.transport import choose_mode
 
     _, name, n, mb, _, _ = item
     # the parties read WEIGHTSYNC_SHM_BUDGET_MB and friends too
@@ -85,7 +87,8 @@ def run_bench(args: argparse.Namespace) -> int:
 def _run_bench(args: argparse.Namespace) -> int:
     import ray
 
-    from ..device import platform as detect_platform
+    from weightsync.device import platform as detect_platform
+
     from . import delta_rows, growth, interleave, layout_source, progress, rdt_rows, rounds, summary
 
     apply_preset(args)
@@ -216,11 +219,12 @@ def _run_size(args: argparse.Namespace, label: str, manifest: Any, weights_path:
     import ray
     import torch
 
-    from ..manifest import Manifest
-    from ..testing.layouts import fixed_cost as fixed_cost_specs
+    from weightsync.manifest import Manifest
+
     from . import fixed_cost, interleave
     from .actors import BenchRollout, BenchTrainer
     from .ceiling import device_ceilings, host_ceiling
+    from .layouts import fixed_cost as fixed_cost_specs
     from .peak_memory import NodeShmem
     from .runner import Bench
 

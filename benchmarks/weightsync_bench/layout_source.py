@@ -9,8 +9,9 @@ import struct
 
 import torch
 
-from ..manifest import Manifest, TensorSpec
-from ..testing.layouts import LAYOUTS, layout
+from weightsync.manifest import Manifest, TensorSpec
+
+from .layouts import LAYOUTS, layout
 
 # safetensors dtype codes -> our dtype names
 _ST_DTYPES = {

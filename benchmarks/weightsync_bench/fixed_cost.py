@@ -3,7 +3,7 @@ calls per version that every weightsync row records. Pure functions over plain r
 no timing).
 
 A fixed-cost row moves the run's layout with every tensor cut to at most 1024 elements
-(``weightsync.testing.layouts.fixed_cost``: for the default model ``qwen2.5-0.5b-fixed``, 291
+(``weightsync_bench.layouts.fixed_cost``: for the default model ``qwen2.5-0.5b-fixed``, 291
 tensors, 0.47 MiB), so its pre-staged barrier is the per-version host work (per tensor, in
 Python) and the coordinator round trips, which decide the speed on a GPU and for small models.
 """
