@@ -24,9 +24,9 @@ import time
 
 import numpy as np
 
-from weightsync.transports import memory as wake
-from weightsync.transports.base import Deadline
-from weightsync.transports.memory import poll_until
+from weightsync.transports import Deadline
+from weightsync.transports.shm import transport as wake
+from weightsync.transports.shm.transport import poll_until
 
 WORDS = 2 * 4096 // 8
 

@@ -39,7 +39,7 @@ import torch
 from weightsync_bench.timeline import Recorder, Span, render_png
 
 from weightsync import Coordinator, SyncConfig, WeightReceiver, WeightSender
-from weightsync.transports.memory import reap_stale
+from weightsync.transports.shm.transport import reap_stale
 
 
 @dataclasses.dataclass(frozen=True)

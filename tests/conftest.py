@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from weightsync.transports.memory import holders, our_segments, reap_stale
+from weightsync.transports.shm.transport import holders, our_segments, reap_stale
 
 # The tests' simulated accelerator (tests/sim/weightsync_sim) is no part of the package: it registers
 # itself as a third-party accelerator would, in every process of the run that imports weightsync,

@@ -17,9 +17,8 @@ from weightsync_bench.layouts import layout, materialize
 
 from weightsync import CapacityError, ConfigError, ManifestError, SyncConfig, VersionError
 from weightsync.manifest import Manifest, Packer, TensorSpec, build_manifest, plan_buckets
-from weightsync.transports.base import TransportContext
-from weightsync.transports.memory import holders, locate, memory_available
-from weightsync.transports.shm.transport import ShmSender
+from weightsync.transports import TransportContext
+from weightsync.transports.shm.transport import ShmSender, holders, locate, memory_available
 
 MANIFEST = layout("tiny")
 CFG = {"transport": "shm", "bucket_mb": 1 / 16}

@@ -1,6 +1,7 @@
 import pytest
 
 from weightsync import ConfigError, SyncConfig
+from weightsync import config as config_module
 
 
 class FakeDictConfig:
@@ -70,9 +71,15 @@ def test_bad_env_value_names_the_variable():
         SyncConfig.from_env({"WEIGHTSYNC_SYNC_TIMEOUT_S": "soon"})
 
 
+def test_a_config_accepts_the_built_in_transports_by_name():
+    from weightsync import transports
+
+    assert transports.names() == config_module.transport_names() == sorted(t.name for t in transports.BUILTIN)
+
+
 def test_a_registered_transport_can_be_selected_and_registering_twice_is_refused():
     from weightsync import transports
-    from weightsync.transports.base import Transport
+    from weightsync.transports import Transport
     from weightsync.transports.shm.transport import ShmReceiver, ShmSender
 
     with pytest.raises(ConfigError, match="transport"):

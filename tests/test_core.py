@@ -16,7 +16,7 @@ from weightsync_bench.layouts import layout, materialize
 
 from weightsync import ManifestError, SyncConfig, SyncFailed, VersionError, WeightReceiver, WeightSender
 from weightsync.manifest import Manifest, TensorSpec
-from weightsync.transports.memory import locate
+from weightsync.transports.shm.transport import locate
 
 # tiny layout with a 64 KiB bucket: the embedding (1000 x 64 bf16 = 125 KiB) is split in chunks
 CFG = {"transport": "shm", "bucket_mb": 1 / 16, "device": "cpu"}
@@ -313,9 +313,8 @@ def test_two_threads_of_one_receiver_hash_each_bucket_once():
     import torch
 
     from weightsync.manifest import Packer, plan_buckets
-    from weightsync.transports.base import Deadline, TransportContext
-    from weightsync.transports.shm.records import shm_version
-    from weightsync.transports.shm.transport import ShmReceiver, ShmSender
+    from weightsync.transports import Deadline, TransportContext
+    from weightsync.transports.shm.transport import ShmReceiver, ShmSender, shm_version
 
     manifest = Manifest(tuple(TensorSpec(f"w{i}", "float32", (256, 1024)) for i in range(16)))  # 16 MiB
     cfg = SyncConfig(bucket_mb=1, device="cpu")

@@ -28,7 +28,7 @@ from faultjob import RECEIVERS, Job, wait_until
 from weightsync_bench.layouts import layout
 
 from weightsync.manifest import Manifest, TensorSpec
-from weightsync.transports.memory import SEGMENT_NAME, SEGMENT_REF, holders, meminfo, our_segments
+from weightsync.transports.shm.transport import SEGMENT_NAME, SEGMENT_REF, holders, meminfo, our_segments
 
 MANIFEST = Manifest(tuple(TensorSpec(f"layer{i}.weight", "bfloat16", (4096, 4096)) for i in range(8)))  # 256 MiB
 BUCKET_MB = {"shm": 64, "ipc": 100}

@@ -15,7 +15,7 @@ from weightsync.digest import xxh3
 from weightsync.errors import ConfigError, ManifestError, ProtocolError
 from weightsync.manifest import build_manifest, plan_buckets
 from weightsync.records import DeltaRecord, VersionRecord
-from weightsync.transports.shm.records import ShmVersion
+from weightsync.transports.shm.transport import ShmVersion
 
 
 def bucket(n: int, seed: int = 0) -> torch.Tensor:

@@ -76,7 +76,7 @@ def test_doctor_reports_an_explicit_communicator_that_cannot_work(capsys, monkey
 
 
 def test_doctor_reports_the_segment_backing_and_why(capsys, monkeypatch):
-    from weightsync.transports.memory import memfd_support
+    from weightsync.transports.shm.transport import memfd_support
 
     assert memfd_support()[0], "this test's machine has memfd_create and /proc"
     report = json.loads(_doctor_here(capsys, "--json"))

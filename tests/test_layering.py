@@ -194,7 +194,7 @@ def test_a_second_handler_of_one_request_fails_at_import():
 # in the signatures through which it passes; the one place a wire dict is taken is where it is
 # parsed (the declaration's parsers, on a parameter named ``wire``), the one place it is made a
 # record's ``to_wire``
-TRANSPORTS = ("base", "shm/transport", "ipc/transport", "ipc/ring", "broadcast/transport", "broadcast/ends",
+TRANSPORTS = ("shm/transport", "ipc/transport", "ipc/ring", "broadcast/transport", "broadcast/ends",
               "__init__")
 
 

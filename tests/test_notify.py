@@ -15,9 +15,9 @@ import numpy as np
 import pytest
 
 from weightsync.errors import DeadlineExceeded
-from weightsync.transports import memory as wake
-from weightsync.transports.base import Deadline
-from weightsync.transports.memory import poll_until
+from weightsync.transports import Deadline
+from weightsync.transports.shm import transport as wake
+from weightsync.transports.shm.transport import poll_until
 
 LONG_S = 300.0  # a sleep that is not woken lasts this long; the tests wait at most half of it
 

@@ -14,12 +14,14 @@ import pytest
 from weightsync import records as base
 from weightsync import transports
 from weightsync.errors import ProtocolError
+from weightsync.transports import shm_session, shm_version
 from weightsync.transports.broadcast import records as broadcast_records
 from weightsync.transports.ipc import records as ipc_records
-from weightsync.transports.shm import records as shm_records
+from weightsync.transports.shm import transport as shm_records
 
 # every transport's records (each in its own folder) and the base ones, by name
-R = types.SimpleNamespace(**{**vars(base), **vars(ipc_records), **vars(shm_records), **vars(broadcast_records)})
+R = types.SimpleNamespace(**{**vars(base), **vars(ipc_records), **vars(shm_records), **vars(broadcast_records),
+                             "shm_session": shm_session, "shm_version": shm_version})
 
 HOST = R.HostBuffer(segment="memfd:1234:5", bytes=4096)
 # the values ipc.wire.export_handle takes from torch's reduce_tensor for a CUDA buffer

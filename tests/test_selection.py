@@ -8,9 +8,8 @@ import torch
 from weightsync.coordinator.ops import Device, IpcSupport, Placement
 from weightsync.device import local_index, physical_index
 from weightsync.errors import ConfigError
+from weightsync.transports import COLOCATED, REMOTE, SAME_NODE, placement
 from weightsync.transports import choose as choose_transport
-from weightsync.transports import placement
-from weightsync.transports.base import COLOCATED, REMOTE, SAME_NODE
 from weightsync.transports.ipc import support as caps
 
 OK = IpcSupport(ok=True, reason="ipc fine")

@@ -21,11 +21,11 @@ import torch
 from faultjob import RECEIVERS, Job, sync_failed, wait_until
 from weightsync_bench.layouts import layout
 
-from weightsync import SyncConfig
+from weightsync import SyncConfig, transports
 from weightsync.errors import CapacityError
 from weightsync.manifest import plan_buckets
-from weightsync.transports.base import TransportContext
-from weightsync.transports.shm.transport import ShmSender, choose_mode, open_sender
+from weightsync.transports import TransportContext
+from weightsync.transports.shm.transport import ShmSender, choose_mode
 from weightsync.transports.shm.transport import layout as segment_layout
 
 MANIFEST = layout("tiny")  # 7 buckets of 64 KiB at bucket_mb=1/16: one version is 412 KiB in a segment
@@ -119,7 +119,7 @@ def test_a_receiver_killed_mid_version_is_named_and_the_next_version_commits(job
 
 
 def test_the_default_budget_keeps_whole_versions():
-    sender = open_sender(_context(SyncConfig(bucket_mb=BUCKET_MB, device="cpu")))
+    sender = transports.get("shm").sender(_context(SyncConfig(bucket_mb=BUCKET_MB, device="cpu")))
     try:
         assert type(sender) is ShmSender and sender.session.why.startswith("shm whole versions: 3 x 412 KiB")
     finally:
@@ -134,7 +134,7 @@ def test_auto_budget_is_half_of_what_the_node_can_give():
 
 def test_a_budget_without_room_for_two_buckets_says_what_to_set():
     with pytest.raises(CapacityError) as err:
-        open_sender(_context(SyncConfig(bucket_mb=BUCKET_MB, device="cpu", shm_budget_mb=0.1)))
+        transports.get("shm").sender(_context(SyncConfig(bucket_mb=BUCKET_MB, device="cpu", shm_budget_mb=0.1)))
     assert str(err.value) == (
         "shm: the budget of 102 KiB (shm_budget_mb=0.1) holds neither 3 whole versions (3 x 412 KiB) nor a ring "
         "of 2 bucket buffers of 64 KiB plus a 36 KiB control block: set shm_budget_mb >= 0.17, or a smaller "

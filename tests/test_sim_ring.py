@@ -26,7 +26,7 @@ from weightsync.config import SyncConfig
 from weightsync.device import resolve
 from weightsync.digest import verify
 from weightsync.manifest import Manifest, Packer, TensorSpec, Unpacker, plan_buckets
-from weightsync.transports.base import Deadline, TransportContext
+from weightsync.transports import Deadline, TransportContext
 from weightsync.transports.ipc.records import IpcVersion
 from weightsync.transports.ipc.transport import IpcReceiver, IpcSender
 

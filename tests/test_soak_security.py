@@ -14,7 +14,7 @@ from support.parties import assert_serves, start_parties, wait_until
 from weightsync_bench.layouts import layout, materialize
 
 from weightsync import Coordinator, ProtocolError, WeightReceiver, records, transports
-from weightsync.transports.memory import SEGMENT_REF, holders, locate, our_segments
+from weightsync.transports.shm.transport import SEGMENT_REF, holders, locate, our_segments
 
 MANIFEST = layout("tiny")
 CPU_TRANSPORTS = [t for t in ("shm", "ipc", "broadcast") if t in transports.names()]
@@ -111,7 +111,7 @@ def test_memfd_segment_needs_same_uid():
     """Opening /proc/<pid>/fd/<fd> needs ptrace-read access to the holder (same uid) and the
     memfd's 0600 mode: a process of another uid gets EACCES (root may: it is root)."""
     from weightsync import SyncConfig
-    from weightsync.transports.memory import create
+    from weightsync.transports.shm.transport import create
 
     seg = create(SyncConfig(shm_backing="memfd"), 1 << 16, "a probe segment")
     try:
@@ -174,7 +174,7 @@ def test_rendezvous_store_binds_to_configured_address():
 
     from weightsync import SyncConfig
     from weightsync.manifest import plan_buckets
-    from weightsync.transports.base import TransportContext
+    from weightsync.transports import TransportContext
     from weightsync.transports.broadcast.transport import BroadcastSender
 
     cfg = SyncConfig(transport="broadcast", backend="gloo", rendezvous_host="127.0.0.1")

@@ -15,7 +15,7 @@ from weightsync import ConfigError, SyncConfig, WeightReceiver, WeightSender
 from weightsync.coordinator import ops
 from weightsync.digest import as_int, kind_of, version_digest
 from weightsync.records import SessionRecord, VersionRecord
-from weightsync.transports.base import (
+from weightsync.transports import (
     Bucket,
     Facts,
     ReceiverTransport,

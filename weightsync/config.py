@@ -3,8 +3,7 @@
 Every field is validated on construction, so a bad value fails where it is written
 (a YAML file, a Hydra override, an environment variable), not deep inside a transfer.
 
-The choices a field accepts live here too; ``transport`` is checked against the transports'
-list (transports/__init__.py), which imports no torch.
+The choices a field accepts live here too, the transports' names among them.
 """
 
 from __future__ import annotations
@@ -36,11 +35,15 @@ NON_CONFIG_ENV = frozenset({
 })
 MiB = 1 << 20
 
-def transport_names() -> list[str]:
-    """The transports a config may name ("auto" besides): the built-in ones and those registered."""
-    from .transports import names  # the transports' list imports no torch
+# the transports a config may name ("auto" besides): the built-in ones (weightsync.transports.BUILTIN;
+# tests/test_config.py checks the two lists agree) and those a plugin registered in this process
+# (weightsync.transports.register adds them here)
+TRANSPORTS: list[str] = ["broadcast", "ipc", "shm"]
 
-    return names()
+
+def transport_names() -> list[str]:
+    """The transports a config may name ("auto" besides), sorted."""
+    return sorted(TRANSPORTS)
 
 
 

@@ -436,6 +436,11 @@ def raw(t: torch.Tensor) -> torch.Tensor | None:
     return t if t.dtype == kind else t.view(kind)
 
 
+def _address(buf: torch.Tensor) -> int:
+    """Where a buffer's bytes start: host memory is its own address; a device's accelerator says."""
+    return buf.data_ptr() if buf.device.type == "cpu" else devices.address(buf)
+
+
 def _flat_bytes(t: torch.Tensor) -> torch.Tensor:
     # reshape copies only when the tensor is not contiguous; view(uint8) is free
     return t.reshape(-1).view(torch.uint8)
@@ -500,7 +505,7 @@ class PackViews:
 
     def of(self, plan: BucketPlan, b: int, buf: torch.Tensor) -> tuple[dict[int, torch.Tensor], list[torch.Tensor]]:
         """(views by tensor index, made as they are asked for; the gaps) of bucket ``b`` in ``buf``."""
-        key = (b, devices.address(buf), buf.numel())
+        key = (b, _address(buf), buf.numel())
         views = self._views.get(key)
         if views is None:
             views = self._views[key] = {}
@@ -715,7 +720,7 @@ class Unpacker:
         """``span(bucket, offset, nbytes)`` returns a view of ``nbytes`` starting at ``offset`` of
         ``bucket`` running on through the following buckets, or None where storage is not
         contiguous. Only called once every bucket of the span was received and verified."""
-        key = (bucket_index, devices.address(buf), buf.numel(), span is not None)
+        key = (bucket_index, _address(buf), buf.numel(), span is not None)
         views = self._views.get(key)
         if views is None:
             views = self._make(bucket_index, buf, span)

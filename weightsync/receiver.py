@@ -37,7 +37,7 @@ from .errors import CapacityError, DeadlineExceeded, ManifestError, VersionError
 from .manifest import Expected, Manifest, Unpacker, check_manifest, plan_buckets, size_text
 from .records import VersionRecord
 from .targets import LoadWeights
-from .transports.base import (
+from .transports import (
     Deadline,
     Prefetches,
     ReceiverTransport,

@@ -35,7 +35,7 @@ from .device import describe
 from .errors import ConfigError, VersionError
 from .manifest import Manifest, NamedTensors, Packer, build_manifest, plan_buckets, size_text
 from .records import VersionRecord
-from .transports.base import Announces, Deadline, GivesBack, SenderTransport, TransportContext
+from .transports import Announces, Deadline, GivesBack, SenderTransport, TransportContext
 
 log = logging.getLogger("weightsync")
 

@@ -109,7 +109,7 @@ class BenchTrainer:
     def shm_bytes(self) -> int:
         """Bytes of this process's segments: memfds it holds, files in the shm directory (0 for
         transports without segments)."""
-        from weightsync.transports.memory import holders
+        from weightsync.transports.shm.transport import holders
 
         directory = self.sender.config.shm_dir if self.sender else "/dev/shm"
         prefix = f"wsync_{os.getpid()}_"

@@ -21,7 +21,7 @@ import psutil
 import ray
 
 from weightsync.config import SyncConfig
-from weightsync.transports.memory import reap_stale
+from weightsync.transports.shm.transport import reap_stale
 
 # the exit status of a process stopped by SIGINT, as a shell reports it
 INTERRUPTED = 130

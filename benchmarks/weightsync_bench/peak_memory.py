@@ -11,7 +11,7 @@ import resource
 
 import psutil
 
-from weightsync.transports.memory import meminfo
+from weightsync.transports.shm.transport import meminfo
 
 
 def rss() -> int:

@@ -61,7 +61,7 @@ def _shm(shm_dir: str) -> Report:
 
 def _segments(choice: str, shm_dir: str) -> Report:
     """Where shm / host-ipc segments would live with ``shm_backing=choice``, and why."""
-    from ..transports.memory import resolve_backing
+    from ..transports.shm.transport import resolve_backing
 
     try:
         backing, why = resolve_backing(choice, shm_dir)

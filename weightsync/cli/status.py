@@ -34,7 +34,7 @@ def add_reap_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def run_reap(args: argparse.Namespace) -> int:
-    from ..transports.memory import reap_stale
+    from ..transports.shm.transport import reap_stale
 
     removed = reap_stale(args.dir)
     print(f"removed {len(removed)} stale segment(s)" + "".join(f"\n  {n}" for n in removed))

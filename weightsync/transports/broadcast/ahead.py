@@ -30,9 +30,8 @@ from ... import device as devices
 from ...config import MiB, SyncConfig
 from ...errors import CapacityError, VersionError
 from ...manifest import BucketPlan
-from ..base import Bucket, Deadline, Span
-from ..memory import memory_available
-from ..shm.transport import spans
+from .. import Bucket, Deadline, Span
+from ..shm.transport import memory_available, spans
 
 
 def bound(config: SyncConfig) -> tuple[int, str]:

@@ -13,7 +13,7 @@ from ...coordinator.ops import BroadcastGroup
 from ...digest import compute, kind_of
 from ...errors import ConfigError, ProtocolError, WeightSyncError
 from ...manifest import PackViews
-from ..base import Aborted, Deadline, TransportContext
+from .. import Aborted, Deadline, TransportContext
 from ..ipc.wire import in_flight
 from .communicators import choose_communicator, comm_device
 from .groups import Group, retire

@@ -48,7 +48,7 @@ from ...coordinator.ops import BroadcastGroup
 from ...errors import ChecksumError, ConfigError, DeadlineExceeded, VersionError, WeightSyncError
 from ...manifest import BucketPlan, Packer
 from ...records import VersionRecord
-from ..base import Aborted, Bucket, Deadline, ReceiverTransport, SenderTransport, Span, TransportContext
+from .. import Aborted, Bucket, Deadline, ReceiverTransport, SenderTransport, Span, TransportContext
 from .ahead import AheadCopy
 from .communicators import choose_backend
 from .ends import BUFFERS, TRAILER, BroadcastEnd, get_checksum, put_checksum  # noqa: F401  (tests)

@@ -1,6 +1,7 @@
-"""Internal. The ipc transport's records: where a sender's ring of buffers is (its control block, each
-buffer's host segment or device handle), published with the session and repeated with every
-version (transports/base.py says how records cross the control plane)."""
+"""Internal. The ring's records: where a sender's ring of buffers is (its control block, each buffer's
+host segment or device handle), published with the session and repeated with every version; the
+ipc transport's, and shm's in its streaming mode (the ring over host segments), which names its
+mode (records.py says how records cross the control plane)."""
 
 from __future__ import annotations
 
@@ -79,3 +80,26 @@ class IpcVersion(VersionRecord):
 
     transport: ClassVar[str] = "ipc"
     session: IpcSession
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class ShmStreamSession(IpcSession):
+    """shm in streaming mode: the ring over host segments (the whole-version mode's records are
+    in shm/transport.py; ``mode`` tells them apart)."""
+
+    transport: ClassVar[str] = "shm"
+    mode: str = "stream"
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        self._check("mode", self.mode == "stream", "'stream'")
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class ShmStreamVersion(VersionRecord):
+    transport: ClassVar[str] = "shm"
+    mode: str = "stream"
+    session: ShmStreamSession
+
+    def __post_init__(self) -> None:
+        self._check("mode", self.mode == "stream", "'stream'")

@@ -27,8 +27,8 @@ from ... import device as devices
 from ...digest import as_int, compute, kind_of
 from ...errors import CapacityError, DeadlineExceeded, ProtocolError, VersionError
 from ...manifest import BucketPlan, Packer, PackViews, align_up
-from ..base import Aborted, Bucket, Deadline, TransportContext
-from ..memory import PAGE, Segment, Waiter, attach, create, digest_word, poll_until, reap_stale, wake
+from .. import Aborted, Bucket, Deadline, TransportContext
+from ..shm.transport import PAGE, Segment, Waiter, attach, create, digest_word, poll_until, reap_stale, wake
 from .records import DeviceHandle, DeviceRecord, HostBuffer, IpcSession
 from .wire import (
     BUCKET_BITS,

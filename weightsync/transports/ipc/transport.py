@@ -1,4 +1,5 @@
-"""Internal. IPC transport for colocated parties: sender and receivers on the same physical device.
+"""Internal. The ring's two ends (ring.py): the IPC transport for colocated parties, sender and
+receivers on the same physical device; and shm in streaming mode, the same ring over host segments.
 
 The sender allocates two bucket-sized buffers on its device once per session (ping-pong, a
 ring: ipc/ring.py, which shm's streaming mode owns one of too, with up to MAX_BUFFERS in host
@@ -25,10 +26,11 @@ from typing import ClassVar
 import torch
 
 from ... import digest
+from ...errors import ProtocolError
 from ...manifest import Packer
 from ...records import VersionRecord
-from ..base import Bucket, Deadline, ReceiverTransport, SenderTransport, TransportContext
-from .records import IpcSession, IpcVersion
+from .. import Bucket, Deadline, ReceiverTransport, SenderTransport, TransportContext
+from .records import IpcSession, IpcVersion, ShmStreamSession, ShmStreamVersion
 from .ring import RingReader, RingWriter
 from .wire import NBUF
 
@@ -105,3 +107,37 @@ class IpcSender(RingSender):
 class IpcReceiver(RingReceiver):
     name = "ipc"
     resource = "ipc"
+
+
+# -- shm in streaming mode: the ring over host segments ------------------------------------------
+
+
+class ShmStreamSender(RingSender):
+    """shm when whole versions exceed the node's budget (shm/transport.py: choose_mode): the writing
+    end of a ring of K buffers in host shared memory, even on an accelerator node. It gives up
+    what ipc gives up: nothing is kept (no rollback, a late joiner waits for the next version),
+    and the tensors are read in ``sync()``."""
+
+    name = "shm"
+    resource = "shm_ring"
+    session_type = ShmStreamSession
+    version_type = ShmStreamVersion
+
+    def __init__(self, ctx: TransportContext, buffers: int, why: str):
+        super().__init__(ctx, buffers, torch.device("cpu"), why=why)
+
+
+class ShmStreamReceiver(RingReceiver):
+    """A reading end of the streaming shm ring, loading onto any device."""
+
+    name = "shm"
+    resource = "shm_ring"
+    loads_from_host = True
+
+    def ring_session(self, version: int, record: VersionRecord) -> ShmStreamSession:
+        if not isinstance(record, ShmStreamVersion):
+            # a restarted trainer that found room for whole versions: this session's receivers
+            # were built for the ring
+            raise ProtocolError(f"shm: version {version} is published in whole-version mode, but this receiver "
+                                f"attached to a streaming session; restart the receiver")
+        return record.session

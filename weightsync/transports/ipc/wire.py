@@ -36,7 +36,7 @@ from ... import device as devices
 from ...coordinator.state import State
 from ...errors import CapacityError, ConfigError, ProtocolError, VersionError
 from ...manifest import dtype_name, dtype_of
-from ..base import Aborted, TransportContext
+from .. import Aborted, TransportContext
 from .records import DeviceHandle
 
 

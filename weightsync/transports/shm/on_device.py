@@ -26,7 +26,7 @@ import torch
 from ... import device as devices
 from ...digest import as_int
 from ...manifest import BucketPlan, PackViews
-from ..base import TransportContext
+from .. import TransportContext
 
 BUFFERS = 2
 
