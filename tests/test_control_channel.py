@@ -12,7 +12,6 @@ import pytest
 import ray
 
 from weightsync import records
-from weightsync.coordinator import ops
 from weightsync.coordinator.channel import Link
 from weightsync.testing.parties import wait_until
 
@@ -62,7 +61,7 @@ def frame(sock: socket.socket, payload: bytes) -> bytes:
 ], ids=["malformed", "wrong-token"])
 def test_a_bad_frame_over_the_socket_gets_the_protocol_error_ray_gives(coordinator_factory, payload):
     coord = coordinator_factory({"control_channel": "socket"})
-    address = coord.call(ops.Channel())
+    address = coord.call(records.Channel())
     with socket.create_connection((address.host, address.port), timeout=30) as sock:
         over_socket = frame(sock, payload)
     over_ray = ray.get(coord.actor.rpc.remote(payload))

@@ -11,8 +11,7 @@ import pytest
 from test_reset_cache import MANIFEST, run
 
 import weightsync.transports as transports
-from weightsync import ConfigError, SyncConfig, WeightReceiver, WeightSender
-from weightsync.coordinator import ops
+from weightsync import ConfigError, SyncConfig, WeightReceiver, WeightSender, records
 from weightsync.testing.parties import ToyEngine, same_bits
 from weightsync.transports import catalog, selection
 
@@ -74,9 +73,9 @@ def toy(tmp_path, monkeypatch):
     catalog.forget("toy")
 
 
-def _placed(device: str = "cpu", node: str = "n1") -> ops.Placement:
-    return ops.Placement(host="h", node_id=node, device=ops.Device(type=device),
-                         ipc=ops.IpcSupport(ok=True, reason="host"))
+def _placed(device: str = "cpu", node: str = "n1") -> records.Placement:
+    return records.Placement(host="h", node_id=node, device=records.Device(type=device),
+                             ipc=records.IpcSupport(ok=True, reason="host"))
 
 
 def test_a_new_folder_is_a_transport_with_its_own_rules(toy):

@@ -27,7 +27,6 @@ from typing import Any
 
 from .config import SyncConfig
 from .coordinator.client import Coordinator, Party, Rejoin
-from .coordinator.ops import Served
 from .coordinator.state import State
 from .delta.strategy import Engine, Loaders
 from .digest import Checks
@@ -35,6 +34,7 @@ from .errors import ManifestError, VersionError, WeightSyncError
 from .manifest import Expected, Manifest, check_manifest, size_text
 from .packing import Unpacker
 from .receive_ahead import AheadThread, Receiving
+from .records import Served
 from .targets import LoadWeights
 from .transports.base import ReceiverTransport, TransportContext, VersionRecord
 from .transports.selection import receiver_class

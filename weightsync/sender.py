@@ -27,12 +27,12 @@ from typing import Any
 import torch
 
 from .config import SyncConfig
-from .coordinator import ops
 from .coordinator.client import Coordinator, Party, Publication, Rejoin
 from .delta.strategy import FullPacking, host_reserve, packing_for
 from .device import describe
 from .errors import ConfigError, VersionError
 from .manifest import Manifest, build_manifest, size_text
+from .records import Device, IpcSupport, Placement
 from .transports.base import SenderTransport, TransportContext, VersionRecord
 from .transports.selection import choose_transport, ipc_support, sender_class
 
@@ -186,8 +186,8 @@ class WeightSender(Party):
         receivers = self.control.receivers(count, timeout=self.config.connect_timeout_s)
         # where this sender runs and whether it can share device buckets (transports/selection.py)
         ipc = ipc_support(self.device.type, self.config.shm_dir)
-        me = ops.Placement(host=self.host, node_id=self.node_id, device=ops.Device(**describe(self.device)),
-                           ipc=ops.IpcSupport(ok=ipc.ok, reason=ipc.reason, notes=list(ipc.notes)))
+        me = Placement(host=self.host, node_id=self.node_id, device=Device(**describe(self.device)),
+                       ipc=IpcSupport(ok=ipc.ok, reason=ipc.reason, notes=list(ipc.notes)))
         name, reason = choose_transport(self.config.transport, me, receivers, self.config.backend)
         ctx.host_reserve = host_reserve(self.config.delta, name, ctx.plan)
         transport = sender_class(name)(ctx)

@@ -1,7 +1,7 @@
 """Internal. The coordinator actor: one named Ray actor per job. It never touches tensor bytes.
 
 Parties (senders, receivers) talk to it through one ``rpc(bytes) -> bytes`` method (through Ray, or the control channel of :mod:`weightsync.coordinator.channel`) carrying
-a request record of :mod:`weightsync.coordinator.ops` as msgpack (see :mod:`weightsync.coordinator.client` for the
+a request record of :mod:`weightsync.records` as msgpack (see :mod:`weightsync.coordinator.client` for the
 client), present the session token, and send heartbeats; each request type has exactly one
 handler here, marked ``@handles(Request)``, which answers with the request's reply record. A
 monitor task turns a silent party into an error that names it. What a version may do next is decided by :class:`~weightsync.coordinator.state.VersionTable`;
@@ -18,10 +18,10 @@ import time
 from .. import records
 from ..config import SyncConfig
 from ..errors import DeadlineExceeded, ManifestError, ProtocolError, SyncFailed, VersionError, WeightSyncError
-from . import channel, ops
+from ..records import handles
+from . import channel
 from .membership import BroadcastGroups
 from .membership_ops import BroadcastMembership
-from .ops import handles
 from .state import Candidate, Parties, PartyRecord, Signals, State, Version, VersionTable, choose_slot, pinned_slots
 
 
@@ -66,16 +66,16 @@ class CoordinatorActor:
                 raise ProtocolError("control message must be a map with an 'op'")
             if not hmac.compare_digest(str(msg.get("token", "")), self.token):
                 raise ProtocolError(f"op {msg['op']!r} refused: wrong session token for coordinator")
-            if (kind := ops.REQUESTS.get(msg["op"])) is None:
+            if (kind := records.REQUESTS.get(msg["op"])) is None:
                 raise ProtocolError(f"unknown op {msg['op']!r}")
             self.calls[kind.op] = self.calls.get(kind.op, 0) + 1
-            result = await ops.HANDLERS[kind](self, kind.from_wire(msg.get("args", {})))
+            result = await records.HANDLERS[kind](self, kind.from_wire(msg.get("args", {})))
             return records.encode({"ok": True, "type": type(result).__name__, "result": result.to_wire()})
         except WeightSyncError as exc:
             sync = dict(failed=exc.failed, committed=exc.committed, version=exc.version) if isinstance(exc, SyncFailed) else {}
-            return records.encode({"ok": False, **ops.Failure(kind=type(exc).__name__, error=str(exc), **sync).to_wire()})
+            return records.encode({"ok": False, **records.Failure(kind=type(exc).__name__, error=str(exc), **sync).to_wire()})
         except TypeError as exc:
-            return records.encode({"ok": False, **ops.Failure(kind="ProtocolError", error=f"bad arguments: {exc}").to_wire()})
+            return records.encode({"ok": False, **records.Failure(kind="ProtocolError", error=f"bad arguments: {exc}").to_wire()})
 
     # -- liveness ------------------------------------------------------------------------
 
@@ -107,26 +107,26 @@ class CoordinatorActor:
 
     # -- broadcast membership (membership_ops.py) ---------------------------------------------
 
-    @handles(ops.BcastForm)
-    async def bcast_form(self, req: ops.BcastForm) -> ops.Formed:
+    @handles(records.BcastForm)
+    async def bcast_form(self, req: records.BcastForm) -> records.Formed:
         return await self.broadcast.form(self._party(req.party), req.version, req.ahead)
 
-    @handles(ops.BcastGroup)
-    async def bcast_group(self, req: ops.BcastGroup) -> ops.BroadcastGroup:
+    @handles(records.BcastGroup)
+    async def bcast_group(self, req: records.BcastGroup) -> records.BroadcastGroup:
         return await self.broadcast.group(self._party(req.party), req.version, req.timeout)
 
-    @handles(ops.BcastCheck)
-    async def bcast_check(self, req: ops.BcastCheck) -> ops.GroupCheck:
+    @handles(records.BcastCheck)
+    async def bcast_check(self, req: records.BcastCheck) -> records.GroupCheck:
         return await self.broadcast.check(self._party(req.party), req.version)
 
-    @handles(ops.BcastFailed)
-    async def bcast_failed(self, req: ops.BcastFailed) -> ops.Reason:
+    @handles(records.BcastFailed)
+    async def bcast_failed(self, req: records.BcastFailed) -> records.Reason:
         return await self.broadcast.failed(self._party(req.party), req.version, req.error, req.timeout)
 
     # -- registration and session --------------------------------------------------------
 
-    @handles(ops.Register)
-    async def register(self, req: ops.Register) -> ops.Registered:
+    @handles(records.Register)
+    async def register(self, req: records.Register) -> records.Registered:
         """Join the session. A party re-registering after a coordinator restart brings what
         the coordinator lost: the newest version it staged (senders) or the version it
         serves and where its bytes are (receivers), so versions keep going up and rollback
@@ -144,22 +144,22 @@ class CoordinatorActor:
                 self.table.restore_committed(record.serving, int(req.served.slot or 0), dict(req.served.info),
                                              time.monotonic())
         self._poke()
-        return ops.Registered(party=record.pid, session=self.session, config=self.config.to_dict())
+        return records.Registered(party=record.pid, session=self.session, config=self.config.to_dict())
 
-    @handles(ops.Heartbeat)
-    async def heartbeat(self, req: ops.Heartbeat) -> ops.Done:
+    @handles(records.Heartbeat)
+    async def heartbeat(self, req: records.Heartbeat) -> records.Done:
         self._party(req.party)
-        return ops.Done()
+        return records.Done()
 
-    @handles(ops.Leave)
-    async def leave(self, req: ops.Leave) -> ops.Done:
+    @handles(records.Leave)
+    async def leave(self, req: records.Leave) -> records.Done:
         p = self.parties.leave(req.party)
         if p is not None:
             self._party_lost(p)
-        return ops.Done()
+        return records.Done()
 
-    @handles(ops.Publish)
-    async def publish(self, req: ops.Publish) -> ops.Done:
+    @handles(records.Publish)
+    async def publish(self, req: records.Publish) -> records.Done:
         self._party(req.party)
         pub = req.publication
         if self.digest is not None and self.digest != pub.digest:
@@ -171,30 +171,30 @@ class CoordinatorActor:
         self.transport, self.transport_reason, self.transport_info = pub.transport, pub.reason, dict(pub.info)
         self.pipelined, self.keeps_versions = pub.pipelined, pub.keeps_versions
         self._poke()
-        return ops.Done()
+        return records.Done()
 
-    @handles(ops.Session)
-    async def session_of(self, req: ops.Session) -> ops.SessionInfo:
+    @handles(records.Session)
+    async def session_of(self, req: records.Session) -> records.SessionInfo:
         deadline = time.monotonic() + req.timeout
         while self.manifest is None:
             if time.monotonic() >= deadline:
                 raise DeadlineExceeded(f"no sender published a manifest within {req.timeout:.1f}s")
             self._party(req.party, seen=False)
             await self.signals.wait(self.signals.any, deadline)
-        return ops.SessionInfo(manifest=self.manifest, digest=self.digest or "", transport=self.transport or "",
-                               info=self.transport_info, session=self.session)
+        return records.SessionInfo(manifest=self.manifest, digest=self.digest or "", transport=self.transport or "",
+                                   info=self.transport_info, session=self.session)
 
-    @handles(ops.Receivers)
-    async def receivers(self, req: ops.Receivers) -> ops.Placements:
+    @handles(records.Receivers)
+    async def receivers(self, req: records.Receivers) -> records.Placements:
         deadline = time.monotonic() + req.timeout
         self._party(req.party)
         while True:
             self._party(req.party, seen=False)
             live = self.parties.receivers()
             if len(live) >= req.count:
-                return ops.Placements(receivers=[
-                    ops.Placement(name=p.name, rank=p.rank, host=p.host, node_id=p.node_id,
-                                  device=p.device, serving=p.serving)
+                return records.Placements(receivers=[
+                    records.Placement(name=p.name, rank=p.rank, host=p.host, node_id=p.node_id,
+                                      device=p.device, serving=p.serving)
                     for p in live])
             if time.monotonic() >= deadline:
                 raise DeadlineExceeded(
@@ -203,8 +203,8 @@ class CoordinatorActor:
                 )
             await self.signals.wait(self.signals.any, deadline)
 
-    @handles(ops.Verdict)
-    async def verdict(self, req: ops.Verdict) -> ops.Done:
+    @handles(records.Verdict)
+    async def verdict(self, req: records.Verdict) -> records.Done:
         p = self._party(req.party)
         p.verdict = "" if req.accepted else (req.why or "rejected")
         if not req.accepted:
@@ -214,13 +214,13 @@ class CoordinatorActor:
             for v in self.table.receiver_lost(p.name, f"{p.label} {p.why}", time.monotonic()):
                 self._poke(v)
         self._poke()
-        return ops.Done()
+        return records.Done()
 
-    @handles(ops.Resource)
-    async def resource(self, req: ops.Resource) -> ops.Done:
+    @handles(records.Resource)
+    async def resource(self, req: records.Resource) -> records.Done:
         self._party(req.party)
         self.resources[req.kind] = self.resources.get(req.kind, 0) + req.delta
-        return ops.Done()
+        return records.Done()
 
     # -- versions: thin wrappers over the table, adding waits and wake-ups -----------------
 
@@ -231,17 +231,17 @@ class CoordinatorActor:
         return choose_slot(pinned, self.config.shm_max_segments,
                            self.table.versions[latest].slot if latest is not None else None)
 
-    @handles(ops.BeginStage)
-    async def begin_stage(self, req: ops.BeginStage) -> ops.Slot:
+    @handles(records.BeginStage)
+    async def begin_stage(self, req: records.BeginStage) -> records.Slot:
         p = self._party(req.party)
         if p.role != "sender" or p.rank != 0:
             raise ProtocolError(f"{p.label} may not stage versions; only sender rank 0 does")
         v, superseded = self.table.begin_stage(req.version, self._slot_for_new_version, time.monotonic())
         self._poke(v, *superseded)
-        return ops.Slot(slot=v.slot)
+        return records.Slot(slot=v.slot)
 
-    @handles(ops.StageInfo)
-    async def stage_info(self, req: ops.StageInfo) -> ops.Done:
+    @handles(records.StageInfo)
+    async def stage_info(self, req: records.StageInfo) -> records.Done:
         """More per-version info (where the bytes are, the digest once known); ``readable``:
         a pipelined sender announced the version, receivers may start reading it."""
         self._party(req.party)
@@ -249,23 +249,23 @@ class CoordinatorActor:
         v.info.update(req.info)
         v.readable = v.readable or req.readable
         self._poke(v)
-        return ops.Done()
+        return records.Done()
 
-    @handles(ops.Staged)
-    async def staged(self, req: ops.Staged) -> ops.Done:
+    @handles(records.Staged)
+    async def staged(self, req: records.Staged) -> records.Done:
         self._party(req.party)
         self._poke(self.table.staged(req.version, req.info, req.stage_s))
-        return ops.Done()
+        return records.Done()
 
-    @handles(ops.Abort)
-    async def abort(self, req: ops.Abort) -> ops.Done:
+    @handles(records.Abort)
+    async def abort(self, req: records.Abort) -> records.Done:
         p = self._party(req.party)
         if self.table.abort(req.version, f"{p.label}: {req.reason}", time.monotonic()):
             self._poke(self.table[req.version])
-        return ops.Done()
+        return records.Done()
 
-    @handles(ops.BeginSync)
-    async def begin_sync(self, req: ops.BeginSync) -> ops.Participants:
+    @handles(records.BeginSync)
+    async def begin_sync(self, req: records.BeginSync) -> records.Participants:
         self._party(req.party)
         version = req.version
         eligible = self.parties.at_barrier()
@@ -282,12 +282,12 @@ class CoordinatorActor:
             for p in eligible:
                 p.reported_dead = p.reported_dead or not p.alive  # named in this version, not again
         self._poke(v)
-        return ops.Participants(participants=list(v.participants), failed=sorted(v.failed))
+        return records.Participants(participants=list(v.participants), failed=sorted(v.failed))
 
-    @handles(ops.WaitVersion)
-    async def wait_version(self, req: ops.WaitVersion) -> ops.Target:
+    @handles(records.WaitVersion)
+    async def wait_version(self, req: records.WaitVersion) -> records.Target:
         """Receivers: wait until ``version`` (or, for None, anything newer than what they
-        serve) can be read; returns where its bytes are (ops.WaitVersion)."""
+        serve) can be read; returns where its bytes are (records.WaitVersion)."""
         version, after, timeout = req.version, req.after, req.timeout
         p = self._party(req.party)
         if req.ahead and not p.ahead:
@@ -303,12 +303,12 @@ class CoordinatorActor:
                 v = self.table[target]
                 if not req.prefetch:
                     p.applying = target
-                return ops.Target(version=target, state=v.state.value, slot=v.slot, info=v.info)
+                return records.Target(version=target, state=v.state.value, slot=v.slot, info=v.info)
             asked = self.table.get(version) if version is not None else None
             if asked is not None and asked.state == State.ABORTED:
                 raise VersionError(f"version {version} was aborted: {asked.reason}")
             if not req.wait and (version is None or asked is not None):
-                return ops.Target(version=None)
+                return records.Target(version=None)
             if time.monotonic() >= deadline:
                 want = f"version {version}" if version is not None else "a version newer than the one served"
                 s0 = self.parties.sender0()
@@ -316,24 +316,24 @@ class CoordinatorActor:
                 raise DeadlineExceeded(f"receiver '{p.name}' waited {timeout:.1f}s for {want}{who}")
             await self.signals.wait(self.signals.version(version) if asked is not None else self.signals.any, deadline)
 
-    @handles(ops.GetState)
-    async def state(self, req: ops.GetState) -> ops.VersionState:
+    @handles(records.GetState)
+    async def state(self, req: records.GetState) -> records.VersionState:
         self._party(req.party)
         v = self.table[req.version]
-        return ops.VersionState(state=v.state.value, reason=v.reason, info=v.info)
+        return records.VersionState(state=v.state.value, reason=v.reason, info=v.info)
 
-    @handles(ops.Report)
-    async def report(self, req: ops.Report) -> ops.Done:
+    @handles(records.Report)
+    async def report(self, req: records.Report) -> records.Done:
         p = self._party(req.party)
         p.serving, p.applying = req.serving, None
         v = self.table.report(req.version, p.name, req.ok, f"{p.label}: {req.reason}", req.metrics, time.monotonic())
         if v is not None:
             self._poke(v)
         self._poke()
-        return ops.Done()
+        return records.Done()
 
-    @handles(ops.WaitOutcome)
-    async def wait_outcome(self, req: ops.WaitOutcome) -> ops.Metrics:
+    @handles(records.WaitOutcome)
+    async def wait_outcome(self, req: records.WaitOutcome) -> records.Metrics:
         """Wait until ``version`` committed or failed; ``info``: a sender's late stage_info
         (the digest of a transport that packs at the barrier), folded into this call."""
         version, timeout, party = req.version, req.timeout, req.party
@@ -362,24 +362,24 @@ class CoordinatorActor:
 
     # -- staleness (one-step-off) --------------------------------------------------------
 
-    @handles(ops.CheckBatch)
-    async def check_batch(self, req: ops.CheckBatch) -> ops.Lag:
+    @handles(records.CheckBatch)
+    async def check_batch(self, req: records.CheckBatch) -> records.Lag:
         from .staleness import check_staleness
 
         limit = self.config.max_staleness if req.max_staleness is None else req.max_staleness
         check_staleness(req.batch_version, req.step, limit)
-        return ops.Lag(lag=req.step - req.batch_version)
+        return records.Lag(lag=req.step - req.batch_version)
 
-    @handles(ops.Channel)
-    async def open_channel(self, req: ops.Channel) -> ops.ChannelAddress:
+    @handles(records.Channel)
+    async def open_channel(self, req: records.Channel) -> records.ChannelAddress:
         return await self.channel.open(self.config.control_channel)
 
     # -- reading -------------------------------------------------------------------------
 
-    @handles(ops.GetStatus)
-    async def status(self, req: ops.GetStatus) -> ops.Status:
+    @handles(records.GetStatus)
+    async def status(self, req: records.GetStatus) -> records.Status:
         now = time.monotonic()
-        return ops.Status(
+        return records.Status(
             session=self.session,
             transport=self.transport, transport_reason=self.transport_reason,
             pipelined=self.pipelined,
@@ -395,6 +395,6 @@ class CoordinatorActor:
             config=self.config.to_dict(),
         )
 
-    @handles(ops.GetMetrics)
-    async def metrics(self, req: ops.GetMetrics) -> ops.Metrics:
+    @handles(records.GetMetrics)
+    async def metrics(self, req: records.GetMetrics) -> records.Metrics:
         return self.table[req.version].public(self.payload_bytes)

@@ -24,8 +24,7 @@ from collections.abc import Awaitable, Callable
 import ray
 
 from ..errors import ProtocolError, WeightSyncError
-from ..records import MAX_MESSAGE_BYTES
-from .ops import ChannelAddress
+from ..records import MAX_MESSAGE_BYTES, ChannelAddress
 
 HEADER = 4
 # a port nobody answers on (a firewall that drops packets) must not cost a call its whole

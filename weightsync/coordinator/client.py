@@ -10,7 +10,7 @@ so a driver creates it and hands it to its workers.
 
 A misspelled operation or argument fails where it is written (an AttributeError or TypeError in
 the caller, caught by any test that runs the line), not as a ``ProtocolError`` from the actor at
-run time. Each call sends one request record of :mod:`weightsync.coordinator.ops` and gets back
+run time. Each call sends one request record of :mod:`weightsync.records` and gets back
 its reply record, decoded strictly, so a reply that changed shape fails loudly.
 
 Calls go through the party: a coordinator that restarted answers ``SessionLost``; the party
@@ -36,17 +36,16 @@ from .. import errors, records
 from ..config import SyncConfig
 from ..device import describe, resolve
 from ..errors import DeadlineExceeded, ProtocolError, SessionLost, SyncFailed, WeightSyncError
-from . import ops
+from ..records import Publication, Served, SessionInfo, Target, VersionState
 from .actor import CoordinatorActor
 from .channel import Broken, Link, Unreachable
-from .ops import Publication, SessionInfo, Target, VersionState
 
 __all__ = ["ControlPlane", "Coordinator", "Party", "Publication", "SessionInfo", "Target", "VersionState"]
 
 _ERRORS = {n: c for n, c in vars(errors).items() if isinstance(c, type) and issubclass(c, WeightSyncError)}
 
 
-def _raise_remote(failure: ops.Failure) -> None:
+def _raise_remote(failure: records.Failure) -> None:
     if failure.kind == "SyncFailed" and failure.version is not None:
         raise SyncFailed(failure.version, failure.failed or {}, failure.committed)
     raise _ERRORS.get(failure.kind, WeightSyncError)(failure.error)
@@ -124,7 +123,7 @@ class Coordinator:
         except ValueError as exc:  # Ray: name already taken
             raise WeightSyncError(f"a coordinator named {name!r} already exists in this Ray namespace: {exc}") from None
         client = cls(actor, name, cfg.namespace, token, cfg)
-        client.call(ops.GetStatus(), rpc_timeout=cfg.connect_timeout_s)
+        client.call(records.GetStatus(), rpc_timeout=cfg.connect_timeout_s)
         return client
 
     @classmethod
@@ -150,12 +149,12 @@ class Coordinator:
             raise WeightSyncError(f"no coordinator named {name!r} is running") from None
         return cls(actor, name, cfg.namespace, token, cfg)
 
-    def call(self, request: ops.Request, *, rpc_timeout: float | None = None) -> Any:
+    def call(self, request: records.Request, *, rpc_timeout: float | None = None) -> Any:
         """One control-plane call. Parties use the typed ``ControlPlane`` below;
         this is its transport (and the way to send a malformed call on purpose in tests).
 
         Args:
-            request: The operation's request record (weightsync/coordinator/ops.py).
+            request: The operation's request record (weightsync/records.py).
             rpc_timeout: Seconds to wait for the answer beyond the call's own ``timeout``
                 field; ``connect_timeout_s`` when None.
 
@@ -173,7 +172,7 @@ class Coordinator:
         limit = ((rpc_timeout if rpc_timeout is not None else self.config.connect_timeout_s)
                  + float(getattr(request, "timeout", 0) or 0) + 5.0)
         raw = None
-        if self._direct and not isinstance(request, ops.Channel):
+        if self._direct and not isinstance(request, records.Channel):
             raw = self._over_channel(request, payload, limit, rpc_timeout)
         if raw is None:
             try:
@@ -186,24 +185,24 @@ class Coordinator:
         if not isinstance(reply, dict):
             raise ProtocolError(f"control: the reply to {type(request).__name__} is not a map")
         if reply.get("ok") is not True:
-            _raise_remote(ops.Failure.from_wire({k: v for k, v in reply.items() if k != "ok"}))
+            _raise_remote(records.Failure.from_wire({k: v for k, v in reply.items() if k != "ok"}))
         want = request.reply
         if reply.get("type") != want.__name__:
             raise ProtocolError(f"control: {type(request).__name__} was answered with {reply.get('type')!r}, "
                                 f"not {want.__name__} (the two ends run different weightsync versions?)")
         return want.from_wire(reply.get("result"))
 
-    def _late(self, request: ops.Request, limit: float) -> str:
+    def _late(self, request: records.Request, limit: float) -> str:
         return f"coordinator '{self.name}' did not answer {request.op!r} within {limit:.1f}s"
 
-    def _over_channel(self, request: ops.Request, payload: bytes, limit: float,
+    def _over_channel(self, request: records.Request, payload: bytes, limit: float,
                       rpc_timeout: float | None) -> bytes | None:
         """The reply over the control channel; None: send the call through Ray."""
         link = self._link
         fresh = link is None
         if link is None:
             try:
-                address = self.call(ops.Channel(), rpc_timeout=rpc_timeout)
+                address = self.call(records.Channel(), rpc_timeout=rpc_timeout)
             except DeadlineExceeded:  # slow or restarting: this call goes through Ray, the next one asks again
                 return None
             except WeightSyncError:  # refused (an older coordinator, control_channel: ray), or gone for good
@@ -246,9 +245,9 @@ class Coordinator:
         Returns:
             ``{"party": id, "session": ..., "config": ...}``.
         """
-        request = ops.Register(role=role, name=name, rank=rank, host=host, os_pid=os_pid, node_id=node_id,
-                               device=ops.Device(**device) if device else None, last_version=last_version,
-                               serving=serving, served=ops.Served(**served) if served is not None else None)
+        request = records.Register(role=role, name=name, rank=rank, host=host, os_pid=os_pid, node_id=node_id,
+                                   device=records.Device(**device) if device else None, last_version=last_version,
+                                   serving=serving, served=Served(**served) if served is not None else None)
         return self.call(request, rpc_timeout=rpc_timeout).as_dict()
 
     def status(self) -> dict[str, Any]:
@@ -259,7 +258,7 @@ class Coordinator:
             parties, the last 20 versions (state, reason, participants, phases, digests),
             resources held and the config (``format_status()`` prints it).
         """
-        return self.call(ops.GetStatus()).as_dict()
+        return self.call(records.GetStatus()).as_dict()
 
     def metrics(self, version: int) -> dict[str, Any]:
         """One version as status() shows it.
@@ -270,7 +269,7 @@ class Coordinator:
         Returns:
             Its state, reason, participants, phases and info.
         """
-        return self.call(ops.GetMetrics(version=version)).as_dict()
+        return self.call(records.GetMetrics(version=version)).as_dict()
 
     def format_status(self) -> str:
         """``status()`` as text for a terminal or a log.
@@ -296,7 +295,7 @@ class Coordinator:
         Raises:
             StalenessError: The lag is negative or over the bound.
         """
-        return self.call(ops.CheckBatch(batch_version=batch_version, step=step, max_staleness=max_staleness)).lag
+        return self.call(records.CheckBatch(batch_version=batch_version, step=step, max_staleness=max_staleness)).lag
 
     def shutdown(self) -> None:
         """Kill the coordinator actor; nothing happens if it is already gone."""
@@ -322,7 +321,7 @@ class ControlPlane:
         # calls made, per thread: a version's own count (its metrics show it) is the calls its
         # thread made, whatever the heartbeat or an ahead thread did meanwhile
         self._made = threading.local() if _made is None else _made
-        self._barriers: dict[int, ops.Participants] = {}
+        self._barriers: dict[int, records.Participants] = {}
 
     def without_rejoin(self) -> ControlPlane:
         """For calls made while rejoining: a second SessionLost then reaches the caller."""
@@ -351,102 +350,102 @@ class ControlPlane:
     # -- every party ---------------------------------------------------------------------
 
     def heartbeat(self, rpc_timeout: float) -> None:
-        self._send(ops.Heartbeat(party=self._party()), rpc_timeout=rpc_timeout)
+        self._send(records.Heartbeat(party=self._party()), rpc_timeout=rpc_timeout)
 
     def resource(self, kind: str, delta: int) -> None:
         """Open (+1) / close (-1) of a segment or handle, so leaks show in status()."""
-        self._send(ops.Resource(party=self._party(), kind=kind, delta=delta))
+        self._send(records.Resource(party=self._party(), kind=kind, delta=delta))
 
     def leave(self) -> None:
-        self._send(ops.Leave(party=self._party()))
+        self._send(records.Leave(party=self._party()))
 
     # -- sender --------------------------------------------------------------------------
 
-    def receivers(self, count: int, timeout: float) -> list[ops.Placement]:
+    def receivers(self, count: int, timeout: float) -> list[records.Placement]:
         """Wait until ``count`` receivers are registered; returns them by rank."""
-        return self._send(ops.Receivers(party=self._party(), count=count, timeout=timeout)).receivers
+        return self._send(records.Receivers(party=self._party(), count=count, timeout=timeout)).receivers
 
     def publish(self, publication: Publication) -> None:
-        self._send(ops.Publish(party=self._party(), publication=publication))
+        self._send(records.Publish(party=self._party(), publication=publication))
 
     def begin_stage(self, version: int) -> int:
         """Open ``version``; returns the storage slot it takes."""
-        return self._send(ops.BeginStage(party=self._party(), version=version)).slot
+        return self._send(records.BeginStage(party=self._party(), version=version)).slot
 
     def stage_info(self, version: int, info: records.WireMap, readable: bool = False) -> None:
         """More of ``version``'s info; ``readable``: receivers of a pipelined transport may
         start reading it (the sender is still writing)."""
-        self._send(ops.StageInfo(party=self._party(), version=version, info=info, readable=readable))
+        self._send(records.StageInfo(party=self._party(), version=version, info=info, readable=readable))
 
     def staged(self, version: int, info: records.WireMap, stage_s: float) -> None:
-        self._send(ops.Staged(party=self._party(), version=version, info=info, stage_s=stage_s))
+        self._send(records.Staged(party=self._party(), version=version, info=info, stage_s=stage_s))
 
     def abort(self, version: int, reason: str) -> None:
-        self._send(ops.Abort(party=self._party(), version=version, reason=reason))
+        self._send(records.Abort(party=self._party(), version=version, reason=reason))
 
-    def begin_sync(self, version: int) -> ops.Participants:
+    def begin_sync(self, version: int) -> records.Participants:
         """The barrier; returns the participants of ``version``, kept for :meth:`barrier`."""
-        reply = self._send(ops.BeginSync(party=self._party(), version=version))
+        reply = self._send(records.BeginSync(party=self._party(), version=version))
         self._barriers = {v: r for v, r in self._barriers.items() if v > version - 4}
         self._barriers[version] = reply
         return reply
 
-    def barrier(self, version: int) -> ops.Participants | None:
+    def barrier(self, version: int) -> records.Participants | None:
         """What this party's begin_sync of ``version`` answered (None: it made none): the
         transport learns the participants once per sync, without a call of its own."""
         return self._barriers.get(version)
 
-    def wait_outcome(self, version: int, timeout: float, info: records.WireMap | None = None) -> ops.Metrics:
+    def wait_outcome(self, version: int, timeout: float, info: records.WireMap | None = None) -> records.Metrics:
         """The committed version's metrics; raises SyncFailed naming each failed party.
         ``info``: more of the version's info first (as stage_info), in the same call."""
-        return self._send(ops.WaitOutcome(party=self._party(), version=version, timeout=timeout, info=info))
+        return self._send(records.WaitOutcome(party=self._party(), version=version, timeout=timeout, info=info))
 
     # -- receiver ------------------------------------------------------------------------
 
     def session(self, timeout: float) -> SessionInfo:
-        return self._send(ops.Session(party=self._party(), timeout=timeout))
+        return self._send(records.Session(party=self._party(), timeout=timeout))
 
     def verdict(self, accepted: bool, why: str = "") -> None:
         """The manifest check's outcome, before any byte moves."""
-        self._send(ops.Verdict(party=self._party(), accepted=accepted, why=why))
+        self._send(records.Verdict(party=self._party(), accepted=accepted, why=why))
 
     def wait_version(self, version: int | None, timeout: float, wait: bool = True,
                      prefetch: bool = False, after: int | None = None, ahead: bool = False) -> Target:
         """``after``: only a version newer than it (and than the one served); ``ahead``: the
         caller is a receiver's ahead thread, ready to take versions before their barrier."""
-        return self._send(ops.WaitVersion(party=self._party(), version=version, timeout=timeout, wait=wait,
-                                          prefetch=prefetch, after=after if ahead else None, ahead=ahead))
+        return self._send(records.WaitVersion(party=self._party(), version=version, timeout=timeout, wait=wait,
+                                              prefetch=prefetch, after=after if ahead else None, ahead=ahead))
 
     def state(self, version: int) -> VersionState:
-        return self._send(ops.GetState(party=self._party(), version=version))
+        return self._send(records.GetState(party=self._party(), version=version))
 
     def report(self, version: int, ok: bool, serving: int | None, reason: str = "",
-               metrics: dict[str, ops.Scalar] | None = None) -> None:
-        self._send(ops.Report(party=self._party(), version=version, ok=ok, serving=serving, reason=reason,
-                              metrics=metrics or {}))
+               metrics: dict[str, records.Scalar] | None = None) -> None:
+        self._send(records.Report(party=self._party(), version=version, ok=ok, serving=serving, reason=reason,
+                                  metrics=metrics or {}))
 
-    def metrics(self, version: int) -> ops.Metrics:
+    def metrics(self, version: int) -> records.Metrics:
         """The version as status() shows it (participants, committed, failed, state)."""
         self._count()
-        return self.coordinator.call(ops.GetMetrics(version=version))
+        return self.coordinator.call(records.GetMetrics(version=version))
 
     # -- broadcast transport: group membership (membership_ops.py) -----------------------------
 
-    def bcast_form(self, version: int, ahead: bool = False) -> ops.BroadcastGroup | None:
+    def bcast_form(self, version: int, ahead: bool = False) -> records.BroadcastGroup | None:
         """The group of ``version``; ``ahead``: formed in stage(), or None where some live
         receiver is not ready to take it before the barrier."""
-        return self._send(ops.BcastForm(party=self._party(), version=version, ahead=ahead)).group
+        return self._send(records.BcastForm(party=self._party(), version=version, ahead=ahead)).group
 
-    def bcast_group(self, version: int, timeout: float) -> ops.BroadcastGroup:
+    def bcast_group(self, version: int, timeout: float) -> records.BroadcastGroup:
         """The group of ``version`` once formed, with this receiver's rank."""
-        return self._send(ops.BcastGroup(party=self._party(), version=version, timeout=timeout))
+        return self._send(records.BcastGroup(party=self._party(), version=version, timeout=timeout))
 
-    def bcast_check(self, version: int) -> ops.GroupCheck:
-        return self._send(ops.BcastCheck(party=self._party(), version=version))
+    def bcast_check(self, version: int) -> records.GroupCheck:
+        return self._send(records.BcastCheck(party=self._party(), version=version))
 
     def bcast_failed(self, version: int, error: str, timeout: float) -> str:
         """Returns the reason the version was aborted with, naming the party at fault."""
-        return self._send(ops.BcastFailed(party=self._party(), version=version, error=error, timeout=timeout)).reason
+        return self._send(records.BcastFailed(party=self._party(), version=version, error=error, timeout=timeout)).reason
 
 
 def node_identity() -> tuple[str, str]:
@@ -463,12 +462,12 @@ def node_identity() -> tuple[str, str]:
 @dataclasses.dataclass(frozen=True)
 class Rejoin:
     """What a restarted coordinator must learn from a party that registers again (the fields of
-    ops.Register it fills): the newest version a sender staged, the version a receiver serves
+    records.Register it fills): the newest version a sender staged, the version a receiver serves
     and where its bytes are."""
 
     last_version: int | None = None
     serving: int | None = None
-    served: ops.Served | None = None
+    served: Served | None = None
 
 
 class Party:
@@ -512,9 +511,9 @@ class Party:
 
     def _register(self) -> None:
         state = self._rejoin_state()
-        reply = self.coordinator.call(ops.Register(
+        reply = self.coordinator.call(records.Register(
             role=self.role, name=self.name, rank=self.rank, host=self.host, os_pid=os.getpid(), node_id=self.node_id,
-            device=ops.Device(**describe(self.device)), last_version=state.last_version, serving=state.serving,
+            device=records.Device(**describe(self.device)), last_version=state.last_version, serving=state.serving,
             served=state.served,
         ), rpc_timeout=self.config.connect_timeout_s)
         self.party_id: int = reply.party

@@ -13,7 +13,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
-from .ops import BroadcastGroup
+from ..records import BroadcastGroup
 
 # groups of versions this much older than the newest are forgotten
 KEEP_GROUPS = 8

@@ -12,8 +12,8 @@ import dataclasses
 import time
 
 from ..errors import DeadlineExceeded, VersionError
+from ..records import BroadcastGroup, Formed, GroupCheck, Reason
 from .membership import BroadcastGroups, Member, group_rank
-from .ops import BroadcastGroup, Formed, GroupCheck, Reason
 from .state import Parties, PartyRecord, Signals, State, VersionTable
 
 

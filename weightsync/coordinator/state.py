@@ -32,7 +32,7 @@ import time
 from collections.abc import Callable, Iterable
 
 from ..errors import ProtocolError, SessionLost, VersionError
-from .ops import BroadcastGroup, Device, Metrics, PartyStatus, WireMap
+from ..records import BroadcastGroup, Device, Metrics, PartyStatus, WireMap
 
 # -- versions ---------------------------------------------------------------------------------
 

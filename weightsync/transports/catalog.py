@@ -26,13 +26,13 @@ COLOCATED, SAME_NODE, REMOTE = "colocated", "same node", "remote"
 class Facts:
     """Where a session's parties are, as a transport's rules read them."""
 
-    sender: Any  # coordinator.ops.Placement
+    sender: Any  # records.Placement
     receivers: Sequence[Any]  # the receivers' Placements, by rank
     where: list[str]  # per receiver: COLOCATED, SAME_NODE or REMOTE
     device: str  # the sender's device type ("cpu", "cuda", ...)
     on_device: str  # the sender's device as people read it ("physical cuda 0", "host")
     node: str  # the sender's node as people read it
-    ipc: Any  # coordinator.ops.IpcSupport of the sender
+    ipc: Any  # records.IpcSupport of the sender
     clash: str | None  # why a device collective cannot hold these ranks (None: it can, or gloo)
     describe: Callable[..., str]  # (*kinds) -> which receivers are placed so
     far: Callable[[], str]  # the other nodes, as people read them

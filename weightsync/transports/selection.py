@@ -2,7 +2,7 @@
 machine can run.
 
 **The choice** is a pure function of the config and where parties run. Each party is described
-by an ``ops.Placement``: ``node_id`` (its Ray node id), ``host`` (node address), ``device``
+by a ``records.Placement``: ``node_id`` (its Ray node id), ``host`` (node address), ``device``
 (type, index, physical), and for the sender ``ipc`` (can this process share device buckets by
 handle: :func:`ipc_support`, a :class:`Capability`).
 Two parties share a node (its /dev/shm, its devices) when their Ray node ids are equal; the
@@ -45,8 +45,8 @@ import subprocess
 from collections.abc import Callable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
-from ..coordinator.ops import Device, IpcSupport, Placement
 from ..errors import ConfigError
+from ..records import Device, IpcSupport, Placement
 
 if TYPE_CHECKING:  # the interface's module imports torch, which the doctor's facts need not
     from .base import ReceiverTransport, SenderTransport, TransportContext

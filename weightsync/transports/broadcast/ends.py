@@ -10,10 +10,10 @@ from typing import Any
 
 import torch
 
-from ...coordinator.ops import BroadcastGroup
 from ...digest import compute, kind_of
 from ...errors import ConfigError, ProtocolError, WeightSyncError
 from ...packing import PackViews
+from ...records import BroadcastGroup
 from ..base import Aborted, TransportContext
 from ..ipc.wire import in_flight
 from .communicators import choose_communicator, comm_device

@@ -43,10 +43,10 @@ import torch
 import torch.distributed as dist
 
 from ... import device as devices
-from ...coordinator.ops import BroadcastGroup
 from ...errors import ConfigError, DeadlineExceeded, VersionError, WeightSyncError
 from ...manifest import BucketPlan
 from ...packing import BucketSink, Packing
+from ...records import BroadcastGroup
 from ..base import Aborted, Received, ReceiverTransport, SenderTransport, TransportContext, VersionRecord
 from ..shadow import Shadow
 from .ahead import AheadReceiver
