@@ -1,6 +1,7 @@
-"""The control channel (weightsync/coordinator/channel.py): the coordinator's calls over a TCP port
-of its own, beside Ray, with Ray's answers and Ray's failure semantics. status()["via"] counts
-the payloads the coordinator served by the way they came."""
+"""The control channel (its server in weightsync/coordinator/actor.py, its client end in
+weightsync/coordinator/client.py): the coordinator's calls over a TCP port of its own, beside
+Ray, with Ray's answers and Ray's failure semantics. status()["via"] counts the payloads the
+coordinator served by the way they came."""
 
 from __future__ import annotations
 
@@ -12,7 +13,7 @@ import pytest
 import ray
 
 from weightsync import records
-from weightsync.coordinator.channel import Link
+from weightsync.coordinator.client import Link
 from weightsync.testing.parties import wait_until
 
 CONFIG = {"transport": "shm", "bucket_mb": 1 / 16}

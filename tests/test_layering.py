@@ -92,14 +92,18 @@ ONE_JOB = {
     # everything that crosses a process boundary: the codec, its strict decoder, and every
     # control operation's request and reply, declared in one place, with the handler each names
     PKG / "records.py",
+    # the coordinator actor: one handler per request, the control channel's server, the
+    # broadcast groups' membership
+    PKG / "coordinator" / "actor.py",
     # the coordinator's state and its wake-ups: the version table, the roster of parties, and
     # the signals that wake its waiting ops
     PKG / "coordinator" / "state.py",
         # the shm transport, its two modes (whole versions in segments, one end of a streaming ring)
     # and the choice between them
     PKG / "transports" / "shm" / "transport.py",
-    # a party's side of the coordinator: the handle, the typed calls, and the party's membership
-    # (registration, heartbeat, rejoin), the two halves of one retry
+    # a party's side of the coordinator: the handle and its end of the control channel, the
+    # typed calls, and the party's membership (registration, heartbeat, rejoin), the two halves
+    # of one retry
     PKG / "coordinator" / "client.py",
 }
 

@@ -4,8 +4,17 @@ from __future__ import annotations
 
 import pytest
 
-from weightsync.coordinator.membership import BroadcastGroups, Member, group_rank
-from weightsync.coordinator.state import IN_FLIGHT, Candidate, State, VersionTable, choose_slot, pinned_slots
+from weightsync.coordinator.state import (
+    IN_FLIGHT,
+    BroadcastGroups,
+    Candidate,
+    GroupMember,
+    State,
+    VersionTable,
+    choose_slot,
+    group_rank,
+    pinned_slots,
+)
 from weightsync.errors import VersionError
 
 
@@ -386,21 +395,21 @@ def test_out_of_slots_gives_up_a_slot_that_is_not_the_latest_committed():
 
 def test_broadcast_group_keeps_its_epoch_while_members_stay():
     groups = BroadcastGroups()
-    g1 = groups.form(1, Member("actor-0", 10), [Member("r1", 12, 1), Member("r0", 11, 0)], False, "n")
+    g1 = groups.form(1, GroupMember("actor-0", 10), [GroupMember("r1", 12, 1), GroupMember("r0", 11, 0)], False, "n")
     assert (g1.epoch, g1.members, g1.size, group_rank(g1, "r1")) == (1, ["r0", "r1"], 3, 2)
-    assert groups.form(2, Member("actor-0", 10), [Member("r0", 11, 0), Member("r1", 12, 1)], False, "n").epoch == 1
+    assert groups.form(2, GroupMember("actor-0", 10), [GroupMember("r0", 11, 0), GroupMember("r1", 12, 1)], False, "n").epoch == 1
 
 
 def test_broadcast_group_re_forms_on_new_members_or_after_a_failed_version():
     groups = BroadcastGroups()
-    groups.form(1, Member("actor-0", 10), [Member("r0", 11)], False, "n")
-    assert groups.form(2, Member("actor-0", 10), [Member("r0", 13)], False, "n").epoch == 2  # re-registered
-    assert groups.form(3, Member("actor-0", 10), [Member("r0", 13)], True, "n").epoch == 3
+    groups.form(1, GroupMember("actor-0", 10), [GroupMember("r0", 11)], False, "n")
+    assert groups.form(2, GroupMember("actor-0", 10), [GroupMember("r0", 13)], False, "n").epoch == 2  # re-registered
+    assert groups.form(3, GroupMember("actor-0", 10), [GroupMember("r0", 13)], True, "n").epoch == 3
     assert group_rank(groups.get(3), "r9") is None
 
 
 def test_broadcast_groups_forget_old_versions():
     groups = BroadcastGroups()
     for v in range(1, 12):
-        groups.form(v, Member("s", 1), [], False, "n")
+        groups.form(v, GroupMember("s", 1), [], False, "n")
     assert sorted(groups.groups) == [3, 4, 5, 6, 7, 8, 9, 10, 11]

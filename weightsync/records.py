@@ -38,6 +38,8 @@ from typing_extensions import TypeAliasType  # typing's own from Python 3.12
 from .errors import ProtocolError
 
 MAX_MESSAGE_BYTES = 64 << 20
+# the control channel's frame: this many bytes of big-endian length, then the msgpack payload
+FRAME_HEADER = 4
 
 # -- wire values: plain msgpack data ----------------------------------------------------------
 #
@@ -403,8 +405,8 @@ class Status(Message):
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class BroadcastGroup(Message):
-    """The collective group of a broadcast version (coordinator/membership.py): the sender at
-    group rank 0, ``members`` after it; ``rank``: the asking receiver's."""
+    """The collective group of a broadcast version (coordinator/state.py, BroadcastGroups): the
+    sender at group rank 0, ``members`` after it; ``rank``: the asking receiver's."""
 
     epoch: int
     nonce: str  # a restarted coordinator counts epochs from 1 again: this keeps names unique
@@ -436,7 +438,7 @@ class Reason(Message):
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class ChannelAddress(Message):
-    """Where the coordinator serves its control channel (coordinator/channel.py)."""
+    """Where the coordinator serves its control channel (coordinator/actor.py)."""
 
     host: str
     port: int

@@ -1,8 +1,9 @@
 """Internal. What a party or a driver reaches the coordinator through: the handle that creates or
-reaches the actor and calls it (:class:`Coordinator`), one party's typed view of it
-(:class:`ControlPlane`), where every control-plane operation is a method, and the party itself
-(:class:`Party`, what WeightSender and WeightReceiver share): its registration, heartbeat and
-rejoin, the other half of the control plane's retry.
+reaches the actor and calls it (:class:`Coordinator`), over Ray or the actor's control channel
+(:class:`Link`, this end of it); one party's typed view of it (:class:`ControlPlane`), where
+every control-plane operation is a method; and the party itself (:class:`Party`, what
+WeightSender and WeightReceiver share): its registration, heartbeat and rejoin, the other half of
+the control plane's retry.
 
 The actor itself (``weightsync.coordinator.actor``) owns the session and the version state machine
 (``weightsync.coordinator.state``). The handle is what parties and drivers hold; it is picklable,
@@ -10,8 +11,8 @@ so a driver creates it and hands it to its workers.
 
 A misspelled operation or argument fails where it is written (an AttributeError or TypeError in
 the caller, caught by any test that runs the line), not as a ``ProtocolError`` from the actor at
-run time. Each call sends one request record of :mod:`weightsync.records` and gets back
-its reply record, decoded strictly, so a reply that changed shape fails loudly.
+run time. Each call sends one request record of :mod:`weightsync.records` and gets back its
+reply record, decoded strictly, so a reply that changed shape fails loudly.
 
 Calls go through the party: a coordinator that restarted answers ``SessionLost``; the party
 registers again (bringing what the coordinator lost) and the call is retried once. The sender,
@@ -36,9 +37,9 @@ from .. import errors, records
 from ..config import SyncConfig
 from ..device import describe, resolve
 from ..errors import DeadlineExceeded, ProtocolError, SessionLost, SyncFailed, WeightSyncError
-from ..records import Publication, Served, SessionInfo, Target, VersionState
+from ..records import FRAME_HEADER, MAX_MESSAGE_BYTES, Publication, Served, SessionInfo, Target, VersionState
 from .actor import CoordinatorActor
-from .channel import Broken, Link, Unreachable
+from .status_text import format_status
 
 __all__ = ["ControlPlane", "Coordinator", "Party", "Publication", "SessionInfo", "Target", "VersionState"]
 
@@ -51,13 +52,101 @@ def _raise_remote(failure: records.Failure) -> None:
     raise _ERRORS.get(failure.kind, WeightSyncError)(failure.error)
 
 
+# -- this end of the control channel (the coordinator's: actor.Server) ------------------------
+
+# a port nobody answers on (a firewall that drops packets) must not cost a call its whole
+# deadline; a live actor's kernel completes the handshake without waiting for its loop
+CONNECT_S = 5.0
+
+
+class Broken(Exception):
+    """The connection failed (reset, closed mid-reply): the actor is gone or restarted; the
+    call goes through Ray instead, which reaches a restarted actor."""
+
+
+class Unreachable(Broken):
+    """No connection could be opened (refused, or no answer within ``CONNECT_S``)."""
+
+
+class Link:
+    """Connections to one coordinator's control channel at ``address``, one per calling thread
+    (a long poll blocks only its own): a frame is the payload's length in ``FRAME_HEADER``
+    big-endian bytes, then the payload; the reply comes back framed the same way."""
+
+    def __init__(self, address: tuple[str, int]):
+        self.address = address
+        self._local = threading.local()
+        self._pid = os.getpid()
+
+    def call(self, payload: bytes, deadline: float) -> bytes:
+        """The reply to ``payload``.
+
+        Raises:
+            Unreachable: No connection could be opened.
+            Broken: The connection failed; this thread's connection is dropped.
+            TimeoutError: No reply by ``deadline`` (time.monotonic()); the connection is dropped,
+                so a late reply never answers the next call.
+        """
+        if os.getpid() != self._pid:
+            # a forked child holds its parent's connections: frames of both would interleave on them
+            raise Broken("the link was opened by the parent process")
+        sock = self._connection(deadline)
+        try:
+            sock.settimeout(max(deadline - time.monotonic(), 1e-3))
+            sock.sendall(len(payload).to_bytes(FRAME_HEADER, "big") + payload)
+            size = int.from_bytes(_read(sock, FRAME_HEADER, deadline), "big")
+            if size > MAX_MESSAGE_BYTES:
+                raise Broken(f"a reply frame of {size} bytes")
+            return _read(sock, size, deadline)
+        except TimeoutError:
+            self.drop()
+            raise
+        except (OSError, Broken) as exc:
+            self.drop()
+            raise Broken(str(exc)) from None
+
+    def _connection(self, deadline: float) -> socket.socket:
+        sock = getattr(self._local, "sock", None)
+        if sock is None:
+            try:
+                timeout = min(CONNECT_S, max(deadline - time.monotonic(), 1e-3))
+                sock = socket.create_connection(self.address, timeout=timeout)
+            except OSError as exc:  # a connect timeout included: nobody answers there
+                raise Unreachable(f"cannot connect to {self.address[0]}:{self.address[1]}: {exc}") from None
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            self._local.sock = sock
+        return sock
+
+    def drop(self) -> None:
+        """Close this thread's connection (the next call opens a new one)."""
+        sock = getattr(self._local, "sock", None)
+        self._local.sock = None
+        if sock is not None:
+            sock.close()
+
+
+def _read(sock: socket.socket, size: int, deadline: float) -> bytes:
+    out = bytearray(size)
+    view, got = memoryview(out), 0
+    while got < size:
+        sock.settimeout(max(deadline - time.monotonic(), 1e-3))
+        n = sock.recv_into(view[got:])
+        if n == 0:
+            raise Broken("the coordinator closed the connection")
+        got += n
+    return bytes(out)
+
+
+# -- the handle ---------------------------------------------------------------------------------
+
+
 class Coordinator:
     """Client handle of the coordinator actor; picklable, so it can be handed to workers.
 
     ``Coordinator.create()`` starts the actor in the driver; workers receive the handle (or
     call ``Coordinator.connect(name, token)``). Every call presents the session token; with
     ``control_channel: socket`` it goes over the coordinator's control channel
-    (coordinator/channel.py), whose address the handle learns through Ray at its first call.
+    (coordinator/actor.py, ``Server``), whose address the handle learns through Ray at its first call.
     Build one with ``create()`` or ``connect()``, not with the constructor.
 
     Args:
@@ -277,8 +366,6 @@ class Coordinator:
         Returns:
             One block of lines: parties, transport, versions.
         """
-        from .status_text import format_status
-
         return format_status(self.status())
 
     def check_batch(self, batch_version: int, step: int, max_staleness: int | None = None) -> int:
@@ -429,7 +516,7 @@ class ControlPlane:
         self._count()
         return self.coordinator.call(records.GetMetrics(version=version))
 
-    # -- broadcast transport: group membership (membership_ops.py) -----------------------------
+    # -- broadcast transport: group membership (actor.py) ---------------------------------------
 
     def bcast_form(self, version: int, ahead: bool = False) -> records.BroadcastGroup | None:
         """The group of ``version``; ``ahead``: formed in stage(), or None where some live
@@ -445,7 +532,8 @@ class ControlPlane:
 
     def bcast_failed(self, version: int, error: str, timeout: float) -> str:
         """Returns the reason the version was aborted with, naming the party at fault."""
-        return self._send(records.BcastFailed(party=self._party(), version=version, error=error, timeout=timeout)).reason
+        request = records.BcastFailed(party=self._party(), version=version, error=error, timeout=timeout)
+        return self._send(request).reason
 
 
 def node_identity() -> tuple[str, str]:

@@ -116,7 +116,7 @@ class VersionRecord(Record):
     """Published per version (stage(): early through ``announce``, whole when staged); the
     coordinator merges the parts, so a field a later part brings has a default."""
 
-    # the coordinator notes a broadcast version's group here for metrics (coordinator/membership_ops.py)
+    # the coordinator notes a broadcast version's group here for metrics (coordinator/actor.py, bcast_form)
     foreign: ClassVar[frozenset[str]] = frozenset({"group"})
     digest: str | None = None  # of the whole version (digest.version_digest), once packed
     # a delta version's wire plan (the sender's delta: auto / on); None: the session plan
