@@ -385,19 +385,16 @@ def test_prefetch_verifies_ahead_and_apply_only_loads(start_job):
 
 
 def test_a_party_joins_the_session_when_opened_not_when_built(coordinator_factory):
-    """Building a party touches no network: registration and the heartbeat begin in open(), after
-    a subclass has set what registration tells the coordinator."""
-    from weightsync.coordinator.client import Party
-
-    class Trainer(Party):
-        role = "sender"
+    """Building a party's membership touches no network: registration and the heartbeat begin
+    in open(), which WeightSender and WeightReceiver call last in their constructors."""
+    from weightsync.coordinator.client import Member
 
     coord = coordinator_factory(CFG)
-    party = Trainer(coord, name="p-0", rank=0)
+    member = Member(coord, role="sender", name="p-0", rank=0)
     try:
         before = [p["name"] for p in coord.status()["parties"]]
-        party.open()
+        member.open()
         after = [p["name"] for p in coord.status()["parties"]]
         assert (before, after) == ([], ["p-0"])
     finally:
-        party.close()
+        member.close()

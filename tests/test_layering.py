@@ -105,6 +105,9 @@ ONE_JOB = {
     # typed calls, and the party's membership (registration, heartbeat, rejoin), the two halves
     # of one retry
     PKG / "coordinator" / "client.py",
+    # the two ends of a version, each delegating who it is and its calls to its member
+    PKG / "sender.py",
+    PKG / "receiver.py",
 }
 
 

@@ -24,7 +24,7 @@ import time
 from collections.abc import Callable
 
 from .config import SyncConfig
-from .coordinator.client import Party
+from .coordinator.client import ControlPlane
 from .errors import CapacityError, DeadlineExceeded
 from .transports.base import ReceiverTransport
 
@@ -40,7 +40,7 @@ class Receiving:
 
     name: str
     config: SyncConfig
-    control: Party
+    control: ControlPlane
     transport: ReceiverTransport
     served: Callable[[], int | None]  # the version the engine serves
     check_aborted: Callable[[int], None]  # raises VersionError once the coordinator aborted that version

@@ -25,8 +25,10 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+import torch
+
 from .config import SyncConfig
-from .coordinator.client import Coordinator, Party, Rejoin
+from .coordinator.client import ControlPlane, Coordinator, Member
 from .coordinator.state import State
 from .delta.strategy import Engine, Loaders
 from .digest import Checks
@@ -42,7 +44,7 @@ from .transports.selection import receiver_class
 log = logging.getLogger("weightsync")
 
 
-class WeightReceiver(Party):
+class WeightReceiver:
     """Rollout-side end of a session: one per rollout worker process (one per vLLM TP rank).
 
     The constructor registers with the coordinator and starts a heartbeat thread; the
@@ -93,7 +95,10 @@ class WeightReceiver(Party):
             reset_cache = reset_cache if reset_cache is not None else getattr(target, "reset_cache", None)
             abort_load = abort_load if abort_load is not None else getattr(target, "abort_load", None)
             expected = expected if expected is not None else getattr(target, "expected", None)
-        super().__init__(coordinator, name=name or f"rollout-{rank}", rank=rank, config=config, device=device)
+        # registration, heartbeat and rejoin; what a restarted coordinator must learn is pushed
+        # to it as it changes (member.remember)
+        self.member = Member(coordinator, role=self.role, name=name or f"rollout-{rank}", rank=rank, config=config,
+                             device=device)
         self.load_weights, self.post_load = load_weights, post_load
         self.reset_cache, self.abort_load = reset_cache, abort_load
         self.expected, self.strict = expected, strict
@@ -102,15 +107,78 @@ class WeightReceiver(Party):
         self._version: int | None = None
         self._touched = False  # a bucket of the version being applied reached the model
         self._buckets_loaded = 0  # of the version being applied, for its log line
-        # where the served version's bytes are: the wire form (told to a restarted coordinator)
-        # and its record (for rollback)
-        self._served_at: Served | None = None
-        self._served: VersionRecord | None = None
+        self._served: VersionRecord | None = None  # where the served version's bytes are, for rollback
         self._loaders: Loaders | None = None  # full, or through delta sync's shadow (delta/strategy.py)
         self._session_lock = threading.Lock()  # prefetch() may run in a thread beside apply()
         self._ahead: AheadThread | None = None  # receive_ahead: takes versions before the barrier
         self.last_metrics: dict[str, Any] = {}
-        self.open()  # last: registration tells the coordinator what this receiver serves
+        self.open()
+
+    # -- who it is, its session and its calls to the coordinator: its member's -------------
+
+    @property
+    def coordinator(self) -> Coordinator:
+        return self.member.coordinator
+
+    @property
+    def name(self) -> str:
+        return self.member.name
+
+    @property
+    def rank(self) -> int:
+        return self.member.rank
+
+    @property
+    def config(self) -> SyncConfig:
+        return self.member.config
+
+    @property
+    def device(self) -> torch.device:
+        return self.member.device
+
+    @property
+    def session(self) -> str | None:
+        return self.member.session
+
+    @property
+    def party_id(self) -> int | None:
+        return self.member.party_id
+
+    @property
+    def control(self) -> ControlPlane:
+        return self.member.control
+
+    def open(self) -> WeightReceiver:
+        """Register with the coordinator and start the heartbeat. Idempotent; the constructor
+        calls it, so users never need to.
+
+        Returns:
+            This receiver.
+
+        Raises:
+            WeightSyncError: The coordinator is unreachable or refused the registration.
+        """
+        self.member.open()
+        return self
+
+    def close(self) -> None:
+        """Stop the ahead thread, release the transport's resources and leave the session.
+        Idempotent; a ``with`` block calls it on exit."""
+        if self.member.closed:
+            return
+        try:
+            if self._ahead is not None:
+                self._ahead.stop()
+            if self.transport is not None:
+                self.transport.close()
+        finally:
+            self.member.close()
+
+    def __enter__(self) -> WeightReceiver:
+        return self.open()
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
 
     @property
     def version(self) -> int | None:
@@ -134,7 +202,8 @@ class WeightReceiver(Party):
                 self.control.verdict(False, why=str(exc))
                 raise
         self.control.verdict(True)
-        ctx = TransportContext.for_party(self, manifest, session.digest)
+        self.member.remember(accepted=True)  # a restarted coordinator hears it again
+        ctx = TransportContext.for_party(self.member, manifest, session.digest)
         transport = receiver_class(session.transport)(ctx, session.info)
         self.transport, self.unpacker = transport, Unpacker(ctx.plan, manifest)
         self._loaders = Loaders(self.unpacker, self.name)
@@ -198,20 +267,13 @@ class WeightReceiver(Party):
                                 self.unpacker.plan.bucket_count, time.perf_counter() - t0, reason)
             self._report(v, ok=False, reason=reason)
             raise
-        self._version, self._served_at, self._served = v, Served(slot=target.slot, info=target.info), info
+        self._version, self._served = v, info
+        self.member.remember(serving=v, served=Served(slot=target.slot, info=target.info))
         self._loaders.committed(v, info)
         self._report(v, ok=True, metrics=self.last_metrics)
         self.last_metrics["calls"] = self.control.made() - made  # coordinator calls of this version, report included
         _log_applied(self.name, v, self.transport.name, self.last_metrics["bytes"], self.last_metrics["total_s"])
         return v
-
-    def _rejoin_state(self) -> Rejoin:
-        served = self._version
-        return Rejoin(serving=served, served=self._served_at if served is not None else None)
-
-    def _rejoined(self) -> None:
-        if self.transport is not None:
-            self.control.without_rejoin().verdict(True)
 
     def prefetch(self, version: int | None = None, timeout: float | None = None) -> int | None:
         """Verify ``version`` (None: the newest one on its way) ahead of ``apply()``, e.g. in
@@ -295,6 +357,7 @@ class WeightReceiver(Party):
                 if not self._touched:
                     # from here on the model holds a mix of versions until the last bucket
                     self._touched, self._version = True, None
+                    self.member.remember(serving=None)
                 self.load_weights(pairs)
             nbytes += buf.numel()
             self._buckets_loaded += 1
@@ -356,6 +419,7 @@ class WeightReceiver(Party):
                                            replay=True),
             can_replay=lambda v, i: self.config.keep_previous and self.transport.can_replay(v, i))
         more, self._version = self._loaders.of(info).rollback(prev, prev_info, touched, self._version, engine)
+        self.member.remember(serving=self._version)  # the previous version again, or none
         return why + more
 
     def _report(self, version: int, ok: bool, reason: str = "", metrics: dict | None = None) -> None:
@@ -364,12 +428,6 @@ class WeightReceiver(Party):
         except WeightSyncError:
             if ok:
                 raise
-
-    def _close_transport(self) -> None:
-        if self._ahead is not None:
-            self._ahead.stop()
-        if self.transport is not None:
-            self.transport.close()
 
 
 def _log_applied(party: str, version: int, transport: str | None, nbytes: int, seconds: float) -> None:

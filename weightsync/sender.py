@@ -27,12 +27,12 @@ from typing import Any
 import torch
 
 from .config import SyncConfig
-from .coordinator.client import Coordinator, Party, Publication, Rejoin
+from .coordinator.client import ControlPlane, Coordinator, Member
 from .delta.strategy import FullPacking, host_reserve, packing_for
 from .device import describe
 from .errors import ConfigError, VersionError
 from .manifest import Manifest, build_manifest, size_text
-from .records import Device, IpcSupport, Placement
+from .records import Device, IpcSupport, Placement, Publication
 from .transports.base import SenderTransport, TransportContext, VersionRecord
 from .transports.selection import choose_transport, ipc_support, sender_class
 
@@ -112,7 +112,7 @@ class StagedVersion:
         return self._future.result(timeout)
 
 
-class WeightSender(Party):
+class WeightSender:
     """Trainer-side end of a session.
 
     ``rank`` is the trainer rank: rank 0 sends, every other rank must still call ``stage``
@@ -140,7 +140,10 @@ class WeightSender(Party):
     def __init__(self, coordinator: Coordinator, *, rank: int = 0, name: str | None = None,
                  config: SyncConfig | None = None, expected_receivers: int | None = None,
                  device: str | None = None):
-        super().__init__(coordinator, name=name or f"trainer-{rank}", rank=rank, config=config, device=device)
+        # registration, heartbeat and rejoin; what a restarted coordinator must learn is pushed
+        # to it as it changes (member.remember)
+        self.member = Member(coordinator, role=self.role, name=name or f"trainer-{rank}", rank=rank, config=config,
+                             device=device)
         self.expected_receivers = expected_receivers
         self.manifest: Manifest | None = None
         self.transport: SenderTransport | None = None
@@ -151,9 +154,72 @@ class WeightSender(Party):
         self._pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix=f"weightsync-stage-{self.name}")
         # full, or delta sync's snapshot and diff with config delta: auto / on (delta/strategy.py)
         self._packing = FullPacking()
-        self._last_version: int | None = None  # a restarted coordinator learns it on re-registration
-        self._published: Publication | None = None
-        self.open()  # last: registration tells the coordinator the last version staged
+        self.open()
+
+    # -- who it is, its session and its calls to the coordinator: its member's -------------
+
+    @property
+    def coordinator(self) -> Coordinator:
+        return self.member.coordinator
+
+    @property
+    def name(self) -> str:
+        return self.member.name
+
+    @property
+    def rank(self) -> int:
+        return self.member.rank
+
+    @property
+    def config(self) -> SyncConfig:
+        return self.member.config
+
+    @property
+    def device(self) -> torch.device:
+        return self.member.device
+
+    @property
+    def session(self) -> str | None:
+        return self.member.session
+
+    @property
+    def party_id(self) -> int | None:
+        return self.member.party_id
+
+    @property
+    def control(self) -> ControlPlane:
+        return self.member.control
+
+    def open(self) -> WeightSender:
+        """Register with the coordinator and start the heartbeat. Idempotent; the constructor
+        calls it, so users never need to.
+
+        Returns:
+            This sender.
+
+        Raises:
+            WeightSyncError: The coordinator is unreachable or refused the registration.
+        """
+        self.member.open()
+        return self
+
+    def close(self) -> None:
+        """Release the transport's resources and leave the session. Idempotent; a ``with``
+        block calls it on exit."""
+        if self.member.closed:
+            return
+        try:
+            self._pool.shutdown(wait=True)
+            if self.transport is not None:
+                self.transport.close()
+        finally:
+            self.member.close()
+
+    def __enter__(self) -> WeightSender:
+        return self.open()
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
 
     @property
     def sends(self) -> bool:
@@ -181,12 +247,12 @@ class WeightSender(Party):
         if self.transport is not None:
             return
         digest = manifest.digest()
-        ctx = TransportContext.for_party(self, manifest, digest)
+        ctx = TransportContext.for_party(self.member, manifest, digest)
         count = self.expected_receivers or 0
         receivers = self.control.receivers(count, timeout=self.config.connect_timeout_s)
         # where this sender runs and whether it can share device buckets (transports/selection.py)
         ipc = ipc_support(self.device.type, self.config.shm_dir)
-        me = Placement(host=self.host, node_id=self.node_id, device=Device(**describe(self.device)),
+        me = Placement(host=self.member.host, node_id=self.member.node_id, device=Device(**describe(self.device)),
                        ipc=IpcSupport(ok=ipc.ok, reason=ipc.reason, notes=list(ipc.notes)))
         name, reason = choose_transport(self.config.transport, me, receivers, self.config.backend)
         ctx.host_reserve = host_reserve(self.config.delta, name, ctx.plan)
@@ -198,14 +264,14 @@ class WeightSender(Party):
         if transport.mode_reason:
             reason = f"{reason}; {transport.mode_reason}"
         log.info("weightsync session %s: transport %s (%s)", self.session, name, reason)
-        self._published = Publication(manifest.to_wire(), digest, ctx.plan.payload_bytes, name, reason,
-                                      transport.session_info().to_wire(), transport.pipelined,
-                                      transport.keeps_versions)
+        publication = Publication(manifest.to_wire(), digest, ctx.plan.payload_bytes, name, reason,
+                                  transport.session_info().to_wire(), transport.pipelined, transport.keeps_versions)
         try:
-            self.control.publish(self._published)
+            self.control.publish(publication)
         except BaseException:
             transport.close()
             raise
+        self.member.remember(publication=publication)  # a restarted coordinator gets it again
         self.manifest, self.transport, self.transport_name, self.plan = manifest, transport, name, ctx.plan
         self._packing = packing_for(self.config.delta, name, self.sends, ctx.plan, manifest)
 
@@ -275,13 +341,6 @@ class WeightSender(Party):
             pass  # aborted already, or the coordinator is gone: the version cannot commit either way
         return True
 
-    def _rejoin_state(self) -> Rejoin:
-        return Rejoin(last_version=self._last_version)
-
-    def _rejoined(self) -> None:
-        if self._published is not None:
-            self.control.without_rejoin().publish(self._published)
-
     def _stage(self, version: int, named: NamedTensors) -> float:
         t0, made = time.perf_counter(), self.control.made()
         try:
@@ -299,7 +358,7 @@ class WeightSender(Party):
                 named = list(named)  # the first version fixes the manifest: we need it whole
             self.publish(build_manifest(named))
         slot = self.control.begin_stage(version)
-        self._last_version = version  # a restarted coordinator learns it on re-registration
+        self.member.remember(last_version=version)  # a restarted coordinator never reuses it
         try:
             packing, extra = self._packing.pack(version, named, serving=lambda: [
                 r.serving for r in self.control.receivers(0, self.config.connect_timeout_s)])
@@ -383,11 +442,6 @@ class WeightSender(Party):
             while a way is being timed) and ``delta_s`` / ``full_s``, the seconds it chose on.
         """
         return self._packing.state()
-
-    def _close_transport(self) -> None:
-        self._pool.shutdown(wait=True)
-        if self.transport is not None:
-            self.transport.close()
 
 
 def _log_sent(party: str, version: int, transport: str | None, nbytes: int, stage_s: float, barrier_s: float,

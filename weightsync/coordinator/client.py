@@ -1,9 +1,9 @@
 """Internal. What a party or a driver reaches the coordinator through: the handle that creates or
 reaches the actor and calls it (:class:`Coordinator`), over Ray or the actor's control channel
 (:class:`Link`, this end of it); one party's typed view of it (:class:`ControlPlane`), where
-every control-plane operation is a method; and the party itself (:class:`Party`, what
-WeightSender and WeightReceiver share): its registration, heartbeat and rejoin, the other half of
-the control plane's retry.
+every control-plane operation is a method; and a party's membership of the session
+(:class:`Member`, held by WeightSender and WeightReceiver): its registration, heartbeat and
+rejoin, the other half of the control plane's retry.
 
 The actor itself (``weightsync.coordinator.actor``) owns the session and the version state machine
 (``weightsync.coordinator.state``). The handle is what parties and drivers hold; it is picklable,
@@ -14,10 +14,10 @@ the caller, caught by any test that runs the line), not as a ``ProtocolError`` f
 run time. Each call sends one request record of :mod:`weightsync.records` and gets back its
 reply record, decoded strictly, so a reply that changed shape fails loudly.
 
-Calls go through the party: a coordinator that restarted answers ``SessionLost``; the party
-registers again (bringing what the coordinator lost) and the call is retried once. The sender,
-the receivers and every transport reach the coordinator only through :class:`ControlPlane`, so
-rejoin works the same everywhere.
+Calls go through the member: a coordinator that restarted answers ``SessionLost``; the member
+registers again, telling the coordinator what its owner pushed to it (:meth:`Member.remember`),
+and the call is retried once. The sender, the receivers and every transport reach the
+coordinator only through :class:`ControlPlane`, so rejoin works the same everywhere.
 """
 
 from __future__ import annotations
@@ -32,6 +32,7 @@ from collections.abc import Callable
 from typing import Any
 
 import ray
+import torch
 
 from .. import errors, records
 from ..config import SyncConfig
@@ -41,7 +42,7 @@ from ..records import FRAME_HEADER, MAX_MESSAGE_BYTES, Publication, Served, Sess
 from .actor import CoordinatorActor
 from .status_text import format_status
 
-__all__ = ["ControlPlane", "Coordinator", "Party", "Publication", "SessionInfo", "Target", "VersionState"]
+__all__ = ["ControlPlane", "Coordinator", "Member", "Publication", "SessionInfo", "Target", "VersionState"]
 
 _ERRORS = {n: c for n, c in vars(errors).items() if isinstance(c, type) and issubclass(c, WeightSyncError)}
 
@@ -549,43 +550,70 @@ def node_identity() -> tuple[str, str]:
 
 @dataclasses.dataclass(frozen=True)
 class Rejoin:
-    """What a restarted coordinator must learn from a party that registers again (the fields of
-    records.Register it fills): the newest version a sender staged, the version a receiver serves
-    and where its bytes are."""
+    """What a restarted coordinator must learn from a party that registers again, as its owner
+    last pushed it (:meth:`Member.remember`): the newest version a sender staged and what it
+    published; the version a receiver serves, where its bytes are, and whether it accepted the
+    session's manifest."""
 
     last_version: int | None = None
+    publication: Publication | None = None
     serving: int | None = None
     served: Served | None = None
+    accepted: bool = False
 
 
-class Party:
-    """A sender or receiver: built without touching the network, joined by :meth:`open`.
-    A subclass sets every field it tells the coordinator (``_rejoin_state``) before it opens:
-    registration and the heartbeat thread read them from the first call on."""
+_KEEP: Any = object()  # remember(): a field not given keeps its value
 
-    role = "party"
 
-    def __init__(self, coordinator: Coordinator, *, name: str, rank: int,
+class Member:
+    """One party's membership of the session, held by a WeightSender or a WeightReceiver (its
+    owner): its identity (``role``, ``name``, ``rank``, ``host``, ``node_id``, ``device``,
+    ``config``), its registration (``party_id``, ``session``), the heartbeat thread and the
+    control plane (``control``). Built without touching the network; :meth:`open` registers.
+
+    When the coordinator restarts, the first call that notices re-registers and tells it what
+    the owner pushed with :meth:`remember`, then replays the owner's publication (a sender) or
+    its verdict on the manifest (a receiver); the member never asks its owner."""
+
+    def __init__(self, coordinator: Coordinator, *, role: str, name: str, rank: int,
                  config: SyncConfig | None = None, device: str | None = None):
         self.coordinator = coordinator
+        self.role, self.name, self.rank = role, name, rank
         self.config = config or coordinator.config
-        self.name, self.rank = name, rank
-        self.device = resolve(device or self.config.device)
+        self.device: torch.device = resolve(device or self.config.device)
         self.host, self.node_id = node_identity()
-        self._closed = False
-        self._rejoin_lock = threading.Lock()
-        self.control = ControlPlane(coordinator, lambda: self.party_id, self._rejoin)
         self.party_id: int | None = None  # set by open(): the coordinator's id for this party
         self.session: str | None = None
+        self.control = ControlPlane(coordinator, lambda: self.party_id, self._rejoin)
+        self._known = Rejoin()
+        self._known_lock = threading.Lock()
+        self._rejoin_lock = threading.Lock()
         self._stop = threading.Event()
         self._beat: threading.Thread | None = None
+        self._closed = False
 
-    def open(self) -> Party:
-        """Register with the coordinator and start the heartbeat. Idempotent; WeightSender and
-        WeightReceiver call it at the end of their constructors, so users never need to.
+    @property
+    def closed(self) -> bool:
+        return self._closed
+
+    def remember(self, *, last_version: int | None = _KEEP, publication: Publication | None = _KEEP,
+                 serving: int | None = _KEEP, served: Served | None = _KEEP, accepted: bool = _KEEP) -> None:
+        """What a restarted coordinator must learn from this party, pushed by its owner as it
+        changes; a field not given keeps its value. A sender: ``last_version`` once it opened a
+        version, ``publication`` once the coordinator took it. A receiver: ``accepted`` once it
+        told the coordinator it accepts the manifest; ``serving`` whenever the version it holds
+        whole changes (None while a load has begun), with ``served`` (where that version's
+        bytes are) when it commits one."""
+        given = {"last_version": last_version, "publication": publication, "serving": serving, "served": served,
+                 "accepted": accepted}
+        with self._known_lock:
+            self._known = dataclasses.replace(self._known, **{k: v for k, v in given.items() if v is not _KEEP})
+
+    def open(self) -> Member:
+        """Register with the coordinator and start the heartbeat. Idempotent.
 
         Returns:
-            This party.
+            This member.
 
         Raises:
             WeightSyncError: The coordinator is unreachable or refused the registration.
@@ -597,30 +625,30 @@ class Party:
             self._beat.start()
         return self
 
-    def _register(self) -> None:
-        state = self._rejoin_state()
+    def _register(self) -> Rejoin:
+        known = self._known
+        serving = known.serving
         reply = self.coordinator.call(records.Register(
             role=self.role, name=self.name, rank=self.rank, host=self.host, os_pid=os.getpid(), node_id=self.node_id,
-            device=records.Device(**describe(self.device)), last_version=state.last_version, serving=state.serving,
-            served=state.served,
+            device=records.Device(**describe(self.device)), last_version=known.last_version, serving=serving,
+            served=known.served if serving is not None else None,
         ), rpc_timeout=self.config.connect_timeout_s)
-        self.party_id: int = reply.party
-        self.session: str = reply.session
-
-    def _rejoin_state(self) -> Rejoin:
-        """What a restarted coordinator must learn from this party."""
-        return Rejoin()
-
-    def _rejoined(self) -> None:
-        """Called after re-registering with a restarted coordinator."""
+        self.party_id, self.session = reply.party, reply.session
+        return known
 
     def _rejoin(self, stale: int) -> None:
-        """The coordinator restarted and lost the session: join again. Only the first thread
-        to notice re-registers (heartbeat and caller race here)."""
+        """The coordinator restarted and lost the session: join again, and replay what the
+        session had of this party beyond its registration. Only the first thread to notice
+        re-registers (the heartbeat and the owner's calls race here)."""
         with self._rejoin_lock:
-            if self.party_id == stale:
-                self._register()
-                self._rejoined()
+            if self.party_id != stale:
+                return
+            known = self._register()
+            once = self.control.without_rejoin()  # a second SessionLost reaches the caller
+            if known.publication is not None:
+                once.publish(known.publication)
+            if known.accepted:
+                once.verdict(True)
 
     def _heartbeat(self) -> None:
         interval = self.config.heartbeat_interval_s
@@ -630,22 +658,19 @@ class Party:
             except Exception:
                 pass  # the coordinator reports us silent if this keeps failing
 
-    def _account(self, kind: str, delta: int) -> None:
+    def account(self, kind: str, delta: int) -> None:
+        """Open (+1) / close (-1) of a segment or handle, so leaks show in status(); never
+        raises: accounting must not break a transfer or a shutdown."""
         try:
             self.control.resource(kind, delta)
         except Exception:
-            pass  # accounting must never break a transfer or a shutdown
-
-    def _close_transport(self) -> None:
-        pass
+            pass
 
     def close(self) -> None:
-        """Release transport resources and leave the session. Idempotent; a ``with`` block
-        calls it on exit."""
+        """Stop the heartbeat and leave the session. Idempotent; the owner closes its transport first."""
         if self._closed:
             return
         self._closed = True
-        self._close_transport()
         self._stop.set()
         if self.party_id is None:
             return  # never opened: the coordinator does not know it
@@ -653,9 +678,3 @@ class Party:
             self.control.leave()
         except Exception:
             pass
-
-    def __enter__(self):
-        return self.open()
-
-    def __exit__(self, *exc: Any) -> None:
-        self.close()

@@ -35,7 +35,7 @@ from ..packing import Packing
 from .wake import POLL_FIRST_S, Waiter, poll_sleep
 
 if TYPE_CHECKING:
-    from ..coordinator.client import ControlPlane
+    from ..coordinator.client import ControlPlane, Member
 
 DIGEST_KINDS = (None, "xxh3", "torch")
 # how a delta version carries each bucket (delta/codec.py encodes them): nothing, the changed
@@ -183,15 +183,15 @@ class TransportContext:
     host_reserve: int = 0
 
     @classmethod
-    def for_party(cls, party: Any, manifest: Manifest, digest: str) -> TransportContext:
-        """A party's context (a WeightSender or WeightReceiver: its config, session, name, rank,
-        device, resource accounting and control plane) for its session's transport; the bucket
-        plan derived from the manifest by the config, as every party derives it (so no plan
-        crosses the wire)."""
+    def for_party(cls, party: Member, manifest: Manifest, digest: str) -> TransportContext:
+        """A party's context (the membership a WeightSender or WeightReceiver holds: its config,
+        session, name, rank, device, resource accounting and control plane) for its session's
+        transport; the bucket plan derived from the manifest by the config, as every party
+        derives it (so no plan crosses the wire)."""
         config = party.config
         return cls(config=config, plan=plan_buckets(manifest, config.bucket_bytes, config.align_bytes),
                    manifest=manifest, digest=digest, session=party.session, name=party.name, rank=party.rank,
-                   device=party.device, account=party._account, control=party.control)
+                   device=party.device, account=party.account, control=party.control)
 
 
 class SenderTransport(abc.ABC):
