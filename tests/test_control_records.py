@@ -8,6 +8,7 @@ import asyncio
 import dataclasses
 import types
 import typing
+import warnings
 
 import pytest
 
@@ -217,3 +218,33 @@ def test_a_failure_with_a_field_of_the_wrong_type_is_refused_naming_it(monkeypat
     with pytest.raises(ProtocolError, match=r"^control: Failure field 'failed' is list, not dict / NoneType"):
         failed_with(monkeypatch, {"kind": "SyncFailed", "error": "", "version": 3, "failed": ["r0"]})
 
+
+# -- the records the public API returns: dict-style reads, deprecated for one release ---------
+
+
+def measured(nbytes: int) -> records.ReceiverMetrics:
+    return records.ReceiverMetrics(wait_s=0.1, verify_s=0.2, load_s=0.3, post_load_s=0.0, reset_cache_s=0.0,
+                                   total_s=0.6, bytes=nbytes, peer_verified_buckets=0, gbps=1.0, received_ahead=False,
+                                   digest="xxh3:00ff", calls=5)
+
+
+def staged_version() -> records.Metrics:
+    """A version at its barrier, as the coordinator records it: not finished, one receiver reported."""
+    return records.Metrics(version=3, state="TRANSFERRING", slot=0, reason="", participants=["r0", "r1"],
+                           committed=["r0"], failed={}, phases_s={"stage_s": 0.5}, receivers={"r0": measured(64)},
+                           bytes=64, info={"segment": "memfd:1:2"}, digest="xxh3:00ff",
+                           receiver_digests={"r0": "xxh3:00ff"})
+
+
+def test_a_record_read_as_a_dict_answers_as_the_map_it_was_and_warns():
+    m = staged_version()
+    with pytest.warns(DeprecationWarning, match=r"^reading a weightsync record as a dict is deprecated \(Metrics"):
+        got = (m["state"], m["receivers"]["r0"]["bytes"], m.get("barrier_s", "absent"), "gbps" in m, sorted(m)[:2])
+    assert got == ("TRANSFERRING", 64, "absent", False, ["bytes", "committed"])
+
+
+def test_the_deprecation_names_the_line_that_read_the_record():
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        staged_version().get("state")
+    assert [(w.category, w.filename) for w in seen] == [(DeprecationWarning, __file__)]

@@ -100,7 +100,7 @@ def test_the_new_transport_moves_versions_bit_exactly(toy, coordinator_factory):
             weights, failed, errors = run(receiver, sender, v)
             assert failed is None and not errors and receiver.version == v
             assert all(same_bits(engine.params[n], w) for n, w in weights.items())
-        assert coord.status()["transport"] == "toy"
+        assert coord.status().transport == "toy"
     finally:
         receiver.close()
         sender.close()

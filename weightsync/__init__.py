@@ -26,6 +26,7 @@ if TYPE_CHECKING:
     from .coordinator.staleness import check_staleness
     from .manifest import Manifest, TensorSpec, build_manifest
     from .receiver import WeightReceiver
+    from .records import Metrics, PartyStatus, ReceiverMetrics, Status
     from .sender import StagedVersion, SyncResult, WeightSender
     from .targets import CopyInto
 
@@ -35,7 +36,8 @@ _LAZY = {
     "SyncConfig": ".config", "Coordinator": ".coordinator.client", "check_staleness": ".coordinator.staleness",
     "Manifest": ".manifest", "TensorSpec": ".manifest", "build_manifest": ".manifest",
     "WeightReceiver": ".receiver", "StagedVersion": ".sender", "SyncResult": ".sender", "WeightSender": ".sender",
-    "CopyInto": ".targets",
+    "CopyInto": ".targets", "Metrics": ".records", "PartyStatus": ".records", "ReceiverMetrics": ".records",
+    "Status": ".records",
 }
 
 
@@ -64,7 +66,7 @@ __version__ = "0.1.0"
 
 __all__ = [
     "CapacityError", "ChecksumError", "ConfigError", "Coordinator", "CopyInto", "DeadlineExceeded", "Manifest",
-    "ManifestError", "ProtocolError", "StagedVersion", "StalenessError", "SyncConfig", "SyncFailed",
-    "SyncResult", "TensorSpec", "VersionError", "WeightReceiver", "WeightSender", "WeightSyncError",
-    "build_manifest", "check_staleness",
+    "ManifestError", "Metrics", "PartyStatus", "ProtocolError", "ReceiverMetrics", "StagedVersion", "StalenessError",
+    "Status", "SyncConfig", "SyncFailed", "SyncResult", "TensorSpec", "VersionError", "WeightReceiver", "WeightSender",
+    "WeightSyncError", "build_manifest", "check_staleness",
 ]

@@ -19,6 +19,7 @@ WARNING where it failed there, DEBUG per bucket:
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import threading
 import time
@@ -36,7 +37,7 @@ from .errors import ManifestError, VersionError, WeightSyncError
 from .manifest import Expected, Manifest, check_manifest, size_text
 from .packing import Unpacker
 from .receive_ahead import AheadThread, Receiving
-from .records import Served
+from .records import ReceiverMetrics, Served
 from .targets import LoadWeights
 from .transports.base import ReceiverTransport, TransportContext, VersionRecord
 from .transports.selection import receiver_class
@@ -111,7 +112,7 @@ class WeightReceiver:
         self._loaders: Loaders | None = None  # full, or through delta sync's shadow (delta/strategy.py)
         self._session_lock = threading.Lock()  # prefetch() may run in a thread beside apply()
         self._ahead: AheadThread | None = None  # receive_ahead: takes versions before the barrier
-        self.last_metrics: dict[str, Any] = {}
+        self.last_metrics: ReceiverMetrics | None = None  # of the last version it committed
         self.open()
 
     # -- who it is, its session and its calls to the coordinator: its member's -------------
@@ -271,8 +272,9 @@ class WeightReceiver:
         self.member.remember(serving=v, served=Served(slot=target.slot, info=target.info))
         self._loaders.committed(v, info)
         self._report(v, ok=True, metrics=self.last_metrics)
-        self.last_metrics["calls"] = self.control.made() - made  # coordinator calls of this version, report included
-        _log_applied(self.name, v, self.transport.name, self.last_metrics["bytes"], self.last_metrics["total_s"])
+        # coordinator calls of this version, report included
+        self.last_metrics = dataclasses.replace(self.last_metrics, calls=self.control.made() - made)
+        _log_applied(self.name, v, self.transport.name, self.last_metrics.bytes, self.last_metrics.total_s)
         return v
 
     def prefetch(self, version: int | None = None, timeout: float | None = None) -> int | None:
@@ -332,7 +334,7 @@ class WeightReceiver:
         """
         return self.apply(None, wait=False)
 
-    def _load(self, version: int, info: VersionRecord, deadline: float, replay: bool = False) -> dict[str, float]:
+    def _load(self, version: int, info: VersionRecord, deadline: float, replay: bool = False) -> ReceiverMetrics:
         def check() -> None:
             if not replay:  # a replayed version is complete; its later fate does not matter
                 self._raise_if_aborted(version)
@@ -383,13 +385,13 @@ class WeightReceiver:
         post_s = t5 - t4
         total = time.perf_counter() - t0
         kind = self.transport.digest_kind if len(verified) == self.unpacker.plan.bucket_count else None
-        return {"wait_s": wait_s, "verify_s": verify_s, "load_s": load_s, "post_load_s": post_s,
-                "reset_cache_s": reset_s, "total_s": total, "bytes": nbytes, "peer_verified_buckets": peer_verified,
-                "gbps": nbytes / total / 1e9 if total > 0 else 0.0,
-                "received_ahead": self.transport.received_ahead(version, info),
-                # the whole version's digest, from the bucket digests it verified: equal to the
-                # sender's when both hold the same bytes (status() shows both)
-                "digest": loader.digest(kind, verified)}
+        return ReceiverMetrics(wait_s=wait_s, verify_s=verify_s, load_s=load_s, post_load_s=post_s,
+                               reset_cache_s=reset_s, total_s=total, bytes=nbytes, peer_verified_buckets=peer_verified,
+                               gbps=nbytes / total / 1e9 if total > 0 else 0.0,
+                               received_ahead=self.transport.received_ahead(version, info),
+                               # the whole version's digest, from the bucket digests it verified: equal
+                               # to the sender's when both hold the same bytes (status() shows both)
+                               digest=loader.digest(kind, verified))
 
     def _abort_load(self) -> str:
         if self.abort_load is None:
@@ -422,7 +424,7 @@ class WeightReceiver:
         self.member.remember(serving=self._version)  # the previous version again, or none
         return why + more
 
-    def _report(self, version: int, ok: bool, reason: str = "", metrics: dict | None = None) -> None:
+    def _report(self, version: int, ok: bool, reason: str = "", metrics: ReceiverMetrics | None = None) -> None:
         try:
             self.control.report(version, ok, serving=self._version, reason=reason, metrics=metrics)
         except WeightSyncError:

@@ -29,7 +29,8 @@ import functools
 import re
 import types
 import typing
-from collections.abc import Awaitable, Callable, Mapping
+import warnings
+from collections.abc import Awaitable, Callable, Iterator, Mapping
 from typing import Any, ClassVar, TypeVar
 
 import msgpack
@@ -205,8 +206,6 @@ def wire_value(value: Any, where: str, depth: int = 0) -> Wire:
 # -- the control plane's records --------------------------------------------------------------
 
 M = TypeVar("M", bound="Message")
-# a receiver's measurements of one version (seconds, bytes, its digest, whether it came ahead)
-Scalar = bool | int | float | str | None
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -220,9 +219,42 @@ class Message:
     def from_wire(cls: type[M], wire: Any) -> M:
         return from_wire(cls, wire, f"control: {cls.__name__}")
 
-    def as_dict(self) -> dict[str, Any]:
-        """The record as the plain map the public API has always returned."""
+    def as_dict(self) -> WireMap:
+        """The record as a plain map (what ``json.dumps`` takes)."""
         return self.to_wire()
+
+
+class DictReads:
+    """Dict-style reads (``record["key"]``, ``.get``, ``in``, ``.keys()``, ...) of a record the
+    public API returned as a plain map before: they read the record's ``as_dict()`` and warn
+    once per call site (DeprecationWarning), for one release: read the attributes, or
+    ``as_dict()`` where a plain map is wanted."""
+
+    def _legacy(self, what: str) -> WireMap:
+        warnings.warn(f"reading a weightsync record as a dict is deprecated ({type(self).__name__}{what}): read its "
+                      f"attributes, or .as_dict() for a plain map", DeprecationWarning, stacklevel=3)
+        return self.as_dict()  # type: ignore[attr-defined]  # every user is a Message
+
+    def __getitem__(self, key: str) -> Wire:
+        return self._legacy(f"[{key!r}]")[key]
+
+    def get(self, key: str, default: Wire = None) -> Wire:
+        return self._legacy(f".get({key!r})").get(key, default)
+
+    def __contains__(self, key: object) -> bool:
+        return key in self._legacy(f": {key!r} in")
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._legacy(": iterating the keys"))
+
+    def keys(self) -> list[str]:
+        return list(self._legacy(".keys()"))
+
+    def values(self) -> list[Wire]:
+        return list(self._legacy(".values()").values())
+
+    def items(self) -> list[tuple[str, Wire]]:
+        return list(self._legacy(".items()").items())
 
 
 # -- replies --------------------------------------------------------------------------------
@@ -283,7 +315,9 @@ class Placements(Message):
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
-class Registered(Message):
+class Registered(DictReads, Message):
+    """A party's place in the session (``Coordinator.register()`` returns it)."""
+
     party: int
     session: str
     config: WireMap  # SyncConfig.to_dict()
@@ -328,8 +362,64 @@ class VersionState(Message):
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
-class Metrics(Message):
-    """One version as status() shows it; also the outcome a sender's sync returns."""
+class ReceiverMetrics(DictReads, Message):
+    """What one version cost one receiver, as it measured it (``WeightReceiver.last_metrics``;
+    each receiver's in ``Metrics.receivers``). ``as_dict()`` gives it as a plain map.
+
+    Attributes:
+        wait_s: Seconds waiting for buckets to arrive.
+        verify_s: Seconds verifying bucket digests.
+        load_s: Seconds in ``load_weights``.
+        post_load_s: Seconds in the post-load hook.
+        reset_cache_s: Seconds in the engine's cache reset.
+        total_s: Seconds the whole load took.
+        bytes: Bytes received (the encoded buckets of a delta version).
+        peer_verified_buckets: Buckets another receiver on the node verified for this one.
+        gbps: ``bytes`` over ``total_s``, in GB/s.
+        received_ahead: The version came in before its barrier (``receive_ahead``).
+        digest: The whole version's digest, from the bucket digests verified (None with
+            digests off, or where not every bucket was verified).
+        calls: Coordinator calls the receiver made for the version, its report included
+            (0 in ``Metrics.receivers``: the report went before they were counted).
+    """
+
+    wait_s: float
+    verify_s: float
+    load_s: float
+    post_load_s: float
+    reset_cache_s: float
+    total_s: float
+    bytes: int
+    peer_verified_buckets: int
+    gbps: float
+    received_ahead: bool
+    digest: str | None
+    calls: int = 0
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class Metrics(DictReads, Message):
+    """One version as the coordinator records it (``Coordinator.metrics(v)``, each of
+    ``Status.versions``, ``SyncResult.metrics``). ``as_dict()`` gives it as a plain map.
+
+    Attributes:
+        version: The version.
+        state: STAGING, STAGED, TRANSFERRING, COMMITTED or ABORTED.
+        slot: The storage slot it took (shm's segment).
+        reason: Why it was aborted ("" otherwise).
+        participants: The receivers that take part, fixed at the barrier.
+        committed: Those that committed it.
+        failed: Receiver (or "sender") -> why it failed.
+        phases_s: Seconds by phase (``stage_s``).
+        receivers: Each receiver's own measurements, as it reported them.
+        bytes: Payload bytes of a version.
+        info: The transport's record of the version, as published (where its bytes are).
+        digest: The sender's whole-version digest (docs/digest.md); None with digests off.
+        receiver_digests: Each reporting receiver's whole-version digest, equal to
+            ``digest`` when it holds the same bytes.
+        barrier_s: Seconds from the barrier to the outcome, once finished.
+        gbps: Payload GB/s over staging and barrier, once finished.
+    """
 
     version: int
     state: str
@@ -339,17 +429,15 @@ class Metrics(Message):
     committed: list[str]
     failed: dict[str, str]
     phases_s: dict[str, float]
-    receivers: dict[str, dict[str, Scalar]]  # each receiver's report (its metrics)
+    receivers: dict[str, ReceiverMetrics]
     bytes: int
     info: WireMap
-    # whole-version digests (docs/digest.md): the sender's and each receiver's, equal when
-    # they hold the same bytes; None with digests off
     digest: str | None
     receiver_digests: dict[str, str | None]
-    barrier_s: float | None = None  # once finished
+    barrier_s: float | None = None
     gbps: float | None = None
 
-    def as_dict(self) -> dict[str, Any]:
+    def as_dict(self) -> WireMap:
         out = self.to_wire()
         if self.barrier_s is None:  # unfinished versions never showed these keys
             del out["barrier_s"], out["gbps"]
@@ -362,7 +450,26 @@ class Lag(Message):
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
-class PartyStatus(Message):
+class PartyStatus(DictReads, Message):
+    """One party as the coordinator sees it (``Status.parties``).
+
+    Attributes:
+        name: The party's name.
+        role: "sender" or "receiver".
+        rank: Its rank.
+        host: Its host address.
+        node_id: Its Ray node id.
+        pid: Its process id.
+        alive: It is in the session and its heartbeat comes.
+        left: It left (or was replaced by a new registration of its name).
+        serving: Receivers: the version whose weights they hold whole.
+        applying: Receivers: the version they are loading.
+        silent_s: Seconds since it was last heard.
+        manifest: Receivers' verdict on the manifest: pending, accepted or rejected.
+        why: Why it is down or rejected ("" otherwise).
+        ahead: Receivers: an ahead thread takes versions before their barrier.
+    """
+
     name: str
     role: str
     rank: int
@@ -374,30 +481,50 @@ class PartyStatus(Message):
     serving: int | None
     applying: int | None
     silent_s: float
-    manifest: str  # pending / accepted / rejected
+    manifest: str
     why: str
     ahead: bool
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
-class Status(Message):
+class Status(DictReads, Message):
+    """The session as the coordinator sees it (``Coordinator.status()``; ``format_status()``
+    prints it). ``as_dict()`` gives it as a plain map, e.g. for JSON.
+
+    Attributes:
+        session: The session id (a restarted coordinator has a new one).
+        transport: The transport sender rank 0 chose (None before its first version).
+        transport_reason: Why that transport (and its mode).
+        pipelined: The transport reads a version's tensors in ``stage()``: staging early
+            frees the barrier.
+        group: The broadcast session's backend and communicator, and why.
+        manifest_tensors: Tensors in the manifest.
+        payload_bytes: Payload bytes of a version.
+        latest_committed: The newest committed version, or None.
+        parties: Every party in the session.
+        versions: The last 20 versions.
+        resources: Segments and handles open, by kind (leaks show here).
+        calls: Control-plane calls served, by op (docs/benchmarks.md).
+        via: Calls served by the way they came: "ray" or "socket" (the control channel).
+        config: The coordinator's configuration (``SyncConfig.to_dict()``).
+    """
+
     session: str
     transport: str | None
     transport_reason: str
-    # the transport reads a version's tensors in stage(): staging early frees the barrier
     pipelined: bool
-    group: dict[str, str]  # the broadcast session's backend and communicator, and why
+    group: dict[str, str]
     manifest_tensors: int
     payload_bytes: int
     latest_committed: int | None
     parties: list[PartyStatus]
     versions: list[Metrics]
     resources: dict[str, int]
-    calls: dict[str, int]  # control-plane calls served, by op (docs/benchmarks.md)
-    via: dict[str, int]  # payloads served by the way they came: "ray" or "socket" (the control channel)
-    config: WireMap  # SyncConfig.to_dict()
+    calls: dict[str, int]
+    via: dict[str, int]
+    config: WireMap
 
-    def as_dict(self) -> dict[str, Any]:
+    def as_dict(self) -> WireMap:
         out = self.to_wire()
         out["versions"] = [v.as_dict() for v in self.versions]
         return out
@@ -651,7 +778,7 @@ class Report(Request):
     ok: bool
     serving: int | None
     reason: str = ""
-    metrics: dict[str, Scalar] = dataclasses.field(default_factory=dict)
+    metrics: ReceiverMetrics | None = None  # a committed version's; a failure reports none
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)

@@ -32,7 +32,7 @@ from .delta.strategy import FullPacking, host_reserve, packing_for
 from .device import describe
 from .errors import ConfigError, VersionError
 from .manifest import Manifest, build_manifest, size_text
-from .records import Device, IpcSupport, Placement, Publication
+from .records import Device, IpcSupport, Metrics, Placement, Publication
 from .transports.base import SenderTransport, TransportContext, VersionRecord
 from .transports.selection import choose_transport, ipc_support, sender_class
 
@@ -50,7 +50,8 @@ class SyncResult:
         stage_s: Seconds its staging took.
         barrier_s: Seconds from the barrier until every receiver committed.
         bytes: Payload bytes of the version.
-        metrics: The coordinator's per-version record (as ``Coordinator.metrics`` gives it).
+        metrics: The coordinator's per-version record (as ``Coordinator.metrics`` gives it),
+            with each receiver's measurements in ``metrics.receivers``.
         stage_calls: Coordinator calls this sender made to stage the version.
         sync_calls: Coordinator calls this sender made in ``sync()``.
     """
@@ -59,7 +60,7 @@ class SyncResult:
     stage_s: float
     barrier_s: float
     bytes: int
-    metrics: dict[str, Any]
+    metrics: Metrics
     stage_calls: int = 0
     sync_calls: int = 0
 
@@ -73,7 +74,7 @@ class SyncResult:
     def wire_bytes(self) -> int:
         """Bytes the version moved to the receiver that got the most, as receivers report them:
         the payload for a full version, the encoded buckets for a delta (0 when none reported)."""
-        return max((int(m.get("bytes", 0)) for m in self.metrics.get("receivers", {}).values()), default=0)
+        return max((m.bytes for m in self.metrics.receivers.values()), default=0)
 
 
 class StagedVersion:
@@ -427,7 +428,7 @@ class WeightSender:
         barrier_s = time.perf_counter() - t0
         stage_calls = self._stage_calls.pop(version, 0)
         self._stage_calls = {v: n for v, n in self._stage_calls.items() if v > version}
-        result = SyncResult(version, stage_s, barrier_s, outcome.bytes, outcome.as_dict(), stage_calls=stage_calls,
+        result = SyncResult(version, stage_s, barrier_s, outcome.bytes, outcome, stage_calls=stage_calls,
                             sync_calls=self.control.made() - made)
         if self.sends:
             _log_sent(self.name, version, transport, result.bytes, stage_s, barrier_s, outcome.committed)

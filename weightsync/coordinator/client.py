@@ -315,8 +315,9 @@ class Coordinator:
             return None
 
     def register(self, *, role: str, name: str, rank: int, host: str, os_pid: int, node_id: str = "",
-                 device: dict | None = None, last_version: int | None = None, serving: int | None = None,
-                 served: dict | None = None, rpc_timeout: float | None = None) -> dict[str, Any]:
+                 device: records.Device | dict | None = None, last_version: int | None = None,
+                 serving: int | None = None, served: Served | dict | None = None,
+                 rpc_timeout: float | None = None) -> records.Registered:
         """Join the session (senders and receivers do it when they are built).
 
         Args:
@@ -326,40 +327,44 @@ class Coordinator:
             host: Its host address.
             os_pid: Its process id.
             node_id: Its Ray node id ("" without Ray).
-            device: Where it runs, as ``weightsync.device.describe`` gives it.
+            device: Where it runs (a ``Device`` record, or the map ``weightsync.device.describe`` gives).
             last_version: For a sender that outlived a coordinator restart: its last version.
             serving: For such a receiver: the version it serves.
-            served: For such a receiver: where that version's bytes are.
+            served: For such a receiver: where that version's bytes are (a ``Served`` record or its map).
             rpc_timeout: As for ``call()``.
 
         Returns:
-            ``{"party": id, "session": ..., "config": ...}``.
+            The party's id (``party``), the ``session`` and the coordinator's ``config``.
         """
+        if isinstance(device, dict):
+            device = records.Device(**device)
+        if isinstance(served, dict):
+            served = Served(**served)
         request = records.Register(role=role, name=name, rank=rank, host=host, os_pid=os_pid, node_id=node_id,
-                                   device=records.Device(**device) if device else None, last_version=last_version,
-                                   serving=serving, served=Served(**served) if served is not None else None)
-        return self.call(request, rpc_timeout=rpc_timeout).as_dict()
+                                   device=device, last_version=last_version, serving=serving, served=served)
+        return self.call(request, rpc_timeout=rpc_timeout)
 
-    def status(self) -> dict[str, Any]:
+    def status(self) -> records.Status:
         """The session as the coordinator sees it.
 
         Returns:
             The session id, the transport and why it was chosen, ``latest_committed``, the
             parties, the last 20 versions (state, reason, participants, phases, digests),
-            resources held and the config (``format_status()`` prints it).
+            resources held and the config (``format_status()`` prints it; ``as_dict()`` is
+            the plain map, e.g. for JSON).
         """
-        return self.call(records.GetStatus()).as_dict()
+        return self.call(records.GetStatus())
 
-    def metrics(self, version: int) -> dict[str, Any]:
+    def metrics(self, version: int) -> records.Metrics:
         """One version as status() shows it.
 
         Args:
             version: The version to look up.
 
         Returns:
-            Its state, reason, participants, phases and info.
+            Its state, reason, participants, phases, each receiver's measurements and info.
         """
-        return self.call(records.GetMetrics(version=version)).as_dict()
+        return self.call(records.GetMetrics(version=version))
 
     def format_status(self) -> str:
         """``status()`` as text for a terminal or a log.
@@ -508,9 +513,9 @@ class ControlPlane:
         return self._send(records.GetState(party=self._party(), version=version))
 
     def report(self, version: int, ok: bool, serving: int | None, reason: str = "",
-               metrics: dict[str, records.Scalar] | None = None) -> None:
+               metrics: records.ReceiverMetrics | None = None) -> None:
         self._send(records.Report(party=self._party(), version=version, ok=ok, serving=serving, reason=reason,
-                                  metrics=metrics or {}))
+                                  metrics=metrics))
 
     def metrics(self, version: int) -> records.Metrics:
         """The version as status() shows it (participants, committed, failed, state)."""

@@ -32,7 +32,7 @@ import time
 from collections.abc import Callable, Iterable
 
 from ..errors import ProtocolError, SessionLost, VersionError
-from ..records import BroadcastGroup, Device, Metrics, PartyStatus, WireMap
+from ..records import BroadcastGroup, Device, Metrics, PartyStatus, ReceiverMetrics, WireMap
 
 # -- versions ---------------------------------------------------------------------------------
 
@@ -63,7 +63,7 @@ class Version:
     failed: dict[str, str] = dataclasses.field(default_factory=dict)
     reason: str = ""
     phases: dict[str, float] = dataclasses.field(default_factory=dict)
-    receivers: dict[str, dict[str, float]] = dataclasses.field(default_factory=dict)
+    receivers: dict[str, ReceiverMetrics] = dataclasses.field(default_factory=dict)
     sync_started: float | None = None
     finished: float | None = None
     readable: bool = False  # a pipelined sender announced it: receivers may read while it is written
@@ -87,7 +87,7 @@ class Version:
             participants=list(self.participants), committed=list(self.committed), failed=dict(self.failed),
             phases_s=dict(self.phases), receivers=dict(self.receivers), bytes=payload_bytes, info=dict(self.info),
             digest=self.info.get("digest"),
-            receiver_digests={n: m.get("digest") for n, m in self.receivers.items()},
+            receiver_digests={n: m.digest for n, m in self.receivers.items()},
             barrier_s=barrier, gbps=gbps,
         )
 
@@ -204,15 +204,16 @@ class VersionTable:
             self._maybe_finish(v, now)
         return v
 
-    def report(self, version: int, name: str, ok: bool, failure: str, metrics: dict[str, float],
+    def report(self, version: int, name: str, ok: bool, failure: str, metrics: ReceiverMetrics | None,
                now: float) -> Version | None:
-        """A receiver's outcome for ``version`` (``failure``: the text naming it when not ok).
-        A success after a failure on a still open version clears the failure (a retry); a
-        finished version keeps its state."""
+        """A receiver's outcome for ``version`` (``failure``: the text naming it when not ok;
+        ``metrics``: what it measured, where it has any). A success after a failure on a still
+        open version clears the failure (a retry); a finished version keeps its state."""
         v = self.versions.get(version)
         if v is None:
             return None
-        v.receivers[name] = dict(metrics)
+        if metrics is not None:
+            v.receivers[name] = metrics
         if ok:
             if name not in v.committed:
                 v.committed.append(name)

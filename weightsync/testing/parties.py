@@ -27,6 +27,7 @@ from ..config import SyncConfig
 from ..coordinator.client import Coordinator
 from ..manifest import Manifest
 from ..receiver import WeightReceiver
+from ..records import ReceiverMetrics
 from ..sender import SyncResult, WeightSender
 from ..targets import CopyInto
 from .faults import edit_packed, hold_receive, tampering
@@ -97,7 +98,7 @@ class Counters:
 
     loads: int  # load_weights calls
     post_loads: int  # post-load hook runs
-    metrics: dict[str, Any]  # WeightReceiver.last_metrics
+    metrics: ReceiverMetrics | None  # WeightReceiver.last_metrics
 
 
 class _Party:
@@ -174,7 +175,7 @@ class RolloutWorker(_Party):
         return {n: t.cpu().clone() for n, t in self.engine.params.items()}
 
     def counters(self) -> Counters:
-        return Counters(self.engine.loads, self.engine.post_loads, dict(self.receiver.last_metrics))
+        return Counters(self.engine.loads, self.engine.post_loads, self.receiver.last_metrics)
 
     def _party(self) -> WeightReceiver:
         return self.receiver
