@@ -82,10 +82,10 @@ class Pair:
         result = ray.get(self.trainer.sync.remote(v))
         assert ray.get(applied) == [v, v]
         metrics = [ray.get(r.counters.remote()).metrics for r in self.rollouts]
-        slow = max(metrics, key=lambda m: m["total_s"])
-        return {"stall_s": slow["total_s"], "barrier_s": result.barrier_s,
+        slow = max(metrics, key=lambda m: m.total_s)
+        return {"stall_s": slow.total_s, "barrier_s": result.barrier_s,
                 "parts_s": {k: slow[k] for k in ("wait_s", "verify_s", "load_s", "post_load_s")},
-                "ahead": all(m.get("received_ahead") for m in metrics)}
+                "ahead": all(m.received_ahead for m in metrics)}
 
     def close(self) -> None:
         stop_actors([*self.rollouts, self.trainer])

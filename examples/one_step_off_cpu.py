@@ -209,7 +209,7 @@ class Trainer:
         after = self.sender.transport.packed_bytes if packed is not None else None
         return {"stage_s": stage_s, "barrier_s": result.barrier_s, "bytes": result.bytes,
                 "packed_before_barrier": packed, "packed_after_barrier": after,
-                "info_packed": result.metrics.get("info", {}).get("packed_bytes")}
+                "info_packed": result.metrics.info.get("packed_bytes")}
 
     def digest_of(self) -> dict[int, str]:
         return dict(self.digests)

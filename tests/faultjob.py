@@ -31,6 +31,7 @@ from support.parties import wait_until as _wait_until
 from weightsync import SyncFailed
 from weightsync.device import ray_options
 from weightsync.manifest import Manifest, plan_buckets
+from weightsync.records import Metrics, PartyStatus
 
 # threaded actors: reached() / release() run beside an apply() or stage() held at a fault point
 THREADED = {"max_concurrency": 4}
@@ -132,13 +133,13 @@ class Job:
         self.dead.discard(name)
         return self.trainer if name == "trainer" else self.rollouts[name]
 
-    def party(self, name: str) -> dict | None:
-        found = [p for p in self.coord.status()["parties"] if p["name"] == name]
+    def party(self, name: str) -> PartyStatus | None:
+        found = [p for p in self.coord.status().parties if p.name == name]
         return found[-1] if found else None
 
     def wait_seen(self, name: str, alive: bool) -> None:
         wait_until(f"the coordinator sees {name} {'alive' if alive else 'dead'}",
-                   lambda: (self.party(name) or {}).get("alive") is alive)
+                   lambda: getattr(self.party(name), "alive", None) is alive)
 
     # -- versions ---------------------------------------------------------------------
 
@@ -185,7 +186,7 @@ class Job:
         if name == "trainer":
             wait_until("the coordinator aborted v", lambda: self.state(version) == "ABORTED")
         else:
-            wait_until(f"{name} is failed in v", lambda: name in self.metrics(version)["failed"])
+            wait_until(f"{name} is failed in v", lambda: name in self.metrics(version).failed)
         ray.get([r.release.remote() for n, r in self.rollouts.items() if n != name])
         return base, version, applied, sync
 
@@ -197,11 +198,11 @@ class Job:
         v = self.next()
         return self.step(v) == {n: v for n in RECEIVERS} and [self.serves(n) for n in RECEIVERS] == [v, v]
 
-    def metrics(self, version: int) -> dict[str, Any]:
+    def metrics(self, version: int) -> Metrics:
         return self.coord.metrics(version)
 
     def state(self, version: int) -> str:
-        return self.metrics(version)["state"]
+        return self.metrics(version).state
 
     def serves(self, name: str) -> int | None:
         """The version ``name`` serves; checks its weights are exactly that version's, bit for bit."""

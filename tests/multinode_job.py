@@ -86,11 +86,11 @@ def run(cluster: Cluster, nodes: dict[str, Any], out: dict[str, Any]) -> None:
 
     both = ("rollout-0", "rollout-1")
     for v in (1, 2):
-        out[f"v{v}"] = {"applied": step(v, both), "state": coord.metrics(v)["state"],
+        out[f"v{v}"] = {"applied": step(v, both), "state": coord.metrics(v).state,
                         "serves": {n: serves(rollouts[n]) for n in both}}
     status = coord.status()
-    out["parties"] = {p["name"]: {"host": p["host"], "node_id": p["node_id"]} for p in status["parties"]}
-    out["transport"], out["reason"] = status["transport"], status["transport_reason"]
+    out["parties"] = {p.name: {"host": p.host, "node_id": p.node_id} for p in status.parties}
+    out["transport"], out["reason"] = status.transport, status.transport_reason
     out["rendezvous"] = ray.get(trainer.rendezvous.remote())
 
     # v3: held at the fault point on both nodes, then node C goes
@@ -101,7 +101,7 @@ def run(cluster: Cluster, nodes: dict[str, Any], out: dict[str, Any]) -> None:
     assert all(ray.get([r.reached.remote(DEADLINE_S) for r in rollouts.values()]))
     t0 = time.monotonic()
     cluster.remove_node(nodes["C"], allow_graceful=False)
-    wait_until("rollout-1 is failed in v3", lambda: "rollout-1" in coord.metrics(3)["failed"])
+    wait_until("rollout-1 is failed in v3", lambda: "rollout-1" in coord.metrics(3).failed)
     ray.get(rollouts["rollout-0"].release.remote())
     v3: dict[str, Any] = {}
     try:
@@ -114,10 +114,10 @@ def run(cluster: Cluster, nodes: dict[str, Any], out: dict[str, Any]) -> None:
         v3["rollout-0"] = {"applied": ray.get(applied["rollout-0"], timeout=DEADLINE_S + 30)}
     except ray.exceptions.RayTaskError as exc:
         v3["rollout-0"] = {"error": str(exc)[-1500:]}
-    v3["state"] = coord.metrics(3)["state"]
+    v3["state"] = coord.metrics(3).state
     v3["serves"] = {"rollout-0": serves(rollouts["rollout-0"])}
     out["v3"] = v3
-    out["v4"] = {"applied": step(4, ("rollout-0",)), "state": coord.metrics(4)["state"],
+    out["v4"] = {"applied": step(4, ("rollout-0",)), "state": coord.metrics(4).state,
                  "serves": {"rollout-0": serves(rollouts["rollout-0"])}}
     for actor in (trainer, rollouts["rollout-0"]):
         ray.get(actor.close.remote(), timeout=10)

@@ -76,7 +76,7 @@ def test_bad_tensors_on_the_sender(job, kind, form, request):
     with pytest.raises(VersionError, match="aborted.*ManifestError"):
         ray.get(applied)
     assert_serves(r, materialize(MANIFEST, seed=1), good)  # nothing of the bad version was applied
-    assert coord.metrics(bad_version)["state"] == "ABORTED"
+    assert coord.metrics(bad_version).state == "ABORTED"
 
 
 @pytest.mark.scenario("bad input", "bucket truncated in transit")
@@ -88,7 +88,7 @@ def test_truncated_segment_is_refused(start_job, backing):
     coord, (r,), trainer = job
     job.step(1)
     ray.get(trainer.stage.remote(2))
-    path = locate(coord.metrics(2)["info"]["segment"], "/dev/shm")
+    path = locate(coord.metrics(2).info["segment"], "/dev/shm")
     if backing == "files":
         os.truncate(path, os.path.getsize(path) // 2)
         with pytest.raises(Exception, match="truncated"):

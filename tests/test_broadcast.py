@@ -67,17 +67,17 @@ def test_ten_versions_bit_exact_one_group(start_job, actors):
         out = ray.get(sender.sync.remote(v), timeout=60)
         assert ray.get(applied, timeout=60) == [v, v, v]
         assert ray.get(other, timeout=60).version == v
-        assert out.metrics["state"] == "COMMITTED"
-        assert out.metrics["info"]["group"] == {"epoch": 1, "members": ["rollout-0", "rollout-1", "rollout-2"]}
+        assert out.metrics.state == "COMMITTED"
+        assert out.metrics.info["group"] == {"epoch": 1, "members": ["rollout-0", "rollout-1", "rollout-2"]}
         for r in rollouts:
             assert_serves(r, TINY, v)
     counters = ray.get([r.counters.remote() for r in rollouts])
     assert [c.post_loads for c in counters] == [10, 10, 10]
     status = coord.status()
-    assert status["transport"] == "broadcast"
-    assert status["group"] == {"backend": "gloo", "communicator": "torch",
+    assert status.transport == "broadcast"
+    assert status.group == {"backend": "gloo", "communicator": "torch",
                                "communicator_reason": "gloo: torch ProcessGroupGloo, its only construction"}
-    assert status["resources"]["bcast_groups"] == 4  # one group per party, never rebuilt
+    assert status.resources["bcast_groups"] == 4  # one group per party, never rebuilt
 
 
 # -- faults in the middle of a broadcast --------------------------------------------------
@@ -143,15 +143,15 @@ def test_sender_killed_at_bucket(job, where):
     base, v, applied, _ = job.kill_held("trainer", where)
     applied = list(applied.values())
     m = job.metrics(v)
-    assert "trainer-0" in m["reason"] and "silent" in m["reason"], m["reason"]
+    assert "trainer-0" in m.reason and "silent" in m.reason, m.reason
     if where == "last":
         assert ray.get(applied) == [v, v] and [job.serves(n) for n in RECEIVERS] == [v, v]
-        assert sorted(job.metrics(v)["committed"]) == list(RECEIVERS)
+        assert sorted(job.metrics(v).committed) == list(RECEIVERS)
     else:
         for ref in applied:
             apply_fails(ref, "trainer-0", "silent")
         kept = base if where == "first" else None
-        assert [job.serves(n) for n in RECEIVERS] == [kept, kept] and job.metrics(v)["committed"] == []
+        assert [job.serves(n) for n in RECEIVERS] == [kept, kept] and job.metrics(v).committed == []
     assert job.state(v) == "ABORTED"
     assert job.next_serves_all(restart="trainer")
 
@@ -180,7 +180,7 @@ def _device_flow(start_job, kind: str, resources: dict):
         pytest.skip(f"needs two {kind} devices (a communicator cannot hold one device twice)")
     job = start_job({**CFG, "device": kind, "bucket_mb": 1.0}, 1, TINY, options=resources)
     job.run(TINY, range(1, 4))
-    assert job.coordinator.status()["versions"][-1]["info"]["session"]["backend"] == ("nccl" if kind == "cuda" else "hccl")
+    assert job.coordinator.status().versions[-1].info["session"]["backend"] == ("nccl" if kind == "cuda" else "hccl")
 
 
 @pytest.mark.cuda

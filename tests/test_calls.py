@@ -1,5 +1,5 @@
 """Control-plane calls per version (issue 27): the coordinator counts the calls it serves
-(status()["calls"]), so a version's cost in round trips is measured, not guessed. Steady-state
+(``Status.calls``), so a version's cost in round trips is measured, not guessed. Steady-state
 versions (after warm-up ones, which open the session and allocate segments) on each transport,
 one receiver."""
 
@@ -29,7 +29,7 @@ WARMUP, VERSIONS = 3, 3
 
 
 def _calls(coord) -> dict[str, int]:
-    return dict(coord.status()["calls"])
+    return dict(coord.status().calls)
 
 
 # what each party calls at a pre-staged barrier (stage() done before the rollout asks): the
@@ -41,7 +41,7 @@ BARRIER_CALLS = {"shm": (2, 2), "ipc": (2, 2), "broadcast": (3, 3)}
 @pytest.mark.parametrize("transport", list(PER_VERSION))
 def test_calls_per_version(start_job, transport):
     """The coordinator's count by op over step()s; then each party's own count at pre-staged
-    barriers (SyncResult.sync_calls, the receiver's metrics["calls"])."""
+    barriers (SyncResult.sync_calls, the receiver's ``last_metrics.calls``)."""
     config = {"transport": transport, "bucket_mb": 1 / 16, "device": "cpu"}
     coord, rs, trainer = start_job(config, 1)
 
@@ -65,5 +65,5 @@ def test_calls_per_version(start_job, transport):
         applied = rs[0].apply.remote(v)
         result = ray.get(trainer.sync.remote(v))
         assert ray.get(applied) == v
-        by_party.add((result.sync_calls, ray.get(rs[0].counters.remote()).metrics["calls"]))
+        by_party.add((result.sync_calls, ray.get(rs[0].counters.remote()).metrics.calls))
     assert ({op: n for op, n in seen.items() if n}, by_party) == (expected, {BARRIER_CALLS[transport]})

@@ -1,6 +1,7 @@
-"""The control channel (weightsync/coordinator/channel.py): the coordinator's calls over a TCP port
-of its own, beside Ray, with Ray's answers and Ray's failure semantics. status()["via"] counts
-the payloads the coordinator served by the way they came."""
+"""The control channel (its server in weightsync/coordinator/actor.py, its client end in
+weightsync/coordinator/client.py): the coordinator's calls over a TCP port of its own, beside
+Ray, with Ray's answers and Ray's failure semantics. ``Status.via`` counts the payloads the
+coordinator served by the way they came."""
 
 from __future__ import annotations
 
@@ -13,8 +14,7 @@ import ray
 from support.parties import wait_until
 
 from weightsync import records
-from weightsync.coordinator import ops
-from weightsync.coordinator.channel import Link
+from weightsync.coordinator.client import Link
 
 CONFIG = {"transport": "shm", "bucket_mb": 1 / 16}
 
@@ -23,31 +23,31 @@ def test_with_the_socket_channel_every_call_but_the_address_lookups_goes_over_it
     job = start_job({**CONFIG, "control_channel": "socket"})
     job.step(1)
     status = job.coordinator.status()
-    calls = status["calls"]
-    assert status["via"] == {"ray": calls["channel"], "socket": sum(calls.values()) - calls["channel"]}
+    calls = status.calls
+    assert status.via == {"ray": calls["channel"], "socket": sum(calls.values()) - calls["channel"]}
 
 
 def test_with_control_channel_ray_nothing_goes_over_the_socket(start_job):
     job = start_job({**CONFIG, "control_channel": "ray"})
     job.step(1)
     status = job.coordinator.status()
-    assert status["via"] == {"ray": sum(status["calls"].values()), "socket": 0}
+    assert status.via == {"ray": sum(status.calls.values()), "socket": 0}
 
 
 def test_a_coordinator_killed_mid_session_is_reached_through_ray_and_the_next_version_commits(start_job):
     job = start_job({**CONFIG, "control_channel": "socket"})
     job.step(1)
-    before = job.coordinator.status()["session"]
+    before = job.coordinator.status().session
     ray.kill(job.coordinator.actor, no_restart=False)  # Ray restarts it with an empty session
     # each party's next call breaks on the dead connection, goes through Ray, is answered
     # SessionLost by the new incarnation, and the party registers again
     wait_until("every party re-registered with the new coordinator", lambda: (
-        (s := job.coordinator.status())["session"] != before
-        and sorted(p["name"] for p in s["parties"] if p["alive"]) == ["rollout-0", "rollout-1", "trainer-0"]))
+        (s := job.coordinator.status()).session != before
+        and sorted(p.name for p in s.parties if p.alive) == ["rollout-0", "rollout-1", "trainer-0"]))
     applied, _ = job.step(2)
     s = job.coordinator.status()
-    fell_back = s["via"]["ray"] > s["calls"].get("channel", 0)  # Ray served more than the address lookups
-    assert (fell_back, applied, s["latest_committed"]) == (True, [2, 2], 2)
+    fell_back = s.via["ray"] > s.calls.get("channel", 0)  # Ray served more than the address lookups
+    assert (fell_back, applied, s.latest_committed) == (True, [2, 2], 2)
 
 
 def frame(sock: socket.socket, payload: bytes) -> bytes:
@@ -62,7 +62,7 @@ def frame(sock: socket.socket, payload: bytes) -> bytes:
 ], ids=["malformed", "wrong-token"])
 def test_a_bad_frame_over_the_socket_gets_the_protocol_error_ray_gives(coordinator_factory, payload):
     coord = coordinator_factory({"control_channel": "socket"})
-    address = coord.call(ops.Channel())
+    address = coord.call(records.Channel())
     with socket.create_connection((address.host, address.port), timeout=30) as sock:
         over_socket = frame(sock, payload)
     over_ray = ray.get(coord.actor.rpc.remote(payload))

@@ -30,15 +30,15 @@ def test_twenty_versions_bit_exact(start_job):
         applied = [r.apply.remote(v) for r in rs]
         result = ray.get(trainer.step.remote(v))
         assert ray.get(applied) == [v, v]
-        assert result.metrics["state"] == "COMMITTED"
-        assert sorted(result.metrics["committed"]) == ["rollout-0", "rollout-1"]
+        assert result.metrics.state == "COMMITTED"
+        assert sorted(result.metrics.committed) == ["rollout-0", "rollout-1"]
         for r in rs:
             assert_serves(r, MANIFEST, v)
     counters = ray.get(rs[0].counters.remote())
     assert counters.post_loads == 20, "post-load hook runs once per version"
     status = coord.status()
-    assert status["latest_committed"] == 20
-    assert {p["name"]: p["serving"] for p in status["parties"] if p["role"] == "receiver"} == {
+    assert status.latest_committed == 20
+    assert {p.name: p.serving for p in status.parties if p.role == "receiver"} == {
         "rollout-0": 20, "rollout-1": 20}
     assert "COMMITTED" in coord.format_status()
 
@@ -46,10 +46,10 @@ def test_twenty_versions_bit_exact(start_job):
 def test_prestaged_version_then_barrier(start_job):
     coord, rs, trainer = start_job(CFG, 1)
     ray.get(trainer.stage.remote(5))
-    assert coord.metrics(5)["state"] == "STAGED"
+    assert coord.metrics(5).state == "STAGED"
     applied = rs[0].apply.remote(5)
     result = ray.get(trainer.sync.remote(5))
-    assert ray.get(applied) == 5 and result.metrics["state"] == "COMMITTED"
+    assert ray.get(applied) == 5 and result.metrics.state == "COMMITTED"
     assert_serves(rs[0], MANIFEST, 5)
 
 
@@ -71,7 +71,7 @@ def test_late_joiner_serves_latest_committed(start_job, actors):
 
 
 def _corrupt(coord, version, bucket_offset):
-    info = coord.metrics(version)["info"]
+    info = coord.metrics(version).info
     path = locate(info["segment"], "/dev/shm")  # its file, or /proc/<pid>/fd/<fd> of a memfd
     with open(path, "r+b") as f:
         f.seek(bucket_offset)
@@ -139,7 +139,7 @@ def test_manifest_mismatch_fails_before_anything_is_applied(coordinator_factory,
         ray.get(applied)
     counters = ray.get(good.counters.remote())
     assert counters.loads == 0 and ray.get(good.version.remote()) is None, "not a byte was loaded"
-    assert any(p["manifest"] == "rejected" for p in coord.status()["parties"])
+    assert any(p.manifest == "rejected" for p in coord.status().parties)
 
 
 @pytest.mark.scenario("bad input", "version going backwards / reused with different content")
@@ -176,11 +176,11 @@ def test_in_process_api_and_resources_return_to_zero(coordinator_factory):
         t.join(30)
         assert receiver.version == 11 and result.bytes == MANIFEST.total_bytes
         assert_same_weights(engine.params, weights)
-        assert coord.status()["resources"]["shm_segments"] == 1
+        assert coord.status().resources["shm_segments"] == 1
     finally:
         receiver.close()
         sender.close()
-    assert all(n == 0 for n in coord.status()["resources"].values())
+    assert all(n == 0 for n in coord.status().resources.values())
 
 
 def test_a_manifest_rejected_after_the_barrier_began_fails_the_version_at_once(coordinator_factory):
@@ -205,7 +205,7 @@ def test_a_manifest_rejected_after_the_barrier_began_fails_the_version_at_once(c
         sender.stage(1, materialize(wider, seed=1))
         t = threading.Thread(target=sync)
         t.start()
-        wait_until("the barrier began", lambda: coord.metrics(1)["participants"] == ["late"], timeout=60)
+        wait_until("the barrier began", lambda: coord.metrics(1).participants == ["late"], timeout=60)
         with pytest.raises(ManifestError, match="has shape"):
             receiver.apply(1)
         t.join(120)
@@ -298,7 +298,7 @@ def test_each_bucket_is_verified_once_per_node(start_job):
         applied = [r.apply.remote(v) for r in rs]
         ray.get(trainer.step.remote(v))
         assert ray.get(applied) == [v, v, v]
-        skipped = [ray.get(r.counters.remote()).metrics["peer_verified_buckets"] for r in rs]
+        skipped = [ray.get(r.counters.remote()).metrics.peer_verified_buckets for r in rs]
         # 3 receivers x every bucket, of which exactly one hash per bucket happened
         assert sum(skipped) == 2 * buckets, f"version {v}: buckets left to a peer {skipped} of {buckets}"
         for r in rs:
@@ -357,10 +357,10 @@ def test_prefetch_verifies_ahead_and_apply_only_loads(start_job):
     assert ray.get(rs[0].prefetch.remote()) == 1
     assert ray.get(rs[1].prefetch.remote(1)) == 1  # everything marked already: nothing to hash
     applied = [r.apply.remote(1) for r in rs]
-    assert ray.get(trainer.sync.remote(1)).metrics["state"] == "COMMITTED"
+    assert ray.get(trainer.sync.remote(1)).metrics.state == "COMMITTED"
     assert ray.get(applied) == [1, 1]
     for r in rs:
-        assert ray.get(r.counters.remote()).metrics["peer_verified_buckets"] == plan.bucket_count
+        assert ray.get(r.counters.remote()).metrics.peer_verified_buckets == plan.bucket_count
         assert_serves(r, MANIFEST, 1)
     assert ray.get(rs[0].prefetch.remote(1)) is None, "nothing newer than what it serves"
 
@@ -382,19 +382,16 @@ def test_prefetch_verifies_ahead_and_apply_only_loads(start_job):
 
 
 def test_a_party_joins_the_session_when_opened_not_when_built(coordinator_factory):
-    """Building a party touches no network: registration and the heartbeat begin in open(), after
-    a subclass has set what registration tells the coordinator."""
-    from weightsync.coordinator.client import Party
-
-    class Trainer(Party):
-        role = "sender"
+    """Building a party's membership touches no network: registration and the heartbeat begin
+    in open(), which WeightSender and WeightReceiver call last in their constructors."""
+    from weightsync.coordinator.client import Member
 
     coord = coordinator_factory(CFG)
-    party = Trainer(coord, name="p-0", rank=0)
+    member = Member(coord, role="sender", name="p-0", rank=0)
     try:
-        before = [p["name"] for p in coord.status()["parties"]]
-        party.open()
-        after = [p["name"] for p in coord.status()["parties"]]
+        before = [p.name for p in coord.status().parties]
+        member.open()
+        after = [p.name for p in coord.status().parties]
         assert (before, after) == ([], ["p-0"])
     finally:
-        party.close()
+        member.close()

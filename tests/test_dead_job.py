@@ -70,7 +70,7 @@ def test_killed_job_leaves_nothing_in_ram(ray_cluster, transport):
     try:
         job.fresh()
         job.start_held(job.next(), bucket=0)
-        pids = {p["name"]: p["pid"] for p in job.coord.status()["parties"]}
+        pids = {p.name: p.pid for p in job.coord.status().parties}
         pids["coordinator"] = ray.get(job.coord.actor.__ray_call__.remote(lambda _self: os.getpid()))
         assert len(pids) == 4, pids
         held = {(pid, fd, name) for pid, fd, name in holders() if pid in pids.values()}
@@ -106,7 +106,7 @@ def test_restarted_receiver_catches_up_through_another_holder(ray_cluster):
     job = Job("shm", layout("tiny"), 1 / 16, shm_backing="memfd")
     try:
         base = job.fresh()
-        ref = job.metrics(base)["info"]["segment"]
+        ref = job.metrics(base).info["segment"]
         job.kill("trainer")
         job.wait_seen("trainer-0", alive=False)
         job.kill("rollout-1")

@@ -23,7 +23,7 @@ def auto_job(ray_cluster):
 
 
 def received(job: Job) -> list[int]:
-    return [ray.get(job.rollouts[n].counters.remote()).metrics["bytes"] for n in RECEIVERS]
+    return [ray.get(job.rollouts[n].counters.remote()).metrics.bytes for n in RECEIVERS]
 
 
 @pytest.mark.skipif("broadcast" not in ALL, reason="broadcast transport unavailable")
@@ -37,8 +37,8 @@ def test_auto_times_three_deltas_and_three_full_versions_then_sends_the_faster_w
         assert step(job, v) == {n: v for n in RECEIVERS}
         assert [serves(job, n) for n in RECEIVERS] == [v, v]
         metrics = [ray.get(job.rollouts[n].counters.remote()).metrics for n in RECEIVERS]
-        assert {m["digest"] for m in metrics} == {full_digest(v)}, v
-        moved.append("part" if max(m["bytes"] for m in metrics) < FULL / 4 else "whole")
+        assert {m.digest for m in metrics} == {full_digest(v)}, v
+        moved.append("part" if max(m.bytes for m in metrics) < FULL / 4 else "whole")
         if v == 7:
             timed = ray.get(job.trainer.delta_state.remote())["auto"]
             assert len(timed["delta_s"]) == 3 and len(timed["full_s"]) == 3, timed

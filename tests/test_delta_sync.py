@@ -88,7 +88,7 @@ def serves(job: Job, name: str) -> int | None:
 
 
 def wire_bytes(job: Job, name: str) -> int:
-    return ray.get(job.rollouts[name].counters.remote()).metrics["bytes"]
+    return ray.get(job.rollouts[name].counters.remote()).metrics.bytes
 
 
 def fresh(job: Job) -> int:
@@ -131,8 +131,8 @@ def assert_delta_version(job: Job, v: int) -> None:
     for name in RECEIVERS:
         assert serves(job, name) == v
         m = ray.get(job.rollouts[name].counters.remote()).metrics
-        assert m["bytes"] < FULL / 4, (name, m["bytes"], FULL)
-        assert m["digest"] == full_digest(v), name
+        assert m.bytes < FULL / 4, (name, m.bytes, FULL)
+        assert m.digest == full_digest(v), name
 
 
 def kept_word(base: int, v: int, k: int) -> int:
@@ -164,9 +164,9 @@ def assert_diverged(job: Job, name: str, v: int, k: int, applied) -> None:
     """``name``'s apply of ``v`` raised the DeltaError of bucket ``k``; its own report says it
     trusts its shadow no more; it serves nothing, and the coordinator shows it serving nothing."""
     apply_fails(applied, "DeltaError", f"receiver '{name}': bucket {k} of version {v}: the rebuilt bucket differs")
-    why = job.metrics(v)["failed"][name]  # the receiver's own report, whoever aborted v first
+    why = job.metrics(v).failed[name]  # the receiver's own report, whoever aborted v first
     assert f"DeltaError: receiver '{name}': bucket {k} of version {v}" in why and DIVERGED in why, why
-    assert serves(job, name) is None and job.party(name)["serving"] is None
+    assert serves(job, name) is None and job.party(name).serving is None
 
 
 @pytest.mark.parametrize("transport", ALL, indirect=True)
@@ -187,9 +187,9 @@ def test_diverged_shadow_serves_nothing_until_a_full_version(job, transport):
     applied = {n: r.apply.remote(v) for n, r in job.rollouts.items()}
     sync = stage(job, v)
     assert ray.get(job.rollouts["rollout-0"].reached.remote(DEADLINE_S))
-    wait_until("rollout-1 is failed in v", lambda: "rollout-1" in job.metrics(v)["failed"])
+    wait_until("rollout-1 is failed in v", lambda: "rollout-1" in job.metrics(v).failed)
     if transport == "broadcast":
-        wait_until("the sender aborted v", lambda: job.metrics(v)["state"] == "ABORTED")
+        wait_until("the sender aborted v", lambda: job.metrics(v).state == "ABORTED")
     ray.get(job.rollouts["rollout-0"].release.remote())
     err = sync_failed(sync)
     assert "rollout-1" in err.failed
@@ -198,7 +198,7 @@ def test_diverged_shadow_serves_nothing_until_a_full_version(job, transport):
         assert set(err.failed) == set(RECEIVERS) and err.committed == [], err
         assert "lost receiver 'rollout-1'" in err.failed["rollout-0"], err.failed["rollout-0"]
         apply_fails(applied["rollout-0"], "lost receiver 'rollout-1'")
-        why = job.metrics(v)["failed"]["rollout-0"]
+        why = job.metrics(v).failed["rollout-0"]
         assert f"rolled back to version {base} from the delta shadow" in why, why
         assert serves(job, "rollout-0") == base
     else:
@@ -245,7 +245,7 @@ def test_receiver_killed_mid_delta(job, transport):
     fresh(job)
     v = job.next()
     applied, sync = _kill_mid_version(job, v)
-    wait_until("rollout-1 is failed in v", lambda: "rollout-1" in job.metrics(v)["failed"])
+    wait_until("rollout-1 is failed in v", lambda: "rollout-1" in job.metrics(v).failed)
     ray.get(job.rollouts["rollout-0"].release.remote())
     err = sync_failed(sync)
     assert set(err.failed) == {"rollout-1"} and err.committed == ["rollout-0"], err
@@ -270,14 +270,14 @@ def test_receiver_killed_mid_delta_aborts_the_collective(job, transport):
     base = fresh(job)
     v = job.next()
     applied, sync = _kill_mid_version(job, v)
-    wait_until("the sender aborted v", lambda: job.metrics(v)["state"] == "ABORTED")
+    wait_until("the sender aborted v", lambda: job.metrics(v).state == "ABORTED")
     ray.get(job.rollouts["rollout-0"].release.remote())
     err = sync_failed(sync)
     assert set(err.failed) == set(RECEIVERS) and err.committed == [], err
     assert "silent" in err.failed["rollout-1"], err.failed["rollout-1"]
     assert "lost receiver 'rollout-1'" in err.failed["rollout-0"], err.failed["rollout-0"]
     apply_fails(applied["rollout-0"], "lost receiver 'rollout-1'")
-    why = job.metrics(v)["failed"]["rollout-0"]  # its own report
+    why = job.metrics(v).failed["rollout-0"]  # its own report
     assert f"rolled back to version {base} from the delta shadow" in why, why
     assert serves(job, "rollout-0") == base
     restarted = job.restart("rollout-1")

@@ -40,8 +40,8 @@ def test_colocated_on_one_device_bit_exact(start_job, kind, transport, chosen, d
     job = start_job(cfg, 2, m, options=_share(kind, 3), rollout=on_device, trainer=on_device)
     job.run(m, range(1, 4))  # the first attaches, the next two reuse every buffer and view
     status = job.coordinator.status()
-    assert status["transport"] == chosen and status["latest_committed"] == 3
-    assert ("shm streaming" in status["transport_reason"]) == (transport == "shm-stream")
+    assert status.transport == chosen and status.latest_committed == 3
+    assert ("shm streaming" in status.transport_reason) == (transport == "shm-stream")
 
 
 @pytest.mark.parametrize("transport", ["ipc", "shm"])
@@ -55,7 +55,7 @@ def test_batched_loads_keep_every_nan_payload(start_job, kind, transport):
     on_device = {"device": kind}
     job = start_job(cfg, 2, m, options=_share(kind, 3), rollout={**on_device, "batched": True}, trainer=on_device)
     job.run(m, range(1, 4))
-    assert job.coordinator.status()["latest_committed"] == 3
+    assert job.coordinator.status().latest_committed == 3
 
 
 @pytest.mark.parametrize("kind", KINDS)

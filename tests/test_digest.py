@@ -247,7 +247,7 @@ def test_version_digest_is_the_same_on_sender_and_every_receiver(start_job, tran
     job = _start(start_job, transport, digest, receivers=2)
     for v in (1, 2):
         job.step(v)
-    seen = {v["version"]: (v["digest"], v["receiver_digests"]) for v in job.coordinator.status()["versions"]}
+    seen = {v.version: (v.digest, v.receiver_digests) for v in job.coordinator.status().versions}
     kind = "xxh3" if digest == "auto" else digest
     assert all(sent.startswith(f"{kind}:") and got == {"rollout-0": sent, "rollout-1": sent}
                for sent, got in seen.values()), seen

@@ -185,16 +185,13 @@ def _api_callables() -> list[tuple[str, object, object]]:
     import inspect
 
     import weightsync
-    from weightsync.coordinator.client import Party
 
     found = [(f.__name__, f, f) for f in (weightsync.build_manifest, weightsync.check_staleness)]
     for cls in (weightsync.Coordinator, weightsync.WeightSender, weightsync.WeightReceiver, weightsync.StagedVersion,
                 weightsync.SyncConfig, weightsync.SyncResult, weightsync.Manifest, weightsync.TensorSpec):
         if "__init__" in vars(cls) and not dataclasses.is_dataclass(cls):
             found.append((f"{cls.__name__}()", cls.__init__, cls))
-        # Party's close() is part of every sender's and receiver's API (rendered as inherited)
-        members = {**vars(Party), **vars(cls)} if issubclass(cls, Party) else vars(cls)
-        for name, member in members.items():
+        for name, member in vars(cls).items():
             fn = member.__func__ if isinstance(member, (classmethod, staticmethod)) else member
             if not name.startswith("_") and inspect.isfunction(fn):
                 found.append((f"{cls.__name__}.{name}", fn, fn))

@@ -103,7 +103,7 @@ def test_sender_killed_while_staging(job, transport):
         apply_fails(ref, "trainer-0", "silent")
     assert [job.serves(n) for n in RECEIVERS] == [base, base], "rolled back or untouched, never torn"
     m = job.metrics(v)
-    assert m["state"] == "ABORTED" and "trainer-0" in m["reason"] and m["committed"] == []
+    assert m.state == "ABORTED" and "trainer-0" in m.reason and m.committed == []
     assert job.next_serves_all(restart="trainer")
 
 
@@ -129,19 +129,19 @@ def test_sender_killed_at_bucket(job, transport, where):
     ray.get([r.release.remote() for r in job.rollouts.values()])
     if transport == "shm":
         assert ray.get(applied) == [v, v] and job.state(v) == "COMMITTED"
-        assert job.coord.status()["latest_committed"] == v
+        assert job.coord.status().latest_committed == v
         assert [job.serves(n) for n in RECEIVERS] == [v, v]
     elif where == "last":
         assert ray.get(applied) == [v, v] and [job.serves(n) for n in RECEIVERS] == [v, v]
         m = job.metrics(v)
-        assert m["state"] == "ABORTED" and "trainer-0" in m["reason"] and sorted(m["committed"]) == list(RECEIVERS)
+        assert m.state == "ABORTED" and "trainer-0" in m.reason and sorted(m.committed) == list(RECEIVERS)
     else:
         for ref in applied:
             apply_fails(ref, "trainer-0", "silent")
         assert [job.serves(n) for n in RECEIVERS] == [None, None]
         m = job.metrics(v)
-        assert m["state"] == "ABORTED" and m["committed"] == []
-        assert all("serves no version until the next sync" in m["failed"][n] for n in RECEIVERS), m["failed"]
+        assert m.state == "ABORTED" and m.committed == []
+        assert all("serves no version until the next sync" in m.failed[n] for n in RECEIVERS), m.failed
     assert job.next_serves_all(restart="trainer")
 
 
@@ -230,14 +230,14 @@ def test_restarted_receiver_catches_up(job, transport):
 @pytest.mark.parametrize("transport", ALL, indirect=True)
 def test_coordinator_killed_and_restarted(job):
     base = job.fresh()
-    before = job.coord.status()["session"]
+    before = job.coord.status().session
     ray.kill(job.coord.actor, no_restart=False)  # Ray restarts it with an empty session
     wait_until("every party re-registered with the new coordinator", lambda: (
-        (s := job.coord.status())["session"] != before
-        and sorted(p["name"] for p in s["parties"] if p["alive"]) == sorted([*RECEIVERS, "trainer-0"])))
+        (s := job.coord.status()).session != before
+        and sorted(p.name for p in s.parties if p.alive) == sorted([*RECEIVERS, "trainer-0"])))
     assert job.next_serves_all()
     status = job.coord.status()
-    assert status["latest_committed"] == job.v and len([p for p in status["parties"] if p["role"] == "receiver"]) == 2
+    assert status.latest_committed == job.v and len([p for p in status.parties if p.role == "receiver"]) == 2
     with pytest.raises(Exception, match="goes backwards|is reused"):
         ray.get(job.trainer.stage.remote(base))
 
@@ -250,11 +250,11 @@ def test_party_ids_from_before_a_coordinator_restart_are_not_reused(coordinator_
 
     coord = coordinator_factory({"transport": "shm", "bucket_mb": 1 / 16})
     who = {"role": "receiver", "rank": 0, "host": "h", "os_pid": os.getpid()}
-    old = {n: coord.register(name=n, **who)["party"] for n in ("a", "b")}
-    before = coord.status()["session"]
+    old = {n: coord.register(name=n, **who).party for n in ("a", "b")}
+    before = coord.status().session
     ray.kill(coord.actor, no_restart=False)
-    wait_until("Ray brought the coordinator back", lambda: coord.status()["session"] != before, timeout=60)
-    new_b = coord.register(name="b", **who)["party"]
+    wait_until("Ray brought the coordinator back", lambda: coord.status().session != before, timeout=60)
+    new_b = coord.register(name="b", **who).party
     assert new_b not in old.values()
     with pytest.raises(SessionLost):
         ControlPlane(coord, lambda: old["a"]).heartbeat(rpc_timeout=5.0)  # 'a' must notice and register again

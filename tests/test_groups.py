@@ -88,8 +88,8 @@ def test_each_device_construction_bit_exact(start_job, kind, communicator):
     job = start_job(cfg, 1, m, options=ray_options(kind, 1))
     job.run(m, range(1, 4))
     status = job.coordinator.status()
-    assert status["group"]["communicator"] == communicator
-    assert status["resources"]["bcast_groups"] == 2
+    assert status.group["communicator"] == communicator
+    assert status.resources["bcast_groups"] == 2
 
 
 def _gloo_listens(monkeypatch, ifname: str | None) -> set[str]:

@@ -22,7 +22,7 @@ SMALL = {"bucket_mb": 0.03, "device": "cpu"}
 
 
 def _ipc_resources(status):
-    return {k: v for k, v in status["resources"].items() if k.startswith("ipc")}
+    return {k: v for k, v in status.resources.items() if k.startswith("ipc")}
 
 
 def test_ipc_two_receivers_ten_versions_bit_exact(ray_cluster, start_job):
@@ -33,18 +33,18 @@ def test_ipc_two_receivers_ten_versions_bit_exact(ray_cluster, start_job):
     for v in range(1, 11):
         applied, out = job.step(v)
         assert applied == [v, v]
-        assert sorted(out.metrics["committed"]) == ["rollout-0", "rollout-1"]
+        assert sorted(out.metrics.committed) == ["rollout-0", "rollout-1"]
         [assert_serves(x, m, v) for x in rs]
     status = coord.status()
-    assert status["transport"] == "ipc"
-    assert status["latest_committed"] == 10
+    assert status.transport == "ipc"
+    assert status.latest_committed == 10
     # sender: control block + 2 buffers; each receiver maps the same three
     assert _ipc_resources(status) == {"ipc_control": 3, "ipc_handles": 6}
     assert ray.get(rs[0].counters.remote()).post_loads == 10
     ray.get([a.close.remote() for a in rs + [t]])
     status = coord.status()
     assert _ipc_resources(status) == {"ipc_control": 0, "ipc_handles": 0}
-    assert all(v == 0 for v in status["resources"].values())
+    assert all(v == 0 for v in status.resources.values())
 
 
 def _sender_here(coord, receivers):
@@ -68,8 +68,8 @@ def test_auto_on_cpu_picks_shm_and_says_why(ray_cluster, coordinator_factory, ac
         assert ray.get(ref) == 1
         [assert_serves(x, m, 1) for x in [r]]
         status = coord.status()
-    assert status["transport"] == "shm"
-    assert "host memory" in status["transport_reason"]
+    assert status.transport == "shm"
+    assert "host memory" in status.transport_reason
 
 
 def test_explicit_ipc_that_cannot_work_fails_at_publish_with_the_reason(coordinator_factory, monkeypatch):
@@ -79,7 +79,7 @@ def test_explicit_ipc_that_cannot_work_fails_at_publish_with_the_reason(coordina
     with _sender_here(coord, 0) as sender:
         with pytest.raises(ConfigError, match=f"transport 'ipc' cannot run here: {DISABLE_IPC_VAR}"):
             sender.stage(1, materialize(m, seed=1))
-    assert coord.status()["transport"] is None
+    assert coord.status().transport is None
 
 
 def test_sender_stops_waiting_for_a_receiver_declared_dead(ray_cluster, coordinator_factory, actors):

@@ -169,14 +169,14 @@ def test_coordinator_calls_go_through_the_typed_control_plane():
 
 
 def test_every_request_has_one_handler_and_every_handler_one_request():
-    from weightsync.coordinator import ops
+    from weightsync import records
     from weightsync.coordinator.actor import CoordinatorActor
 
-    requests = {c for c in vars(ops).values() if isinstance(c, type) and issubclass(c, ops.Request)
-                and c is not ops.Request}
-    assert set(ops.REQUESTS.values()) == requests  # each one reachable on the wire
-    assert set(ops.HANDLERS) == requests
-    handlers = [fn for fn in vars(CoordinatorActor).values() if fn in ops.HANDLERS.values()]
+    requests = {c for c in vars(records).values() if isinstance(c, type) and issubclass(c, records.Request)
+                and c is not records.Request}
+    assert set(records.REQUESTS.values()) == requests  # each one reachable on the wire
+    assert set(records.HANDLERS) == requests
+    handlers = [fn for fn in vars(CoordinatorActor).values() if fn in records.HANDLERS.values()]
     assert len(handlers) == len(set(handlers)) == len(requests)  # no handler serves two requests
     assert not [n for n in vars(CoordinatorActor) if n.startswith("op_")]
 
@@ -184,10 +184,10 @@ def test_every_request_has_one_handler_and_every_handler_one_request():
 def test_a_second_handler_of_one_request_fails_at_import():
     import pytest
 
-    from weightsync.coordinator import ops
+    from weightsync import records
 
     with pytest.raises(TypeError, match="BeginStage already has a handler"):
-        ops.handles(ops.BeginStage)(lambda self, req: None)
+        records.handles(records.BeginStage)(lambda self, req: None)
 
 
 # what a transport publishes for its peers is a typed record (records.py): no ``dict[str, Any]``

@@ -78,7 +78,7 @@ def test_shm_barrier_moves_no_trainer_bytes(coordinator_factory, actors):
             result = sender.sync(version)
             assert ray.get(applied) == [version, version]
             assert sender.transport.packed_bytes == before, "the barrier packed trainer-side bytes"
-            assert result.metrics["info"]["packed_bytes"] == payload
+            assert result.metrics.info["packed_bytes"] == payload
             for w in workers:
                 assert_serves(w, weights, version)
     finally:

@@ -75,5 +75,5 @@ def test_every_cited_repository_path_exists():
 
 def test_a_cited_path_that_is_gone_is_found():
     assert not _exists("weightsync/coordinator/broadcast_groups.py")
-    assert not _exists("broadcast_groups.py") and _exists("membership_ops.py")
+    assert not _exists("broadcast_groups.py") and _exists("status_text.py")
     assert _exists("transports/shm/transport.py") and _exists("tests/conftest.py")

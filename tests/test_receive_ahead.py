@@ -29,7 +29,7 @@ def job(ray_cluster):
 def ahead_ready(job: Job) -> None:
     """Every rollout's ahead thread waits at the coordinator (it starts with the session, at
     the first apply), so the next version goes ahead rather than at the barrier."""
-    wait_until("every receiver is ready ahead", lambda: all((job.party(n) or {}).get("ahead") for n in RECEIVERS))
+    wait_until("every receiver is ready ahead", lambda: all(getattr(job.party(n), "ahead", False) for n in RECEIVERS))
 
 
 def loads(job: Job) -> list[int]:
@@ -46,15 +46,15 @@ def test_versions_travel_before_the_barrier_bit_exact(job):
         base, v = job.v, job.next()
         before = loads(job)
         ray.get(job.trainer.stage.remote(v), timeout=60)
-        assert job.state(v) == "STAGED" and job.metrics(v)["info"].get("ahead") is True
+        assert job.state(v) == "STAGED" and job.metrics(v).info.get("ahead") is True
         assert [ray.get(job.rollouts[n].prefetch.remote(v), timeout=60) for n in RECEIVERS] == [v, v]
         assert loads(job) == before and [job.serves(n) for n in RECEIVERS] == [base, base]
         applied = [job.rollouts[n].apply.remote(v) for n in RECEIVERS]
         ray.get(job.trainer.sync.remote(v), timeout=60)
         assert ray.get(applied, timeout=60) == [v, v] and [job.serves(n) for n in RECEIVERS] == [v, v]
         m = job.metrics(v)
-        assert all(m["receivers"][n]["received_ahead"] for n in RECEIVERS), m["receivers"]
-        assert m["digest"] is not None and set(m["receiver_digests"].values()) == {m["digest"]}
+        assert all(m.receivers[n].received_ahead for n in RECEIVERS), m.receivers
+        assert m.digest is not None and set(m.receiver_digests.values()) == {m.digest}
 
 
 @pytest.mark.scenario("fault", "bucket corrupted on the wire while v travels ahead (receive_ahead)",
@@ -95,13 +95,13 @@ def test_sender_killed_ahead_leaves_the_engine_untouched(job):
     ray.get(job.trainer.hold_at.remote(MID_TENSOR))
     job.trainer.stage.remote(v)
     assert ray.get(job.trainer.reached.remote(DEADLINE_S))
-    assert job.state(v) == "STAGING" and job.metrics(v)["info"].get("ahead") is True
+    assert job.state(v) == "STAGING" and job.metrics(v).info.get("ahead") is True
     job.kill("trainer")
     wait_until("the coordinator aborted v", lambda: job.state(v) == "ABORTED")
     applied = [job.rollouts[n].apply.remote(v) for n in RECEIVERS]
     for ref in applied:
         apply_fails(ref, "trainer-0")
-    assert "trainer-0" in job.metrics(v)["reason"], job.metrics(v)["reason"]
+    assert "trainer-0" in job.metrics(v).reason, job.metrics(v).reason
     assert loads(job) == before and [job.serves(n) for n in RECEIVERS] == [base, base]
     assert job.next_serves_all(restart="trainer")
 
@@ -119,8 +119,8 @@ def test_shm_versions_are_verified_ahead_and_the_barrier_hashes_nothing(ray_clus
         applied = [j.rollouts[n].apply.remote(v) for n in RECEIVERS]
         ray.get(j.trainer.sync.remote(v), timeout=60)
         assert ray.get(applied, timeout=60) == [v, v] and [j.serves(n) for n in RECEIVERS] == [v, v]
-        m = j.metrics(v)["receivers"]
-        assert all(m[n]["received_ahead"] and m[n]["peer_verified_buckets"] == j.buckets for n in RECEIVERS), m
+        m = j.metrics(v).receivers
+        assert all(m[n].received_ahead and m[n].peer_verified_buckets == j.buckets for n in RECEIVERS), m
     finally:
         j.close()
 

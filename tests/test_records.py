@@ -121,7 +121,7 @@ def test_a_buffer_is_a_host_buffer_or_a_device_handle_and_a_bad_one_says_why():
 
 def test_the_coordinators_note_of_a_broadcast_group_is_no_unknown_field():
     record = R.BroadcastVersion(session=BCAST)
-    wire = {**record.to_wire(), "group": {"epoch": 1, "members": ["rollout-0"]}}  # coordinator/membership_ops.py
+    wire = {**record.to_wire(), "group": {"epoch": 1, "members": ["rollout-0"]}}  # coordinator/actor.py, bcast_form
     assert R.BroadcastVersion.from_wire(wire) == record
 
 

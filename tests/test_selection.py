@@ -5,9 +5,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from weightsync.coordinator.ops import Device, IpcSupport, Placement
 from weightsync.device import local_index, physical_index
 from weightsync.errors import ConfigError
+from weightsync.records import Device, IpcSupport, Placement
 from weightsync.transports import COLOCATED, REMOTE, SAME_NODE, placement
 from weightsync.transports import choose as choose_transport
 from weightsync.transports.ipc import support as caps

@@ -83,9 +83,9 @@ def test_below_two_versions_it_streams_three_versions_bit_exact_within_the_budge
         assert job.step(v) == {n: v for n in RECEIVERS}
         assert [job.serves(n) for n in RECEIVERS] == [v, v]
     status = job.coord.status()
-    assert status["transport"] == "shm"
+    assert status.transport == "shm"
     assert ("shm streaming: whole versions need 1.21 MiB (3 x 412 KiB), budget 256 KiB (shm_budget_mb=0.25); "
-            "ring of 3 x 64 KiB") in status["transport_reason"], status["transport_reason"]
+            "ring of 3 x 64 KiB") in status.transport_reason, status.transport_reason
     assert 3 * 64 * 1024 <= job.sampler.peak <= BUDGET, job.sampler.peak
 
 
@@ -94,7 +94,7 @@ def test_a_late_joiner_gets_the_next_version_not_a_replay(job):
     job.kill("rollout-1")
     late = job.restart("rollout-1")  # registers with an empty model after base committed
     assert ray.get(late.apply.remote(None, None, False)) is None, "streaming keeps no version to replay"
-    assert job.metrics(base)["state"] == "COMMITTED"
+    assert job.metrics(base).state == "COMMITTED"
     v = job.next()
     assert job.step(v) == {n: v for n in RECEIVERS} and [job.serves(n) for n in RECEIVERS] == [v, v]
 
@@ -108,7 +108,7 @@ def test_a_receiver_killed_mid_version_is_named_and_the_next_version_commits(job
     v = job.next()
     applied, sync = job.start_held(v, job.buckets // 2)
     job.kill("rollout-1")
-    wait_until("rollout-1 is failed in v", lambda: "rollout-1" in job.metrics(v)["failed"])
+    wait_until("rollout-1 is failed in v", lambda: "rollout-1" in job.metrics(v).failed)
     ray.get(job.rollouts["rollout-0"].release.remote())
     err = sync_failed(sync)
     assert set(err.failed) == {"rollout-1"} and err.committed == ["rollout-0"], err

@@ -46,7 +46,7 @@ def test_soak(coordinator_factory, transport, request):
             if v in (20, SOAK_VERSIONS):
                 rss[v] = ray.get([p.rss.remote() for p in parties])
                 segments[v] = len(set(our_segments()) | {n for _, _, n in holders()})
-                resources[v] = coord.status()["resources"]
+                resources[v] = coord.status().resources
         assert_serves(rs[1], MANIFEST, SOAK_VERSIONS)
         for before, after in zip(rss[20], rss[SOAK_VERSIONS]):
             assert after < before * 1.05, f"resident memory grew {after / before - 1:.1%} after version 20"
@@ -56,7 +56,7 @@ def test_soak(coordinator_factory, transport, request):
         ray.get([p.close.remote() for p in parties])
         for p in parties:
             ray.kill(p)
-    assert all(n == 0 for n in coord.status()["resources"].values()), "every segment and handle was closed"
+    assert all(n == 0 for n in coord.status().resources.values()), "every segment and handle was closed"
     coord.shutdown()
     wait_until("no process of this job is left", lambda: all(_gone(pid) for pid in pids), timeout=30, interval=0.5)
 
@@ -81,10 +81,10 @@ def test_two_jobs_are_isolated(start_job, transport):
     assert not errors, errors
     for j, job in enumerate(jobs):  # each serves its own job's weights, not the other's
         assert_serves(job.rollouts[0], materialize(MANIFEST, seed=1000 * j + 5), 5)
-    names = [{str(v["info"].get(k)) for v in c.status()["versions"] for k in ("segment", "store", "rendezvous")
-              if v["info"].get(k)} for c, _, _ in jobs]
+    names = [{str(v.info.get(k)) for v in c.status().versions for k in ("segment", "store", "rendezvous")
+              if v.info.get(k)} for c, _, _ in jobs]
     assert not (names[0] & names[1]), f"jobs shared segments or rendezvous: {names[0] & names[1]}"
-    assert jobs[0][0].status()["session"] != jobs[1][0].status()["session"]
+    assert jobs[0][0].status().session != jobs[1][0].status().session
 
 
 @pytest.mark.scenario("security", "segments are 0600 with >= 128 random bits in the name", transport="shm")
@@ -93,7 +93,7 @@ def test_segment_mode_and_name(start_job, backing):
     job = start_job({"transport": "shm", "bucket_mb": 1 / 16, "shm_backing": backing}, 1, MANIFEST)
     coord, (r,), t = job
     job.step(1)
-    ref = coord.metrics(1)["info"]["segment"]
+    ref = coord.metrics(1).info["segment"]
     name = SEGMENT_REF.fullmatch(ref).group(1)
     st = os.stat(locate(ref, "/dev/shm"))  # a memfd: through /proc/<pid>/fd, its inode's mode
     assert stat.S_IMODE(st.st_mode) == 0o600
@@ -164,7 +164,7 @@ def test_wrong_token_is_refused(coordinator_factory):
     forged = Coordinator(coord.actor, coord.name, coord.namespace, other.token, coord.config)
     with pytest.raises(ProtocolError, match="wrong session token"):
         WeightReceiver(forged, lambda w: None, name="intruder")
-    assert [p for p in coord.status()["parties"] if p["name"] == "intruder"] == []
+    assert [p for p in coord.status().parties if p.name == "intruder"] == []
 
 
 @pytest.mark.scenario("security", "the rendezvous store binds to the configured address only", transport="broadcast")

@@ -11,8 +11,7 @@ from test_reset_cache import MANIFEST, run
 from weightsync_bench.engine import ToyEngine
 
 import weightsync.transports as transports
-from weightsync import ConfigError, SyncConfig, WeightReceiver, WeightSender
-from weightsync.coordinator import ops
+from weightsync import ConfigError, SyncConfig, WeightReceiver, WeightSender, records
 from weightsync.digest import as_int, kind_of, version_digest
 from weightsync.records import SessionRecord, VersionRecord
 from weightsync.transports import (
@@ -74,9 +73,9 @@ def toy():
     transports.forget("toy")
 
 
-def _placed(device: str = "cpu", node: str = "n1") -> ops.Placement:
-    return ops.Placement(host="h", node_id=node, device=ops.Device(type=device),
-                         ipc=ops.IpcSupport(ok=True, reason="host"))
+def _placed(device: str = "cpu", node: str = "n1") -> records.Placement:
+    return records.Placement(host="h", node_id=node, device=records.Device(type=device),
+                             ipc=records.IpcSupport(ok=True, reason="host"))
 
 
 def test_a_registered_transport_is_chosen_by_its_own_rules(toy):
@@ -102,7 +101,7 @@ def test_the_new_transport_moves_versions_bit_exactly(toy, coordinator_factory):
             weights, failed, errors = run(receiver, sender, v)
             assert failed is None and not errors and receiver.version == v
             assert all(same_bits(engine.params[n], w) for n, w in weights.items())
-        assert coord.status()["transport"] == "toy"
+        assert coord.status().transport == "toy"
     finally:
         receiver.close()
         sender.close()

@@ -144,7 +144,7 @@ def test_next_version_travels_as_soon_as_update_actor_returns(groups):
         assert trainer.sync_rollout_weights()["weightsync/staged_ahead"] == 0.0
         parties = trainer._ws_coordinator.status
         wait_until("the rollout's ahead thread came up",
-                   lambda: all(p["ahead"] for p in parties()["parties"] if p["role"] == "receiver"), timeout=30)
+                   lambda: all(p.ahead for p in parties().parties if p.role == "receiver"), timeout=30)
         for step in range(1, 4):
             trainer.actor_rollout_wg.update_actor(step)  # fit(): the update of step - 1 ...
             assert trainer._ws_ahead is not None and trainer._ws_ahead[0] == step
@@ -152,7 +152,7 @@ def test_next_version_travels_as_soon_as_update_actor_returns(groups):
             out = trainer.sync_rollout_weights()
             assert out["weightsync/version"] == step and out["weightsync/staged_ahead"] == 1.0, out
             m = trainer._ws_coordinator.metrics(step)
-            assert m["info"]["ahead"] is True and all(r["received_ahead"] for r in m["receivers"].values()), m
+            assert m.info["ahead"] is True and all(r.received_ahead for r in m.receivers.values()), m
             for got in trainer.rollout_wg.weights():
                 assert_same_weights(got["weights"], hf_weights(step), f"version {step}")
             assert ray.get(trainer.rollout_wg.workers[0].weightsync_version.remote()) == step

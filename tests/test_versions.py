@@ -4,9 +4,22 @@ from __future__ import annotations
 
 import pytest
 
-from weightsync.coordinator.membership import BroadcastGroups, Member, group_rank
-from weightsync.coordinator.state import IN_FLIGHT, Candidate, State, VersionTable, choose_slot, pinned_slots
+from weightsync.coordinator.state import (
+    IN_FLIGHT,
+    BroadcastGroups,
+    Candidate,
+    GroupMember,
+    State,
+    VersionTable,
+    choose_slot,
+    group_rank,
+    pinned_slots,
+)
 from weightsync.errors import VersionError
+from weightsync.records import ReceiverMetrics
+
+MEASURED = ReceiverMetrics(wait_s=0.1, verify_s=0.2, load_s=0.3, post_load_s=0.0, reset_cache_s=0.0, total_s=1.0,
+                           bytes=64, peer_verified_buckets=0, gbps=0.1, received_ahead=False, digest="d")
 
 
 def slot0() -> int:
@@ -115,7 +128,7 @@ def test_abort_of_an_in_flight_version_names_the_reason_for_every_unsettled_part
         table.staged(1, {}, 0.1)
     if state == State.TRANSFERRING:
         table.begin_sync(1, [Candidate("a"), Candidate("b")], now=2.0)
-        table.report(1, "a", True, "", {}, now=2.5)
+        table.report(1, "a", True, "", None, now=2.5)
     assert table[1].state == state
     assert table.abort(1, "trainer crashed", now=3.0) is True
     v = table[1]
@@ -128,7 +141,7 @@ def test_abort_of_an_in_flight_version_names_the_reason_for_every_unsettled_part
 def test_abort_leaves_a_finished_version_as_it_is(final):
     table = VersionTable()
     syncing(table, 1, "a")
-    table.report(1, "a", final == State.COMMITTED, "a: broke", {}, now=3.0)
+    table.report(1, "a", final == State.COMMITTED, "a: broke", None, now=3.0)
     before = (table[1].state, table[1].reason)
     assert table.abort(1, "late abort", now=4.0) is False
     assert (table[1].state, table[1].reason) == before == (final, "" if final == State.COMMITTED else "a: a: broke")
@@ -195,18 +208,18 @@ def test_begin_sync_of_an_aborted_version_is_an_error_with_its_reason():
 def test_version_commits_when_every_participant_committed():
     table = VersionTable()
     syncing(table, 1, "a", "b")
-    table.report(1, "a", True, "", {"total_s": 1.0}, now=3.0)
+    table.report(1, "a", True, "", MEASURED, now=3.0)
     assert table[1].state == State.TRANSFERRING
-    v = table.report(1, "b", True, "", {}, now=4.0)
+    v = table.report(1, "b", True, "", None, now=4.0)
     assert (v.state, v.committed, v.finished, table.latest_committed) == (State.COMMITTED, ["a", "b"], 4.0, 1)
-    assert v.receivers["a"] == {"total_s": 1.0}
+    assert v.receivers == {"a": MEASURED}
 
 
 def test_version_aborts_when_a_participant_failed_naming_each_failure():
     table = VersionTable()
     syncing(table, 1, "a", "b")
-    table.report(1, "b", False, "receiver 'b': checksum", {}, now=3.0)
-    v = table.report(1, "a", True, "", {}, now=4.0)
+    table.report(1, "b", False, "receiver 'b': checksum", None, now=3.0)
+    v = table.report(1, "a", True, "", None, now=4.0)
     assert (v.state, v.reason, v.committed) == (State.ABORTED, "b: receiver 'b': checksum", ["a"])
     assert table.latest_committed is None
 
@@ -214,36 +227,36 @@ def test_version_aborts_when_a_participant_failed_naming_each_failure():
 def test_a_success_after_a_failure_on_an_open_version_clears_it():
     table = VersionTable()
     syncing(table, 1, "a", "b")
-    table.report(1, "a", False, "a: transient", {}, now=3.0)
-    table.report(1, "a", True, "", {}, now=3.5)
-    v = table.report(1, "b", True, "", {}, now=4.0)
+    table.report(1, "a", False, "a: transient", None, now=3.0)
+    table.report(1, "a", True, "", None, now=3.5)
+    v = table.report(1, "b", True, "", None, now=4.0)
     assert (v.state, v.failed) == (State.COMMITTED, {})
 
 
 def test_a_late_report_never_turns_a_finished_version_around():
     table = VersionTable()
     syncing(table, 1, "a")
-    table.report(1, "a", True, "", {}, now=3.0)
-    v = table.report(1, "a", False, "a: late", {}, now=4.0)
+    table.report(1, "a", True, "", None, now=3.0)
+    v = table.report(1, "a", False, "a: late", None, now=4.0)
     assert v.state == State.COMMITTED
 
 
 def test_a_failure_of_a_non_participant_is_not_counted():
     table = VersionTable()
     syncing(table, 1, "a")
-    table.report(1, "z", False, "z: joined late", {}, now=3.0)
+    table.report(1, "z", False, "z: joined late", None, now=3.0)
     assert table[1].failed == {}
 
 
 def test_a_failure_before_the_barrier_is_kept_for_it():
     table = VersionTable()
     staged(table, 1)
-    table.report(1, "a", False, "a: manifest", {}, now=1.5)
+    table.report(1, "a", False, "a: manifest", None, now=1.5)
     assert table[1].failed == {"a": "a: manifest"} and table[1].state == State.STAGED
 
 
 def test_report_of_an_unknown_version_is_ignored():
-    assert VersionTable().report(5, "a", True, "", {}, now=1.0) is None
+    assert VersionTable().report(5, "a", True, "", None, now=1.0) is None
 
 
 # -- losing parties -----------------------------------------------------------------------
@@ -252,7 +265,7 @@ def test_report_of_an_unknown_version_is_ignored():
 def test_a_lost_receiver_fails_the_versions_it_has_not_settled():
     table = VersionTable()
     syncing(table, 1, "a", "b")
-    table.report(1, "b", True, "", {}, now=3.0)
+    table.report(1, "b", True, "", None, now=3.0)
     hit = table.receiver_lost("a", "receiver 'a' silent for 3.1s", now=4.0)
     assert [v.version for v in hit] == [1]
     assert (table[1].state, table[1].reason) == (State.ABORTED, "a: receiver 'a' silent for 3.1s")
@@ -261,7 +274,7 @@ def test_a_lost_receiver_fails_the_versions_it_has_not_settled():
 def test_a_lost_receiver_that_committed_changes_nothing():
     table = VersionTable()
     syncing(table, 1, "a", "b")
-    table.report(1, "a", True, "", {}, now=3.0)
+    table.report(1, "a", True, "", None, now=3.0)
     assert table.receiver_lost("a", "gone", now=4.0) == []
     assert table[1].state == State.TRANSFERRING
 
@@ -278,7 +291,7 @@ def test_a_lost_sender_leaves_a_stored_version_to_the_receivers():
     table = VersionTable()
     syncing(table, 1, "a")
     assert table.sender_lost("died", keeps_versions=True, now=3.0) == []
-    assert table.report(1, "a", True, "", {}, now=4.0).state == State.COMMITTED
+    assert table.report(1, "a", True, "", None, now=4.0).state == State.COMMITTED
 
 
 def test_a_lost_sender_aborts_a_streamed_version_at_its_barrier():
@@ -301,7 +314,7 @@ def test_expire_before_the_barrier_aborts():
 def test_expire_at_the_barrier_names_every_receiver_that_did_not_report():
     table = VersionTable()
     syncing(table, 1, "a", "b", "c")
-    table.report(1, "a", True, "", {}, now=3.0)
+    table.report(1, "a", True, "", None, now=3.0)
     v = table.expire(1, timeout=5.0, now=9.0)
     assert v.state == State.ABORTED
     assert v.failed == {"b": "receiver 'b' did not report version 1 within 5.0s",
@@ -311,7 +324,7 @@ def test_expire_at_the_barrier_names_every_receiver_that_did_not_report():
 def test_expire_of_a_finished_version_changes_nothing():
     table = VersionTable()
     syncing(table, 1, "a")
-    table.report(1, "a", True, "", {}, now=3.0)
+    table.report(1, "a", True, "", None, now=3.0)
     assert table.expire(1, timeout=1.0, now=9.0).state == State.COMMITTED
 
 
@@ -349,7 +362,7 @@ def test_target_for_an_aborted_version_is_none():
 def test_target_for_anything_newer_prefers_the_version_on_its_way():
     table = VersionTable()
     syncing(table, 1, "a")
-    table.report(1, "a", True, "", {}, now=3.0)
+    table.report(1, "a", True, "", None, now=3.0)
     staged(table, 2)
     assert table.target_for(None, None, pipelined=False, keeps_versions=True) == 2
     assert table.target_for(2, None, pipelined=False, keeps_versions=True) is None
@@ -358,7 +371,7 @@ def test_target_for_anything_newer_prefers_the_version_on_its_way():
 def test_late_joiners_catch_up_only_where_the_transport_keeps_versions():
     table = VersionTable()
     syncing(table, 1, "a")
-    table.report(1, "a", True, "", {}, now=3.0)
+    table.report(1, "a", True, "", None, now=3.0)
     assert table.target_for(None, None, pipelined=False, keeps_versions=True) == 1
     assert table.target_for(None, None, pipelined=False, keeps_versions=False) is None
     assert table.target_for(1, None, pipelined=False, keeps_versions=True) is None
@@ -370,7 +383,7 @@ def test_late_joiners_catch_up_only_where_the_transport_keeps_versions():
 def test_slots_pin_in_flight_served_and_latest_committed():
     table = VersionTable()
     syncing(table, 1, "a")
-    table.report(1, "a", True, "", {}, now=3.0)
+    table.report(1, "a", True, "", None, now=3.0)
     table.begin_stage(2, lambda: 1, now=4.0)
     assert pinned_slots(table, served=[1], keep_previous=True) == {0, 1}
     assert choose_slot({0, 1}, max_slots=3, latest_slot=0) == 2
@@ -386,21 +399,21 @@ def test_out_of_slots_gives_up_a_slot_that_is_not_the_latest_committed():
 
 def test_broadcast_group_keeps_its_epoch_while_members_stay():
     groups = BroadcastGroups()
-    g1 = groups.form(1, Member("actor-0", 10), [Member("r1", 12, 1), Member("r0", 11, 0)], False, "n")
+    g1 = groups.form(1, GroupMember("actor-0", 10), [GroupMember("r1", 12, 1), GroupMember("r0", 11, 0)], False, "n")
     assert (g1.epoch, g1.members, g1.size, group_rank(g1, "r1")) == (1, ["r0", "r1"], 3, 2)
-    assert groups.form(2, Member("actor-0", 10), [Member("r0", 11, 0), Member("r1", 12, 1)], False, "n").epoch == 1
+    assert groups.form(2, GroupMember("actor-0", 10), [GroupMember("r0", 11, 0), GroupMember("r1", 12, 1)], False, "n").epoch == 1
 
 
 def test_broadcast_group_re_forms_on_new_members_or_after_a_failed_version():
     groups = BroadcastGroups()
-    groups.form(1, Member("actor-0", 10), [Member("r0", 11)], False, "n")
-    assert groups.form(2, Member("actor-0", 10), [Member("r0", 13)], False, "n").epoch == 2  # re-registered
-    assert groups.form(3, Member("actor-0", 10), [Member("r0", 13)], True, "n").epoch == 3
+    groups.form(1, GroupMember("actor-0", 10), [GroupMember("r0", 11)], False, "n")
+    assert groups.form(2, GroupMember("actor-0", 10), [GroupMember("r0", 13)], False, "n").epoch == 2  # re-registered
+    assert groups.form(3, GroupMember("actor-0", 10), [GroupMember("r0", 13)], True, "n").epoch == 3
     assert group_rank(groups.get(3), "r9") is None
 
 
 def test_broadcast_groups_forget_old_versions():
     groups = BroadcastGroups()
     for v in range(1, 12):
-        groups.form(v, Member("s", 1), [], False, "n")
+        groups.form(v, GroupMember("s", 1), [], False, "n")
     assert sorted(groups.groups) == [3, 4, 5, 6, 7, 8, 9, 10, 11]

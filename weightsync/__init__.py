@@ -23,6 +23,8 @@ if TYPE_CHECKING:
     from .coordinator.staleness import check_staleness
     from .manifest import Manifest, TensorSpec, build_manifest
     from .receiver import WeightReceiver
+    from .records import Metrics, PartyStatus, ReceiverMetrics, Status
+    from .records import Metrics, PartyStatus, ReceiverMetrics, Status
     from .sender import StagedVersion, SyncResult, WeightSender
     from .targets import CopyInto
 
@@ -49,6 +51,10 @@ def __getattr__(name: str) -> Any:
         value = getattr(sender, name)
     elif name == "CopyInto":
         from .targets import CopyInto as value
+    elif name in ("Metrics", "PartyStatus", "ReceiverMetrics", "Status"):
+        from . import records
+
+        value = getattr(records, name)
     else:
         raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
     globals()[name] = value
@@ -63,7 +69,7 @@ __version__ = "0.1.0"
 
 __all__ = [
     "CapacityError", "ChecksumError", "ConfigError", "Coordinator", "CopyInto", "DeadlineExceeded", "Manifest",
-    "ManifestError", "ProtocolError", "StagedVersion", "StalenessError", "SyncConfig", "SyncFailed",
-    "SyncResult", "TensorSpec", "VersionError", "WeightReceiver", "WeightSender", "WeightSyncError",
-    "build_manifest", "check_staleness",
+    "ManifestError", "Metrics", "PartyStatus", "ProtocolError", "ReceiverMetrics", "StagedVersion", "StalenessError",
+    "Status", "SyncConfig", "SyncFailed", "SyncResult", "TensorSpec", "VersionError", "WeightReceiver", "WeightSender",
+    "WeightSyncError", "build_manifest", "check_staleness",
 ]

@@ -20,22 +20,24 @@ WARNING where it failed there, DEBUG per bucket:
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import threading
 import time
 from collections.abc import Callable
 from typing import Any
 
+import torch
+
 from . import transports
 from .config import SyncConfig
-from .coordinator.client import ControlPlane, Coordinator, Party, Rejoin
-from .coordinator.ops import Served
+from .coordinator.client import ControlPlane, Coordinator, Member
 from .coordinator.state import State
 from .delta.receiver import DeltaReceiver
 from .digest import Checks, kind_of, version_digest
 from .errors import CapacityError, DeadlineExceeded, ManifestError, VersionError, WeightSyncError
 from .manifest import Expected, Manifest, Unpacker, check_manifest, plan_buckets, size_text
-from .records import VersionRecord
+from .records import ReceiverMetrics, Served, VersionRecord
 from .targets import LoadWeights
 from .transports import (
     Deadline,
@@ -51,7 +53,7 @@ from .transports import (
 log = logging.getLogger("weightsync")
 
 
-class WeightReceiver(Party):
+class WeightReceiver:
     """Rollout-side end of a session: one per rollout worker process (one per vLLM TP rank).
 
     The constructor registers with the coordinator and starts a heartbeat thread; the
@@ -102,7 +104,10 @@ class WeightReceiver(Party):
             reset_cache = reset_cache if reset_cache is not None else getattr(target, "reset_cache", None)
             abort_load = abort_load if abort_load is not None else getattr(target, "abort_load", None)
             expected = expected if expected is not None else getattr(target, "expected", None)
-        super().__init__(coordinator, name=name or f"rollout-{rank}", rank=rank, config=config, device=device)
+        # registration, heartbeat and rejoin; what a restarted coordinator must learn is pushed
+        # to it as it changes (member.remember)
+        self.member = Member(coordinator, role=self.role, name=name or f"rollout-{rank}", rank=rank, config=config,
+                             device=device)
         self.load_weights, self.post_load = load_weights, post_load
         self.reset_cache, self.abort_load = reset_cache, abort_load
         self.expected, self.strict = expected, strict
@@ -115,15 +120,78 @@ class WeightReceiver(Party):
         self._version: int | None = None
         self._touched = False  # a bucket of the version being applied reached the model
         self._buckets_loaded = 0  # of the version being applied, for its log line
-        # where the served version's bytes are: the wire form (told to a restarted coordinator)
-        # and its record (for rollback)
-        self._served_at: Served | None = None
-        self._served: VersionRecord | None = None
+        self._served: VersionRecord | None = None  # where the served version's bytes are, for rollback
         self.shadow: DeltaReceiver | None = None  # delta sync's host copy of the served version, from the first delta
         self._session_lock = threading.Lock()  # prefetch() may run in a thread beside apply()
         self._ahead: AheadThread | None = None  # receive_ahead: takes versions before the barrier
-        self.last_metrics: dict[str, Any] = {}
-        self.open()  # last: registration tells the coordinator what this receiver serves
+        self.last_metrics: ReceiverMetrics | None = None  # of the last version it committed
+        self.open()
+
+    # -- who it is, its session and its calls to the coordinator: its member's -------------
+
+    @property
+    def coordinator(self) -> Coordinator:
+        return self.member.coordinator
+
+    @property
+    def name(self) -> str:
+        return self.member.name
+
+    @property
+    def rank(self) -> int:
+        return self.member.rank
+
+    @property
+    def config(self) -> SyncConfig:
+        return self.member.config
+
+    @property
+    def device(self) -> torch.device:
+        return self.member.device
+
+    @property
+    def session(self) -> str | None:
+        return self.member.session
+
+    @property
+    def party_id(self) -> int | None:
+        return self.member.party_id
+
+    @property
+    def control(self) -> ControlPlane:
+        return self.member.control
+
+    def open(self) -> WeightReceiver:
+        """Register with the coordinator and start the heartbeat. Idempotent; the constructor
+        calls it, so users never need to.
+
+        Returns:
+            This receiver.
+
+        Raises:
+            WeightSyncError: The coordinator is unreachable or refused the registration.
+        """
+        self.member.open()
+        return self
+
+    def close(self) -> None:
+        """Stop the ahead thread, release the transport's resources and leave the session.
+        Idempotent; a ``with`` block calls it on exit."""
+        if self.member.closed:
+            return
+        try:
+            if self._ahead is not None:
+                self._ahead.stop()
+            if self.transport is not None:
+                self.transport.close()
+        finally:
+            self.member.close()
+
+    def __enter__(self) -> WeightReceiver:
+        return self.open()
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
 
     @property
     def version(self) -> int | None:
@@ -147,6 +215,7 @@ class WeightReceiver(Party):
                 self.control.verdict(False, why=str(exc))
                 raise
         self.control.verdict(True)
+        self.member.remember(accepted=True)  # a restarted coordinator hears it again
         declared = transports.get(session.transport)
         record = declared.session(session.info)  # a malformed one: ProtocolError naming the transport and field
         plan = plan_buckets(manifest, self.config.bucket_bytes, self.config.align_bytes)
@@ -154,7 +223,7 @@ class WeightReceiver(Party):
         kind = record.digest_kind if kind_of(self.config, self.device) is not None else None
         ctx = TransportContext(config=self.config, plan=plan, manifest=manifest, digest=session.digest,
                                session=self.session, name=self.name, rank=self.rank, device=self.device,
-                               member=self, digest_kind=kind)
+                               member=self.member, digest_kind=kind)
         transport = declared.receiver(ctx, record)
         self.transport, self.declared, self.unpacker, self._kind = transport, declared, Unpacker(plan, manifest), kind
         try:
@@ -212,31 +281,26 @@ class WeightReceiver(Party):
             reason, loaded = f"{type(exc).__name__}: {exc}", self._buckets_loaded
             if record is not None:
                 reason += self._rollback(record, prev, prev_record, deadline)
+                self.member.remember(serving=self._version)  # the previous version again, or none
             _log_apply_failed(self.name, v, self.declared.name, loaded,
                               self.unpacker.plan.bucket_count, time.perf_counter() - t0, reason)
             self._report(v, ok=False, reason=reason)
             raise
-        self._version, self._served_at, self._served = v, Served(slot=target.slot, info=target.info), record
+        self._version, self._served = v, record
+        self.member.remember(serving=v, served=Served(slot=target.slot, info=target.info))
         if self.shadow is not None:
             # a version loaded whole leaves the shadow behind: the next delta is refused
             self.shadow.committed(v if record.delta is not None else None)
         self._report(v, ok=True, metrics=self.last_metrics)
-        self.last_metrics["calls"] = self.control.made() - made  # coordinator calls of this version, report included
-        _log_applied(self.name, v, self.declared.name, self.last_metrics["bytes"], self.last_metrics["total_s"])
+        # coordinator calls of this version, report included
+        self.last_metrics = dataclasses.replace(self.last_metrics, calls=self.control.made() - made)
+        _log_applied(self.name, v, self.declared.name, self.last_metrics.bytes, self.last_metrics.total_s)
         return v
 
     def _holds_base(self, record: VersionRecord) -> bool:
         """False for a delta against a version this receiver's shadow does not hold."""
         base = record.delta.base if record.delta is not None else None
         return base is None or (self.shadow is not None and self.shadow.version == base)
-
-    def _rejoin_state(self) -> Rejoin:
-        served = self._version
-        return Rejoin(serving=served, served=self._served_at if served is not None else None)
-
-    def _rejoined(self) -> None:
-        if self.transport is not None:
-            self.control.without_rejoin().verdict(True)
 
     def prefetch(self, version: int | None = None, timeout: float | None = None) -> int | None:
         """Verify ``version`` (None: the newest one on its way) ahead of ``apply()``, e.g. in
@@ -290,7 +354,7 @@ class WeightReceiver(Party):
         """
         return self.apply(None, wait=False)
 
-    def _load(self, version: int, record: VersionRecord, deadline: Deadline) -> dict[str, Any]:
+    def _load(self, version: int, record: VersionRecord, deadline: Deadline) -> ReceiverMetrics:
         """Receive, verify and load ``version`` whole, then the engine's hooks; its metrics."""
         self._touched = False
         self._buckets_loaded = 0
@@ -330,6 +394,7 @@ class WeightReceiver(Party):
                 if not self._touched:
                     # from here on the model holds a mix of versions until the last bucket
                     self._touched, self._version = True, None
+                    self.member.remember(serving=None)
                 self.load_weights(pairs)
             nbytes += buf.numel()
             self._buckets_loaded += 1
@@ -352,12 +417,12 @@ class WeightReceiver(Party):
             # the whole version's digest, from the bucket digests it verified: equal to the
             # sender's when both hold the same bytes (status() shows both)
             digest = version_digest(kind if len(verified) == self.unpacker.plan.bucket_count else None, verified)
-        return {"wait_s": wait_s, "verify_s": verify_s, "load_s": load_s, "post_load_s": self._post_s,
-                "reset_cache_s": t5 - t4 - self._post_s, "total_s": total, "bytes": nbytes,
-                "peer_verified_buckets": peer_verified, "gbps": nbytes / total / 1e9 if total > 0 else 0.0,
-                "received_ahead": isinstance(self.transport, ReceivesAhead)
-                and self.transport.received_ahead(version, record),
-                "digest": digest}
+        return ReceiverMetrics(wait_s=wait_s, verify_s=verify_s, load_s=load_s, post_load_s=self._post_s,
+                               reset_cache_s=t5 - t4 - self._post_s, total_s=total, bytes=nbytes,
+                               peer_verified_buckets=peer_verified, gbps=nbytes / total / 1e9 if total > 0 else 0.0,
+                               received_ahead=isinstance(self.transport, ReceivesAhead)
+                               and self.transport.received_ahead(version, record),
+                               digest=digest)
 
     def _finish_load(self, version: int | None) -> None:
         """The engine's hooks once a version is loaded whole: post-load, then the cache reset."""
@@ -425,18 +490,12 @@ class WeightReceiver(Party):
             return undone.why
         return ""
 
-    def _report(self, version: int, ok: bool, reason: str = "", metrics: dict | None = None) -> None:
+    def _report(self, version: int, ok: bool, reason: str = "", metrics: ReceiverMetrics | None = None) -> None:
         try:
             self.control.report(version, ok, serving=self._version, reason=reason, metrics=metrics)
         except WeightSyncError:
             if ok:
                 raise
-
-    def _close_transport(self) -> None:
-        if self._ahead is not None:
-            self._ahead.stop()
-        if self.transport is not None:
-            self.transport.close()
 
 
 # -- receive_ahead ----------------------------------------------------------------------------

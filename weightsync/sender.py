@@ -25,16 +25,17 @@ import time
 from collections.abc import Mapping
 from typing import Any
 
+import torch
+
 from . import transports
 from .config import SyncConfig
-from .coordinator import ops
-from .coordinator.client import Coordinator, Party, Publication, Rejoin
+from .coordinator.client import ControlPlane, Coordinator, Member
 from .delta.policy import FULL
 from .delta.sender import DeltaSender, host_reserve, wanted
 from .device import describe
 from .errors import ConfigError, VersionError
 from .manifest import Manifest, NamedTensors, Packer, build_manifest, plan_buckets, size_text
-from .records import VersionRecord
+from .records import Device, Metrics, Placement, Publication, VersionRecord
 from .transports import Announces, Deadline, GivesBack, SenderTransport, TransportContext
 
 log = logging.getLogger("weightsync")
@@ -49,7 +50,8 @@ class SyncResult:
         stage_s: Seconds its staging took.
         barrier_s: Seconds from the barrier until every receiver committed.
         bytes: Payload bytes of the version.
-        metrics: The coordinator's per-version record (as ``Coordinator.metrics`` gives it).
+        metrics: The coordinator's per-version record (as ``Coordinator.metrics`` gives it),
+            with each receiver's measurements in ``metrics.receivers``.
         stage_calls: Coordinator calls this sender made to stage the version.
         sync_calls: Coordinator calls this sender made in ``sync()``.
     """
@@ -58,7 +60,7 @@ class SyncResult:
     stage_s: float
     barrier_s: float
     bytes: int
-    metrics: dict[str, Any]
+    metrics: Metrics
     stage_calls: int = 0
     sync_calls: int = 0
 
@@ -72,7 +74,7 @@ class SyncResult:
     def wire_bytes(self) -> int:
         """Bytes the version moved to the receiver that got the most, as receivers report them:
         the payload for a full version, the encoded buckets for a delta (0 when none reported)."""
-        return max((int(m.get("bytes", 0)) for m in self.metrics.get("receivers", {}).values()), default=0)
+        return max((m.bytes for m in self.metrics.receivers.values()), default=0)
 
 
 class StagedVersion:
@@ -111,7 +113,7 @@ class StagedVersion:
         return self._future.result(timeout)
 
 
-class WeightSender(Party):
+class WeightSender:
     """Trainer-side end of a session.
 
     ``rank`` is the trainer rank: rank 0 sends, every other rank must still call ``stage``
@@ -139,7 +141,10 @@ class WeightSender(Party):
     def __init__(self, coordinator: Coordinator, *, rank: int = 0, name: str | None = None,
                  config: SyncConfig | None = None, expected_receivers: int | None = None,
                  device: str | None = None):
-        super().__init__(coordinator, name=name or f"trainer-{rank}", rank=rank, config=config, device=device)
+        # registration, heartbeat and rejoin; what a restarted coordinator must learn is pushed
+        # to it as it changes (member.remember)
+        self.member = Member(coordinator, role=self.role, name=name or f"trainer-{rank}", rank=rank, config=config,
+                             device=device)
         self.expected_receivers = expected_receivers
         self.manifest: Manifest | None = None
         self.transport: SenderTransport | None = None
@@ -151,9 +156,72 @@ class WeightSender(Party):
         # delta sync's snapshot and diff (config delta: auto / on, where the transport is slow enough)
         self._delta: DeltaSender | None = None
         self._encoded: set[int] = set()  # recent versions sent as delta-encoded buckets
-        self._last_version: int | None = None  # a restarted coordinator learns it on re-registration
-        self._published: Publication | None = None
-        self.open()  # last: registration tells the coordinator the last version staged
+        self.open()
+
+    # -- who it is, its session and its calls to the coordinator: its member's -------------
+
+    @property
+    def coordinator(self) -> Coordinator:
+        return self.member.coordinator
+
+    @property
+    def name(self) -> str:
+        return self.member.name
+
+    @property
+    def rank(self) -> int:
+        return self.member.rank
+
+    @property
+    def config(self) -> SyncConfig:
+        return self.member.config
+
+    @property
+    def device(self) -> torch.device:
+        return self.member.device
+
+    @property
+    def session(self) -> str | None:
+        return self.member.session
+
+    @property
+    def party_id(self) -> int | None:
+        return self.member.party_id
+
+    @property
+    def control(self) -> ControlPlane:
+        return self.member.control
+
+    def open(self) -> WeightSender:
+        """Register with the coordinator and start the heartbeat. Idempotent; the constructor
+        calls it, so users never need to.
+
+        Returns:
+            This sender.
+
+        Raises:
+            WeightSyncError: The coordinator is unreachable or refused the registration.
+        """
+        self.member.open()
+        return self
+
+    def close(self) -> None:
+        """Release the transport's resources and leave the session. Idempotent; a ``with``
+        block calls it on exit."""
+        if self.member.closed:
+            return
+        try:
+            self._pool.shutdown(wait=True)
+            if self.transport is not None:
+                self.transport.close()
+        finally:
+            self.member.close()
+
+    def __enter__(self) -> WeightSender:
+        return self.open()
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
 
     @property
     def sends(self) -> bool:
@@ -184,11 +252,11 @@ class WeightSender(Party):
         config = self.config
         plan = plan_buckets(manifest, config.bucket_bytes, config.align_bytes)
         receivers = self.control.receivers(self.expected_receivers or 0, timeout=config.connect_timeout_s)
-        me = ops.Placement(host=self.host, node_id=self.node_id, device=ops.Device(**describe(self.device)))
+        me = Placement(host=self.member.host, node_id=self.member.node_id, device=Device(**describe(self.device)))
         name, reason = transports.choose(config.transport, me, receivers, config.backend, config.shm_dir)
         delta = config.delta != "off" and wanted(config.delta, name)  # delta sync runs in this session
         ctx = TransportContext(config=config, plan=plan, manifest=manifest, digest=digest, session=self.session,
-                               name=self.name, rank=self.rank, device=self.device, member=self,
+                               name=self.name, rank=self.rank, device=self.device, member=self.member,
                                host_reserve=host_reserve(config.delta, name, plan) if delta else 0)
         transport = transports.get(name).sender(ctx)
         session = transport.session
@@ -201,13 +269,14 @@ class WeightSender(Party):
         log.info("weightsync session %s: transport %s (%s)", self.session, name, reason)
         # receivers may read a version as soon as it is announced (shm's segment, broadcast's ahead group)
         pipelined = isinstance(transport, Announces) and session.ahead
-        self._published = Publication(manifest.to_wire(), digest, plan.payload_bytes, name, reason,
-                                      session.to_wire(), pipelined, session.keeps_versions)
+        publication = Publication(manifest.to_wire(), digest, plan.payload_bytes, name, reason,
+                                  session.to_wire(), pipelined, session.keeps_versions)
         try:
-            self.control.publish(self._published)
+            self.control.publish(publication)
         except BaseException:
             transport.close()
             raise
+        self.member.remember(publication=publication)  # a restarted coordinator gets it again
         self.manifest, self.transport, self.transport_name, self.plan = manifest, transport, name, plan
         if self.sends and delta:
             self._delta = DeltaSender(plan, manifest, config.delta)
@@ -278,13 +347,6 @@ class WeightSender(Party):
             pass  # aborted already, or the coordinator is gone: the version cannot commit either way
         return True
 
-    def _rejoin_state(self) -> Rejoin:
-        return Rejoin(last_version=self._last_version)
-
-    def _rejoined(self) -> None:
-        if self._published is not None:
-            self.control.without_rejoin().publish(self._published)
-
     def _stage(self, version: int, named: NamedTensors) -> float:
         t0, made = time.perf_counter(), self.control.made()
         try:
@@ -302,7 +364,7 @@ class WeightSender(Party):
                 named = list(named)  # the first version fixes the manifest: we need it whole
             self.publish(build_manifest(named))
         slot = self.control.begin_stage(version)
-        self._last_version = version  # a restarted coordinator learns it on re-registration
+        self.member.remember(last_version=version)  # a restarted coordinator never reuses it
         try:
             packer, delta = self._packer(version, named)
             if isinstance(self.transport, Announces):
@@ -392,7 +454,7 @@ class WeightSender(Party):
         barrier_s = time.perf_counter() - t0
         stage_calls = self._stage_calls.pop(version, 0)
         self._stage_calls = {v: n for v, n in self._stage_calls.items() if v > version}
-        result = SyncResult(version, stage_s, barrier_s, outcome.bytes, outcome.as_dict(), stage_calls=stage_calls,
+        result = SyncResult(version, stage_s, barrier_s, outcome.bytes, outcome, stage_calls=stage_calls,
                             sync_calls=self.control.made() - made)
         if self.sends:
             _log_sent(self.name, version, transport, result.bytes, stage_s, barrier_s, outcome.committed)
@@ -410,11 +472,6 @@ class WeightSender(Party):
             return None
         policy = self._delta.policy
         return {"base": self._delta.base, **({"auto": policy.describe()} if policy is not None else {})}
-
-    def _close_transport(self) -> None:
-        self._pool.shutdown(wait=True)
-        if self.transport is not None:
-            self.transport.close()
 
 
 def _log_sent(party: str, version: int, transport: str | None, nbytes: int, stage_s: float, barrier_s: float,

@@ -93,7 +93,7 @@ class BenchTrainer:
         stage_s = self.sender.stage(version, self.tensors).wait()
         r = self.sender.sync(version)
         return {"t0": t0, "end": time.monotonic(), "stage_s": stage_s, "barrier_s": r.barrier_s,
-                "metrics": r.metrics, "changed_fraction": changed, **_calls(r)}
+                "metrics": r.metrics.as_dict(), "changed_fraction": changed, **_calls(r)}
 
     def stage(self, version: int) -> float:
         # the reply stays a float, as every revision's stage() gives it (the runner drives an
@@ -103,7 +103,7 @@ class BenchTrainer:
 
     def sync(self, version: int) -> dict[str, Any]:
         r = self.sender.sync(version)
-        return {"end": time.monotonic(), "stage_s": r.stage_s, "barrier_s": r.barrier_s, "metrics": r.metrics,
+        return {"end": time.monotonic(), "stage_s": r.stage_s, "barrier_s": r.barrier_s, "metrics": r.metrics.as_dict(),
                 **_calls(r)}
 
     def shm_bytes(self) -> int:
@@ -206,7 +206,9 @@ class BenchRollout:
 
     def apply(self, version: int) -> dict[str, Any]:
         served = self.receiver.apply(version)
-        return {"end": time.monotonic(), "version": served, "metrics": dict(self.receiver.last_metrics)}
+        # plain maps, as every revision's actors give them (the runner reads an --against revision's too)
+        m = self.receiver.last_metrics
+        return {"end": time.monotonic(), "version": served, "metrics": m.as_dict() if m is not None else {}}
 
     def close_session(self) -> dict[str, Any]:
         out = {"peak_extra": self.peak.extra()}

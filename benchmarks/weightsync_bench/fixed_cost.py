@@ -23,7 +23,7 @@ MIN_VERSIONS = 30
 DEVICE_SHARE = 0.05
 PHASES = ("wait_s", "verify_s", "load_s", "post_load_s", "total_s")
 # sender_stage / sender_sync: SyncResult.stage_calls / sync_calls; receiver: one receiver's
-# apply() (last_metrics["calls"], its report included); barrier: every party's calls in a
+# apply() (last_metrics.calls, its report included); barrier: every party's calls in a
 # pre-staged barrier (the sender's sync() and every receiver's apply())
 CALLS = ("sender_stage", "sender_sync", "receiver", "barrier")
 

@@ -29,6 +29,7 @@ from weightsync.config import SyncConfig
 from weightsync.coordinator.client import Coordinator
 from weightsync.manifest import Manifest
 from weightsync.receiver import WeightReceiver
+from weightsync.records import ReceiverMetrics
 from weightsync.sender import SyncResult, WeightSender
 
 from .faults import edit_packed, hold_receive, tampering
@@ -64,7 +65,7 @@ class Counters:
 
     loads: int  # load_weights calls
     post_loads: int  # post-load hook runs
-    metrics: dict[str, Any]  # WeightReceiver.last_metrics
+    metrics: ReceiverMetrics | None  # WeightReceiver.last_metrics
 
 
 class _Party:
@@ -141,7 +142,7 @@ class RolloutWorker(_Party):
         return {n: t.cpu().clone() for n, t in self.engine.params.items()}
 
     def counters(self) -> Counters:
-        return Counters(self.engine.loads, self.engine.post_loads, dict(self.receiver.last_metrics))
+        return Counters(self.engine.loads, self.engine.post_loads, self.receiver.last_metrics)
 
     def _party(self) -> WeightReceiver:
         return self.receiver

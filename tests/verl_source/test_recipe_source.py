@@ -208,7 +208,7 @@ def test_recipe_init_workers_and_fit_syncs_bit_exactly(tmp_path, ray_cluster, re
         before = trainer.actor_wg.full_weights()[0]
         # the adapter hooks the group fit() calls update_actor on, at the first sync
         assert getattr(trainer.actor_rollout_wg, "_ws_hooked", False) is (trainer.actor_rollout_wg is trainer.actor_wg)
-        transport = trainer._ws_coordinator.status()["transport"]
+        transport = trainer._ws_coordinator.status().transport
         timings = {True: [], False: []}
         for step in range(1, VERSIONS + 1):
             trainer.actor_wg.train_step(step)
@@ -224,7 +224,7 @@ def test_recipe_init_workers_and_fit_syncs_bit_exactly(tmp_path, ray_cluster, re
             check(versions[-1])
             if ahead and transport == "broadcast":
                 m = trainer._ws_coordinator.metrics(versions[-1])
-                assert m["info"].get("ahead") and all(r["received_ahead"] for r in m["receivers"].values()), m
+                assert m.info.get("ahead") and all(r.received_ahead for r in m.receivers.values()), m
         print(f"\n{transport}: timing_s/sync_rollout_weights per step, staged ahead {timings[True]}, "
               f"at the barrier {timings[False]}")
         assert versions == sorted(set(versions)) and len(versions) == VERSIONS + 1

@@ -151,7 +151,7 @@ def test_hf_trainer_to_real_vllm_model(coordinator_factory, parties, transport, 
         moved = [n for n in got if got[n][1] != built[n][1]]
         assert not moved, f"version {v}: parameters replaced instead of updated in place: {moved}"
         assert ray.get(rollout.counts.remote()) == v  # process_weights_after_loading once per version
-    assert coord.status()["transport"] == transport
+    assert coord.status().transport == transport
 
 
 def test_manifest_check_against_the_real_model_names_the_tensor(parties):

@@ -22,7 +22,7 @@ def run_status(args: argparse.Namespace) -> int:
     ray.init(address=args.address, namespace=args.namespace or None, logging_level="ERROR")
     try:
         coord = Coordinator.connect(args.name, args.token, {"namespace": args.namespace})
-        print(json.dumps(coord.status(), indent=2) if args.json else coord.format_status())
+        print(json.dumps(coord.status().as_dict(), indent=2) if args.json else coord.format_status())
     finally:
         ray.shutdown()
     return 0

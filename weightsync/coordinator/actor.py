@@ -1,28 +1,113 @@
 """Internal. The coordinator actor: one named Ray actor per job. It never touches tensor bytes.
 
-Parties (senders, receivers) talk to it through one ``rpc(bytes) -> bytes`` method (through Ray, or the control channel of :mod:`weightsync.coordinator.channel`) carrying
-a request record of :mod:`weightsync.coordinator.ops` as msgpack (see :mod:`weightsync.coordinator.client` for the
-client), present the session token, and send heartbeats; each request type has exactly one
-handler here, marked ``@handles(Request)``, which answers with the request's reply record. A
-monitor task turns a silent party into an error that names it. What a version may do next is decided by :class:`~weightsync.coordinator.state.VersionTable`;
-this module adds the session registry, liveness, waits with deadlines and wake-ups.
+Parties (senders, receivers) call it through one ``rpc(bytes) -> bytes`` method, through Ray or
+over its control channel (:class:`Server`), carrying a request record of
+:mod:`weightsync.records` as msgpack (:mod:`weightsync.coordinator.client` is the client side);
+every call presents the session token, and parties send heartbeats. Each request type has
+exactly one handler here, marked ``@handles(Request)``, which answers with the request's reply
+record. A monitor task turns a silent party into an error that names it. What a version may do
+next is decided by :class:`~weightsync.coordinator.state.VersionTable`; this module adds the
+session registry, liveness, waits with deadlines and wake-ups, and the broadcast transport's
+group membership (who takes part in each broadcast version, and who broke a group).
 """
 
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import hmac
 import secrets
+import socket
 import time
+from collections.abc import Awaitable, Callable
+
+import ray
 
 from .. import records
 from ..config import SyncConfig
 from ..errors import DeadlineExceeded, ManifestError, ProtocolError, SyncFailed, VersionError, WeightSyncError
-from . import channel, ops
-from .membership import BroadcastGroups
-from .membership_ops import BroadcastMembership
-from .ops import handles
-from .state import Candidate, Parties, PartyRecord, Signals, State, Version, VersionTable, choose_slot, pinned_slots
+from ..records import FRAME_HEADER, MAX_MESSAGE_BYTES, handles
+from .staleness import check_staleness
+from .state import (
+    BroadcastGroups,
+    Candidate,
+    GroupMember,
+    Parties,
+    PartyRecord,
+    Signals,
+    State,
+    Version,
+    VersionTable,
+    choose_slot,
+    group_rank,
+    pinned_slots,
+)
+
+
+class Server:
+    """The control channel: the coordinator's calls over a plain TCP connection, beside Ray.
+
+    One Ray actor call costs 1-2.5 ms of round trip on a loaded 2-core machine, and a version
+    makes several on its critical path (figures: docs/design.md, Parties). This serves the same
+    payloads on a port of the actor's own event loop: a frame is a 4-byte big-endian length and
+    the msgpack payload exactly as ``CoordinatorActor.rpc`` takes it, and the reply frame is
+    exactly what ``rpc`` returns, so the token check and the decoding stay in one place and
+    nothing new is unpickled. Each connection serves its frames in order; a client holds one
+    connection per thread, so a long poll blocks only its own (``client.Link``).
+
+    ``served``: payloads the handler took, whichever way they came (the actor counts them);
+    ``frames``: those that came over the channel."""
+
+    def __init__(self, handler: Callable[[bytes], Awaitable[bytes]]):
+        self.handler = handler
+        self.served = self.frames = 0
+        self._opening: asyncio.Task | None = None
+        self._server: asyncio.AbstractServer | None = None
+
+    def via(self) -> dict[str, int]:
+        """Payloads served by the way they came (``Status.via``)."""
+        return {"ray": self.served - self.frames, "socket": self.frames}
+
+    async def open(self, mode: str) -> records.ChannelAddress:
+        """Where the channel listens, from the first call on; ``mode``: the config's
+        ``control_channel``.
+
+        Raises:
+            ProtocolError: ``mode`` is not "socket": clients keep to Ray.
+            WeightSyncError: The port could not be opened (the next ask tries again).
+        """
+        if mode != "socket":
+            raise ProtocolError(f"this coordinator serves no control channel (control_channel: {mode})")
+        if self._opening is None:
+            # a task, not a plain await: calls asking at once all wait for the one port it opens
+            self._opening = asyncio.get_running_loop().create_task(self._start())
+        try:
+            return await asyncio.shield(self._opening)
+        except OSError as exc:
+            self._opening = None
+            raise WeightSyncError(f"cannot open the control channel: {exc}") from None
+
+    async def _start(self) -> records.ChannelAddress:
+        host = ray.util.get_node_ip_address()  # the address other nodes reach this one by
+        self._server = await asyncio.start_server(self._serve, host, 0)
+        return records.ChannelAddress(host=host, port=self._server.sockets[0].getsockname()[1])
+
+    async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        writer.get_extra_info("socket").setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        try:
+            while True:
+                size = int.from_bytes(await reader.readexactly(FRAME_HEADER), "big")
+                if size > MAX_MESSAGE_BYTES:
+                    return  # no way to find the next frame; the client's call goes through Ray instead
+                payload = await reader.readexactly(size)
+                self.frames += 1
+                reply = await self.handler(payload)
+                writer.write(len(reply).to_bytes(FRAME_HEADER, "big") + reply)
+                await writer.drain()
+        except (asyncio.IncompleteReadError, ConnectionError):
+            pass  # the client closed (its thread ended, or it gave up waiting)
+        finally:
+            writer.close()
 
 
 class CoordinatorActor:
@@ -47,12 +132,11 @@ class CoordinatorActor:
         self.pipelined = self.keeps_versions = False  # the transport's traits (SenderTransport)
         self.resources: dict[str, int] = {}
         self.signals = Signals()
-        self.broadcast = BroadcastMembership(self.table, self.parties, self.bcast, self.signals, self.session)
         self._monitor: asyncio.Task | None = None
         # control-plane calls served, by op: status() shows them, so the calls one version
         # costs can be counted (docs/benchmarks.md)
         self.calls: dict[str, int] = {}
-        self.channel = channel.Server(self.rpc)
+        self.channel = Server(self.rpc)
 
     # -- the one entry point -------------------------------------------------------------
 
@@ -66,16 +150,21 @@ class CoordinatorActor:
                 raise ProtocolError("control message must be a map with an 'op'")
             if not hmac.compare_digest(str(msg.get("token", "")), self.token):
                 raise ProtocolError(f"op {msg['op']!r} refused: wrong session token for coordinator")
-            if (kind := ops.REQUESTS.get(msg["op"])) is None:
+            if (kind := records.REQUESTS.get(msg["op"])) is None:
                 raise ProtocolError(f"unknown op {msg['op']!r}")
             self.calls[kind.op] = self.calls.get(kind.op, 0) + 1
-            result = await ops.HANDLERS[kind](self, kind.from_wire(msg.get("args", {})))
+            result = await records.HANDLERS[kind](self, kind.from_wire(msg.get("args", {})))
             return records.encode({"ok": True, "type": type(result).__name__, "result": result.to_wire()})
         except WeightSyncError as exc:
-            sync = dict(failed=exc.failed, committed=exc.committed, version=exc.version) if isinstance(exc, SyncFailed) else {}
-            return records.encode({"ok": False, **ops.Failure(kind=type(exc).__name__, error=str(exc), **sync).to_wire()})
+            if isinstance(exc, SyncFailed):
+                failure = records.Failure(kind="SyncFailed", error=str(exc), failed=exc.failed,
+                                          committed=exc.committed, version=exc.version)
+            else:
+                failure = records.Failure(kind=type(exc).__name__, error=str(exc))
+            return records.encode({"ok": False, **failure.to_wire()})
         except TypeError as exc:
-            return records.encode({"ok": False, **ops.Failure(kind="ProtocolError", error=f"bad arguments: {exc}").to_wire()})
+            failure = records.Failure(kind="ProtocolError", error=f"bad arguments: {exc}")
+            return records.encode({"ok": False, **failure.to_wire()})
 
     # -- liveness ------------------------------------------------------------------------
 
@@ -105,28 +194,10 @@ class CoordinatorActor:
     def _party(self, pid: int, seen: bool = True) -> PartyRecord:
         return self.parties.touch(pid, time.monotonic(), seen)
 
-    # -- broadcast membership (membership_ops.py) ---------------------------------------------
-
-    @handles(ops.BcastForm)
-    async def bcast_form(self, req: ops.BcastForm) -> ops.Formed:
-        return await self.broadcast.form(self._party(req.party), req.version, req.ahead)
-
-    @handles(ops.BcastGroup)
-    async def bcast_group(self, req: ops.BcastGroup) -> ops.BroadcastGroup:
-        return await self.broadcast.group(self._party(req.party), req.version, req.timeout)
-
-    @handles(ops.BcastCheck)
-    async def bcast_check(self, req: ops.BcastCheck) -> ops.GroupCheck:
-        return await self.broadcast.check(self._party(req.party), req.version)
-
-    @handles(ops.BcastFailed)
-    async def bcast_failed(self, req: ops.BcastFailed) -> ops.Reason:
-        return await self.broadcast.failed(self._party(req.party), req.version, req.error, req.timeout)
-
     # -- registration and session --------------------------------------------------------
 
-    @handles(ops.Register)
-    async def register(self, req: ops.Register) -> ops.Registered:
+    @handles(records.Register)
+    async def register(self, req: records.Register) -> records.Registered:
         """Join the session. A party re-registering after a coordinator restart brings what
         the coordinator lost: the newest version it staged (senders) or the version it
         serves and where its bytes are (receivers), so versions keep going up and rollback
@@ -144,22 +215,22 @@ class CoordinatorActor:
                 self.table.restore_committed(record.serving, int(req.served.slot or 0), dict(req.served.info),
                                              time.monotonic())
         self._poke()
-        return ops.Registered(party=record.pid, session=self.session, config=self.config.to_dict())
+        return records.Registered(party=record.pid, session=self.session, config=self.config.to_dict())
 
-    @handles(ops.Heartbeat)
-    async def heartbeat(self, req: ops.Heartbeat) -> ops.Done:
+    @handles(records.Heartbeat)
+    async def heartbeat(self, req: records.Heartbeat) -> records.Done:
         self._party(req.party)
-        return ops.Done()
+        return records.Done()
 
-    @handles(ops.Leave)
-    async def leave(self, req: ops.Leave) -> ops.Done:
+    @handles(records.Leave)
+    async def leave(self, req: records.Leave) -> records.Done:
         p = self.parties.leave(req.party)
         if p is not None:
             self._party_lost(p)
-        return ops.Done()
+        return records.Done()
 
-    @handles(ops.Publish)
-    async def publish(self, req: ops.Publish) -> ops.Done:
+    @handles(records.Publish)
+    async def publish(self, req: records.Publish) -> records.Done:
         self._party(req.party)
         pub = req.publication
         if self.digest is not None and self.digest != pub.digest:
@@ -171,30 +242,30 @@ class CoordinatorActor:
         self.transport, self.transport_reason, self.transport_info = pub.transport, pub.reason, dict(pub.info)
         self.pipelined, self.keeps_versions = pub.pipelined, pub.keeps_versions
         self._poke()
-        return ops.Done()
+        return records.Done()
 
-    @handles(ops.Session)
-    async def session_of(self, req: ops.Session) -> ops.SessionInfo:
+    @handles(records.Session)
+    async def session_of(self, req: records.Session) -> records.SessionInfo:
         deadline = time.monotonic() + req.timeout
         while self.manifest is None:
             if time.monotonic() >= deadline:
                 raise DeadlineExceeded(f"no sender published a manifest within {req.timeout:.1f}s")
             self._party(req.party, seen=False)
             await self.signals.wait(self.signals.any, deadline)
-        return ops.SessionInfo(manifest=self.manifest, digest=self.digest or "", transport=self.transport or "",
-                               info=self.transport_info, session=self.session)
+        return records.SessionInfo(manifest=self.manifest, digest=self.digest or "", transport=self.transport or "",
+                                   info=self.transport_info, session=self.session)
 
-    @handles(ops.Receivers)
-    async def receivers(self, req: ops.Receivers) -> ops.Placements:
+    @handles(records.Receivers)
+    async def receivers(self, req: records.Receivers) -> records.Placements:
         deadline = time.monotonic() + req.timeout
         self._party(req.party)
         while True:
             self._party(req.party, seen=False)
             live = self.parties.receivers()
             if len(live) >= req.count:
-                return ops.Placements(receivers=[
-                    ops.Placement(name=p.name, rank=p.rank, host=p.host, node_id=p.node_id,
-                                  device=p.device, serving=p.serving)
+                return records.Placements(receivers=[
+                    records.Placement(name=p.name, rank=p.rank, host=p.host, node_id=p.node_id,
+                                      device=p.device, serving=p.serving)
                     for p in live])
             if time.monotonic() >= deadline:
                 raise DeadlineExceeded(
@@ -203,8 +274,8 @@ class CoordinatorActor:
                 )
             await self.signals.wait(self.signals.any, deadline)
 
-    @handles(ops.Verdict)
-    async def verdict(self, req: ops.Verdict) -> ops.Done:
+    @handles(records.Verdict)
+    async def verdict(self, req: records.Verdict) -> records.Done:
         p = self._party(req.party)
         p.verdict = "" if req.accepted else (req.why or "rejected")
         if not req.accepted:
@@ -214,13 +285,13 @@ class CoordinatorActor:
             for v in self.table.receiver_lost(p.name, f"{p.label} {p.why}", time.monotonic()):
                 self._poke(v)
         self._poke()
-        return ops.Done()
+        return records.Done()
 
-    @handles(ops.Resource)
-    async def resource(self, req: ops.Resource) -> ops.Done:
+    @handles(records.Resource)
+    async def resource(self, req: records.Resource) -> records.Done:
         self._party(req.party)
         self.resources[req.kind] = self.resources.get(req.kind, 0) + req.delta
-        return ops.Done()
+        return records.Done()
 
     # -- versions: thin wrappers over the table, adding waits and wake-ups -----------------
 
@@ -231,17 +302,17 @@ class CoordinatorActor:
         return choose_slot(pinned, self.config.shm_max_segments,
                            self.table.versions[latest].slot if latest is not None else None)
 
-    @handles(ops.BeginStage)
-    async def begin_stage(self, req: ops.BeginStage) -> ops.Slot:
+    @handles(records.BeginStage)
+    async def begin_stage(self, req: records.BeginStage) -> records.Slot:
         p = self._party(req.party)
         if p.role != "sender" or p.rank != 0:
             raise ProtocolError(f"{p.label} may not stage versions; only sender rank 0 does")
         v, superseded = self.table.begin_stage(req.version, self._slot_for_new_version, time.monotonic())
         self._poke(v, *superseded)
-        return ops.Slot(slot=v.slot)
+        return records.Slot(slot=v.slot)
 
-    @handles(ops.StageInfo)
-    async def stage_info(self, req: ops.StageInfo) -> ops.Done:
+    @handles(records.StageInfo)
+    async def stage_info(self, req: records.StageInfo) -> records.Done:
         """More per-version info (where the bytes are, the digest once known); ``readable``:
         a pipelined sender announced the version, receivers may start reading it."""
         self._party(req.party)
@@ -249,23 +320,23 @@ class CoordinatorActor:
         v.info.update(req.info)
         v.readable = v.readable or req.readable
         self._poke(v)
-        return ops.Done()
+        return records.Done()
 
-    @handles(ops.Staged)
-    async def staged(self, req: ops.Staged) -> ops.Done:
+    @handles(records.Staged)
+    async def staged(self, req: records.Staged) -> records.Done:
         self._party(req.party)
         self._poke(self.table.staged(req.version, req.info, req.stage_s))
-        return ops.Done()
+        return records.Done()
 
-    @handles(ops.Abort)
-    async def abort(self, req: ops.Abort) -> ops.Done:
+    @handles(records.Abort)
+    async def abort(self, req: records.Abort) -> records.Done:
         p = self._party(req.party)
         if self.table.abort(req.version, f"{p.label}: {req.reason}", time.monotonic()):
             self._poke(self.table[req.version])
-        return ops.Done()
+        return records.Done()
 
-    @handles(ops.BeginSync)
-    async def begin_sync(self, req: ops.BeginSync) -> ops.Participants:
+    @handles(records.BeginSync)
+    async def begin_sync(self, req: records.BeginSync) -> records.Participants:
         self._party(req.party)
         version = req.version
         eligible = self.parties.at_barrier()
@@ -282,12 +353,12 @@ class CoordinatorActor:
             for p in eligible:
                 p.reported_dead = p.reported_dead or not p.alive  # named in this version, not again
         self._poke(v)
-        return ops.Participants(participants=list(v.participants), failed=sorted(v.failed))
+        return records.Participants(participants=list(v.participants), failed=sorted(v.failed))
 
-    @handles(ops.WaitVersion)
-    async def wait_version(self, req: ops.WaitVersion) -> ops.Target:
+    @handles(records.WaitVersion)
+    async def wait_version(self, req: records.WaitVersion) -> records.Target:
         """Receivers: wait until ``version`` (or, for None, anything newer than what they
-        serve) can be read; returns where its bytes are (ops.WaitVersion)."""
+        serve) can be read; returns where its bytes are (records.WaitVersion)."""
         version, after, timeout = req.version, req.after, req.timeout
         p = self._party(req.party)
         if req.ahead and not p.ahead:
@@ -303,12 +374,12 @@ class CoordinatorActor:
                 v = self.table[target]
                 if not req.prefetch:
                     p.applying = target
-                return ops.Target(version=target, state=v.state.value, slot=v.slot, info=v.info)
+                return records.Target(version=target, state=v.state.value, slot=v.slot, info=v.info)
             asked = self.table.get(version) if version is not None else None
             if asked is not None and asked.state == State.ABORTED:
                 raise VersionError(f"version {version} was aborted: {asked.reason}")
             if not req.wait and (version is None or asked is not None):
-                return ops.Target(version=None)
+                return records.Target(version=None)
             if time.monotonic() >= deadline:
                 want = f"version {version}" if version is not None else "a version newer than the one served"
                 s0 = self.parties.sender0()
@@ -316,24 +387,24 @@ class CoordinatorActor:
                 raise DeadlineExceeded(f"receiver '{p.name}' waited {timeout:.1f}s for {want}{who}")
             await self.signals.wait(self.signals.version(version) if asked is not None else self.signals.any, deadline)
 
-    @handles(ops.GetState)
-    async def state(self, req: ops.GetState) -> ops.VersionState:
+    @handles(records.GetState)
+    async def state(self, req: records.GetState) -> records.VersionState:
         self._party(req.party)
         v = self.table[req.version]
-        return ops.VersionState(state=v.state.value, reason=v.reason, info=v.info)
+        return records.VersionState(state=v.state.value, reason=v.reason, info=v.info)
 
-    @handles(ops.Report)
-    async def report(self, req: ops.Report) -> ops.Done:
+    @handles(records.Report)
+    async def report(self, req: records.Report) -> records.Done:
         p = self._party(req.party)
         p.serving, p.applying = req.serving, None
         v = self.table.report(req.version, p.name, req.ok, f"{p.label}: {req.reason}", req.metrics, time.monotonic())
         if v is not None:
             self._poke(v)
         self._poke()
-        return ops.Done()
+        return records.Done()
 
-    @handles(ops.WaitOutcome)
-    async def wait_outcome(self, req: ops.WaitOutcome) -> ops.Metrics:
+    @handles(records.WaitOutcome)
+    async def wait_outcome(self, req: records.WaitOutcome) -> records.Metrics:
         """Wait until ``version`` committed or failed; ``info``: a sender's late stage_info
         (the digest of a transport that packs at the barrier), folded into this call."""
         version, timeout, party = req.version, req.timeout, req.party
@@ -360,26 +431,113 @@ class CoordinatorActor:
             raise SyncFailed(version, v.failed or {"sender": v.reason}, v.committed)
         return out
 
+    # -- broadcast membership --------------------------------------------------------------
+    # A collective needs exactly the parties that take part in a version, each knowing its group
+    # rank: sender rank 0 fixes the group at the barrier (or ahead of it), receivers wait for it
+    # and learn their rank; a member whose collective breaks asks who broke it. The group's
+    # epoch (state.BroadcastGroups) decides when the communicator must be built again.
+
+    @handles(records.BcastForm)
+    async def bcast_form(self, req: records.BcastForm) -> records.Formed:
+        """Sender rank 0, right after begin_sync: fix the group of ``version``. ``ahead``: in
+        stage() instead, with every live receiver, if each one's ahead thread is ready to take
+        the version into its shadow; else no group and the version goes at the barrier."""
+        sender = self._party(req.party)
+        v = self.table[req.version]
+        if v.state == State.ABORTED:
+            raise VersionError(f"version {req.version} was aborted: {v.reason}")
+        if req.ahead:
+            live = [p for p in self.parties.receivers() if not p.rejected]
+            if not live or not all(p.ahead and p.verdict == "" for p in live):
+                return records.Formed(group=None)
+            members = [GroupMember(p.name, p.pid, p.rank) for p in live]
+        else:
+            members = [GroupMember(p.name, p.pid, p.rank) for p in self.parties.receivers()
+                       if p.name in v.participants and p.name not in v.failed]
+        last = self.table.get(self.bcast.last) if self.bcast.last is not None else None
+        group = self.bcast.form(req.version, GroupMember(sender.name, sender.pid), members,
+                                last_failed=last is not None and last.state == State.ABORTED, nonce=self.session)
+        v.info["group"] = {"epoch": group.epoch, "members": group.members}  # shown in metrics
+        self._poke(v)
+        return records.Formed(group=group)
+
+    @handles(records.BcastGroup)
+    async def bcast_group(self, req: records.BcastGroup) -> records.BroadcastGroup:
+        """Receivers: wait for the group of ``version``; returns it with this receiver's rank."""
+        version = req.version
+        name = self._party(req.party).name
+        deadline = time.monotonic() + req.timeout
+        while self.bcast.get(version) is None:
+            v = self.table[version]
+            if v.state == State.ABORTED:
+                raise VersionError(f"version {version} was aborted: {v.reason}")
+            if v.state == State.COMMITTED:
+                raise VersionError(f"version {version} committed without receiver '{name}' in its group")
+            if time.monotonic() >= deadline:
+                raise DeadlineExceeded(f"receiver '{name}' waited {req.timeout:.1f}s for the sender to reach the "
+                                       f"barrier of version {version}")
+            self._party(req.party, seen=False)
+            await self.signals.wait(self.signals.version(version), deadline)
+        group = self.bcast.get(version)
+        rank = group_rank(group, name)
+        if rank is None:
+            p = self.parties.named("receiver", name)
+            why = f" ({p.why})" if p is not None and p.why else ""
+            raise VersionError(f"receiver '{name}' is not in the broadcast group of version {version}: it was not a "
+                               f"live participant when the sender reached the barrier{why}; it joins the next version")
+        return dataclasses.replace(group, rank=rank)
+
+    @handles(records.BcastCheck)
+    async def bcast_check(self, req: records.BcastCheck) -> records.GroupCheck:
+        """Polled by a party whose collective is slow: is the version still on, and who is lost?"""
+        name = self._party(req.party).name
+        v = self.table[req.version]
+        group = self.bcast.get(req.version)
+        lost = self.parties.lost_members(v, group, name) if group is not None else []
+        return records.GroupCheck(aborted=v.reason if v.state == State.ABORTED else None, lost=lost)
+
+    @handles(records.BcastFailed)
+    async def bcast_failed(self, req: records.BcastFailed) -> records.Reason:
+        """A member's collective failed: name the party at fault and abort ``version`` for
+        everyone, so no member keeps waiting on a broken group. A killed peer shows up as a
+        closed connection at once but as a silent party only after heartbeat_timeout_s, so
+        this waits up to ``timeout`` for the monitor to name it."""
+        name = self._party(req.party).name
+        v = self.table[req.version]
+        group = self.bcast.get(req.version)
+        deadline = time.monotonic() + req.timeout
+        lost: list[str] = []
+        while group is not None and v.state != State.ABORTED:
+            lost = self.parties.lost_members(v, group, name)
+            if lost or time.monotonic() >= deadline:
+                break
+            await self.signals.wait(self.signals.any, deadline)
+        if v.state != State.ABORTED:
+            epoch = f" (epoch {group.epoch})" if group else ""
+            why = "lost " + "; ".join(lost) if lost else f"failed on '{name}': {req.error}"
+            if not self.table.abort(req.version, f"broadcast group{epoch} {why}", time.monotonic()):
+                return records.Reason(reason=f"broadcast group{epoch} {why}")
+            self._poke(v)
+        return records.Reason(reason=v.reason)
+
     # -- staleness (one-step-off) --------------------------------------------------------
 
-    @handles(ops.CheckBatch)
-    async def check_batch(self, req: ops.CheckBatch) -> ops.Lag:
-        from .staleness import check_staleness
-
+    @handles(records.CheckBatch)
+    async def check_batch(self, req: records.CheckBatch) -> records.Lag:
         limit = self.config.max_staleness if req.max_staleness is None else req.max_staleness
         check_staleness(req.batch_version, req.step, limit)
-        return ops.Lag(lag=req.step - req.batch_version)
+        return records.Lag(lag=req.step - req.batch_version)
 
-    @handles(ops.Channel)
-    async def open_channel(self, req: ops.Channel) -> ops.ChannelAddress:
+    @handles(records.Channel)
+    async def open_channel(self, req: records.Channel) -> records.ChannelAddress:
         return await self.channel.open(self.config.control_channel)
 
     # -- reading -------------------------------------------------------------------------
 
-    @handles(ops.GetStatus)
-    async def status(self, req: ops.GetStatus) -> ops.Status:
+    @handles(records.GetStatus)
+    async def status(self, req: records.GetStatus) -> records.Status:
         now = time.monotonic()
-        return ops.Status(
+        return records.Status(
             session=self.session,
             transport=self.transport, transport_reason=self.transport_reason,
             pipelined=self.pipelined,
@@ -395,6 +553,6 @@ class CoordinatorActor:
             config=self.config.to_dict(),
         )
 
-    @handles(ops.GetMetrics)
-    async def metrics(self, req: ops.GetMetrics) -> ops.Metrics:
+    @handles(records.GetMetrics)
+    async def metrics(self, req: records.GetMetrics) -> records.Metrics:
         return self.table[req.version].public(self.payload_bytes)

@@ -1,7 +1,8 @@
 """Internal. What a party or a driver reaches the coordinator through: the handle that creates or
-reaches the actor and calls it (:class:`Coordinator`), one party's typed view of it
-(:class:`ControlPlane`), where every control-plane operation is a method, and the party itself
-(:class:`Party`, what WeightSender and WeightReceiver share): its registration, heartbeat and
+reaches the actor and calls it (:class:`Coordinator`), over Ray or the actor's control channel
+(:class:`Link`, this end of it); one party's typed view of it (:class:`ControlPlane`), where
+every control-plane operation is a method; and a party's membership of the session
+(:class:`Member`, held by WeightSender and WeightReceiver): its registration, heartbeat and
 rejoin, the other half of the control plane's retry.
 
 The actor itself (``weightsync.coordinator.actor``) owns the session and the version state machine
@@ -10,13 +11,13 @@ so a driver creates it and hands it to its workers.
 
 A misspelled operation or argument fails where it is written (an AttributeError or TypeError in
 the caller, caught by any test that runs the line), not as a ``ProtocolError`` from the actor at
-run time. Each call sends one request record of :mod:`weightsync.coordinator.ops` and gets back
-its reply record, decoded strictly, so a reply that changed shape fails loudly.
+run time. Each call sends one request record of :mod:`weightsync.records` and gets back its
+reply record, decoded strictly, so a reply that changed shape fails loudly.
 
-Calls go through the party: a coordinator that restarted answers ``SessionLost``; the party
-registers again (bringing what the coordinator lost) and the call is retried once. The sender,
-the receivers and every transport reach the coordinator only through :class:`ControlPlane`, so
-rejoin works the same everywhere.
+Calls go through the member: a coordinator that restarted answers ``SessionLost``; the member
+registers again, telling the coordinator what its owner pushed to it (:meth:`Member.remember`),
+and the call is retried once. The sender, the receivers and every transport reach the
+coordinator only through :class:`ControlPlane`, so rejoin works the same everywhere.
 """
 
 from __future__ import annotations
@@ -31,25 +32,113 @@ from collections.abc import Callable
 from typing import Any
 
 import ray
+import torch
 
 from .. import errors, records
 from ..config import SyncConfig
 from ..device import describe, resolve
 from ..errors import DeadlineExceeded, ProtocolError, SessionLost, SyncFailed, WeightSyncError
-from . import ops
+from ..records import FRAME_HEADER, MAX_MESSAGE_BYTES, Publication, Served, SessionInfo, Target, VersionState
 from .actor import CoordinatorActor
-from .channel import Broken, Link, Unreachable
-from .ops import Publication, SessionInfo, Target, VersionState
+from .status_text import format_status
 
-__all__ = ["ControlPlane", "Coordinator", "Party", "Publication", "SessionInfo", "Target", "VersionState"]
+__all__ = ["ControlPlane", "Coordinator", "Member", "Publication", "SessionInfo", "Target", "VersionState"]
 
 _ERRORS = {n: c for n, c in vars(errors).items() if isinstance(c, type) and issubclass(c, WeightSyncError)}
 
 
-def _raise_remote(failure: ops.Failure) -> None:
+def _raise_remote(failure: records.Failure) -> None:
     if failure.kind == "SyncFailed" and failure.version is not None:
         raise SyncFailed(failure.version, failure.failed or {}, failure.committed)
     raise _ERRORS.get(failure.kind, WeightSyncError)(failure.error)
+
+
+# -- this end of the control channel (the coordinator's: actor.Server) ------------------------
+
+# a port nobody answers on (a firewall that drops packets) must not cost a call its whole
+# deadline; a live actor's kernel completes the handshake without waiting for its loop
+CONNECT_S = 5.0
+
+
+class Broken(Exception):
+    """The connection failed (reset, closed mid-reply): the actor is gone or restarted; the
+    call goes through Ray instead, which reaches a restarted actor."""
+
+
+class Unreachable(Broken):
+    """No connection could be opened (refused, or no answer within ``CONNECT_S``)."""
+
+
+class Link:
+    """Connections to one coordinator's control channel at ``address``, one per calling thread
+    (a long poll blocks only its own): a frame is the payload's length in ``FRAME_HEADER``
+    big-endian bytes, then the payload; the reply comes back framed the same way."""
+
+    def __init__(self, address: tuple[str, int]):
+        self.address = address
+        self._local = threading.local()
+        self._pid = os.getpid()
+
+    def call(self, payload: bytes, deadline: float) -> bytes:
+        """The reply to ``payload``.
+
+        Raises:
+            Unreachable: No connection could be opened.
+            Broken: The connection failed; this thread's connection is dropped.
+            TimeoutError: No reply by ``deadline`` (time.monotonic()); the connection is dropped,
+                so a late reply never answers the next call.
+        """
+        if os.getpid() != self._pid:
+            # a forked child holds its parent's connections: frames of both would interleave on them
+            raise Broken("the link was opened by the parent process")
+        sock = self._connection(deadline)
+        try:
+            sock.settimeout(max(deadline - time.monotonic(), 1e-3))
+            sock.sendall(len(payload).to_bytes(FRAME_HEADER, "big") + payload)
+            size = int.from_bytes(_read(sock, FRAME_HEADER, deadline), "big")
+            if size > MAX_MESSAGE_BYTES:
+                raise Broken(f"a reply frame of {size} bytes")
+            return _read(sock, size, deadline)
+        except TimeoutError:
+            self.drop()
+            raise
+        except (OSError, Broken) as exc:
+            self.drop()
+            raise Broken(str(exc)) from None
+
+    def _connection(self, deadline: float) -> socket.socket:
+        sock = getattr(self._local, "sock", None)
+        if sock is None:
+            try:
+                timeout = min(CONNECT_S, max(deadline - time.monotonic(), 1e-3))
+                sock = socket.create_connection(self.address, timeout=timeout)
+            except OSError as exc:  # a connect timeout included: nobody answers there
+                raise Unreachable(f"cannot connect to {self.address[0]}:{self.address[1]}: {exc}") from None
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            self._local.sock = sock
+        return sock
+
+    def drop(self) -> None:
+        """Close this thread's connection (the next call opens a new one)."""
+        sock = getattr(self._local, "sock", None)
+        self._local.sock = None
+        if sock is not None:
+            sock.close()
+
+
+def _read(sock: socket.socket, size: int, deadline: float) -> bytes:
+    out = bytearray(size)
+    view, got = memoryview(out), 0
+    while got < size:
+        sock.settimeout(max(deadline - time.monotonic(), 1e-3))
+        n = sock.recv_into(view[got:])
+        if n == 0:
+            raise Broken("the coordinator closed the connection")
+        got += n
+    return bytes(out)
+
+
+# -- the handle ---------------------------------------------------------------------------------
 
 
 class Coordinator:
@@ -58,7 +147,7 @@ class Coordinator:
     ``Coordinator.create()`` starts the actor in the driver; workers receive the handle (or
     call ``Coordinator.connect(name, token)``). Every call presents the session token; with
     ``control_channel: socket`` it goes over the coordinator's control channel
-    (coordinator/channel.py), whose address the handle learns through Ray at its first call.
+    (coordinator/actor.py, ``Server``), whose address the handle learns through Ray at its first call.
     Build one with ``create()`` or ``connect()``, not with the constructor.
 
     Args:
@@ -124,7 +213,7 @@ class Coordinator:
         except ValueError as exc:  # Ray: name already taken
             raise WeightSyncError(f"a coordinator named {name!r} already exists in this Ray namespace: {exc}") from None
         client = cls(actor, name, cfg.namespace, token, cfg)
-        client.call(ops.GetStatus(), rpc_timeout=cfg.connect_timeout_s)
+        client.call(records.GetStatus(), rpc_timeout=cfg.connect_timeout_s)
         return client
 
     @classmethod
@@ -150,12 +239,12 @@ class Coordinator:
             raise WeightSyncError(f"no coordinator named {name!r} is running") from None
         return cls(actor, name, cfg.namespace, token, cfg)
 
-    def call(self, request: ops.Request, *, rpc_timeout: float | None = None) -> Any:
+    def call(self, request: records.Request, *, rpc_timeout: float | None = None) -> Any:
         """One control-plane call. Parties use the typed ``ControlPlane`` below;
         this is its transport (and the way to send a malformed call on purpose in tests).
 
         Args:
-            request: The operation's request record (weightsync/coordinator/ops.py).
+            request: The operation's request record (weightsync/records.py).
             rpc_timeout: Seconds to wait for the answer beyond the call's own ``timeout``
                 field; ``connect_timeout_s`` when None.
 
@@ -173,7 +262,7 @@ class Coordinator:
         limit = ((rpc_timeout if rpc_timeout is not None else self.config.connect_timeout_s)
                  + float(getattr(request, "timeout", 0) or 0) + 5.0)
         raw = None
-        if self._direct and not isinstance(request, ops.Channel):
+        if self._direct and not isinstance(request, records.Channel):
             raw = self._over_channel(request, payload, limit, rpc_timeout)
         if raw is None:
             try:
@@ -186,24 +275,24 @@ class Coordinator:
         if not isinstance(reply, dict):
             raise ProtocolError(f"control: the reply to {type(request).__name__} is not a map")
         if reply.get("ok") is not True:
-            _raise_remote(ops.Failure.from_wire({k: v for k, v in reply.items() if k != "ok"}))
+            _raise_remote(records.Failure.from_wire({k: v for k, v in reply.items() if k != "ok"}))
         want = request.reply
         if reply.get("type") != want.__name__:
             raise ProtocolError(f"control: {type(request).__name__} was answered with {reply.get('type')!r}, "
                                 f"not {want.__name__} (the two ends run different weightsync versions?)")
         return want.from_wire(reply.get("result"))
 
-    def _late(self, request: ops.Request, limit: float) -> str:
+    def _late(self, request: records.Request, limit: float) -> str:
         return f"coordinator '{self.name}' did not answer {request.op!r} within {limit:.1f}s"
 
-    def _over_channel(self, request: ops.Request, payload: bytes, limit: float,
+    def _over_channel(self, request: records.Request, payload: bytes, limit: float,
                       rpc_timeout: float | None) -> bytes | None:
         """The reply over the control channel; None: send the call through Ray."""
         link = self._link
         fresh = link is None
         if link is None:
             try:
-                address = self.call(ops.Channel(), rpc_timeout=rpc_timeout)
+                address = self.call(records.Channel(), rpc_timeout=rpc_timeout)
             except DeadlineExceeded:  # slow or restarting: this call goes through Ray, the next one asks again
                 return None
             except WeightSyncError:  # refused (an older coordinator, control_channel: ray), or gone for good
@@ -226,8 +315,9 @@ class Coordinator:
             return None
 
     def register(self, *, role: str, name: str, rank: int, host: str, os_pid: int, node_id: str = "",
-                 device: dict | None = None, last_version: int | None = None, serving: int | None = None,
-                 served: dict | None = None, rpc_timeout: float | None = None) -> dict[str, Any]:
+                 device: records.Device | dict | None = None, last_version: int | None = None,
+                 serving: int | None = None, served: Served | dict | None = None,
+                 rpc_timeout: float | None = None) -> records.Registered:
         """Join the session (senders and receivers do it when they are built).
 
         Args:
@@ -237,40 +327,44 @@ class Coordinator:
             host: Its host address.
             os_pid: Its process id.
             node_id: Its Ray node id ("" without Ray).
-            device: Where it runs, as ``weightsync.device.describe`` gives it.
+            device: Where it runs (a ``Device`` record, or the map ``weightsync.device.describe`` gives).
             last_version: For a sender that outlived a coordinator restart: its last version.
             serving: For such a receiver: the version it serves.
-            served: For such a receiver: where that version's bytes are.
+            served: For such a receiver: where that version's bytes are (a ``Served`` record or its map).
             rpc_timeout: As for ``call()``.
 
         Returns:
-            ``{"party": id, "session": ..., "config": ...}``.
+            The party's id (``party``), the ``session`` and the coordinator's ``config``.
         """
-        request = ops.Register(role=role, name=name, rank=rank, host=host, os_pid=os_pid, node_id=node_id,
-                               device=ops.Device(**device) if device else None, last_version=last_version,
-                               serving=serving, served=ops.Served(**served) if served is not None else None)
-        return self.call(request, rpc_timeout=rpc_timeout).as_dict()
+        if isinstance(device, dict):
+            device = records.Device(**device)
+        if isinstance(served, dict):
+            served = Served(**served)
+        request = records.Register(role=role, name=name, rank=rank, host=host, os_pid=os_pid, node_id=node_id,
+                                   device=device, last_version=last_version, serving=serving, served=served)
+        return self.call(request, rpc_timeout=rpc_timeout)
 
-    def status(self) -> dict[str, Any]:
+    def status(self) -> records.Status:
         """The session as the coordinator sees it.
 
         Returns:
             The session id, the transport and why it was chosen, ``latest_committed``, the
             parties, the last 20 versions (state, reason, participants, phases, digests),
-            resources held and the config (``format_status()`` prints it).
+            resources held and the config (``format_status()`` prints it; ``as_dict()`` is
+            the plain map, e.g. for JSON).
         """
-        return self.call(ops.GetStatus()).as_dict()
+        return self.call(records.GetStatus())
 
-    def metrics(self, version: int) -> dict[str, Any]:
+    def metrics(self, version: int) -> records.Metrics:
         """One version as status() shows it.
 
         Args:
             version: The version to look up.
 
         Returns:
-            Its state, reason, participants, phases and info.
+            Its state, reason, participants, phases, each receiver's measurements and info.
         """
-        return self.call(ops.GetMetrics(version=version)).as_dict()
+        return self.call(records.GetMetrics(version=version))
 
     def format_status(self) -> str:
         """``status()`` as text for a terminal or a log.
@@ -278,8 +372,6 @@ class Coordinator:
         Returns:
             One block of lines: parties, transport, versions.
         """
-        from .status_text import format_status
-
         return format_status(self.status())
 
     def check_batch(self, batch_version: int, step: int, max_staleness: int | None = None) -> int:
@@ -296,7 +388,7 @@ class Coordinator:
         Raises:
             StalenessError: The lag is negative or over the bound.
         """
-        return self.call(ops.CheckBatch(batch_version=batch_version, step=step, max_staleness=max_staleness)).lag
+        return self.call(records.CheckBatch(batch_version=batch_version, step=step, max_staleness=max_staleness)).lag
 
     def shutdown(self) -> None:
         """Kill the coordinator actor; nothing happens if it is already gone."""
@@ -322,7 +414,7 @@ class ControlPlane:
         # calls made, per thread: a version's own count (its metrics show it) is the calls its
         # thread made, whatever the heartbeat or an ahead thread did meanwhile
         self._made = threading.local() if _made is None else _made
-        self._barriers: dict[int, ops.Participants] = {}
+        self._barriers: dict[int, records.Participants] = {}
 
     def without_rejoin(self) -> ControlPlane:
         """For calls made while rejoining: a second SessionLost then reaches the caller."""
@@ -351,102 +443,103 @@ class ControlPlane:
     # -- every party ---------------------------------------------------------------------
 
     def heartbeat(self, rpc_timeout: float) -> None:
-        self._send(ops.Heartbeat(party=self._party()), rpc_timeout=rpc_timeout)
+        self._send(records.Heartbeat(party=self._party()), rpc_timeout=rpc_timeout)
 
     def resource(self, kind: str, delta: int) -> None:
         """Open (+1) / close (-1) of a segment or handle, so leaks show in status()."""
-        self._send(ops.Resource(party=self._party(), kind=kind, delta=delta))
+        self._send(records.Resource(party=self._party(), kind=kind, delta=delta))
 
     def leave(self) -> None:
-        self._send(ops.Leave(party=self._party()))
+        self._send(records.Leave(party=self._party()))
 
     # -- sender --------------------------------------------------------------------------
 
-    def receivers(self, count: int, timeout: float) -> list[ops.Placement]:
+    def receivers(self, count: int, timeout: float) -> list[records.Placement]:
         """Wait until ``count`` receivers are registered; returns them by rank."""
-        return self._send(ops.Receivers(party=self._party(), count=count, timeout=timeout)).receivers
+        return self._send(records.Receivers(party=self._party(), count=count, timeout=timeout)).receivers
 
     def publish(self, publication: Publication) -> None:
-        self._send(ops.Publish(party=self._party(), publication=publication))
+        self._send(records.Publish(party=self._party(), publication=publication))
 
     def begin_stage(self, version: int) -> int:
         """Open ``version``; returns the storage slot it takes."""
-        return self._send(ops.BeginStage(party=self._party(), version=version)).slot
+        return self._send(records.BeginStage(party=self._party(), version=version)).slot
 
     def stage_info(self, version: int, info: records.WireMap, readable: bool = False) -> None:
         """More of ``version``'s info; ``readable``: receivers of a pipelined transport may
         start reading it (the sender is still writing)."""
-        self._send(ops.StageInfo(party=self._party(), version=version, info=info, readable=readable))
+        self._send(records.StageInfo(party=self._party(), version=version, info=info, readable=readable))
 
     def staged(self, version: int, info: records.WireMap, stage_s: float) -> None:
-        self._send(ops.Staged(party=self._party(), version=version, info=info, stage_s=stage_s))
+        self._send(records.Staged(party=self._party(), version=version, info=info, stage_s=stage_s))
 
     def abort(self, version: int, reason: str) -> None:
-        self._send(ops.Abort(party=self._party(), version=version, reason=reason))
+        self._send(records.Abort(party=self._party(), version=version, reason=reason))
 
-    def begin_sync(self, version: int) -> ops.Participants:
+    def begin_sync(self, version: int) -> records.Participants:
         """The barrier; returns the participants of ``version``, kept for :meth:`barrier`."""
-        reply = self._send(ops.BeginSync(party=self._party(), version=version))
+        reply = self._send(records.BeginSync(party=self._party(), version=version))
         self._barriers = {v: r for v, r in self._barriers.items() if v > version - 4}
         self._barriers[version] = reply
         return reply
 
-    def barrier(self, version: int) -> ops.Participants | None:
+    def barrier(self, version: int) -> records.Participants | None:
         """What this party's begin_sync of ``version`` answered (None: it made none): the
         transport learns the participants once per sync, without a call of its own."""
         return self._barriers.get(version)
 
-    def wait_outcome(self, version: int, timeout: float, info: records.WireMap | None = None) -> ops.Metrics:
+    def wait_outcome(self, version: int, timeout: float, info: records.WireMap | None = None) -> records.Metrics:
         """The committed version's metrics; raises SyncFailed naming each failed party.
         ``info``: more of the version's info first (as stage_info), in the same call."""
-        return self._send(ops.WaitOutcome(party=self._party(), version=version, timeout=timeout, info=info))
+        return self._send(records.WaitOutcome(party=self._party(), version=version, timeout=timeout, info=info))
 
     # -- receiver ------------------------------------------------------------------------
 
     def session(self, timeout: float) -> SessionInfo:
-        return self._send(ops.Session(party=self._party(), timeout=timeout))
+        return self._send(records.Session(party=self._party(), timeout=timeout))
 
     def verdict(self, accepted: bool, why: str = "") -> None:
         """The manifest check's outcome, before any byte moves."""
-        self._send(ops.Verdict(party=self._party(), accepted=accepted, why=why))
+        self._send(records.Verdict(party=self._party(), accepted=accepted, why=why))
 
     def wait_version(self, version: int | None, timeout: float, wait: bool = True,
                      prefetch: bool = False, after: int | None = None, ahead: bool = False) -> Target:
         """``after``: only a version newer than it (and than the one served); ``ahead``: the
         caller is a receiver's ahead thread, ready to take versions before their barrier."""
-        return self._send(ops.WaitVersion(party=self._party(), version=version, timeout=timeout, wait=wait,
-                                          prefetch=prefetch, after=after if ahead else None, ahead=ahead))
+        return self._send(records.WaitVersion(party=self._party(), version=version, timeout=timeout, wait=wait,
+                                              prefetch=prefetch, after=after if ahead else None, ahead=ahead))
 
     def state(self, version: int) -> VersionState:
-        return self._send(ops.GetState(party=self._party(), version=version))
+        return self._send(records.GetState(party=self._party(), version=version))
 
     def report(self, version: int, ok: bool, serving: int | None, reason: str = "",
-               metrics: dict[str, ops.Scalar] | None = None) -> None:
-        self._send(ops.Report(party=self._party(), version=version, ok=ok, serving=serving, reason=reason,
-                              metrics=metrics or {}))
+               metrics: records.ReceiverMetrics | None = None) -> None:
+        self._send(records.Report(party=self._party(), version=version, ok=ok, serving=serving, reason=reason,
+                                  metrics=metrics))
 
-    def metrics(self, version: int) -> ops.Metrics:
+    def metrics(self, version: int) -> records.Metrics:
         """The version as status() shows it (participants, committed, failed, state)."""
         self._count()
-        return self.coordinator.call(ops.GetMetrics(version=version))
+        return self.coordinator.call(records.GetMetrics(version=version))
 
-    # -- broadcast transport: group membership (membership_ops.py) -----------------------------
+    # -- broadcast transport: group membership (actor.py) ---------------------------------------
 
-    def bcast_form(self, version: int, ahead: bool = False) -> ops.BroadcastGroup | None:
+    def bcast_form(self, version: int, ahead: bool = False) -> records.BroadcastGroup | None:
         """The group of ``version``; ``ahead``: formed in stage(), or None where some live
         receiver is not ready to take it before the barrier."""
-        return self._send(ops.BcastForm(party=self._party(), version=version, ahead=ahead)).group
+        return self._send(records.BcastForm(party=self._party(), version=version, ahead=ahead)).group
 
-    def bcast_group(self, version: int, timeout: float) -> ops.BroadcastGroup:
+    def bcast_group(self, version: int, timeout: float) -> records.BroadcastGroup:
         """The group of ``version`` once formed, with this receiver's rank."""
-        return self._send(ops.BcastGroup(party=self._party(), version=version, timeout=timeout))
+        return self._send(records.BcastGroup(party=self._party(), version=version, timeout=timeout))
 
-    def bcast_check(self, version: int) -> ops.GroupCheck:
-        return self._send(ops.BcastCheck(party=self._party(), version=version))
+    def bcast_check(self, version: int) -> records.GroupCheck:
+        return self._send(records.BcastCheck(party=self._party(), version=version))
 
     def bcast_failed(self, version: int, error: str, timeout: float) -> str:
         """Returns the reason the version was aborted with, naming the party at fault."""
-        return self._send(ops.BcastFailed(party=self._party(), version=version, error=error, timeout=timeout)).reason
+        request = records.BcastFailed(party=self._party(), version=version, error=error, timeout=timeout)
+        return self._send(request).reason
 
 
 def node_identity() -> tuple[str, str]:
@@ -462,43 +555,70 @@ def node_identity() -> tuple[str, str]:
 
 @dataclasses.dataclass(frozen=True)
 class Rejoin:
-    """What a restarted coordinator must learn from a party that registers again (the fields of
-    ops.Register it fills): the newest version a sender staged, the version a receiver serves
-    and where its bytes are."""
+    """What a restarted coordinator must learn from a party that registers again, as its owner
+    last pushed it (:meth:`Member.remember`): the newest version a sender staged and what it
+    published; the version a receiver serves, where its bytes are, and whether it accepted the
+    session's manifest."""
 
     last_version: int | None = None
+    publication: Publication | None = None
     serving: int | None = None
-    served: ops.Served | None = None
+    served: Served | None = None
+    accepted: bool = False
 
 
-class Party:
-    """A sender or receiver: built without touching the network, joined by :meth:`open`.
-    A subclass sets every field it tells the coordinator (``_rejoin_state``) before it opens:
-    registration and the heartbeat thread read them from the first call on."""
+_KEEP: Any = object()  # remember(): a field not given keeps its value
 
-    role = "party"
 
-    def __init__(self, coordinator: Coordinator, *, name: str, rank: int,
+class Member:
+    """One party's membership of the session, held by a WeightSender or a WeightReceiver (its
+    owner): its identity (``role``, ``name``, ``rank``, ``host``, ``node_id``, ``device``,
+    ``config``), its registration (``party_id``, ``session``), the heartbeat thread and the
+    control plane (``control``). Built without touching the network; :meth:`open` registers.
+
+    When the coordinator restarts, the first call that notices re-registers and tells it what
+    the owner pushed with :meth:`remember`, then replays the owner's publication (a sender) or
+    its verdict on the manifest (a receiver); the member never asks its owner."""
+
+    def __init__(self, coordinator: Coordinator, *, role: str, name: str, rank: int,
                  config: SyncConfig | None = None, device: str | None = None):
         self.coordinator = coordinator
+        self.role, self.name, self.rank = role, name, rank
         self.config = config or coordinator.config
-        self.name, self.rank = name, rank
-        self.device = resolve(device or self.config.device)
+        self.device: torch.device = resolve(device or self.config.device)
         self.host, self.node_id = node_identity()
-        self._closed = False
-        self._rejoin_lock = threading.Lock()
-        self.control = ControlPlane(coordinator, lambda: self.party_id, self._rejoin)
         self.party_id: int | None = None  # set by open(): the coordinator's id for this party
         self.session: str | None = None
+        self.control = ControlPlane(coordinator, lambda: self.party_id, self._rejoin)
+        self._known = Rejoin()
+        self._known_lock = threading.Lock()
+        self._rejoin_lock = threading.Lock()
         self._stop = threading.Event()
         self._beat: threading.Thread | None = None
+        self._closed = False
 
-    def open(self) -> Party:
-        """Register with the coordinator and start the heartbeat. Idempotent; WeightSender and
-        WeightReceiver call it at the end of their constructors, so users never need to.
+    @property
+    def closed(self) -> bool:
+        return self._closed
+
+    def remember(self, *, last_version: int | None = _KEEP, publication: Publication | None = _KEEP,
+                 serving: int | None = _KEEP, served: Served | None = _KEEP, accepted: bool = _KEEP) -> None:
+        """What a restarted coordinator must learn from this party, pushed by its owner as it
+        changes; a field not given keeps its value. A sender: ``last_version`` once it opened a
+        version, ``publication`` once the coordinator took it. A receiver: ``accepted`` once it
+        told the coordinator it accepts the manifest; ``serving`` whenever the version it holds
+        whole changes (None while a load has begun), with ``served`` (where that version's
+        bytes are) when it commits one."""
+        given = {"last_version": last_version, "publication": publication, "serving": serving, "served": served,
+                 "accepted": accepted}
+        with self._known_lock:
+            self._known = dataclasses.replace(self._known, **{k: v for k, v in given.items() if v is not _KEEP})
+
+    def open(self) -> Member:
+        """Register with the coordinator and start the heartbeat. Idempotent.
 
         Returns:
-            This party.
+            This member.
 
         Raises:
             WeightSyncError: The coordinator is unreachable or refused the registration.
@@ -510,30 +630,30 @@ class Party:
             self._beat.start()
         return self
 
-    def _register(self) -> None:
-        state = self._rejoin_state()
-        reply = self.coordinator.call(ops.Register(
+    def _register(self) -> Rejoin:
+        known = self._known
+        serving = known.serving
+        reply = self.coordinator.call(records.Register(
             role=self.role, name=self.name, rank=self.rank, host=self.host, os_pid=os.getpid(), node_id=self.node_id,
-            device=ops.Device(**describe(self.device)), last_version=state.last_version, serving=state.serving,
-            served=state.served,
+            device=records.Device(**describe(self.device)), last_version=known.last_version, serving=serving,
+            served=known.served if serving is not None else None,
         ), rpc_timeout=self.config.connect_timeout_s)
-        self.party_id: int = reply.party
-        self.session: str = reply.session
-
-    def _rejoin_state(self) -> Rejoin:
-        """What a restarted coordinator must learn from this party."""
-        return Rejoin()
-
-    def _rejoined(self) -> None:
-        """Called after re-registering with a restarted coordinator."""
+        self.party_id, self.session = reply.party, reply.session
+        return known
 
     def _rejoin(self, stale: int) -> None:
-        """The coordinator restarted and lost the session: join again. Only the first thread
-        to notice re-registers (heartbeat and caller race here)."""
+        """The coordinator restarted and lost the session: join again, and replay what the
+        session had of this party beyond its registration. Only the first thread to notice
+        re-registers (the heartbeat and the owner's calls race here)."""
         with self._rejoin_lock:
-            if self.party_id == stale:
-                self._register()
-                self._rejoined()
+            if self.party_id != stale:
+                return
+            known = self._register()
+            once = self.control.without_rejoin()  # a second SessionLost reaches the caller
+            if known.publication is not None:
+                once.publish(known.publication)
+            if known.accepted:
+                once.verdict(True)
 
     def _heartbeat(self) -> None:
         interval = self.config.heartbeat_interval_s
@@ -544,21 +664,18 @@ class Party:
                 pass  # the coordinator reports us silent if this keeps failing
 
     def account(self, kind: str, delta: int) -> None:
+        """Open (+1) / close (-1) of a segment or handle, so leaks show in status(); never
+        raises: accounting must not break a transfer or a shutdown."""
         try:
             self.control.resource(kind, delta)
         except Exception:
-            pass  # accounting must never break a transfer or a shutdown
-
-    def _close_transport(self) -> None:
-        pass
+            pass
 
     def close(self) -> None:
-        """Release transport resources and leave the session. Idempotent; a ``with`` block
-        calls it on exit."""
+        """Stop the heartbeat and leave the session. Idempotent; the owner closes its transport first."""
         if self._closed:
             return
         self._closed = True
-        self._close_transport()
         self._stop.set()
         if self.party_id is None:
             return  # never opened: the coordinator does not know it
@@ -566,9 +683,3 @@ class Party:
             self.control.leave()
         except Exception:
             pass
-
-    def __enter__(self):
-        return self.open()
-
-    def __exit__(self, *exc: Any) -> None:
-        self.close()

@@ -17,10 +17,10 @@ tested alone (``tests/test_versions.py``).
   report can never turn a finished version around. :func:`choose_slot` picks a new version's
   storage slot.
 - :class:`Parties`: the roster, who is in the session (:class:`PartyRecord`) and alive.
+- :class:`BroadcastGroups`: who takes part in each broadcast version, and when the collective
+  group must be formed again.
 - :class:`Signals`: the wake-ups. Every op that changes state pokes, every op that waits
-  re-checks its condition after a poke or half a second, whichever comes first; the actor's
-  ops and the broadcast membership ops (membership_ops.py) share it without importing each
-  other.
+  re-checks its condition after a poke or half a second, whichever comes first.
 """
 
 from __future__ import annotations
@@ -32,7 +32,7 @@ import time
 from collections.abc import Callable, Iterable
 
 from ..errors import ProtocolError, SessionLost, VersionError
-from .ops import BroadcastGroup, Device, Metrics, PartyStatus, WireMap
+from ..records import BroadcastGroup, Device, Metrics, PartyStatus, ReceiverMetrics, WireMap
 
 # -- versions ---------------------------------------------------------------------------------
 
@@ -63,7 +63,7 @@ class Version:
     failed: dict[str, str] = dataclasses.field(default_factory=dict)
     reason: str = ""
     phases: dict[str, float] = dataclasses.field(default_factory=dict)
-    receivers: dict[str, dict[str, float]] = dataclasses.field(default_factory=dict)
+    receivers: dict[str, ReceiverMetrics] = dataclasses.field(default_factory=dict)
     sync_started: float | None = None
     finished: float | None = None
     readable: bool = False  # a pipelined sender announced it: receivers may read while it is written
@@ -87,7 +87,7 @@ class Version:
             participants=list(self.participants), committed=list(self.committed), failed=dict(self.failed),
             phases_s=dict(self.phases), receivers=dict(self.receivers), bytes=payload_bytes, info=dict(self.info),
             digest=self.info.get("digest"),
-            receiver_digests={n: m.get("digest") for n, m in self.receivers.items()},
+            receiver_digests={n: m.digest for n, m in self.receivers.items()},
             barrier_s=barrier, gbps=gbps,
         )
 
@@ -204,15 +204,16 @@ class VersionTable:
             self._maybe_finish(v, now)
         return v
 
-    def report(self, version: int, name: str, ok: bool, failure: str, metrics: dict[str, float],
+    def report(self, version: int, name: str, ok: bool, failure: str, metrics: ReceiverMetrics | None,
                now: float) -> Version | None:
-        """A receiver's outcome for ``version`` (``failure``: the text naming it when not ok).
-        A success after a failure on a still open version clears the failure (a retry); a
-        finished version keeps its state."""
+        """A receiver's outcome for ``version`` (``failure``: the text naming it when not ok;
+        ``metrics``: what it measured, where it has any). A success after a failure on a still
+        open version clears the failure (a retry); a finished version keeps its state."""
         v = self.versions.get(version)
         if v is None:
             return None
-        v.receivers[name] = dict(metrics)
+        if metrics is not None:
+            v.receivers[name] = metrics
         if ok:
             if name not in v.committed:
                 v.committed.append(name)
@@ -461,6 +462,59 @@ class Parties:
     def public(self, now: float) -> list[PartyStatus]:
         return [p.public(now) for p in sorted(self.records.values(), key=lambda p: (p.role, p.rank, p.pid))
                 if not p.left]
+
+
+# -- broadcast groups: who takes part in each broadcast version --------------------------------
+# A collective needs exactly the parties that take part in a version, each knowing its group
+# rank. Sender rank 0 fixes the group at the barrier (``form``); receivers learn their rank from
+# it. The group keeps its epoch, and so its communicator, while the member set stays the same
+# (building an HCCL communicator is slow and, rebuilt every sync, exhausts driver resources); a
+# new member set, or a failed version (which leaves the old communicator unusable), bumps the
+# epoch, and the parties re-form under a fresh store prefix.
+
+# groups of versions this much older than the newest are forgotten
+KEEP_GROUPS = 8
+
+
+@dataclasses.dataclass(frozen=True)
+class GroupMember:
+    name: str
+    pid: int  # the coordinator's party id: a re-registered party is a new member
+    rank: int = 0
+
+
+@dataclasses.dataclass
+class BroadcastGroups:
+    epoch: int = 0
+    key: tuple[int, tuple[tuple[str, int], ...]] | None = None  # the sender's and members' party ids
+    last: int | None = None  # the version the newest group was formed for
+    groups: dict[int, BroadcastGroup] = dataclasses.field(default_factory=dict)
+
+    def form(self, version: int, sender: GroupMember, receivers: list[GroupMember], last_failed: bool,
+             nonce: str) -> BroadcastGroup:
+        """The group of ``version``: ``sender`` at group rank 0, ``receivers`` after it in
+        (rank, name) order. ``last_failed``: the version of the previous group was aborted."""
+        members = sorted(receivers, key=lambda m: (m.rank, m.name))
+        key = (sender.pid, tuple((m.name, m.pid) for m in members))
+        if key != self.key or last_failed:
+            self.epoch += 1
+            self.key = key
+        self.last = version
+        group = BroadcastGroup(epoch=self.epoch, nonce=nonce, sender=sender.name, members=[m.name for m in members],
+                               pids={m.name: m.pid for m in members} | {sender.name: sender.pid},
+                               size=len(members) + 1)
+        self.groups[version] = group
+        for old in [k for k in self.groups if k < version - KEEP_GROUPS]:
+            del self.groups[old]
+        return group
+
+    def get(self, version: int) -> BroadcastGroup | None:
+        return self.groups.get(version)
+
+
+def group_rank(group: BroadcastGroup, name: str) -> int | None:
+    """A receiver's rank in ``group`` (the sender is rank 0), or None if it is not a member."""
+    return group.members.index(name) + 1 if name in group.members else None
 
 
 # -- signals: wake-ups inside the actor -------------------------------------------------------

@@ -172,7 +172,7 @@ class WeightSyncCheckpointEngine(CheckpointEngine):
             return False
         if not sender.sends:
             return True
-        return sender.coordinator.metrics(self._ahead).get("state") == "STAGED"
+        return sender.coordinator.metrics(self._ahead).state == "STAGED"
 
     def keep_ahead(self, keep: bool) -> None:
         """Every rank's verdict, the same on all: keep the version staged ahead for the next

@@ -153,7 +153,7 @@ class WeightSyncTrainerMixin:
         actor rank, without waiting (the rollout generates meanwhile); returns it, or None
         where the transport would read the weights only at the barrier anyway (ipc, streaming
         shm) or before the first sync fixed the transport."""
-        if not self._ws_stage_ahead or self._ws_version is None or not self._ws_coordinator.status().get("pipelined"):
+        if not self._ws_stage_ahead or self._ws_version is None or not self._ws_coordinator.status().pipelined:
             return None
         last = self._ws_version if self._ws_ahead is None else max(self._ws_version, self._ws_ahead[0])
         version = next_version((getattr(self, "global_steps", None) or 0) + 1, last)
@@ -168,7 +168,7 @@ class WeightSyncTrainerMixin:
             return version, False
         ahead, refs = self._ws_ahead
         self._ws_ahead = None
-        staged = all(ray.get(refs)) and self._ws_coordinator.metrics(ahead)["state"] == "STAGED"
+        staged = all(ray.get(refs)) and self._ws_coordinator.metrics(ahead).state == "STAGED"
         if staged and ahead >= version:
             return ahead, True
         self._ws_version = max(ahead, self._ws_version or 0)

@@ -160,7 +160,8 @@ class RolloutWeightSyncMixin:
         self._ws_bind(version)
         served = self._ws_receiver.apply(version)
         self.weightsync_clear_cache()
-        return {"version": served, **self._ws_receiver.last_metrics}
+        last = self._ws_receiver.last_metrics  # None until a version came in
+        return {"version": served, **(last.as_dict() if last is not None else {})}
 
     @register(dispatch_mode=Dispatch.ONE_TO_ALL)
     def weightsync_version(self) -> int | None:

@@ -9,10 +9,10 @@ from typing import Any
 
 import torch
 
-from ...coordinator.ops import BroadcastGroup
 from ...digest import compute, kind_of
 from ...errors import ConfigError, ProtocolError, WeightSyncError
 from ...manifest import PackViews
+from ...records import BroadcastGroup
 from .. import Aborted, Deadline, TransportContext
 from ..ipc.wire import in_flight
 from .communicators import choose_communicator, comm_device

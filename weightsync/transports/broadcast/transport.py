@@ -44,10 +44,9 @@ import torch.distributed as dist
 
 from ... import device as devices
 from ... import digest
-from ...coordinator.ops import BroadcastGroup
 from ...errors import ChecksumError, ConfigError, DeadlineExceeded, VersionError, WeightSyncError
 from ...manifest import BucketPlan, Packer
-from ...records import VersionRecord
+from ...records import BroadcastGroup, VersionRecord
 from .. import Aborted, Bucket, Deadline, ReceiverTransport, SenderTransport, Span, TransportContext
 from .ahead import AheadCopy
 from .communicators import choose_backend

@@ -1,4 +1,4 @@
-"""The control plane's records (weightsync/coordinator/ops.py) on the wire, both directions: a request the
+"""The control plane's records (weightsync/records.py) on the wire, both directions: a request the
 coordinator decodes, a reply the client decodes. A field unknown, missing or of the wrong type
 is a ProtocolError naming the record and the field, never a TypeError or KeyError further on."""
 
@@ -8,16 +8,17 @@ import asyncio
 import dataclasses
 import types
 import typing
+import warnings
 
 import pytest
 
 from weightsync import records
 from weightsync.config import SyncConfig
-from weightsync.coordinator import client, ops
+from weightsync.coordinator import client
 from weightsync.coordinator.actor import CoordinatorActor
 from weightsync.errors import ProtocolError
 
-REQUESTS = sorted(ops.REQUESTS.values(), key=lambda c: c.__name__)
+REQUESTS = sorted(records.REQUESTS.values(), key=lambda c: c.__name__)
 REPLIES = sorted({c.reply for c in REQUESTS}, key=lambda c: c.__name__)
 TOKEN = "t" * 32
 
@@ -99,14 +100,14 @@ class Answer:
         self.rpc = types.SimpleNamespace(remote=lambda payload: records.encode(reply))
 
 
-def asked(monkeypatch, request: ops.Request, type_name: str, result) -> ops.Message:
+def asked(monkeypatch, request: records.Request, type_name: str, result) -> records.Message:
     monkeypatch.setattr(client.ray, "get", lambda ref, timeout: ref)
     coord = client.Coordinator(Answer({"ok": True, "type": type_name, "result": result}), "c", "", TOKEN,
                                SyncConfig())
     return coord.call(request)
 
 
-def request_for(reply: type[ops.Message]) -> ops.Request:
+def request_for(reply: type[records.Message]) -> records.Request:
     return sample(next(c for c in REQUESTS if c.reply is reply))
 
 
@@ -141,28 +142,28 @@ def test_reply_with_a_field_of_the_wrong_type_is_refused_naming_it(monkeypatch, 
 
 def test_a_reply_of_another_type_is_refused_naming_both(monkeypatch):
     with pytest.raises(ProtocolError, match="^control: BeginStage was answered with 'Done', not Slot"):
-        asked(monkeypatch, ops.BeginStage(party=1, version=1), "Done", {})
+        asked(monkeypatch, records.BeginStage(party=1, version=1), "Done", {})
 
 
 def test_a_nested_record_names_its_own_field(monkeypatch):
     wire = {"receivers": [{"name": "r0", "device": {"type": "cuda", "physical": "0"}}]}
     with pytest.raises(ProtocolError, match=r"^control: Placement field 'device' is dict, not Device / NoneType "
                                             r"\(control: Device field 'physical' is str, not int / NoneType;"):
-        asked(monkeypatch, ops.Receivers(party=1, count=1, timeout=1.0), "Placements", wire)
+        asked(monkeypatch, records.Receivers(party=1, count=1, timeout=1.0), "Placements", wire)
 
 
 # a map whose keys the coordinator does not know (a transport's record in its wire form, parsed
 # strictly where it arrives, transports/base.py; the config, SyncConfig.from_mapping) is a
 # WireMap: plain msgpack data, checked on arrival; no record field is left ``Any``
 def test_no_record_field_is_left_untyped():
-    messages = [c for c in vars(ops).values() if isinstance(c, type) and issubclass(c, ops.Message)]
+    messages = [c for c in vars(records).values() if isinstance(c, type) and issubclass(c, records.Message)]
     untyped = sorted(f"{c.__name__}.{name}" for c in messages for name, tp in records.hints_of(c).items()
                      if "Any" in str(tp) or tp in (dict, list))
     assert untyped == []
 
 
 def test_every_forwarded_record_and_the_config_are_wire_maps():
-    messages = [c for c in vars(ops).values() if isinstance(c, type) and issubclass(c, ops.Message)]
+    messages = [c for c in vars(records).values() if isinstance(c, type) and issubclass(c, records.Message)]
     found = {(c.__name__, name): str(tp) for c in messages for name, tp in records.hints_of(c).items()
              if name in ("info", "config")}
     assert len(found) == 11
@@ -176,10 +177,10 @@ def test_every_forwarded_record_and_the_config_are_wire_maps():
 def test_a_wire_map_is_checked_on_arrival_naming_the_record_and_the_field(bad, why):
     wire = {"party": 1, "version": 3, "info": bad, "stage_s": 0.5}
     if why is None:
-        assert ops.Staged.from_wire(wire).info == bad
+        assert records.Staged.from_wire(wire).info == bad
     else:
         with pytest.raises(ProtocolError, match=rf"^control: Staged field 'info'{why}$"):
-            ops.Staged.from_wire(wire)
+            records.Staged.from_wire(wire)
 
 
 def test_a_wire_value_that_is_no_plain_data_or_nests_without_end_is_refused():
@@ -193,7 +194,7 @@ def test_a_wire_value_that_is_no_plain_data_or_nests_without_end_is_refused():
 
 
 def test_a_request_whose_info_is_no_wire_map_is_refused_by_the_coordinator():
-    args = {**sample(ops.StageInfo).to_wire(), "info": {"x": {b"k": 1}}}
+    args = {**sample(records.StageInfo).to_wire(), "info": {"x": {b"k": 1}}}
     assert served("StageInfo", args)["error"] == (
         "control: StageInfo field 'info'['x'] has a key of type bytes (b'k'), not str")
 
@@ -201,18 +202,49 @@ def test_a_request_whose_info_is_no_wire_map_is_refused_by_the_coordinator():
 def failed_with(monkeypatch, reply: dict):
     monkeypatch.setattr(client.ray, "get", lambda ref, timeout: ref)
     coord = client.Coordinator(Answer({"ok": False, **reply}), "c", "", TOKEN, SyncConfig())
-    return coord.call(ops.BeginSync(party=1, version=3))
+    return coord.call(records.BeginSync(party=1, version=3))
 
 
 def test_a_failure_is_raised_as_the_coordinators_own_error(monkeypatch):
     from weightsync.errors import SyncFailed
 
     with pytest.raises(SyncFailed) as got:
-        failed_with(monkeypatch, ops.Failure(kind="SyncFailed", error="", version=3, failed={"r0": "died"},
-                                             committed=["r1"]).to_wire())
+        failed_with(monkeypatch, records.Failure(kind="SyncFailed", error="", version=3, failed={"r0": "died"},
+                                                 committed=["r1"]).to_wire())
     assert (got.value.version, got.value.failed, got.value.committed) == (3, {"r0": "died"}, ["r1"])
 
 
 def test_a_failure_with_a_field_of_the_wrong_type_is_refused_naming_it(monkeypatch):
     with pytest.raises(ProtocolError, match=r"^control: Failure field 'failed' is list, not dict / NoneType"):
         failed_with(monkeypatch, {"kind": "SyncFailed", "error": "", "version": 3, "failed": ["r0"]})
+
+
+# -- the records the public API returns: dict-style reads, deprecated for one release ---------
+
+
+def measured(nbytes: int) -> records.ReceiverMetrics:
+    return records.ReceiverMetrics(wait_s=0.1, verify_s=0.2, load_s=0.3, post_load_s=0.0, reset_cache_s=0.0,
+                                   total_s=0.6, bytes=nbytes, peer_verified_buckets=0, gbps=1.0, received_ahead=False,
+                                   digest="xxh3:00ff", calls=5)
+
+
+def staged_version() -> records.Metrics:
+    """A version at its barrier, as the coordinator records it: not finished, one receiver reported."""
+    return records.Metrics(version=3, state="TRANSFERRING", slot=0, reason="", participants=["r0", "r1"],
+                           committed=["r0"], failed={}, phases_s={"stage_s": 0.5}, receivers={"r0": measured(64)},
+                           bytes=64, info={"segment": "memfd:1:2"}, digest="xxh3:00ff",
+                           receiver_digests={"r0": "xxh3:00ff"})
+
+
+def test_a_record_read_as_a_dict_answers_as_the_map_it_was_and_warns():
+    m = staged_version()
+    with pytest.warns(DeprecationWarning, match=r"^reading a weightsync record as a dict is deprecated \(Metrics"):
+        got = (m["state"], m["receivers"]["r0"]["bytes"], m.get("barrier_s", "absent"), "gbps" in m, sorted(m)[:2])
+    assert got == ("TRANSFERRING", 64, "absent", False, ["bytes", "committed"])
+
+
+def test_the_deprecation_names_the_line_that_read_the_record():
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        staged_version().get("state")
+    assert [(w.category, w.filename) for w in seen] == [(DeprecationWarning, __file__)]
