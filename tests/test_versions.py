@@ -1,10 +1,10 @@
-"""The version state machine alone: every transition, legal and illegal, without Ray."""
+"""The version state machine alone: every transition, legal and illegal, without a Ray cluster."""
 
 from __future__ import annotations
 
 import pytest
 
-from weightsync.coordinator.state import (
+from weightsync.coordinator.actor import (
     IN_FLIGHT,
     BroadcastGroups,
     Candidate,

@@ -24,7 +24,6 @@ if TYPE_CHECKING:
     from .manifest import Manifest, TensorSpec, build_manifest
     from .receiver import WeightReceiver
     from .records import Metrics, PartyStatus, ReceiverMetrics, Status
-    from .records import Metrics, PartyStatus, ReceiverMetrics, Status
     from .sender import StagedVersion, SyncResult, WeightSender
     from .targets import CopyInto
 

@@ -32,12 +32,11 @@ import torch
 from . import transports
 from .config import SyncConfig
 from .coordinator.client import ControlPlane, Coordinator, Member
-from .coordinator.state import State
 from .delta.receiver import DeltaReceiver
 from .digest import Checks, kind_of, version_digest
 from .errors import CapacityError, DeadlineExceeded, ManifestError, VersionError, WeightSyncError
 from .manifest import Expected, Manifest, Unpacker, check_manifest, plan_buckets, size_text
-from .records import ReceiverMetrics, Served, VersionRecord
+from .records import ReceiverMetrics, Served, State, VersionRecord
 from .targets import LoadWeights
 from .transports import (
     Deadline,

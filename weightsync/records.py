@@ -26,6 +26,7 @@ and nothing more.
 from __future__ import annotations
 
 import dataclasses
+import enum
 import functools
 import re
 import types
@@ -202,6 +203,23 @@ def wire_value(value: Any, where: str, depth: int = 0) -> Wire:
         return value
     raise ProtocolError(f"{where} is {type(value).__name__}, not a wire value "
                         f"(None, bool, int, float, str, bytes, a list or a map of them)")
+
+
+# -- the states of a version, as every party names them ---------------------------------------------
+
+
+class State(str, enum.Enum):
+    """Where a version is (coordinator/actor.py: VersionTable moves it); its value is what the wire carries."""
+
+    STAGING = "STAGING"
+    STAGED = "STAGED"
+    TRANSFERRING = "TRANSFERRING"
+    COMMITTED = "COMMITTED"
+    ABORTED = "ABORTED"
+
+    def __str__(self) -> str:
+        return self.value
+
 
 
 # -- the records a transport publishes ----------------------------------------------------------
@@ -637,7 +655,7 @@ class Status(DictReads, Message):
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class BroadcastGroup(Message):
-    """The collective group of a broadcast version (coordinator/state.py, BroadcastGroups): the
+    """The collective group of a broadcast version (coordinator/actor.py, BroadcastGroups): the
     sender at group rank 0, ``members`` after it; ``rank``: the asking receiver's."""
 
     epoch: int
@@ -869,7 +887,7 @@ class WaitVersion(Request):
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class GetState(Request):
     """A version's state and reason (the abort checks of a party that waits); not the version
-    table's State enum (coordinator/state.py)."""
+    table's State (records.State)."""
 
     reply: ClassVar[type[Message]] = VersionState
     party: int

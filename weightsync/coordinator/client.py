@@ -6,7 +6,7 @@ every control-plane operation is a method; and a party's membership of the sessi
 rejoin, the other half of the control plane's retry.
 
 The actor itself (``weightsync.coordinator.actor``) owns the session and the version state machine
-(``weightsync.coordinator.state``). The handle is what parties and drivers hold; it is picklable,
+(``weightsync.coordinator.actor``). The handle is what parties and drivers hold; it is picklable,
 so a driver creates it and hands it to its workers.
 
 A misspelled operation or argument fails where it is written (an AttributeError or TypeError in

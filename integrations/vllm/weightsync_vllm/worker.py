@@ -31,8 +31,8 @@ import torch
 from vllm.distributed.weight_transfer.base import WeightTransferEngine
 
 from weightsync.coordinator.client import Coordinator
-from weightsync.coordinator.state import State
 from weightsync.receiver import WeightReceiver
+from weightsync.records import State
 
 from .info import WeightsyncInitInfo, WeightsyncUpdateInfo
 from .target import fused_check

@@ -33,9 +33,9 @@ import torch
 import xxhash
 
 from ... import device as devices
-from ...coordinator.state import State
 from ...errors import CapacityError, ConfigError, ProtocolError, VersionError
 from ...manifest import dtype_name, dtype_of
+from ...records import State
 from .. import Aborted, TransportContext
 from .records import DeviceHandle
 
