@@ -313,8 +313,8 @@ def test_two_threads_of_one_receiver_hash_each_bucket_once():
     import torch
 
     from weightsync.manifest import Packer, plan_buckets
-    from weightsync.transports import Deadline, TransportContext
-    from weightsync.transports.shm.transport import ShmReceiver, ShmSender, shm_version
+    from weightsync.transports import Deadline, TransportContext, shm_version
+    from weightsync.transports.shm.transport import ShmReceiver, ShmSender
 
     manifest = Manifest(tuple(TensorSpec(f"w{i}", "float32", (256, 1024)) for i in range(16)))  # 16 MiB
     cfg = SyncConfig(bucket_mb=1, device="cpu")
