@@ -411,7 +411,7 @@ class Device(Message):
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class IpcSupport(Message):
-    """Whether a sender can share device buckets by handle (selection.Capability)."""
+    """Whether a sender can share device buckets by handle (transports/ipc/support.py: Capability)."""
 
     ok: bool
     reason: str = ""
@@ -420,8 +420,9 @@ class IpcSupport(Message):
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class Placement(Message):
-    """Where a party runs, as transport selection reads it (selection.py). ``ipc``: for the
-    sender only, whether it can share device buckets by handle (selection.Capability)."""
+    """Where a party runs, as the transport choice reads it (transports.choose). ``ipc``: whether
+    the sender can share device buckets by handle (transports/ipc/support.py; the choice probes it
+    where a rule asks and this is None)."""
 
     name: str = ""
     rank: int = 0

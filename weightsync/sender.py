@@ -32,10 +32,9 @@ from .config import SyncConfig
 from .coordinator.client import ControlPlane, Coordinator, Member
 from .delta.policy import FULL
 from .delta.sender import DeltaSender, host_reserve, wanted
-from .device import describe
 from .errors import ConfigError, VersionError
 from .manifest import Manifest, NamedTensors, Packer, build_manifest, plan_buckets, size_text
-from .records import Device, Metrics, Placement, Publication, VersionRecord
+from .records import Metrics, Publication, VersionRecord
 from .transports import Announces, Deadline, GivesBack, SenderTransport, TransportContext
 
 log = logging.getLogger("weightsync")
@@ -252,8 +251,8 @@ class WeightSender:
         config = self.config
         plan = plan_buckets(manifest, config.bucket_bytes, config.align_bytes)
         receivers = self.control.receivers(self.expected_receivers or 0, timeout=config.connect_timeout_s)
-        me = Placement(host=self.member.host, node_id=self.member.node_id, device=Device(**describe(self.device)))
-        name, reason = transports.choose(config.transport, me, receivers, config.backend, config.shm_dir)
+        name, reason = transports.choose(config.transport, self.member.placement, receivers, config.backend,
+                                         config.shm_dir)
         delta = config.delta != "off" and wanted(config.delta, name)  # delta sync runs in this session
         ctx = TransportContext(config=config, plan=plan, manifest=manifest, digest=digest, session=self.session,
                                name=self.name, rank=self.rank, device=self.device, member=self.member,

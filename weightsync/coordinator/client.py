@@ -544,7 +544,7 @@ class ControlPlane:
 
 def node_identity() -> tuple[str, str]:
     """(host address, Ray node id). Parties with equal node ids share a node (its /dev/shm, its
-    devices); the host decides only without Ray (selection.on_one_node)."""
+    devices); the host decides only without Ray (transports.on_one_node)."""
     if ray.is_initialized():
         try:
             return ray.util.get_node_ip_address(), ray.get_runtime_context().get_node_id()
@@ -587,6 +587,9 @@ class Member:
         self.config = config or coordinator.config
         self.device: torch.device = resolve(device or self.config.device)
         self.host, self.node_id = node_identity()
+        # where it runs, as registration tells the coordinator and the transport choice reads it
+        self.placement = records.Placement(name=name, rank=rank, host=self.host, node_id=self.node_id,
+                                           device=records.Device(**describe(self.device)))
         self.party_id: int | None = None  # set by open(): the coordinator's id for this party
         self.session: str | None = None
         self.control = ControlPlane(coordinator, lambda: self.party_id, self._rejoin)
@@ -635,7 +638,7 @@ class Member:
         serving = known.serving
         reply = self.coordinator.call(records.Register(
             role=self.role, name=self.name, rank=self.rank, host=self.host, os_pid=os.getpid(), node_id=self.node_id,
-            device=records.Device(**describe(self.device)), last_version=known.last_version, serving=serving,
+            device=self.placement.device, last_version=known.last_version, serving=serving,
             served=known.served if serving is not None else None,
         ), rpc_timeout=self.config.connect_timeout_s)
         self.party_id, self.session = reply.party, reply.session
