@@ -1,5 +1,5 @@
 """What a receiver's wait for its ready words costs: polling (10 .. 250 us sleeps) against a
-futex sleep on the word (weightsync/transports/memory.py), on this machine.
+futex sleep on the word (weightsync/transports/shm/transport.py), on this machine.
 
 A writer process publishes ``--buckets`` ready words, one every ``--gap-ms`` (a sender slower
 than the receiver, the case where a receiver waits), stamping CLOCK_MONOTONIC into the word

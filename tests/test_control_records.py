@@ -153,7 +153,7 @@ def test_a_nested_record_names_its_own_field(monkeypatch):
 
 
 # a map whose keys the coordinator does not know (a transport's record in its wire form, parsed
-# strictly where it arrives, transports/base.py; the config, SyncConfig.from_mapping) is a
+# strictly where it arrives, records.py; the config, SyncConfig.from_mapping) is a
 # WireMap: plain msgpack data, checked on arrival; no record field is left ``Any``
 def test_no_record_field_is_left_untyped():
     messages = [c for c in vars(records).values() if isinstance(c, type) and issubclass(c, records.Message)]

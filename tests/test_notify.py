@@ -1,4 +1,4 @@
-"""Blocking wake-ups on segment words (weightsync/transports/memory.py): a sleeper on one
+"""Blocking wake-ups on segment words (weightsync/transports/shm/transport.py): a sleeper on one
 mapping of a segment is woken by a store + wake through another mapping of it (the way a
 receiver and the sender map it), a store made before the sleep is never lost, and the polling
 fallback keeps the same contract. The bounds here are minutes: they only tell a wake-up from

@@ -474,7 +474,7 @@ class Target(Message):
     version: int | None
     state: str | None = None
     slot: int | None = None
-    # the wire form of the version's record (transports/base.py), parts merged by the coordinator
+    # the wire form of the version's record (records.VersionRecord), parts merged by the coordinator
     info: WireMap = dataclasses.field(default_factory=dict)
 
 
@@ -772,7 +772,7 @@ class Publication(Message):
     payload_bytes: int
     transport: str
     reason: str  # why this transport was chosen
-    # the wire form of the transport's session record (transports/base.py): the coordinator
+    # the wire form of the transport's session record (records.SessionRecord): the coordinator
     # stores and forwards it unread; the receivers' transports parse it
     info: WireMap
     pipelined: bool = False  # see SenderTransport.pipelined
@@ -873,7 +873,7 @@ class WaitOutcome(Request):
 class WaitVersion(Request):
     """Receivers: until ``version`` (None: anything newer than what they serve) can be read.
     ``prefetch``: only to read ahead, not applied yet; ``after``: nothing at or below it (what
-    an ahead thread took already); ``ahead``: the caller is an ahead thread (receive_ahead.py)."""
+    an ahead thread took already); ``ahead``: the caller is an ahead thread (receiver.py: AheadThread)."""
 
     reply: ClassVar[type[Message]] = Target
     party: int

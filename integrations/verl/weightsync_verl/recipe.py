@@ -64,7 +64,7 @@ class WeightSyncTrainerMixin:
 
     def _create_weight_sync_group(self) -> None:
         # receive_ahead auto unless the user says otherwise: the next version travels while
-        # the rollout still generates (weightsync_stage_ahead), where the shadow fits
+        # the rollout still generates (weightsync_stage_ahead), where the ahead copy fits
         cfg = sync_config(self.config, receive_ahead="auto")
         receivers = self.rollout_wg.world_size
         self._ws_coordinator = Coordinator.create(cfg)

@@ -27,7 +27,7 @@ class HostBuffer(Record):
 
     transport: ClassVar[str] = "ipc"
     kind: str = "host"
-    segment: str  # its segment reference (transports/memory.py)
+    segment: str  # its segment reference (transports/shm/transport.py: Segment.ref)
     bytes: int
 
     def __post_init__(self) -> None:

@@ -238,7 +238,7 @@ class _Run:
                 self.sums.append(as_int(compute(r.digest_kind, r.buffers[k][:n]) if d is None else d))
                 w[ready_word(k) + 1] = self.sums[-1]
             w[ready_word(k)] = tag(self.version, b)
-            wake(w, ready_word(k))  # receivers sleeping on the word (transports/memory.py)
+            wake(w, ready_word(k))  # receivers sleeping on the word (shm/transport.py: Waiter)
             self.published = b
 
 
@@ -359,7 +359,7 @@ class RingReader:
                 raise ProtocolError(f"{self.owner}: bucket {b} of version {version} was overwritten while it was "
                                     f"loaded (the sender gave up waiting for receiver '{self.ctx.name}')")
             w[mine + 2 + k] = want
-            # ring the sender's doorbell: any change of the word wakes it (memory.py), so racing
+            # ring the sender's doorbell: any change of the word wakes it (shm/transport.py: wake), so racing
             # receivers need no atomic increment
             w[RELEASED] = int(w[RELEASED]) + 1
             wake(w, RELEASED)

@@ -5,7 +5,7 @@ The sender allocates two bucket-sized buffers on its device once per session (pi
 ring: ipc/ring.py, which shm's streaming mode owns one of too, with up to MAX_BUFFERS in host
 memory) and shares them by handle; receivers open the handles once and load every bucket
 straight out of the shared buffer, so a version never crosses host memory on an accelerator.
-On CPU the buffers are host shared-memory segments (transports/memory.py): the same protocol,
+On CPU the buffers are host shared-memory segments (transports/shm/transport.py): the same protocol,
 testable here.
 
 Handles cross the process boundary as plain msgpack data and handshakes run through a small

@@ -12,7 +12,7 @@ Handshakes run through a small host control segment (uint64 words), no
 coordinator round trip per bucket:
   [0] magic [1] layout digest [2] buffer count [3] receiver slots [4] sender pid [5] digest kind
   [6] release doorbell: a receiver bumps it after every release word it writes and wakes the
-      sender sleeping on it (transports/memory.py)
+      sender sleeping on it (transports/shm/transport.py: wake)
   [16 + 4k] ready word of buffer k: tag(version, bucket) once written, 0 while being written
   [17 + 4k] digest of the bucket in buffer k: xxh3 for host buffers, the torch digest computed
             on the device for device buffers (digest: auto), so device ipc is verified too

@@ -31,11 +31,6 @@ from .. import TransportContext
 BUFFERS = 2
 
 
-def hashes_on_device(ctx: TransportContext, kind: str | None) -> bool:
-    """Whether this party digests its shm buckets on its device: torch digests on an accelerator."""
-    return kind == "torch" and devices.has_streams(ctx.device)
-
-
 class DeviceBuffers:
     """A party's two device buffers on its device, allocated at the first version."""
 

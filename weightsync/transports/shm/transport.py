@@ -1,5 +1,5 @@
 """Internal. Shared-memory transport: the sender writes each version once into a host segment
-(a memfd, or a file in /dev/shm: transports/memory.py) and every receiver on the node reads it
+(a memfd, or a file in /dev/shm: the segments below) and every receiver on the node reads it
 from there; or, when whole versions do not fit the node's shared-memory budget, it streams each
 version through a ring of K host bucket buffers instead.
 
@@ -108,7 +108,7 @@ from ...manifest import BucketPlan, Packer, PackViews, align_up, size_text
 from ...records import SessionRecord, VersionRecord
 from .. import Bucket, Deadline, ReceiverTransport, SenderTransport, Span, TransportContext
 from ..ipc.wire import CONTROL_BYTES, MAX_BUFFERS, in_flight
-from .on_device import DeviceBuffers, HostCopies, hashes_on_device
+from .on_device import DeviceBuffers, HostCopies
 
 if TYPE_CHECKING:
     pass
@@ -610,6 +610,12 @@ class ShmVersion(VersionRecord):
 # -- whole versions in segments ------------------------------------------------------------------
 
 
+def hashes_on_device(ctx: TransportContext, kind: str | None) -> bool:
+    """Whether this party digests its buckets on its device (on_device.py): torch digests on an
+    accelerator."""
+    return kind == "torch" and devices.has_streams(ctx.device)
+
+
 def lock_word(fd: int, word: int) -> None:
     """Take the byte-range lock on control word ``word`` of the segment, waiting for its holder.
 
@@ -735,7 +741,7 @@ class ShmSender(SenderTransport):
                 sums.append(value)
                 head[word + 1] = value
             head[word] = ready
-            wake(head, word)  # receivers sleeping on the word (memory.py)
+            wake(head, word)  # receivers sleeping on the word (Waiter)
             self.packed_bytes += plan.buckets[b].nbytes
 
         if self.on_device is not None:
