@@ -27,11 +27,9 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-import torch
-
 from . import transports
 from .config import SyncConfig
-from .coordinator.client import ControlPlane, Coordinator, Member
+from .coordinator.client import ControlPlane, Coordinator, HoldsMember, Member
 from .delta.receiver import DeltaReceiver
 from .digest import Checks, kind_of, version_digest
 from .errors import CapacityError, DeadlineExceeded, ManifestError, VersionError, WeightSyncError
@@ -52,7 +50,7 @@ from .transports import (
 log = logging.getLogger("weightsync")
 
 
-class WeightReceiver:
+class WeightReceiver(HoldsMember):
     """Rollout-side end of a session: one per rollout worker process (one per vLLM TP rank).
 
     The constructor registers with the coordinator and starts a heartbeat thread; the
@@ -126,53 +124,6 @@ class WeightReceiver:
         self.last_metrics: ReceiverMetrics | None = None  # of the last version it committed
         self.open()
 
-    # -- who it is, its session and its calls to the coordinator: its member's -------------
-
-    @property
-    def coordinator(self) -> Coordinator:
-        return self.member.coordinator
-
-    @property
-    def name(self) -> str:
-        return self.member.name
-
-    @property
-    def rank(self) -> int:
-        return self.member.rank
-
-    @property
-    def config(self) -> SyncConfig:
-        return self.member.config
-
-    @property
-    def device(self) -> torch.device:
-        return self.member.device
-
-    @property
-    def session(self) -> str | None:
-        return self.member.session
-
-    @property
-    def party_id(self) -> int | None:
-        return self.member.party_id
-
-    @property
-    def control(self) -> ControlPlane:
-        return self.member.control
-
-    def open(self) -> WeightReceiver:
-        """Register with the coordinator and start the heartbeat. Idempotent; the constructor
-        calls it, so users never need to.
-
-        Returns:
-            This receiver.
-
-        Raises:
-            WeightSyncError: The coordinator is unreachable or refused the registration.
-        """
-        self.member.open()
-        return self
-
     def close(self) -> None:
         """Stop the ahead thread, release the transport's resources and leave the session.
         Idempotent; a ``with`` block calls it on exit."""
@@ -185,12 +136,6 @@ class WeightReceiver:
                 self.transport.close()
         finally:
             self.member.close()
-
-    def __enter__(self) -> WeightReceiver:
-        return self.open()
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
 
     @property
     def version(self) -> int | None:

@@ -25,11 +25,9 @@ import time
 from collections.abc import Mapping
 from typing import Any
 
-import torch
-
 from . import transports
 from .config import SyncConfig
-from .coordinator.client import ControlPlane, Coordinator, Member
+from .coordinator.client import Coordinator, HoldsMember, Member
 from .delta.policy import FULL
 from .delta.sender import DeltaSender, host_reserve, wanted
 from .errors import ConfigError, VersionError
@@ -112,7 +110,7 @@ class StagedVersion:
         return self._future.result(timeout)
 
 
-class WeightSender:
+class WeightSender(HoldsMember):
     """Trainer-side end of a session.
 
     ``rank`` is the trainer rank: rank 0 sends, every other rank must still call ``stage``
@@ -157,53 +155,6 @@ class WeightSender:
         self._encoded: set[int] = set()  # recent versions sent as delta-encoded buckets
         self.open()
 
-    # -- who it is, its session and its calls to the coordinator: its member's -------------
-
-    @property
-    def coordinator(self) -> Coordinator:
-        return self.member.coordinator
-
-    @property
-    def name(self) -> str:
-        return self.member.name
-
-    @property
-    def rank(self) -> int:
-        return self.member.rank
-
-    @property
-    def config(self) -> SyncConfig:
-        return self.member.config
-
-    @property
-    def device(self) -> torch.device:
-        return self.member.device
-
-    @property
-    def session(self) -> str | None:
-        return self.member.session
-
-    @property
-    def party_id(self) -> int | None:
-        return self.member.party_id
-
-    @property
-    def control(self) -> ControlPlane:
-        return self.member.control
-
-    def open(self) -> WeightSender:
-        """Register with the coordinator and start the heartbeat. Idempotent; the constructor
-        calls it, so users never need to.
-
-        Returns:
-            This sender.
-
-        Raises:
-            WeightSyncError: The coordinator is unreachable or refused the registration.
-        """
-        self.member.open()
-        return self
-
     def close(self) -> None:
         """Release the transport's resources and leave the session. Idempotent; a ``with``
         block calls it on exit."""
@@ -215,12 +166,6 @@ class WeightSender:
                 self.transport.close()
         finally:
             self.member.close()
-
-    def __enter__(self) -> WeightSender:
-        return self.open()
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
 
     @property
     def sends(self) -> bool:

@@ -686,3 +686,66 @@ class Member:
             self.control.leave()
         except Exception:
             pass
+
+
+class HoldsMember:
+    """What a WeightSender and a WeightReceiver show of the Member each holds: who it is, its
+    session and its calls to the coordinator, answered by the member. Delegation only: the
+    member never calls back into its owner, and each owner closes its own transport first."""
+
+    member: Member
+
+    @property
+    def coordinator(self) -> Coordinator:
+        return self.member.coordinator
+
+    @property
+    def name(self) -> str:
+        return self.member.name
+
+    @property
+    def rank(self) -> int:
+        return self.member.rank
+
+    @property
+    def config(self) -> SyncConfig:
+        return self.member.config
+
+    @property
+    def device(self) -> torch.device:
+        return self.member.device
+
+    @property
+    def session(self) -> str | None:
+        return self.member.session
+
+    @property
+    def party_id(self) -> int | None:
+        return self.member.party_id
+
+    @property
+    def control(self) -> ControlPlane:
+        return self.member.control
+
+    def open(self) -> Any:
+        """Register with the coordinator and start the heartbeat. Idempotent; the constructor
+        calls it, so users never need to.
+
+        Returns:
+            This party.
+
+        Raises:
+            WeightSyncError: The coordinator is unreachable or refused the registration.
+        """
+        self.member.open()
+        return self
+
+    def close(self) -> None:
+        """Leave the session (an owner releases its own resources first)."""
+        self.member.close()
+
+    def __enter__(self) -> Any:
+        return self.open()
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
