@@ -11,12 +11,14 @@ import time
 
 import pytest
 import ray
-from support.parties import wait_until
+from support.parties import serves, wait_until
+from weightsync_bench.layouts import layout
 
 from weightsync import records
 from weightsync.coordinator.client import Link
 
 CONFIG = {"transport": "shm", "bucket_mb": 1 / 16}
+TINY = layout("tiny")
 
 
 def test_with_the_socket_channel_every_call_but_the_address_lookups_goes_over_it(start_job):
@@ -64,6 +66,8 @@ def test_a_bad_frame_over_the_socket_gets_the_protocol_error_ray_gives(coordinat
     coord = coordinator_factory({"control_channel": "socket"})
     address = coord.call(records.Channel())
     with socket.create_connection((address.host, address.port), timeout=30) as sock:
+        hello = records.HELLO + coord.token.encode()
+        sock.sendall(len(hello).to_bytes(4, "big") + hello)  # the session's own token: then frames are read
         over_socket = frame(sock, payload)
     over_ray = ray.get(coord.actor.rpc.remote(payload))
     assert (over_socket, records.decode(over_socket)["kind"]) == (over_ray, "ProtocolError")
@@ -93,3 +97,88 @@ def test_a_reply_later_than_its_deadline_is_a_timeout_and_never_answers_the_next
         with pytest.raises(TimeoutError):
             link.call(b"first", time.monotonic() + 0.1)
         assert link.call(b"second", time.monotonic() + 30) == b"second"
+
+
+def closed_unanswered(sock: socket.socket, within: float) -> bool:
+    """Whether the coordinator closes ``sock`` within ``within`` seconds without a byte of reply."""
+    sock.settimeout(within)
+    try:
+        return sock.recv(1) == b""
+    except ConnectionResetError:
+        return True
+    except TimeoutError:
+        return False
+
+
+@pytest.mark.parametrize("first", [
+    b"\x04\x00\x00\x00",  # a frame of 64 MiB announced: never read
+    (len(records.HELLO) + 32).to_bytes(4, "big") + records.HELLO + b"0" * 32,  # a hello with a wrong token
+    records.encode({"op": "GetStatus", "token": "x", "args": {}}),  # a request before the hello
+    b"",  # nothing at all: the connection idles
+], ids=["huge-frame", "wrong-token", "no-hello", "idle"])
+def test_a_connection_that_does_not_prove_the_token_first_is_closed_unanswered(coordinator_factory, first):
+    coord = coordinator_factory({"control_channel": "socket"})
+    address = coord.call(records.Channel())
+    with socket.create_connection((address.host, address.port), timeout=30) as sock:
+        if first[:1] == b"\x83":  # a msgpack map: framed as a request
+            first = len(first).to_bytes(4, "big") + first
+        sock.sendall(first)
+        # an idle one waits out the hello's deadline; the others are closed at once
+        assert closed_unanswered(sock, 15.0 if not first else 5.0)
+
+
+def _rss_mib(pid: int) -> float:
+    import psutil
+
+    return psutil.Process(pid).memory_info().rss / 2**20
+
+
+def _coordinator_pid() -> int:
+    import psutil
+
+    found = [p.pid for p in psutil.process_iter(["cmdline"])
+             if "ray::CoordinatorActor" in " ".join(p.info["cmdline"] or [])]
+    assert found, "no coordinator process"
+    return found[-1]
+
+
+def test_hostile_clients_without_the_token_cost_little_and_versions_keep_committing(start_job):
+    """200 clients without the token connect and idle, 24 more announce 64 MiB frames and trickle
+    bytes into them: the coordinator's memory grows by less than 64 MiB, and versions commit
+    bit-exact meanwhile (a party whose new connection is refused calls through Ray)."""
+    job = start_job({**CONFIG, "control_channel": "socket"})
+    job.step(1)
+    address = job.coordinator.call(records.Channel())
+    pid = _coordinator_pid()
+    before = _rss_mib(pid)
+    hostile: list[socket.socket] = []
+    try:
+        for _ in range(200):
+            hostile.append(socket.create_connection((address.host, address.port), timeout=10))
+        streaming = [socket.create_connection((address.host, address.port), timeout=10) for _ in range(24)]
+        hostile += streaming
+        chunk = b"\0" * (1 << 20)
+
+        def stream(sock: socket.socket) -> None:
+            """All but the last MiB of a 64 MiB frame: a server that reads frames before the
+            token would hold them all (24 x 63 MiB); a refused connection fails the send."""
+            try:
+                sock.sendall((64 << 20).to_bytes(4, "big"))
+                for _ in range(63):
+                    sock.sendall(chunk)
+            except OSError:
+                pass
+
+        senders = [threading.Thread(target=stream, args=(sock,), daemon=True) for sock in streaming]
+        for t in senders:
+            t.start()
+        for v in (2, 3):
+            applied, _ = job.step(v)
+            assert applied == [v, v] and [serves(r, TINY) for r in job.rollouts] == [v, v]
+        for t in senders:
+            t.join(60)
+        grown = _rss_mib(pid) - before
+    finally:
+        for sock in hostile:
+            sock.close()
+    assert grown < 64, f"the coordinator grew by {grown:.0f} MiB"

@@ -43,6 +43,10 @@ from .errors import ProtocolError
 MAX_MESSAGE_BYTES = 64 << 20
 # the control channel's frame: this many bytes of big-endian length, then the msgpack payload
 FRAME_HEADER = 4
+# a connection to the coordinator's control channel opens with one small frame that proves the
+# session token (HELLO followed by the token), before any frame larger than HELLO_MAX is read
+HELLO = b"weightsync-channel/1\0"
+HELLO_MAX = 256
 
 # -- wire values: plain msgpack data ----------------------------------------------------------
 #

@@ -59,6 +59,8 @@ from ..errors import (
 )
 from ..records import (
     FRAME_HEADER,
+    HELLO,
+    HELLO_MAX,
     MAX_MESSAGE_BYTES,
     BroadcastGroup,
     Device,
@@ -592,12 +594,24 @@ class Server:
     nothing new is unpickled. Each connection serves its frames in order; a client holds one
     connection per thread, so a long poll blocks only its own (``client.Link``).
 
-    ``served``: payloads the handler took, whichever way they came (the actor counts them);
-    ``frames``: those that came over the channel."""
+    The port is reachable from every host of the network, so a connection earns the right to
+    send large frames first: its first frame must be ``HELLO`` and the session token, at most
+    ``HELLO_MAX`` bytes, within ``HELLO_S`` seconds; anything else closes it before a byte more
+    is read. At most ``PENDING_MAX`` connections may be waiting to show the token at once;
+    others are closed as they come. So a client without the token costs one small buffer for a
+    few seconds, however large the frames it announces.
 
-    def __init__(self, handler: Callable[[bytes], Awaitable[bytes]]):
+    ``served``: payloads the handler took, whichever way they came (the actor counts them);
+    ``frames``: those that came over the channel; ``refused``: connections closed unproven."""
+
+    HELLO_S = 5.0
+    PENDING_MAX = 64
+
+    def __init__(self, handler: Callable[[bytes], Awaitable[bytes]], token: str):
         self.handler = handler
-        self.served = self.frames = 0
+        self._hello = HELLO + token.encode()
+        self.served = self.frames = self.refused = 0
+        self.pending = 0  # connections that have not shown the token yet
         self._opening: asyncio.Task | None = None
         self._server: asyncio.AbstractServer | None = None
 
@@ -629,9 +643,30 @@ class Server:
         self._server = await asyncio.start_server(self._serve, host, 0)
         return records.ChannelAddress(host=host, port=self._server.sockets[0].getsockname()[1])
 
+    async def _proven(self, reader: asyncio.StreamReader) -> bool:
+        """Whether the connection's first frame is the hello with this session's token."""
+        size = int.from_bytes(await reader.readexactly(FRAME_HEADER), "big")
+        if size > HELLO_MAX:
+            return False  # not read: the announced bytes never reach memory
+        return hmac.compare_digest(await reader.readexactly(size), self._hello)
+
     async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        writer.get_extra_info("socket").setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        if self.pending >= self.PENDING_MAX:
+            self.refused += 1
+            writer.close()
+            return
+        self.pending += 1
         try:
+            try:
+                proven = await asyncio.wait_for(self._proven(reader), self.HELLO_S)
+            except (asyncio.TimeoutError, asyncio.IncompleteReadError, ConnectionError):
+                proven = False
+            finally:
+                self.pending -= 1
+            if not proven:
+                self.refused += 1
+                return
+            writer.get_extra_info("socket").setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
             while True:
                 size = int.from_bytes(await reader.readexactly(FRAME_HEADER), "big")
                 if size > MAX_MESSAGE_BYTES:
@@ -673,7 +708,7 @@ class CoordinatorActor:
         # control-plane calls served, by op: status() shows them, so the calls one version
         # costs can be counted (docs/benchmarks.md)
         self.calls: dict[str, int] = {}
-        self.channel = Server(self.rpc)
+        self.channel = Server(self.rpc, token)
 
     # -- the one entry point -------------------------------------------------------------
 

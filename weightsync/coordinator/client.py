@@ -38,7 +38,7 @@ from .. import errors, records
 from ..config import SyncConfig
 from ..device import describe, resolve
 from ..errors import DeadlineExceeded, ProtocolError, SessionLost, SyncFailed, WeightSyncError
-from ..records import FRAME_HEADER, MAX_MESSAGE_BYTES, Publication, Served, SessionInfo, Target, VersionState
+from ..records import FRAME_HEADER, HELLO, MAX_MESSAGE_BYTES, Publication, Served, SessionInfo, Target, VersionState
 from .actor import CoordinatorActor
 from .status_text import format_status
 
@@ -72,10 +72,13 @@ class Unreachable(Broken):
 class Link:
     """Connections to one coordinator's control channel at ``address``, one per calling thread
     (a long poll blocks only its own): a frame is the payload's length in ``FRAME_HEADER``
-    big-endian bytes, then the payload; the reply comes back framed the same way."""
+    big-endian bytes, then the payload; the reply comes back framed the same way. Each
+    connection opens with the hello frame that proves ``token`` (``None``: none, for a peer that
+    asks for none), sent with the first call's frame: no round trip of its own."""
 
-    def __init__(self, address: tuple[str, int]):
+    def __init__(self, address: tuple[str, int], token: str | None = None):
         self.address = address
+        self._hello = b"" if token is None else _frame(HELLO + token.encode())
         self._local = threading.local()
         self._pid = os.getpid()
 
@@ -91,10 +94,10 @@ class Link:
         if os.getpid() != self._pid:
             # a forked child holds its parent's connections: frames of both would interleave on them
             raise Broken("the link was opened by the parent process")
-        sock = self._connection(deadline)
+        sock, fresh = self._connection(deadline)
         try:
             sock.settimeout(max(deadline - time.monotonic(), 1e-3))
-            sock.sendall(len(payload).to_bytes(FRAME_HEADER, "big") + payload)
+            sock.sendall((self._hello if fresh else b"") + _frame(payload))
             size = int.from_bytes(_read(sock, FRAME_HEADER, deadline), "big")
             if size > MAX_MESSAGE_BYTES:
                 raise Broken(f"a reply frame of {size} bytes")
@@ -106,17 +109,19 @@ class Link:
             self.drop()
             raise Broken(str(exc)) from None
 
-    def _connection(self, deadline: float) -> socket.socket:
+    def _connection(self, deadline: float) -> tuple[socket.socket, bool]:
+        """This thread's connection, and whether it was opened now."""
         sock = getattr(self._local, "sock", None)
-        if sock is None:
-            try:
-                timeout = min(CONNECT_S, max(deadline - time.monotonic(), 1e-3))
-                sock = socket.create_connection(self.address, timeout=timeout)
-            except OSError as exc:  # a connect timeout included: nobody answers there
-                raise Unreachable(f"cannot connect to {self.address[0]}:{self.address[1]}: {exc}") from None
-            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-            self._local.sock = sock
-        return sock
+        if sock is not None:
+            return sock, False
+        try:
+            timeout = min(CONNECT_S, max(deadline - time.monotonic(), 1e-3))
+            sock = socket.create_connection(self.address, timeout=timeout)
+        except OSError as exc:  # a connect timeout included: nobody answers there
+            raise Unreachable(f"cannot connect to {self.address[0]}:{self.address[1]}: {exc}") from None
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        self._local.sock = sock
+        return sock, True
 
     def drop(self) -> None:
         """Close this thread's connection (the next call opens a new one)."""
@@ -124,6 +129,10 @@ class Link:
         self._local.sock = None
         if sock is not None:
             sock.close()
+
+
+def _frame(payload: bytes) -> bytes:
+    return len(payload).to_bytes(FRAME_HEADER, "big") + payload
 
 
 def _read(sock: socket.socket, size: int, deadline: float) -> bytes:
@@ -298,7 +307,7 @@ class Coordinator:
             except WeightSyncError:  # refused (an older coordinator, control_channel: ray), or gone for good
                 self._direct = False
                 return None
-            link = self._link = Link((address.host, address.port))
+            link = self._link = Link((address.host, address.port), self.token)
         try:
             return link.call(payload, time.monotonic() + limit)
         except TimeoutError:
