@@ -67,8 +67,8 @@ class SimRolloutWorker(RolloutWorker):
     def sim_queued(self) -> Queued:
         import weightsync_sim as sim
 
-        shadow = getattr(self.receiver.transport, "shadow", None)
-        ahead = shadow.stream if shadow is not None else None
+        copy = self.receiver.transport.copy  # the broadcast receiver's ahead copy, once it took a version
+        ahead = copy.stream if copy is not None else None
         engine = sim.current_stream()
         return Queued(engine.mark(), None if ahead is None else ahead.mark(), ahead is engine)
 

@@ -26,7 +26,7 @@ __all__ = ["BASELINE_CHOICES", "PRESETS", "TRANSPORTS", "add_bench_arguments", "
 def _row_need(item: Item, manifest: Any, first_use: bool = True) -> tuple[int, int, str]:
     import dataclasses
 
-    from weightsync.delta.strategy import host_reserve
+    from weightsync.delta.sender import host_reserve
 
     from weightsync.errors import CapacityError
     from weightsync.manifest import plan_buckets
