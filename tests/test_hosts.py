@@ -4,16 +4,24 @@ elsewhere every test here skips and says why (tests/test_multinode.py, three ray
 one host, stays the fallback). Marked ``hosts``: the hosts tier runs them
 (``bash scripts/tiers/hosts.sh``), the default run leaves them out.
 
-The cluster itself: namespaces only (isolation, the link's rate and counters, cut and restore,
-teardown), then a Ray cluster of 3 hosts (a task placed on host 2 runs there).
+First the cluster itself (namespaces only: isolation, the link's rate and counters, cut and
+restore, teardown), then a Ray cluster of 3 hosts whose job (tests/hostjob.py, run inside
+host 0) puts the host-level faults where its parties stop: trainer and coordinator on host 0,
+one rollout each on hosts 1 and 2, transport auto (broadcast over gloo). The job asks, the test
+acts on the links (cut, restore, rate, kill) and answers; each fault's specified outcome is its
+test's ``scenario`` promise, asserted exactly.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import queue
 import subprocess
 import sys
+import threading
+import time
+from typing import Any
 
 import pytest
 from hostnet import Cluster, available
@@ -28,7 +36,7 @@ SYNC_TIMEOUT_S = 30.0
 RAY_PATIENCE = {"RAY_health_check_failure_threshold": "100", "RAY_gcs_rpc_server_reconnect_timeout_s": "300"}
 JOB_ENV = {"PYTHONPATH": os.pathsep.join([ROOT, os.path.join(ROOT, "tests")]), **RAY_PATIENCE}
 
-pytestmark = pytest.mark.hosts
+pytestmark = [pytest.mark.hosts, pytest.mark.timeout(600)]  # the job's fixture: about 2 min on 2 cores
 
 
 @pytest.fixture(scope="session")
@@ -221,8 +229,246 @@ def test_a_task_placed_on_host_2_runs_there(ray_hosts):
     assert ray_hosts.read(1, "/dev/shm/wsh-task") is None and not os.path.exists("/dev/shm/wsh-task")
 
 
+class Driver:
+    """tests/hostjob.py inside host 0; answers its events by acting on the cluster's links."""
+
+    def __init__(self, cluster: Cluster, phases: list[str], env: dict[str, str] | None = None):
+        self.cluster, self.log = cluster, []
+        self.proc = cluster.run(0, [PYTHON, "-u", os.path.join(ROOT, "tests", "hostjob.py")],
+                                env={"WS_JOB_PHASES": " ".join(phases), **(env or {})}, cwd=ROOT,
+                                stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        self.lines: queue.Queue = queue.Queue()
+        threading.Thread(target=self._read, daemon=True).start()
+
+    def _read(self) -> None:
+        for line in self.proc.stdout:
+            self.lines.put(line)
+        self.lines.put(None)
+
+    def files(self, files: dict[str, str]) -> dict[str, Any]:
+        found = {}
+        for host, path in files.items():
+            data = self.cluster.read(int(host), path)
+            if data:
+                found[host] = json.loads(data)
+        return found
+
+    def await_files(self, files: dict[str, str], timeout: float) -> dict[str, Any]:
+        end = time.monotonic() + timeout
+        while len(found := self.files(files)) < len(files) and time.monotonic() < end:
+            time.sleep(0.1)
+        return found
+
+    def answer(self, ev: dict[str, Any]) -> dict[str, Any]:
+        c, host, what = self.cluster, ev.get("host"), ev["event"]
+        if what == "links":
+            return {"links": [c.link_bytes(h) for h in range(c.hosts)]}
+        if what == "rate":
+            c.set_rate(host, LINK_GBIT if ev["gbit"] is None else ev["gbit"])
+            return {}
+        if what == "cut":
+            c.cut(host)
+            return {"at": time.time()}
+        if what == "restore":  # what the rollouts had written while cut off, then the link back
+            found = self.files(ev.get("files", {}))
+            c.restore(host)
+            return {"at": time.time(), "files": found}
+        if what == "await-files":
+            return {"files": self.await_files(ev["files"], ev["timeout"])}
+        if what == "cut-until":
+            c.cut(host)
+            at = time.time()
+            found = self.await_files(ev["files"], ev["timeout"])
+            c.restore(host)
+            return {"at": at, "restored_at": time.time(), "files": found}
+        if what == "kill":
+            pids = c.kill(host)
+            return {"at": time.time(), "pids": pids}
+        raise AssertionError(f"the job asked for {what!r}")
+
+    def run(self, timeout: float) -> dict[str, Any]:
+        end = time.monotonic() + timeout
+        try:
+            while True:
+                try:
+                    line = self.lines.get(timeout=max(0.1, end - time.monotonic()))
+                except queue.Empty:
+                    raise AssertionError(f"the job did not finish within {timeout:.0f} s: {self.tail()}") from None
+                if line is None:
+                    raise AssertionError(f"the job ended without a result: {self.tail()}")
+                if line.startswith("EVENT "):
+                    reply = self.answer(json.loads(line[6:]))
+                    self.proc.stdin.write(json.dumps(reply) + "\n")
+                    self.proc.stdin.flush()
+                elif line.startswith("RESULT "):
+                    out = json.loads(line[7:])
+                    assert "error" not in out, f"{out['error']}\n{self.tail()}"
+                    return out
+                else:
+                    self.log.append(line)
+        finally:
+            if self.proc.poll() is None:
+                self.proc.kill()
+            self.proc.wait(30)
+
+    def tail(self) -> str:
+        return "".join(self.log[-60:])[-6000:]
+
+
+@pytest.fixture(scope="module")
+def job(ray_hosts):
+    return Driver(ray_hosts, ["placement", "slow_link", "partition", "coordinator_cut", "lost_host"]).run(400)
+
+
+def link_s(nbytes: int, gbit: float) -> float:
+    return nbytes * 8 / (gbit * 1e9)
+
+
+def test_auto_broadcasts_from_host_0_to_hosts_1_and_2_over_their_links(job, ray_hosts, record_property):
+    p, where = job["placement"], job["placement"]["where"]
+    assert {n: p["parties"][n]["host"] for n in ("trainer-0", "rollout-0", "rollout-1")} == \
+        dict(zip(("trainer-0", "rollout-0", "rollout-1"), ray_hosts.addresses))
+    assert {n: p["parties"][n]["node_id"] for n in ("rollout-0", "rollout-1")} == \
+        {"rollout-0": p["nodes"]["host1"], "rollout-1": p["nodes"]["host2"]}
+    assert {n: (w["host"], w["address"]) for n, w in where.items()} == \
+        {"rollout-0": ("1", ray_hosts.address(1)), "rollout-1": ("2", ray_hosts.address(2))}
+    assert p["transport"] == "broadcast"
+    assert p["reason"].startswith("auto: 2 receiver(s) (rollout-0, rollout-1) on other nodes (")
+    for v in ("v1", "v2"):
+        assert p[v]["state"] == "COMMITTED" and p[v]["failed"] == {}
+        assert p[v]["serves"] == {n: {"version": int(v[1]), "bit_exact": True} for n in ("rollout-0", "rollout-1")}
+    # gloo's broadcast sends the whole payload to each receiving host: 2 payloads on host 0's link
+    payload, links = p["payload"], p["v2"]["links"]
+    tx0, rx1, rx2 = links[0][0] / payload, links[1][1] / payload, links[2][1] / payload
+    ratio = p["v2"]["sync"]["barrier_s"] / link_s(2 * payload, LINK_GBIT)
+    record_property("v2_payloads_host0", round(tx0, 3))
+    record_property("v2_barrier_over_link_time", round(ratio, 3))
+    print(f"\nv2: {p['v2']['sync']['barrier_s']:.3f} s at the barrier, {ratio:.2f}x the link time of 2 payloads; "
+          f"payloads over host 0 / 1 / 2's link: {tx0:.3f} / {rx1:.3f} / {rx2:.3f}")
+    assert 2.0 <= tx0 <= 2.1 and 1.0 <= rx1 <= 1.05 and 1.0 <= rx2 <= 1.05
+
+
+@pytest.mark.scenario("fault", "slow link: host 2's link at 50 Mbit/s under a version that fits the deadline "
+                      "(isolated hosts)", transport="broadcast", promise=(
+    "the 32 MiB version takes longer than heartbeat_timeout_s on host 2's link and commits on both hosts: no party "
+    "is reported dead and none failed at any moment while the bytes move; both serve it bit-exact"))
+def test_a_slow_link_declares_no_one_dead_while_bytes_move(job, record_property):
+    v = job["slow_link"]["v"]
+    assert v["state"] == "COMMITTED" and v["failed"] == {} and sorted(v["committed"]) == ["rollout-0", "rollout-1"]
+    assert v["seen_dead"] == []
+    assert v["serves"] == {n: {"version": v["version"], "bit_exact": True} for n in ("rollout-0", "rollout-1")}
+    ratio = v["sync"]["barrier_s"] / link_s(job["placement"]["payload"], 0.05)
+    record_property("slow_barrier_over_link_time", round(ratio, 3))
+    print(f"\n50 Mbit/s: {v['sync']['barrier_s']:.2f} s at the barrier, {ratio:.2f}x the link time of one payload")
+    # it did outlast the heartbeat deadline, so a heartbeat starved behind the payload would show
+    assert v["sync"]["barrier_s"] > HEARTBEAT_TIMEOUT_S
+
+
+@pytest.mark.scenario("fault", "partition: a receiving host's link cut mid-version, its processes alive "
+                      "(isolated hosts)", transport="broadcast", promise=(
+    "both rollouts held inside load_weights at call 1 of v, host 2's link cut: the coordinator aborts v within "
+    "heartbeat_timeout_s + 2 s naming rollout-1 silent on host 2's address, rollout-0 failed because the group "
+    "lost rollout-1; the trainer's SyncFailed names both, committed none; rollout-0 raises with that reason and "
+    "serves no version (it had loaded part of v); link restored and rollout-1 released: it raises the same and "
+    "serves none; the next version commits on both hosts, bit-exact"))
+def test_a_partitioned_host_is_named_within_the_deadline_and_rejoins(job, ray_hosts):
+    got, nxt = job["partition"]["v"], job["partition"]["next"]
+    host2 = ray_hosts.address(2)
+    assert got["state"] == "ABORTED" and got["committed"] == []
+    assert got["aborted_after_s"] <= HEARTBEAT_TIMEOUT_S + 2.0, got["aborted_after_s"]
+    assert set(got["failed"]) == {"rollout-0", "rollout-1"}
+    assert f"on {host2}) silent" in got["failed"]["rollout-1"]
+    assert "lost receiver 'rollout-1'" in got["failed"]["rollout-0"]
+    # the trainer's SyncFailed: the coordinator's reasons, or a receiver's own report where it came first
+    assert set(got["sync"]["failed"]) == {"rollout-0", "rollout-1"} and got["sync"]["committed"] == []
+    assert f"on {host2}) silent" in got["sync"]["failed"]["rollout-1"]
+    assert "lost receiver 'rollout-1'" in got["sync"]["failed"]["rollout-0"]
+    for name in ("rollout-0", "rollout-1"):
+        assert "was aborted" in got[name]["error"] and "lost receiver 'rollout-1'" in got[name]["error"]
+    assert got["serves"] == {"rollout-0": {"version": None}, "rollout-1": {"version": None}}
+    assert nxt["state"] == "COMMITTED" and nxt["applied"] == {"rollout-0": got["version"] + 1,
+                                                              "rollout-1": got["version"] + 1}
+    assert nxt["serves"] == {n: {"version": got["version"] + 1, "bit_exact": True} for n in ("rollout-0", "rollout-1")}
+
+
+@pytest.mark.scenario("fault", "the coordinator's host cut off from the receivers mid-version, restored once "
+                      "it aborted the version (isolated hosts)", transport="broadcast", promise=(
+    "trainer held before tensor 3 of v, both rollouts past 2 load calls, host 0's link cut: the coordinator "
+    "aborts v within heartbeat_timeout_s + 2 s naming both rollouts silent on their hosts' addresses; meanwhile "
+    "neither rollout has failed (each waits on a control call to the coordinator); link restored: the trainer's "
+    "SyncFailed names both, and each rollout raises VersionError with the coordinator's reason and serves no "
+    "version (it had loaded part of v), never a mix it claims; the next version commits on both, bit-exact"))
+def test_the_coordinators_host_cut_off_aborts_and_the_next_version_commits(job, ray_hosts):
+    got, nxt = job["coordinator_cut"]["v"], job["coordinator_cut"]["next"]
+    assert got["state"] == "ABORTED" and got["committed"] == []
+    assert got["aborted_after_s"] <= HEARTBEAT_TIMEOUT_S + 2.0, got["aborted_after_s"]
+    assert set(got["failed"]) == {"rollout-0", "rollout-1"}
+    for name, host in (("rollout-0", 1), ("rollout-1", 2)):
+        assert f"on {ray_hosts.address(host)}) silent" in got["failed"][name]
+    assert got["outcomes_while_cut"] == {}, "a rollout failed while it could not reach the coordinator"
+    assert got["sync"]["failed"] == got["failed"] and got["sync"]["committed"] == []
+    for host, name in (("1", "rollout-0"), ("2", "rollout-1")):
+        error = got["outcomes"][host]["error"]
+        assert error.startswith(f"Aborted: version {got['version']} was aborted: "), error
+        assert f"'{name}'" in error and "silent" in error
+    assert got["serves"] == {"rollout-0": {"version": None}, "rollout-1": {"version": None}}
+    assert nxt["state"] == "COMMITTED"
+    assert nxt["serves"] == {n: {"version": got["version"] + 1, "bit_exact": True} for n in ("rollout-0", "rollout-1")}
+
+
+@pytest.mark.scenario("fault", "lost host: every process on a receiving host killed mid-version "
+                      "(isolated hosts)", transport="broadcast", promise=(
+    "both rollouts held inside load_weights at call 1 of v, every process of host 2 SIGKILLed (raylet, workers): "
+    "the coordinator aborts v within heartbeat_timeout_s + 2 s naming rollout-1 silent on host 2's address; "
+    "rollout-0 fails because the group lost rollout-1 and serves no version (it had loaded part of v); the next "
+    "version commits on host 1 alone, bit-exact"))
+def test_a_lost_host_is_named_within_the_deadline_and_the_next_version_goes_on_without_it(job, ray_hosts):
+    got, nxt = job["lost_host"]["v"], job["lost_host"]["next"]
+    assert got["state"] == "ABORTED" and got["committed"] == []
+    assert got["aborted_after_s"] <= HEARTBEAT_TIMEOUT_S + 2.0, got["aborted_after_s"]
+    assert set(got["failed"]) == {"rollout-0", "rollout-1"}
+    assert f"on {ray_hosts.address(2)}) silent" in got["failed"]["rollout-1"]
+    assert "lost receiver 'rollout-1'" in got["failed"]["rollout-0"]
+    assert set(got["sync"]["failed"]) == {"rollout-0", "rollout-1"} and got["sync"]["committed"] == []
+    assert f"on {ray_hosts.address(2)}) silent" in got["sync"]["failed"]["rollout-1"]
+    assert "lost receiver 'rollout-1'" in got["sync"]["failed"]["rollout-0"]
+    assert "lost receiver 'rollout-1'" in got["rollout-0"]["error"]
+    assert got["serves"] == {"rollout-0": {"version": None}}
+    assert nxt["state"] == "COMMITTED" and nxt["applied"] == {"rollout-0": got["version"] + 1}
+    assert nxt["serves"] == {"rollout-0": {"version": got["version"] + 1, "bit_exact": True}}
+
+
 def test_close_leaves_no_namespace_link_process_or_mount(ray_hosts, net):
     for cluster in (ray_hosts, net):
         cluster.close()
         assert cluster.leftovers() == []
 
+
+@pytest.mark.slow
+@pytest.mark.scenario("fault", "the coordinator's host cut off until the receivers fail on their own "
+                      "(isolated hosts; slow, about 3.5 min)", transport="broadcast", promise=(
+    "known limit: with connect_timeout_s 10, trainer held before tensor 3 of v, both rollouts past 2 load calls, "
+    "host 0's link cut and left cut: each rollout fails only once its control calls to the coordinator have "
+    "timed out one after another (get_state, bcast_failed, resource accounting, report: each waits "
+    "connect_timeout_s + 5 s or more), later than sync_timeout_s after the cut, with DeadlineExceeded naming the "
+    "coordinator ('did not answer'); it serves no version; link restored: the next version commits on both"))
+def test_receivers_cut_off_from_the_coordinator_fail_when_their_control_calls_time_out(can_build):
+    cluster = Cluster(hosts=3, link_gbit=LINK_GBIT, env=JOB_ENV)
+    try:
+        out = Driver(cluster, ["placement", "coordinator_cut_long"],
+                     env={"WS_CONNECT_TIMEOUT_S": "10", "WS_CUT_LIMIT_S": "240"}).run(550)
+    finally:
+        cluster.close()
+    assert cluster.leftovers() == []
+    got, nxt = out["coordinator_cut_long"]["v"], out["coordinator_cut_long"]["next"]
+    cut_at = got["cut"]["at"]
+    assert sorted(got["outcomes_while_cut"]) == ["1", "2"], "both failed before the link came back"
+    for host in ("1", "2"):
+        outcome = got["outcomes_while_cut"][host]
+        print(f"\nrollout on host {host} failed {outcome['at'] - cut_at:.1f} s after the cut: {outcome['error']}")
+        assert outcome["at"] - cut_at > SYNC_TIMEOUT_S
+        assert outcome["error"].startswith("DeadlineExceeded: ") and "did not answer" in outcome["error"]
+    assert got["state"] == "ABORTED"
+    assert got["serves"] == {"rollout-0": {"version": None}, "rollout-1": {"version": None}}
+    assert nxt["state"] == "COMMITTED"
+    assert nxt["serves"] == {n: {"version": got["version"] + 1, "bit_exact": True} for n in ("rollout-0", "rollout-1")}
