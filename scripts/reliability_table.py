@@ -1,7 +1,8 @@
 """Render the reliability table from what the test suite recorded (results/reliability.json,
 written by tests/conftest.py) and put it into docs/reliability.md between the
 <!-- reliability:start --> / <!-- reliability:end --> markers. The README links the page and
-keeps no copy of the table.
+keeps no copy of the table. The hosts tier's table (results/reliability-hosts.json), where a run
+left one, goes into docs/multinode.md between <!-- hosts-reliability:start / end --> markers.
 
 One row per scenario: the transports its tests actually ran on, each with the sum of every
 variant run there (first / middle / last bucket, ...; "pass" only if all of them passed), and
@@ -60,19 +61,28 @@ def _promises(ran: list[str], by: dict[str, list[dict]]) -> str:
     return "<br>".join(f"**{', '.join(heads)}**: {promise or '—'}" for promise, heads in same.items())
 
 
-def splice(path: Path, table: str) -> None:
+def splice(path: Path, table: str, start: str = START, end: str = END) -> None:
     text = path.read_text()
-    before, rest = text.split(START)
-    _, after = rest.split(END)
-    path.write_text(f"{before}{START}\n{table.strip()}\n{END}{after}")
+    before, rest = text.split(start)
+    _, after = rest.split(end)
+    path.write_text(f"{before}{start}\n{table.strip()}\n{end}{after}")
     print(f"{path.name}: reliability table updated")
 
 
 def main() -> None:
     root = Path(__file__).resolve().parents[1]
-    table = render(json.loads((root / "results" / "reliability.json").read_text()))
-    (root / "results" / "reliability.md").write_text(table)
-    splice(root / "docs" / "reliability.md", table)
+    suite, hosts = root / "results" / "reliability.json", root / "results" / "reliability-hosts.json"
+    if not suite.exists() and not hosts.exists():
+        raise SystemExit(f"no {suite} (run the test suite) nor {hosts} (run the hosts tier)")
+    if suite.exists():
+        table = render(json.loads(suite.read_text()))
+        (root / "results" / "reliability.md").write_text(table)
+        splice(root / "docs" / "reliability.md", table)
+    # the hosts tier's faults (tests/test_hosts.py, root only) go to the multi-node page, where
+    # that tier's run left them
+    if hosts.exists():
+        splice(root / "docs" / "multinode.md", render(json.loads(hosts.read_text())),
+               "<!-- hosts-reliability:start -->", "<!-- hosts-reliability:end -->")
 
 
 if __name__ == "__main__":

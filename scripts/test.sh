@@ -9,7 +9,7 @@
 # them ("vllm gen", or "none"); WEIGHTSYNC_VLLM_TIER=0 still leaves out the vllm tiers (0.11.0, 0.10.1).
 # `scripts/tiers/<name>.sh --prepare` only builds what the tier needs. About a third of a fresh run
 # was those builds one after another; they now go on in the background, in the order the tiers
-# run, while the tiers that need none (sim, bench, conformance first) run: a tier that reaches a venv
+# run, while the tiers that need none (sim, bench, conformance, hosts first) run: a tier that reaches a venv
 # still being built waits for it (scripts/lib/venv.sh holds one lock per venv).
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -29,7 +29,7 @@ python -m pytest "$@" || status=$?
 deactivate
 
 # those that run in the main venv first, so the others' venvs build meanwhile
-first="sim bench conformance"
+first="sim bench conformance hosts"
 all_tiers="$first $(cd scripts/tiers && ls ./*.sh | sed 's|^\./||; s|\.sh$||' | grep -vxF "${first// /$'\n'}" | sort | tr '\n' ' ')"
 tiers="${WSTEST_TIERS:-$([ $# -eq 0 ] && echo "$all_tiers" || echo none)}"
 [ "${WSTEST_VLLM_TIER:-}" = "0" ] && tiers=$(echo " $tiers " | sed 's/ vllm / /; s/ vllm-0.10 / /')

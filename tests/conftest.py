@@ -191,8 +191,11 @@ def pytest_sessionfinish(session, exitstatus):
     root = Path(session.config.rootpath)
     out = root / "results"
     out.mkdir(exist_ok=True)
-    # the sim tier's scenarios (-m sim) are the same ones on the simulated accelerator: kept apart
+    # the sim tier's scenarios (-m sim) are the same ones on the simulated accelerator: kept apart;
+    # so are the hosts tier's (tests/test_hosts.py, root only), which docs/multinode.md shows
     name = "reliability-sim" if session.config.option.markexpr == "sim" else "reliability"
+    if all(r["test"].split("::")[0].endswith("test_hosts.py") for r in _scenarios):
+        name = "reliability-hosts"
     (out / f"{name}.json").write_text(json.dumps(_scenarios, indent=1))
     spec = importlib.util.spec_from_file_location("reliability_table", root / "scripts" / "reliability_table.py")
     table = importlib.util.module_from_spec(spec)
