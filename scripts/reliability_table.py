@@ -14,8 +14,8 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-COLUMNS = ("shm", "ipc", "broadcast", "none")
-HEADS = {"shm": "shm", "ipc": "ipc (host)", "broadcast": "broadcast (gloo)", "none": "no transport"}
+COLUMNS = ("shm", "ipc", "broadcast", "relay", "none")
+HEADS = {"shm": "shm", "ipc": "ipc (host)", "broadcast": "broadcast (gloo)", "relay": "relay (gloo)", "none": "no transport"}
 START, END = "<!-- reliability:start -->", "<!-- reliability:end -->"
 
 

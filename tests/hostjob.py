@@ -1,4 +1,4 @@
-"""The job of tests/test_hosts.py, run inside host 0 of a tests/hostnet.py cluster as
+"""The job of tests/test_hosts.py, run inside host 0 of a benchmarks/weightsync_bench/hostnet.py cluster as
 ``python tests/hostjob.py`` (WS_RAY_ADDRESS names the head). Public API only: a coordinator, a
 trainer and two rollouts, each rollout's engine a dict of tensors whose ``load_weights`` copies
 in place.
@@ -28,6 +28,9 @@ Phases, in the order WS_JOB_PHASES names them (default: all but the slow one), o
                    version commits on host 1 alone
   coordinator_cut_long  (slow) as coordinator_cut, host 0's link cut until both rollouts
                    failed on their own (WS_CUT_LIMIT_S at most)
+  hostile          clients without the session token on host 2 (the test starts them): 200 idle
+                   connections to the coordinator's control channel, 24 streaming 64 MiB frames;
+                   two versions commit meanwhile; the coordinator's memory before and after
 WS_CONNECT_TIMEOUT_S sets the parties' connect_timeout_s (60 by default).
 """
 
@@ -197,6 +200,19 @@ def wait_until(what: str, cond, timeout: float = DEADLINE_S + 30, interval: floa
         time.sleep(interval)
 
 
+def again(call, *args: Any, timeout: float = 60.0) -> Any:
+    """An idempotent actor call, retried while Ray calls its actor temporarily unavailable: the
+    first call after a link comes back can meet the connection Ray's cut left reset."""
+    end = time.monotonic() + timeout
+    while True:
+        try:
+            return ray.get(call.remote(*args), timeout=max(1.0, end - time.monotonic()))
+        except ray.exceptions.ActorUnavailableError:
+            if time.monotonic() > end:
+                raise
+            time.sleep(0.5)
+
+
 def on(host: int) -> dict[str, Any]:
     """Ray options of a party on ``host``, threaded: reached() / release() run beside a held
     apply() or step()."""
@@ -219,10 +235,10 @@ class Job:
 
     def metrics(self, v: int) -> dict[str, Any]:
         m = self.coord.metrics(v)
-        return {"state": m["state"], "reason": m["reason"], "failed": m["failed"], "committed": m["committed"]}
+        return {"state": m.state, "reason": m.reason, "failed": m.failed, "committed": m.committed}
 
     def serves(self, names) -> dict[str, Any]:
-        return {n: ray.get(self.rollouts[n].serves.remote(), timeout=60) for n in names}
+        return {n: again(self.rollouts[n].serves) for n in names}
 
     def step(self, v: int, names=("rollout-0", "rollout-1")) -> dict[str, Any]:
         applied = {n: self.rollouts[n].apply.remote(v) for n in names}
@@ -240,20 +256,20 @@ class Job:
         return applied, sync
 
     def party_alive(self) -> dict[str, bool]:
-        return {p["name"]: p["alive"] for p in self.coord.status()["parties"]}
+        return {p.name: p.alive for p in self.coord.status().parties}
 
 
 def placement(job: Job, out: dict[str, Any]) -> None:
     """Where each party runs; v1 and v2 commit; what crossed each link in v2."""
     status = job.coord.status()
-    out["parties"] = {p["name"]: {"host": p["host"], "node_id": p["node_id"]} for p in status["parties"]}
+    out["parties"] = {p.name: {"host": p.host, "node_id": p.node_id} for p in status.parties}
     out["where"] = {n: ray.get(r.where.remote()) for n, r in job.rollouts.items()}
     out["nodes"] = {next(k for k in n["Resources"] if k.startswith("host")): n["NodeID"]
                     for n in ray.nodes() if n["Alive"]}
     out["payload"] = PAYLOAD
     out["v1"] = job.step(job.next())
     status = job.coord.status()
-    out["transport"], out["reason"] = status["transport"], status["transport_reason"]
+    out["transport"], out["reason"] = status.transport, status.transport_reason
     before = ask("links")["links"]
     t0 = time.time()
     out["v2"] = job.step(job.next())
@@ -274,7 +290,7 @@ def slow_link(job: Job, out: dict[str, Any]) -> None:
         while not stop.is_set():
             try:
                 seen_dead.extend(n for n, alive in job.party_alive().items() if not alive)
-                seen_dead.extend(f"failed:{n}" for n in job.coord.metrics(v)["failed"])
+                seen_dead.extend(f"failed:{n}" for n in job.coord.metrics(v).failed)
             except Exception:
                 pass
             stop.wait(0.1)
@@ -298,13 +314,13 @@ def partition(job: Job, out: dict[str, Any]) -> None:
     applied, sync = job.held(v, 1, BOTH)
     cut = ask("cut", host=2)
     wait_until(f"v{v} is aborted", lambda: job.metrics(v)["state"] == "ABORTED")
-    got = {"version": v, "aborted_after_s": time.time() - cut["at"], **job.metrics(v)}
+    got = {"version": v, "aborted_after_s": time.time() - cut["at"], "cut_at": cut["at"], **job.metrics(v)}
     ray.get(job.rollouts["rollout-0"].release.remote())
     got["sync"] = ray.get(sync, timeout=DEADLINE_S + 30)
     got["rollout-0"] = ray.get(applied["rollout-0"], timeout=DEADLINE_S + 30)
     got["serves"] = job.serves(["rollout-0"])
     ask("restore", host=2)
-    ray.get(job.rollouts["rollout-1"].release.remote(), timeout=60)
+    again(job.rollouts["rollout-1"].release)
     got["rollout-1"] = ray.get(applied["rollout-1"], timeout=DEADLINE_S + 30)
     got["serves"].update(job.serves(["rollout-1"]))
     wait_until("rollout-1 is seen alive again", lambda: job.party_alive().get("rollout-1"))
@@ -388,8 +404,34 @@ def lost_host(job: Job, out: dict[str, Any]) -> None:
     out["next"] = job.step(job.next(), ("rollout-0",))
 
 
+def _coordinator_rss(port: int) -> int:
+    """Resident bytes of the coordinator process: the one of this host listening on ``port``."""
+    import psutil
+
+    for p in psutil.process_iter():
+        try:
+            if any(c.laddr.port == port and c.status == psutil.CONN_LISTEN for c in p.net_connections("tcp")):
+                return p.memory_info().rss
+        except psutil.Error:
+            continue
+    raise RuntimeError(f"no process of host 0 listens on port {port}")
+
+
+def hostile(job: Job, out: dict[str, Any]) -> None:
+    """Clients without the token on another host, while versions commit."""
+    from weightsync.records import Channel
+
+    address = job.coord.call(Channel())
+    before = _coordinator_rss(address.port)
+    ask("hostile", host=2, address=address.host, port=address.port)
+    versions = [job.step(job.next()) for _ in range(2)]
+    after = _coordinator_rss(address.port)
+    ask("hostile-end", host=2)
+    out.update(grown=after - before, versions=versions)
+
+
 PHASES = {"placement": placement, "slow_link": slow_link, "partition": partition,
-          "coordinator_cut": coordinator_cut, "lost_host": lost_host}
+          "coordinator_cut": coordinator_cut, "lost_host": lost_host, "hostile": hostile}
 SLOW_PHASES = {"coordinator_cut_long": coordinator_cut_long}  # named in WS_JOB_PHASES only
 
 

@@ -19,7 +19,7 @@ from weightsync import transports
 from weightsync.digest import version_digest
 from weightsync.manifest import pack, plan_buckets
 
-ALL = [t for t in ("shm", "ipc", "broadcast") if t in transports.names()]
+ALL = [t for t in ("shm", "ipc", "broadcast", "relay") if t in transports.names()]
 MANIFEST = layout("tiny")  # 7 buckets of 64 KiB
 BUCKET = 1 << 16
 CHANGED = 0.01  # of the elements per version: about 2 % differ between two versions

@@ -35,12 +35,13 @@ def job(tmp_path_factory):
     return seen
 
 
-def test_auto_broadcasts_to_other_nodes_from_the_senders_node_address(job):
+def test_auto_relays_to_other_nodes_from_the_senders_node_address(job):
     nodes, parties = job["node_ids"], job["parties"]
     where = {name: next(n for n, nid in nodes.items() if nid == p["node_id"]) for name, p in parties.items()}
     assert where == {"trainer-0": "A", "rollout-0": "B", "rollout-1": "C"}
-    assert job["transport"] == "broadcast"
+    assert job["transport"] == "relay"
     assert job["reason"].startswith("auto: 2 receiver(s) (rollout-0, rollout-1) on other nodes (")
+    assert "relay: one copy per receiving node, passed on from node to node" in job["reason"]
     for name in ("rollout-0", "rollout-1"):
         assert f"{parties[name]['host']} (node {parties[name]['node_id'][:8]})" in job["reason"]
     # the rendezvous store listens on the sender's node address (rendezvous_host: auto)
@@ -53,7 +54,7 @@ def test_auto_broadcasts_to_other_nodes_from_the_senders_node_address(job):
 
 
 @pytest.mark.scenario("fault", "node lost mid-version (its raylet removed; three-node Ray cluster on one machine)",
-                      transport="broadcast", promise=(
+                      transport="relay", promise=(
     "both rollouts held after bucket 0 of v3, node C removed: the party on it is named silent on its node's "
     "address, the survivor fails with 'lost receiver', v3 ABORTED within the deadline; the survivor serves v2 "
     "bit-exact; v4 commits on the survivor alone"))

@@ -41,26 +41,32 @@ def test_placement_is_by_ray_node_id_and_by_host_only_without_one():
     assert placement(party(), party(host="h2")) == REMOTE
 
 
-def test_auto_across_ray_nodes_on_one_address_picks_broadcast_naming_them():
+def test_auto_across_ray_nodes_on_one_address_picks_relay_naming_them():
     s = party(host="10.0.0.1", node="aaaa1111" * 7, ipc=OK)
     far = [party(host="10.0.0.1", node="bbbb2222" * 7, name="rollout-0"),
            party(host="10.0.0.1", node="cccc3333" * 7, name="rollout-1")]
     name, reason = choose_transport("auto", s, far)
-    assert name == "broadcast"
+    assert name == "relay"
     assert reason == ("auto: 2 receiver(s) (rollout-0, rollout-1) on other nodes (10.0.0.1 (node bbbb2222), "
-                      "10.0.0.1 (node cccc3333)); broadcast")
+                      "10.0.0.1 (node cccc3333)); relay: one copy per receiving node, passed on from node to node, "
+                      "read by the other receivers of a node from its shared memory")
     with pytest.raises(ConfigError, match=r"1 receiver\(s\) \(rollout-1\) on 10.0.0.1 \(node cccc3333\) are not"):
         choose_transport("shm", s, [party(host="10.0.0.1", node="aaaa1111" * 7), far[1]])
     # the same receivers on the sender's node: shm
     assert choose_transport("auto", s, [party(host="10.0.0.1", node="aaaa1111" * 7)] * 2)[0] == "shm"
 
 
-def test_auto_mixed_placement_broadcasts_to_all_and_says_shm_within_a_node_is_not_built():
+def test_auto_mixed_placement_relays_across_nodes_and_the_senders_node_reads_the_senders_copy():
     s = party(node="n-a", ipc=OK)
     name, reason = choose_transport("auto", s, [party(node="n-a", name="local-0"), party(node="n-b", name="far-0")])
-    assert name == "broadcast"
+    assert name == "relay"
     assert "1 receiver(s) (far-0) on other nodes" in reason
-    assert "1 receiver(s) (local-0) on the sender's node included" in reason and "not built yet" in reason
+    assert "(1 receiver(s) (local-0) on the sender's node read the sender's)" in reason
+    # on a device the collective's ring relays: broadcast, and the sender's node's receivers are in it
+    name, reason = choose_transport("auto", party(kind="cuda", physical=0, node="n-a", ipc=OK),
+                                    [party(kind="cuda", physical=1, node="n-a", name="local-0"),
+                                     party(kind="cuda", physical=0, node="n-b", name="far-0")])
+    assert name == "broadcast" and "also reaches 1 receiver(s) (local-0) on the sender's node" in reason
 
 
 def test_one_device_twice_is_per_ray_node():
@@ -120,11 +126,13 @@ def test_auto_same_node_cpu_without_device_collective_picks_shm():
     assert name == "shm"
 
 
-def test_auto_across_nodes_picks_broadcast():
-    for kind, phys, other in (("cpu", None, None), ("cuda", 0, 1)):
+def test_auto_across_nodes_relays_host_memory_and_broadcasts_on_a_device():
+    for kind, phys, other, want in (("cpu", None, None, "relay"), ("cuda", 0, 1, "broadcast")):
         name, reason = choose_transport("auto", party(kind=kind, physical=phys, ipc=OK),
                                         [party(kind=kind, physical=other), party(host="h2", kind=kind, physical=phys)])
-        assert name == "broadcast" and "other nodes" in reason
+        assert name == want and "other nodes" in reason
+    with pytest.raises(ConfigError, match="transport 'relay' moves host memory over gloo"):
+        choose_transport("relay", party(kind="cuda", physical=0, ipc=OK), [party(host="h2", kind="cuda", physical=0)])
 
 
 def test_auto_without_registered_receivers_picks_what_serves_late_joiners():

@@ -38,7 +38,7 @@ MiB = 1 << 20
 # the transports a config may name ("auto" besides): the built-in ones (weightsync.transports.BUILTIN;
 # tests/test_config.py checks the two lists agree) and those a plugin registered in this process
 # (weightsync.transports.register adds them here)
-TRANSPORTS: list[str] = ["broadcast", "ipc", "shm"]
+TRANSPORTS: list[str] = ["broadcast", "ipc", "relay", "shm"]
 
 
 def transport_names() -> list[str]:

@@ -661,7 +661,11 @@ class Status(DictReads, Message):
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class BroadcastGroup(Message):
     """The collective group of a broadcast version (coordinator/actor.py, BroadcastGroups): the
-    sender at group rank 0, ``members`` after it; ``rank``: the asking receiver's."""
+    sender at group rank 0, ``members`` after it; ``rank``: the asking receiver's. A relay
+    version's members are one receiver per receiving host, in the order the version is relayed
+    (the sender sends to the first, each passes it to the next); ``followers`` maps every other
+    receiver to the member of its host it reads the version from (the sender, on the sender's
+    host); a follower's ``rank`` is None."""
 
     epoch: int
     nonce: str  # a restarted coordinator counts epochs from 1 again: this keeps names unique
@@ -670,6 +674,7 @@ class BroadcastGroup(Message):
     pids: dict[str, int]  # a re-registered party is a new member
     size: int
     rank: int | None = None
+    followers: dict[str, str] = dataclasses.field(default_factory=dict)
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -971,6 +976,36 @@ class BcastCheck(Request):
     reply: ClassVar[type[Message]] = GroupCheck
     party: int
     version: int
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class SegmentRef(Message):
+    """Where a relay version lies on a host: the segment its host's relaying party writes."""
+
+    leader: str
+    ref: str  # the segment's reference (transports/shm/transport.py: Segment.ref)
+    size: int
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class SegmentAt(Request):
+    """A party that relays ``version`` to its host (or the sender, to its own) writes it into
+    the segment ``ref``; the receivers of its host read it from there."""
+
+    party: int
+    version: int
+    ref: str
+    size: int
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class SegmentOf(Request):
+    """A relay follower: where its host's relaying party writes ``version`` (waits for it)."""
+
+    reply: ClassVar[type[Message]] = SegmentRef
+    party: int
+    version: int
+    timeout: float
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Tier "hosts": the multi-node path on hosts that share nothing (tests/hostnet.py: network
+# Tier "hosts": the multi-node path on hosts that share nothing (benchmarks/weightsync_bench/hostnet.py: network
 # namespaces on a bridge, each host with its own address, /dev/shm and /tmp, links limited with
 # tc tbf both ways, a Ray node each): the cluster itself, then the host-level faults (a partition,
 # a lost host, the coordinator's host cut off, a slow link). Needs root; elsewhere its tests skip

@@ -95,6 +95,8 @@ class Version:
     sync_started: float | None = None
     finished: float | None = None
     readable: bool = False  # a pipelined sender announced it: receivers may read while it is written
+    # a relay version: where each host's relaying party writes it (its name -> segment, size)
+    segments: dict[str, tuple[str, int]] = dataclasses.field(default_factory=dict)
 
     @property
     def in_flight(self) -> bool:
@@ -514,23 +516,27 @@ class GroupMember:
 @dataclasses.dataclass
 class BroadcastGroups:
     epoch: int = 0
-    key: tuple[int, tuple[tuple[str, int], ...]] | None = None  # the sender's and members' party ids
+    key: tuple | None = None  # the sender's and members' party ids (and a relay's followers)
     last: int | None = None  # the version the newest group was formed for
     groups: dict[int, BroadcastGroup] = dataclasses.field(default_factory=dict)
 
     def form(self, version: int, sender: GroupMember, receivers: list[GroupMember], last_failed: bool,
-             nonce: str) -> BroadcastGroup:
+             nonce: str, followers: dict[str, GroupMember] | None = None) -> BroadcastGroup:
         """The group of ``version``: ``sender`` at group rank 0, ``receivers`` after it in
-        (rank, name) order. ``last_failed``: the version of the previous group was aborted."""
+        (rank, name) order. ``last_failed``: the version of the previous group was aborted.
+        ``followers``: a relay's receivers outside the group, each with the member (or the sender)
+        it reads the version from; a change among them re-forms the group too."""
         members = sorted(receivers, key=lambda m: (m.rank, m.name))
-        key = (sender.pid, tuple((m.name, m.pid) for m in members))
+        followers = followers or {}
+        key = (sender.pid, tuple((m.name, m.pid) for m in members),
+               tuple(sorted((n, m.name) for n, m in followers.items())))
         if key != self.key or last_failed:
             self.epoch += 1
             self.key = key
         self.last = version
         group = BroadcastGroup(epoch=self.epoch, nonce=nonce, sender=sender.name, members=[m.name for m in members],
                                pids={m.name: m.pid for m in members} | {sender.name: sender.pid},
-                               size=len(members) + 1)
+                               size=len(members) + 1, followers={n: m.name for n, m in followers.items()})
         self.groups[version] = group
         for old in [k for k in self.groups if k < version - KEEP_GROUPS]:
             del self.groups[old]
@@ -1026,12 +1032,38 @@ class CoordinatorActor:
         else:
             members = [GroupMember(p.name, p.pid, p.rank) for p in self.parties.receivers()
                        if p.name in v.participants and p.name not in v.failed]
+        followers: dict[str, GroupMember] = {}
+        if self.transport == "relay":
+            members, followers = self._hosts(sender, members)
         last = self.table.get(self.bcast.last) if self.bcast.last is not None else None
         group = self.bcast.form(req.version, GroupMember(sender.name, sender.pid), members,
-                                last_failed=last is not None and last.state == State.ABORTED, nonce=self.session)
+                                last_failed=last is not None and last.state == State.ABORTED, nonce=self.session,
+                                followers=followers)
         v.info["group"] = {"epoch": group.epoch, "members": group.members}  # shown in metrics
         self._poke(v)
         return records.Formed(group=group)
+
+    def _hosts(self, sender: PartyRecord, receivers: list[GroupMember]
+               ) -> tuple[list[GroupMember], dict[str, GroupMember]]:
+        """A relay's members, one receiver per receiving host (the lowest rank there), and every
+        other receiver with the party it reads from on its host: that member, or the sender on
+        the sender's host. A host is a Ray node (a party's host address without Ray)."""
+        def node(name: str, role: str = "receiver") -> str:
+            p = self.parties.named(role, name)
+            return (p.node_id or p.host) if p is not None else name
+
+        home = sender.node_id or sender.host
+        leaders: dict[str, GroupMember] = {}
+        followers: dict[str, GroupMember] = {}
+        for m in sorted(receivers, key=lambda m: (m.rank, m.name)):
+            where = node(m.name)
+            if where == home:
+                followers[m.name] = GroupMember(sender.name, sender.pid)
+            elif where in leaders:
+                followers[m.name] = leaders[where]
+            else:
+                leaders[where] = m
+        return list(leaders.values()), followers
 
     @handles(records.BcastGroup)
     async def bcast_group(self, req: records.BcastGroup) -> records.BroadcastGroup:
@@ -1051,6 +1083,8 @@ class CoordinatorActor:
             self._party(req.party, seen=False)
             await self.signals.wait(self.signals.version(version), deadline)
         group = self.bcast.get(version)
+        if name in group.followers:
+            return dataclasses.replace(group, rank=None)  # a relay follower: it reads its host's copy
         rank = group_rank(group, name)
         if rank is None:
             p = self.parties.named("receiver", name)
@@ -1087,10 +1121,45 @@ class CoordinatorActor:
         if v.state != State.ABORTED:
             epoch = f" (epoch {group.epoch})" if group else ""
             why = "lost " + "; ".join(lost) if lost else f"failed on '{name}': {req.error}"
-            if not self.table.abort(req.version, f"broadcast group{epoch} {why}", time.monotonic()):
-                return records.Reason(reason=f"broadcast group{epoch} {why}")
+            why = f"{self.transport or 'broadcast'} group{epoch} {why}"
+            if not self.table.abort(req.version, why, time.monotonic()):
+                return records.Reason(reason=why)
             self._poke(v)
         return records.Reason(reason=v.reason)
+
+    @handles(records.SegmentAt)
+    async def segment_at(self, req: records.SegmentAt) -> records.Done:
+        """A relaying party (or the sender) writes ``version`` for its host into ``ref``."""
+        p = self._party(req.party)
+        v = self.table[req.version]
+        v.segments[p.name] = (req.ref, req.size)
+        self._poke(v)
+        return records.Done()
+
+    @handles(records.SegmentOf)
+    async def segment_of(self, req: records.SegmentOf) -> records.SegmentRef:
+        """A relay follower: wait until the party it reads from says where it writes ``version``."""
+        name = self._party(req.party).name
+        version = req.version
+        deadline = time.monotonic() + req.timeout
+        while True:
+            v = self.table[version]
+            group = self.bcast.get(version)
+            leader = group.followers.get(name) if group is not None else None
+            if v.state == State.ABORTED:
+                raise VersionError(f"version {version} was aborted: {v.reason}")
+            if group is not None and leader is None:
+                raise VersionError(f"receiver '{name}' reads no host's copy of version {version}: it is not a follower "
+                                   f"in its relay (it joined after the barrier, or relays the version itself)")
+            if leader is not None and leader in v.segments:
+                ref, size = v.segments[leader]
+                return records.SegmentRef(leader=leader, ref=ref, size=size)
+            if time.monotonic() >= deadline:
+                raise DeadlineExceeded(f"receiver '{name}' waited {req.timeout:.1f}s for "
+                                       f"{repr(leader) if leader else 'the relay of version ' + str(version)} "
+                                       f"to say where version {version} lies on its host")
+            self._party(req.party, seen=False)
+            await self.signals.wait(self.signals.version(version), deadline)
 
     # -- staleness (one-step-off) --------------------------------------------------------
 

@@ -545,6 +545,14 @@ class ControlPlane:
     def bcast_check(self, version: int) -> records.GroupCheck:
         return self._send(records.BcastCheck(party=self._party(), version=version))
 
+    def segment_at(self, version: int, ref: str, size: int) -> None:
+        """A relay: this party writes ``version`` for its host's receivers into segment ``ref``."""
+        self._send(records.SegmentAt(party=self._party(), version=version, ref=ref, size=size))
+
+    def segment_of(self, version: int, timeout: float) -> records.SegmentRef:
+        """A relay follower: where its host's relaying party writes ``version``."""
+        return self._send(records.SegmentOf(party=self._party(), version=version, timeout=timeout))
+
     def bcast_failed(self, version: int, error: str, timeout: float) -> str:
         """Returns the reason the version was aborted with, naming the party at fault."""
         request = records.BcastFailed(party=self._party(), version=version, error=error, timeout=timeout)

@@ -375,13 +375,31 @@ def _broadcast_auto(f: Facts) -> Rank | None:
         if f.colocated or not f.accelerator or f.clash:
             return None
         return 1, f"auto: {f.describe(SAME_NODE)} on this node use other devices; broadcast over the {f.device} collective"
+    if not f.accelerator:
+        return None  # host memory across nodes: relay
     if f.clash:  # receivers on other nodes: nothing else reaches them
         raise ConfigError(f"auto: {f.describe(REMOTE)} on other nodes need broadcast, but {f.clash}; "
                           f"place each party of a node on its own device, or set backend 'gloo'")
-    why = f"auto: {f.describe(REMOTE)} on other nodes ({f.far}); broadcast"
+    why = f"auto: {f.describe(REMOTE)} on other nodes ({f.far}); broadcast over the {f.device} collective, whose ring"
     if any(w != REMOTE for w in f.where):
-        why += (f" to every receiver, {f.describe(COLOCATED, SAME_NODE)} on the sender's node included "
-                f"(shm within a node beside broadcast across nodes is not built yet)")
+        why += f" also reaches {f.describe(COLOCATED, SAME_NODE)} on the sender's node"
+    return 1, why + " passes each bucket on from node to node"
+
+
+def _relay_refuses(f: Facts) -> str | None:
+    if f.accelerator:
+        return (f"transport 'relay' moves host memory over gloo; the sender's weights are on {f.on_device} (use "
+                f"'broadcast': its {f.device} collective relays on the device)")
+    return None
+
+
+def _relay_auto(f: Facts) -> Rank | None:
+    if f.accelerator or f.same_node:
+        return None
+    why = (f"auto: {f.describe(REMOTE)} on other nodes ({f.far}); relay: one copy per receiving node, passed on "
+           f"from node to node, read by the other receivers of a node from its shared memory")
+    if any(w != REMOTE for w in f.where):
+        why += f" ({f.describe(COLOCATED, SAME_NODE)} on the sender's node read the sender's)"
     return 1, why
 
 
@@ -461,10 +479,36 @@ def _broadcast_receiver(ctx: TransportContext, session: SessionRecord) -> Receiv
     return BroadcastReceiver(ctx, session)
 
 
+def _relay_sender(ctx: TransportContext) -> SenderTransport:
+    from .relay.transport import RelaySender
+
+    return RelaySender(ctx)
+
+
+def _relay_receiver(ctx: TransportContext, session: SessionRecord) -> ReceiverTransport:
+    from .relay.transport import RelayReceiver
+
+    return RelayReceiver(ctx, session)
+
+
+def relay_session(wire: Any) -> SessionRecord:
+    from .relay.transport import RelaySession
+
+    return RelaySession.from_wire(wire)
+
+
+def relay_version(wire: Any) -> VersionRecord:
+    from .relay.transport import RelayVersion
+
+    return RelayVersion.from_wire(wire)
+
+
 BUILTIN = (
     Transport("broadcast", _broadcast_sender, _broadcast_receiver, BroadcastSession.from_wire,
               BroadcastVersion.from_wire, _broadcast_refuses, _broadcast_auto),
     Transport("ipc", _ipc_sender, _ipc_receiver, IpcSession.from_wire, IpcVersion.from_wire, _ipc_refuses, _ipc_auto),
+    # across nodes in host memory: one copy per node, passed on from node to node
+    Transport("relay", _relay_sender, _relay_receiver, relay_session, relay_version, _relay_refuses, _relay_auto),
     # whole versions in segments, or a streaming ring when they exceed the budget: the records say which
     Transport("shm", _shm_sender, _shm_receiver, shm_session, shm_version, _shm_refuses, _shm_auto),
 )

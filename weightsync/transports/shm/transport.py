@@ -680,6 +680,72 @@ def spans(buf: torch.Tensor, bases: list[int], plan: BucketPlan) -> Callable[[in
     return view
 
 
+class Slots:
+    """The segments a writer keeps on its node, one per slot, reused by every version that takes
+    the slot (the coordinator picks it): a version is opened (its buckets invalidated), each bucket
+    written into its page-aligned place (``view``) and published (digest word, then ready word,
+    sleepers woken), so receivers read bucket b as soon as it is complete. The shm sender writes
+    its versions here; a relay leader (transports/relay/) the versions it relays to its host."""
+
+    def __init__(self, ctx: TransportContext):
+        self.ctx = ctx
+        reap_stale(ctx.config.shm_dir)
+        self.size, self.bases = layout(ctx.plan)
+        self.segments: dict[int, Segment] = {}
+        self.current: tuple[int, Segment] | None = None  # (version, its segment) once opened
+        self.sums: list[int] = []  # the open version's digests, in bucket order
+        # bytes written into segments, all versions together (tests check where they are written)
+        self.written = 0
+
+    def _segment(self, slot: int) -> Segment:
+        seg = self.segments.get(slot)
+        if seg is None:
+            seg = create(self.ctx.config, self.size, f"a segment for {len(self.ctx.manifest)} tensors",
+                         header_bytes=header_bytes(self.ctx.plan))
+            self.ctx.account("shm_segments", +1)
+            seg.pin(self.ctx.device)  # the slot is reused for every later version: pinned once
+            head = seg.header
+            head[0], head[1], head[2] = MAGIC, digest_word(self.ctx.digest), self.ctx.plan.bucket_count
+            self.segments[slot] = seg
+        return seg
+
+    def open(self, version: int, slot: int) -> ShmVersion:
+        """Invalidate the slot's buckets for ``version``: receivers may read each one from here
+        on, as soon as its ready word is set."""
+        seg = self._segment(slot)
+        head = seg.header
+        count = self.ctx.plan.bucket_count
+        words = head[_HEAD_WORDS: _HEAD_WORDS + _PER_BUCKET * count].reshape(count, _PER_BUCKET)
+        words[:, 0] = 0  # invalidate every bucket first
+        words[:, 2] = 0  # and its verification
+        head[3] = version
+        self.current, self.sums = (version, seg), []
+        return ShmVersion(segment=seg.ref, size=self.size)
+
+    def view(self, b: int, nbytes: int) -> torch.Tensor:
+        """Where bucket ``b`` of the open version goes (``nbytes``: the version's length of it)."""
+        seg = self.current[1]
+        return seg.bytes[self.bases[b]: self.bases[b] + nbytes]
+
+    def publish(self, b: int, nbytes: int, value: int | None) -> None:
+        """Bucket ``b`` of the open version is written (``value``: its digest, None: off)."""
+        version, seg = self.current
+        head, word = seg.header, _ready_word(b)
+        if value is not None:
+            self.sums.append(value)
+            head[word + 1] = value
+        head[word] = np.uint64(version + 1)
+        wake(head, word)  # receivers sleeping on the word (Waiter)
+        self.written += nbytes
+
+    def close(self) -> None:
+        for seg in self.segments.values():
+            seg.close()
+            self.ctx.account("shm_segments", -1)
+        self.segments.clear()
+        self.current = None
+
+
 class ShmSender(SenderTransport):
     """Whole versions: each version packed once into a slot's segment, in stage()."""
 
@@ -692,78 +758,43 @@ class ShmSender(SenderTransport):
         self.session = ShmSession(digest_kind=kind, keeps_versions=True, ahead=True, why=why)
         # on an accelerator node each bucket is digested on the device before its copy to the host
         self.on_device = DeviceBuffers(ctx) if hashes_on_device(ctx, kind) else None
-        self.directory = ctx.config.shm_dir
-        reap_stale(self.directory)
-        self.size, self.bases = layout(ctx.plan)
-        self.slots: dict[int, Segment] = {}
+        self.slots = Slots(ctx)
         self.views = PackViews()  # where each bucket's tensors go in each slot, made once
-        self.announced: tuple[int, Segment] | None = None
-        # bytes this sender packed into segments, all versions together: everything the
-        # trainer writes happens in stage(); tests check that the barrier adds nothing
-        self.packed_bytes = 0
 
-    def _slot(self, slot: int) -> Segment:
-        seg = self.slots.get(slot)
-        if seg is None:
-            seg = create(self.ctx.config, self.size, f"a segment for {len(self.ctx.manifest)} tensors",
-                         header_bytes=header_bytes(self.ctx.plan))
-            self.ctx.account("shm_segments", +1)
-            seg.pin(self.ctx.device)  # the slot is reused for every later version: pinned once
-            head = seg.header
-            head[0], head[1], head[2] = MAGIC, digest_word(self.ctx.digest), self.ctx.plan.bucket_count
-            self.slots[slot] = seg
-        return seg
+    @property
+    def packed_bytes(self) -> int:
+        """Bytes packed into segments, all versions together: everything the trainer writes
+        happens in stage(); tests check that the barrier adds nothing."""
+        return self.slots.written
 
     def announce(self, version: int, slot: int) -> ShmVersion:
-        """Invalidate the slot's buckets for ``version``: receivers may read each one from here
-        on, as soon as its ready word is set."""
-        seg = self._slot(slot)
-        head = seg.header
-        count = self.ctx.plan.bucket_count
-        words = head[_HEAD_WORDS: _HEAD_WORDS + _PER_BUCKET * count].reshape(count, _PER_BUCKET)
-        words[:, 0] = 0  # invalidate every bucket first
-        words[:, 2] = 0  # and its verification
-        head[3] = version
-        self.announced = (version, seg)
-        return ShmVersion(segment=seg.ref, size=self.size)
+        """Open the slot for ``version``: receivers may read each bucket from here on, as soon as
+        it is written."""
+        return self.slots.open(version, slot)
 
     def stage(self, version: int, slot: int, packer: Packer) -> ShmVersion:
-        if self.announced is None or self.announced[0] != version:
-            self.announce(version, slot)
-        seg = self.announced[1]
-        head, kind, plan = seg.header, self.session.digest_kind, packer.plan  # the packer's wire lengths
-        ready = np.uint64(version + 1)
-        sums: list[int] = []
-
-        def publish(b: int, value: int | None) -> None:
-            word = _ready_word(b)
-            if value is not None:
-                sums.append(value)
-                head[word + 1] = value
-            head[word] = ready
-            wake(head, word)  # receivers sleeping on the word (Waiter)
-            self.packed_bytes += plan.buckets[b].nbytes
-
+        slots = self.slots
+        if slots.current is None or slots.current[0] != version:
+            slots.open(version, slot)
+        kind, plan = self.session.digest_kind, packer.plan  # the packer's wire lengths
+        lengths = [bucket.nbytes for bucket in plan.buckets]
         if self.on_device is not None:
             run = HostCopies(self.on_device, plan)
             for b in range(plan.bucket_count):
                 landed, buf = run.claim(b)
-                for item in landed:
-                    publish(*item)
-                run.done(b, packer.fill(b, buf, kind, self.on_device.views), self._view(seg, b, plan))
-            for item in run.landed(plan.bucket_count - 1):
-                publish(*item)
+                for done, value in landed:
+                    slots.publish(done, lengths[done], value)
+                run.done(b, packer.fill(b, buf, kind, self.on_device.views), slots.view(b, lengths[b]))
+            for done, value in run.landed(plan.bucket_count - 1):
+                slots.publish(done, lengths[done], value)
         else:
             for b in range(plan.bucket_count):
-                value = packer.fill(b, self._view(seg, b, plan), kind, self.views)  # hashed as it packed
-                publish(b, digest.as_int(value) if kind else None)
-        self.announced = None
-        packed = sum(bucket.nbytes for bucket in plan.buckets)
-        return ShmVersion(segment=seg.ref, size=self.size, checksums=sums, packed_bytes=packed,
+                value = packer.fill(b, slots.view(b, lengths[b]), kind, self.views)  # hashed as it packed
+                slots.publish(b, lengths[b], digest.as_int(value) if kind else None)
+        seg, sums = slots.current[1], slots.sums
+        slots.current = None
+        return ShmVersion(segment=seg.ref, size=slots.size, checksums=sums, packed_bytes=sum(lengths),
                           digest=digest.version_digest(kind, sums) if kind else None)
-
-    def _view(self, seg: Segment, b: int, plan: BucketPlan) -> torch.Tensor:
-        return seg.bytes[self.bases[b]: self.bases[b] + plan.buckets[b].nbytes]
 
     def send(self, version: int, deadline: Deadline) -> str | None:
         return None  # every byte moved in stage()
@@ -772,10 +803,7 @@ class ShmSender(SenderTransport):
         self.views.clear()
         if self.on_device is not None:
             self.on_device.close()
-        for seg in self.slots.values():
-            seg.close()
-            self.ctx.account("shm_segments", -1)
-        self.slots.clear()
+        self.slots.close()
 
 
 PAGE_BYTES = 4096

@@ -1,4 +1,4 @@
-"""Hosts that share nothing, on one Linux machine: a cluster of network namespaces on a bridge.
+"""Internal. Hosts that share nothing, on one Linux machine: a cluster of network namespaces on a bridge.
 
 Each host of a :class:`Cluster` is
   - a network namespace with its own address (``10.213.N.(i+1)``, a private /24 no interface of
