@@ -499,6 +499,27 @@ def test_close_leaves_no_namespace_link_process_or_mount(ray_hosts, net):
         assert cluster.leftovers() == []
 
 
+def test_the_bench_between_hosts_relays_one_copy_per_host_and_verifies_every_row(can_build, tmp_path):
+    """``weightsync bench --hosts 3``, small: relay and Ray's object store for 1 receiving host x 1
+    rollout and 2 hosts x 2, the second rollout of each host a follower reading its host's copy.
+    Every row bit-exact; the relay sends about one payload out of host 0 for 4 rollouts on 2
+    hosts, the object store one per host; nothing of the cluster is left."""
+    out = tmp_path / "hosts.json"
+    proc = subprocess.run([PYTHON, "-m", "weightsync.cli", "bench", "--hosts", "3", "--link-gbit", "2",
+                           "--model", "tiny", "--bucket-mb", "0.25", "--rounds", "1", "--versions", "2",
+                           "--host-rows", "relay", "ray-numpy", "--json", str(out), "--no-progress"],
+                          cwd=ROOT, capture_output=True, text=True, timeout=400)
+    assert proc.returncode == 0, (proc.stdout[-3000:], proc.stderr[-3000:])
+    got = json.loads(out.read_text())
+    rows = {(r["case"], r["row"]): r for r in got["rows"]}
+    assert set(rows) == {(c, r) for c in ("1x1", "2x2") for r in ("relay", "ray-numpy")}
+    assert all(r["verified"] and not r["errors"] for r in rows.values())
+    assert rows[("2x2", "relay")]["transport"] == "relay"
+    assert rows[("2x2", "relay")]["payloads_sent"][0] <= 1.2
+    assert 1.9 <= rows[("2x2", "ray-numpy")]["payloads_sent"][0] <= 2.2
+    assert got["leftovers"] == []
+
+
 @pytest.mark.slow
 @pytest.mark.scenario("fault", "the coordinator's host cut off until the receivers fail on their own "
                       "(isolated hosts; slow, about 4 min)", transport="relay", promise=(

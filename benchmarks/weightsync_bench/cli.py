@@ -27,7 +27,6 @@ def _row_need(item: Item, manifest: Any, first_use: bool = True) -> tuple[int, i
     import dataclasses
 
     from weightsync.delta.sender import host_reserve
-
     from weightsync.errors import CapacityError
     from weightsync.manifest import plan_buckets
     from weightsync.transports.shm.transport import choose_mode
@@ -92,6 +91,10 @@ def _run_bench(args: argparse.Namespace) -> int:
     from . import delta_rows, growth, interleave, layout_source, progress, rdt_rows, rounds, summary
 
     apply_preset(args)
+    if args.hosts is not None:  # between isolated hosts on this machine: a program of its own
+        from . import hosts
+
+        return hosts.run(args)
     device = detect_platform() if args.device == "auto" else args.device
     args.baselines = rdt_rows.expand(args.baselines, device)  # ray-rdt -> the RDT rows this device can run
     # smallest first: a size that fails or is skipped leaves the smaller ones measured

@@ -76,6 +76,9 @@ LAYOUTS: dict[str, Callable[[str], list[TensorSpec]]] = {
     "moe-small": lambda dt: _moe(12, 64, 512, 128, dt),
     # qwen2.5-0.5b's 291 tensors at <= 1024 elements each (0.47 MiB in bf16): the fixed cost of a version
     "qwen2.5-0.5b-fixed": lambda dt: fixed_cost(LAYOUTS["qwen2.5-0.5b"](dt)),
+    # 8 tensors of 16 MiB in bf16 (128 MiB): the layout of the multi-host bench (--hosts), whose
+    # rows are set by the link, so a small one runs in minutes
+    "link-128m": lambda dt: [TensorSpec(f"layers.{i}.mlp.weight", dt, (4096, 2048)) for i in range(8)],
     # a few MiB, for tests
     "tiny": lambda dt: _dense(1000, 64, 128, 2, 4, 2, 16, True, False, False, dt),
 }

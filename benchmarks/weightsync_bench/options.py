@@ -10,10 +10,13 @@ from weightsync.config import SyncConfig
 
 from .delta_rows import DELTA_MODES
 from .expect import KEYS, parse_expectation
+from .hosts import LAYOUT as HOSTS_LAYOUT
+from .hosts import add_arguments as add_hosts_arguments
 from .layouts import LAYOUTS
 from .updates import UPDATES
 
 TRANSPORTS = ("shm", "ipc", "broadcast", "auto")
+DEFAULT_LAYOUT = "qwen2.5-0.5b"
 # ray-rdt: the Ray Direct Transport rows the device can run (rdt_rows.expand); or one by name
 BASELINE_CHOICES = ("ray-user", "ray-numpy", "ray-rdt", "ray-rdt-gloo", "ray-rdt-cuda-ipc", "ray-rdt-nccl",
                     "bcast-per-tensor", "bcast-flat", "bcast-flat-load")
@@ -47,6 +50,8 @@ def apply_preset(args: argparse.Namespace) -> argparse.Namespace:
     """Fill every option the command line left out from the chosen preset (quick unless --full)."""
     name = "full" if getattr(args, "full", False) else getattr(args, "preset", None) or "quick"
     args.preset = name
+    if not hasattr(args, "model"):
+        args.model = [HOSTS_LAYOUT if getattr(args, "hosts", None) else DEFAULT_LAYOUT]
     for key, value in PRESETS[name].items():
         if not hasattr(args, key):
             setattr(args, key, list(value) if isinstance(value, list) else value)
@@ -64,9 +69,10 @@ def add_bench_arguments(p: argparse.ArgumentParser) -> None:
                         "bcast-flat-load, 2 rounds x 3 versions (about 2.5 minutes for the 0.5B layout on a shared "
                         "2-core VM); full: every baseline, digests on and off, 3 rounds x 5 versions")
     p.add_argument("--full", action="store_true", help="the same as --preset full: the thorough matrix")
-    p.add_argument("--model", "--layout", nargs="+", default=["qwen2.5-0.5b"], metavar="MODEL",
+    p.add_argument("--model", "--layout", nargs="+", default=argparse.SUPPRESS, metavar="MODEL",
                    help=f"built-in layout ({', '.join(LAYOUTS)}) or a safetensors file/folder; several "
-                        "(the two spellings are one option) run every row per size and print a growth table")
+                        "(the two spellings are one option) run every row per size and print a growth table "
+                        f"(default: {DEFAULT_LAYOUT}; with --hosts: {HOSTS_LAYOUT})")
     p.add_argument("--real-weights", action="store_true",
                    help="with --model PATH: send the file's tensors instead of random bits")
     p.add_argument("--dtype", default=None, help="dtype of a built-in layout (default bfloat16), or the "
@@ -141,6 +147,7 @@ def add_bench_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--json", metavar="PATH", help="write every figure as JSON (schema: docs/benchmarks.md)")
     p.add_argument("--plot", metavar="PATH.png", help="write a PNG of GB/s per transport and bucket size; with "
                    "several sizes, time per version and per GB against size")
+    add_hosts_arguments(p)
 
 
 def _expectation(text: str):
