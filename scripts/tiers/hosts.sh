@@ -6,6 +6,7 @@
 # and say why. No venv of its own: it runs in the main .venv. Arguments go to pytest.
 set -euo pipefail
 cd "$(dirname "$0")/../.."
+. scripts/lib/env.sh
 [ -x .venv/bin/python ] || bash scripts/setup.sh dev >&2
 [ "${1:-}" = "--prepare" ] && exit 0  # runs in the main venv: nothing to build
 .venv/bin/python -m pytest -m "hosts and not slow" tests/test_hosts.py "$@"
