@@ -8,6 +8,8 @@ import shutil
 import subprocess
 import sys
 
+import pytest
+
 from weightsync.transports.ipc.support import DISABLE_IPC_VAR
 
 
@@ -19,8 +21,13 @@ def _doctor(*args):
     return out.stdout
 
 
-def test_doctor_json_names_each_transport_and_why():
-    report = json.loads(_doctor("--json"))
+@pytest.fixture(scope="module")
+def report():
+    """One run of ``weightsync doctor --json`` (a fresh process each costs seconds) read by each test."""
+    return json.loads(_doctor("--json"))
+
+
+def test_doctor_json_names_each_transport_and_why(report):
     assert report["platform"] == "cpu"
     assert report["versions"]["torch"].startswith(("2.", "3."))
     assert report["versions"]["ray"]
@@ -55,8 +62,7 @@ def test_doctor_text_is_pasteable(capsys):
         assert needle in text, needle
 
 
-def test_doctor_json_names_the_group_constructions_and_the_one_used_here():
-    report = json.loads(_doctor("--json"))
+def test_doctor_json_names_the_group_constructions_and_the_one_used_here(report):
     group = report["broadcast_group"]
     assert set(group["constructions"]["hccl"]) == {"pyhccl", "torch_npu"}
     assert set(group["constructions"]["nccl"]) == {"torch", "pynccl"}
@@ -88,11 +94,10 @@ def test_doctor_reports_the_segment_backing_and_why(capsys, monkeypatch):
     assert "weightsync reap" in line
 
 
-def test_doctor_says_vllm_is_absent_and_names_the_verl_entry_points_of_the_installed_verl():
+def test_doctor_says_vllm_is_absent_and_names_the_verl_entry_points_of_the_installed_verl(report):
     """The main venv: no vLLM, verl 0.9.1 from the package index (no recipe/ tree)."""
     import importlib.metadata
 
-    report = json.loads(_doctor("--json"))
     assert report["vllm_weight_transfer"] == {"available": False, "vllm": None, "reason": "vLLM is not installed"}
     verl = report["verl_entry_points"]
     assert verl["checkpoint_engine"]["available"] is True

@@ -245,7 +245,7 @@ def assert_serves(rollout: Any, expected: Manifest | Mapping[str, torch.Tensor],
 
 # fast failure detection for tests; device cpu unless a test asks for one: on a GPU node "auto"
 # would pick cuda for some parties (those Ray gives a GPU, or all of them) and not others
-JOB_DEFAULTS = {"heartbeat_interval_s": 0.2, "heartbeat_timeout_s": 3.0, "sync_timeout_s": 60.0,
+JOB_DEFAULTS = {"heartbeat_interval_s": 0.2, "heartbeat_timeout_s": 2.0, "sync_timeout_s": 60.0,
                 "connect_timeout_s": 60.0, "device": "cpu"}
 _job_ids = itertools.count()
 
