@@ -8,10 +8,9 @@
 # Without arguments every tier runs; with arguments none, unless named. WEIGHTSYNC_TIERS picks
 # them ("vllm gen", or "none"); WEIGHTSYNC_VLLM_TIER=0 still leaves out the vllm tiers (0.11.0, 0.10.1).
 # `scripts/tiers/<name>.sh --prepare` only builds what the tier needs. About a third of a fresh run
-# was those builds one after another; they go on in the background, in the order the tiers run,
-# from the start of the main suite on, while it and the tiers that need none (sim, bench,
-# conformance, hosts first) run: a tier that reaches a venv still being built waits for it
-# (scripts/lib/venv.sh holds one lock per venv).
+# was those builds one after another; they now go on in the background, in the order the tiers
+# run, while the tiers that need none (sim, bench, conformance, hosts first) run: a tier that reaches a venv
+# still being built waits for it (scripts/lib/venv.sh holds one lock per venv).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 . scripts/lib/env.sh
@@ -25,6 +24,10 @@ if ! NO_MKDOCS_2_WARNING=1 mkdocs build --strict --site-dir "$site" > "$site.log
     echo "docs build failed (mkdocs --strict: a warning is an error)" >&2; exit 1
 fi
 rm -f "$site.log"
+status=0
+python -m pytest "$@" || status=$?
+deactivate
+
 # those that run in the main venv first, so the others' venvs build meanwhile
 first="sim bench conformance hosts"
 all_tiers="$first $(cd scripts/tiers && ls ./*.sh | sed 's|^\./||; s|\.sh$||' | grep -vxF "${first// /$'\n'}" | sort | tr '\n' ' ')"
@@ -35,17 +38,11 @@ for tier in $tiers; do
     [ "$tier" = "none" ] || [ -f "scripts/tiers/$tier.sh" ] || { echo "no tier '$tier' (tiers: $all_tiers)" >&2; exit 2; }
 done
 prepare_log="$(mktemp)"
-# a session of its own, so that leaving early (an error, Ctrl-C) stops every pip it started; at the
-# lowest CPU and I/O priority, so the builds take what the main suite leaves idle (its tests wait on
-# processes starting, heartbeats and deadlines much of the time) and do not slow it
-idle=(nice -n 19); command -v ionice > /dev/null && idle+=(ionice -c 3)
-setsid "${idle[@]}" bash -c 'for t in "$@"; do [ "$t" = none ] || bash "scripts/tiers/$t.sh" --prepare || exit 1; done' \
-    _ $tiers > "$prepare_log" 2>&1 &
+# a session of its own, so that leaving early (an error, Ctrl-C) stops every pip it started
+setsid bash -c 'for t in "$@"; do [ "$t" = none ] || bash "scripts/tiers/$t.sh" --prepare || exit 1; done' _ $tiers \
+    > "$prepare_log" 2>&1 &
 prepare=$!
 trap 'kill -- -"$prepare" 2>/dev/null || true; rm -rf "$site" "$prepare_log"' EXIT
-status=0
-python -m pytest "$@" || status=$?
-deactivate
 failed=""
 for tier in $tiers; do
     [ "$tier" = "none" ] && continue
