@@ -503,7 +503,7 @@ def test_the_bench_between_hosts_relays_one_copy_per_host_and_verifies_every_row
     """``weightsync bench --hosts 3``, small: relay and Ray's object store for 1 receiving host x 1
     rollout and 2 hosts x 2, the second rollout of each host a follower reading its host's copy.
     Every row bit-exact; the relay sends about one payload out of host 0 for 4 rollouts on 2
-    hosts, the object store one per host; nothing of the cluster is left."""
+    hosts, the object store one to one per host; nothing of the cluster is left."""
     out = tmp_path / "hosts.json"
     proc = subprocess.run([PYTHON, "-m", "weightsync.cli", "bench", "--hosts", "3", "--link-gbit", "2",
                            "--model", "tiny", "--bucket-mb", "0.25", "--rounds", "1", "--versions", "2",
@@ -516,7 +516,9 @@ def test_the_bench_between_hosts_relays_one_copy_per_host_and_verifies_every_row
     assert all(r["verified"] and not r["errors"] for r in rows.values())
     assert rows[("2x2", "relay")]["transport"] == "relay"
     assert rows[("2x2", "relay")]["payloads_sent"][0] <= 1.2
-    assert 1.9 <= rows[("2x2", "ray-numpy")]["payloads_sent"][0] <= 2.2
+    # Ray's object manager pulls from any node that holds a copy: the second host may take it
+    # from the first, so host 0 sends between one payload and one per host
+    assert 0.9 <= rows[("2x2", "ray-numpy")]["payloads_sent"][0] <= 2.2
     assert got["leftovers"] == []
 
 
