@@ -45,6 +45,18 @@ def get_checksum(buf: torch.Tensor, n: int) -> int | torch.Tensor:
     return struct.unpack("<Q", buf[n: n + TRAILER].numpy().tobytes())[0]
 
 
+def tell_failed(ctx: TransportContext, version: int, exc: BaseException) -> str:
+    """A member's collective failed: tell the coordinator and return the abort reason, which
+    names the party at fault (broadcast's group and relay's hops alike)."""
+    if isinstance(exc, Aborted):
+        return str(exc)
+    try:
+        wait_s = ctx.config.heartbeat_timeout_s + 2 * ctx.config.heartbeat_interval_s
+        return ctx.control.bcast_failed(version, f"{type(exc).__name__}: {exc}"[:2000], timeout=wait_s)
+    except WeightSyncError as why:
+        return f"{type(exc).__name__}: {exc} (and the coordinator could not be told: {why})"
+
+
 class BroadcastEnd:
     """What both ends share: the session's store, the current group, the two buffers."""
 
@@ -108,14 +120,7 @@ class BroadcastEnd:
         self.group, self.pending = None, []
 
     def _failed(self, version: int, exc: BaseException) -> str:
-        """Tell the coordinator; returns the abort reason, which names the party at fault."""
-        if isinstance(exc, Aborted):
-            return str(exc)
-        try:
-            wait_s = self.ctx.config.heartbeat_timeout_s + 2 * self.ctx.config.heartbeat_interval_s
-            return self.ctx.control.bcast_failed(version, f"{type(exc).__name__}: {exc}"[:2000], timeout=wait_s)
-        except WeightSyncError as why:
-            return f"{type(exc).__name__}: {exc} (and the coordinator could not be told: {why})"
+        return tell_failed(self.ctx, version, exc)
 
     def _poll(self, version: int) -> None:
         reply = self.ctx.control.bcast_check(version)

@@ -44,7 +44,7 @@ from ...manifest import Packer, PackViews
 from ...records import BroadcastGroup, SessionRecord, VersionRecord
 from .. import Aborted, Bucket, Deadline, ReceiverTransport, SenderTransport, TransportContext
 from ..broadcast.communicators import choose_communicator
-from ..broadcast.ends import BUFFERS, get_checksum, put_checksum
+from ..broadcast.ends import BUFFERS, get_checksum, put_checksum, tell_failed
 from ..broadcast.groups import Group, retire, settle
 from ..broadcast.store import connect_store, host_store, store_host
 from ..shm.transport import ShmReceiver, ShmSession, ShmVersion, Slots
@@ -136,14 +136,7 @@ class _End:
         self.hops, self.pending, self.epoch = {}, [], None
 
     def _failed(self, version: int, exc: BaseException) -> str:
-        """Tell the coordinator; returns the abort reason, which names the party at fault."""
-        if isinstance(exc, Aborted):
-            return str(exc)
-        try:
-            wait_s = self.ctx.config.heartbeat_timeout_s + 2 * self.ctx.config.heartbeat_interval_s
-            return self.ctx.control.bcast_failed(version, f"{type(exc).__name__}: {exc}"[:2000], timeout=wait_s)
-        except WeightSyncError as why:
-            return f"{type(exc).__name__}: {exc} (and the coordinator could not be told: {why})"
+        return tell_failed(self.ctx, version, exc)
 
     def _poll(self, version: int) -> None:
         reply = self.ctx.control.bcast_check(version)
