@@ -166,7 +166,7 @@ def test_every_forwarded_record_and_the_config_are_wire_maps():
     messages = [c for c in vars(records).values() if isinstance(c, type) and issubclass(c, records.Message)]
     found = {(c.__name__, name): str(tp) for c in messages for name, tp in records.hints_of(c).items()
              if name in ("info", "config")}
-    assert len(found) == 11
+    assert len(found) == 13
     assert {k: v for k, v in found.items() if v not in ("dict[str, Wire]", "dict[str, Wire] | None")} == {}
 
 

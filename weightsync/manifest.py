@@ -108,6 +108,9 @@ class Manifest:
     """
 
     specs: tuple[TensorSpec, ...]
+    # a sharded session: per tensor, the row bounds of each sending rank (rank r owns rows
+    # rows[i][r] up to rows[i][r + 1] of tensor i; a 0-dim tensor is one row). None: rank 0 sends all
+    rows: tuple[tuple[int, ...], ...] | None = None
 
     def __post_init__(self) -> None:
         seen: set[str] = set()
@@ -115,6 +118,17 @@ class Manifest:
             if spec.name in seen:
                 raise ManifestError(f"duplicate tensor name {spec.name!r} in manifest")
             seen.add(spec.name)
+        if self.rows is not None:
+            check_rows(self.specs, self.rows)
+
+    @property
+    def senders(self) -> int:
+        """Trainer ranks that write each version (1 unless sharded)."""
+        return len(self.rows[0]) - 1 if self.rows else 1
+
+    def whole(self) -> Manifest:
+        """This layout with rank 0 sending every tensor whole."""
+        return Manifest(self.specs)
 
     def __len__(self) -> int:
         return len(self.specs)
@@ -142,8 +156,11 @@ class Manifest:
         """The manifest as plain data for the control plane (msgpack).
 
         Returns:
-            ``[[name, dtype, [dims...]], ...]`` in manifest order.
+            ``[[name, dtype, [dims...]], ...]`` in manifest order; a sharded manifest adds each
+            tensor's row bounds per sending rank as a fourth item.
         """
+        if self.rows is not None:
+            return [[s.name, s.dtype, list(s.shape), list(r)] for s, r in zip(self.specs, self.rows)]
         return [[s.name, s.dtype, list(s.shape)] for s in self.specs]
 
     @classmethod
@@ -160,18 +177,24 @@ class Manifest:
             ManifestError: An entry is malformed, names an unknown dtype or has an invalid
                 shape, or a name repeats.
         """
-        specs = []
+        specs, rows = [], []
         for item in wire:
-            if not (isinstance(item, (list, tuple)) and len(item) == 3):
+            if not (isinstance(item, (list, tuple)) and len(item) in (3, 4)):
                 raise ManifestError(f"malformed manifest entry {item!r}")
-            name, dtype, shape = item
+            name, dtype, shape = item[:3]
+            if len(item) == 4:
+                if not (isinstance(item[3], (list, tuple)) and all(isinstance(r, int) for r in item[3])):
+                    raise ManifestError(f"tensor {name!r} has malformed row bounds {item[3]!r}")
+                rows.append(tuple(item[3]))
             if not isinstance(name, str) or not isinstance(dtype, str):
                 raise ManifestError(f"malformed manifest entry {item!r}")
             dtype_of(dtype)
             if not all(isinstance(d, int) and d >= 0 for d in shape):
                 raise ManifestError(f"tensor {name!r} has an invalid shape {shape!r}")
             specs.append(TensorSpec(name, dtype, tuple(shape)))
-        return cls(tuple(specs))
+        if rows and len(rows) != len(specs):
+            raise ManifestError("row bounds are given for some tensors of the manifest only")
+        return cls(tuple(specs), tuple(rows) if rows else None)
 
     @functools.cached_property
     def expected(self) -> list[tuple[str, torch.dtype, torch.Size]]:
@@ -179,7 +202,8 @@ class Manifest:
         return [(s.name, s.torch_dtype, torch.Size(s.shape)) for s in self.specs]
 
     def digest(self) -> str:
-        """Identifies the layout: equal digests mean the same names, dtypes, shapes, order.
+        """Identifies the layout: equal digests mean the same names, dtypes, shapes, order
+        (whichever ranks write them: receivers see the same tensors either way).
 
         Returns:
             The xxh3-128 hex digest of the layout.
@@ -191,9 +215,12 @@ class Manifest:
 
 
 def spec_of(name: str, tensor: Any) -> TensorSpec:
-    """The spec of one offered tensor, refusing inputs we cannot send as they are."""
+    """The spec of one offered tensor (a DTensor's is its full tensor's), refusing inputs we
+    cannot send as they are."""
     if isinstance(tensor, TensorSpec):
         return TensorSpec(name, tensor.dtype, tuple(tensor.shape))
+    if is_dtensor(tensor):
+        return TensorSpec(name, dtype_name(tensor.dtype), tuple(tensor.shape))
     if hasattr(tensor, "full_tensor") and hasattr(tensor, "placements"):
         raise ManifestError(
             f"tensor {name!r} is a DTensor (sharded); call .full_tensor() on every rank "
@@ -221,6 +248,196 @@ def build_manifest(named: Mapping[str, Any] | Iterable[tuple[str, Any]]) -> Mani
     """
     items = named.items() if isinstance(named, Mapping) else named
     return Manifest(tuple(spec_of(name, t) for name, t in items))
+
+
+# -- sharded sessions: which trainer rank owns which rows ------------------------------------------
+
+
+def is_dtensor(tensor: Any) -> bool:
+    DTensor = _dtensor_type()
+    return DTensor is not None and isinstance(tensor, DTensor)
+
+
+@functools.cache
+def _dtensor_type() -> type | None:
+    try:
+        from torch.distributed.tensor import DTensor
+    except ImportError:  # a torch built without distributed
+        return None
+    return DTensor
+
+
+def row_count(spec: TensorSpec) -> int:
+    """Rows of a tensor as ranks own them: its first dimension (a 0-dim tensor is one row)."""
+    return spec.shape[0] if spec.shape else 1
+
+
+def row_bytes(spec: TensorSpec) -> int:
+    rows = row_count(spec)
+    return spec.nbytes // rows if rows else 0
+
+
+def chunk_bounds(rows: int, ranks: int) -> tuple[int, ...]:
+    """Row bounds of ``rows`` split over ``ranks`` as ``Shard(0)`` splits them (torch.chunk: pieces
+    of ceil(rows / ranks), the last ones shorter or empty)."""
+    size = -(-rows // ranks) if rows else 0
+    return tuple(min(r * size, rows) for r in range(ranks)) + (rows,)
+
+
+def check_rows(specs: Sequence[TensorSpec], rows: Sequence[Sequence[int]]) -> None:
+    if len(rows) != len(specs):
+        raise ManifestError(f"row bounds for {len(rows)} tensors, but the manifest has {len(specs)}")
+    ranks = {len(r) for r in rows}
+    if len(ranks) != 1 or ranks.pop() < 2:
+        raise ManifestError("row bounds must name the same number (at least one) of sending ranks for every tensor")
+    for spec, bounds in zip(specs, rows):
+        if bounds[0] != 0 or bounds[-1] != row_count(spec) or any(a > b for a, b in zip(bounds, bounds[1:])):
+            raise ManifestError(f"tensor {spec.name!r}: row bounds {list(bounds)} do not split its "
+                                f"{row_count(spec)} rows in order")
+
+
+@dataclasses.dataclass(frozen=True)
+class Shards:
+    """How this trainer rank's tensors split the version: its index among the sending ranks,
+    how many there are, and each tensor's row bounds."""
+
+    rank: int
+    ranks: int
+    rows: tuple[tuple[int, ...], ...]
+
+
+def shards_of(named: Sequence[tuple[str, Any]]) -> Shards | None:
+    """The split of a version whose tensors are FSDP2 shards: each a DTensor on one 1-D mesh
+    sharded by rows (``Shard(0)``) or replicated, or a plain tensor every rank holds (rank 0
+    sends those). None where the version is not such a split (no DTensor, another mesh shape or
+    placement: such a version is gathered, ``gathered``)."""
+    from torch.distributed.tensor import Replicate, Shard
+
+    mesh, rows = None, []
+    for name, t in named:
+        spec = spec_of(name, t)
+        n = row_count(spec)
+        if not is_dtensor(t):
+            rows.append(None)
+            continue
+        if t.device_mesh.ndim != 1 or (mesh is not None and t.device_mesh != mesh):
+            return None
+        mesh = t.device_mesh
+        (place,) = t.placements
+        if isinstance(place, Shard) and place.dim == 0 and spec.shape:
+            bounds = chunk_bounds(n, mesh.size())
+            local = t.to_local()
+            me = mesh.get_local_rank()
+            if local.shape[0] != bounds[me + 1] - bounds[me]:
+                return None  # not torch.chunk's split (a padded shard): gather it instead
+            rows.append(bounds)
+        elif isinstance(place, Replicate):
+            rows.append((0,) + (n,) * mesh.size())
+        else:
+            return None
+    if mesh is None or mesh.size() < 2:
+        return None
+    ranks = mesh.size()
+    full = [r if r is not None else (0,) + (row_count(spec_of(name, t)),) * ranks for r, (name, t) in zip(rows, named)]
+    return Shards(mesh.get_local_rank(), ranks, tuple(full))
+
+
+def gathered(named: NamedTensors) -> Iterable[tuple[str, Any]]:
+    """The tensors whole: each DTensor gathered with ``full_tensor()`` as it is reached (a
+    collective every trainer rank runs, in the same order)."""
+    for name, t in (named.items() if isinstance(named, Mapping) else named):
+        yield name, (t.full_tensor() if is_dtensor(t) else t)
+
+
+@dataclasses.dataclass(frozen=True)
+class RowPiece:
+    """Bytes [src, src + nbytes) of this rank's part of tensor ``tensor`` go to ``offset`` in a bucket."""
+
+    tensor: int
+    offset: int
+    src: int
+    nbytes: int
+
+
+@dataclasses.dataclass(frozen=True)
+class RowPlan:
+    """Where one sending rank's rows go in a sharded session's buckets, from the plan alone:
+    its pieces of each bucket, and how many ranks write each bucket (the last of them digests
+    it; rank 0 also finishes buckets no rank writes into)."""
+
+    rank: int
+    pieces: dict[int, tuple[RowPiece, ...]]  # bucket -> this rank's pieces, for the buckets it writes
+    writers: tuple[int, ...]  # per bucket
+
+
+def plan_rows(plan: BucketPlan, manifest: Manifest, rank: int) -> RowPlan:
+    if manifest.rows is None:
+        raise ValueError("plan_rows needs a sharded manifest")
+    pieces: dict[int, list[RowPiece]] = {}
+    writers = []
+    for bucket in plan.buckets:
+        who = set()
+        for s in bucket.slices:
+            spec, bounds = manifest[s.tensor], manifest.rows[s.tensor]
+            width = row_bytes(spec)
+            for r in range(len(bounds) - 1):
+                lo, hi = bounds[r] * width, bounds[r + 1] * width
+                a, b = max(lo, s.start), min(hi, s.start + s.nbytes)
+                if a >= b:
+                    continue
+                who.add(r)
+                if r == rank:
+                    pieces.setdefault(bucket.index, []).append(RowPiece(s.tensor, s.offset + a - s.start, a - lo, b - a))
+        if not who:
+            who.add(0)
+            if rank == 0:
+                pieces.setdefault(bucket.index, [])
+        writers.append(len(who))
+    return RowPlan(rank, {b: tuple(p) for b, p in pieces.items()}, tuple(writers))
+
+
+class RowWriter:
+    """One version's rows of this trainer rank, copied into their places in the buckets it
+    writes (``fill``); each tensor is checked against the manifest and its row bounds."""
+
+    def __init__(self, rows: RowPlan, manifest: Manifest, named: NamedTensors):
+        self.rows = rows
+        items = list(named.items() if isinstance(named, Mapping) else named)
+        if len(items) != len(manifest):
+            check_names(manifest, dict(items))
+            raise ManifestError(f"{len(items)} tensors given, the manifest has {len(manifest)}")
+        self.local: list[torch.Tensor] = []
+        for i, (name, t) in enumerate(items):
+            if name != manifest[i].name or spec_of(name, t) != manifest[i]:
+                check_one(manifest, i, name, t, {s.name for s in manifest.specs[:i]})
+            local = t.to_local() if is_dtensor(t) else t
+            spec, bounds = manifest[i], manifest.rows[i]
+            lo, hi = bounds[rows.rank] * row_bytes(spec), bounds[rows.rank + 1] * row_bytes(spec)
+            held = local.numel() * local.element_size()
+            if held != spec.nbytes and held != hi - lo:
+                raise ManifestError(f"tensor {name!r}: this rank holds {held} bytes of it; its rows "
+                                    f"{bounds[rows.rank]}..{bounds[rows.rank + 1]} are {hi - lo} (the whole: {spec.nbytes})")
+            flat = local.reshape(-1).view(torch.uint8) if held else torch.empty(0, dtype=torch.uint8)
+            # a whole tensor (replicated, or plain) holds the other ranks' rows too: ours start at lo
+            self.local.append(flat[lo:] if held == spec.nbytes and held != hi - lo else flat)
+
+    @property
+    def buckets(self) -> list[int]:
+        """The buckets this rank writes, in order."""
+        return sorted(self.rows.pieces)
+
+    def fill(self, b: int, dst: torch.Tensor) -> int:
+        """Copy this rank's pieces of bucket ``b`` into ``dst`` (the whole bucket's buffer); the bytes copied."""
+        batch, n = _Batch(), 0
+        for p in self.rows.pieces[b]:
+            src = self.local[p.tensor]
+            if src.device.type == "cpu" and dst.device.type == "cpu":
+                ctypes.memmove(dst.data_ptr() + p.offset, src.data_ptr() + p.src, p.nbytes)  # releases the GIL
+            else:
+                batch.add(dst[p.offset: p.offset + p.nbytes], src[p.src: p.src + p.nbytes])
+            n += p.nbytes
+        batch.flush()
+        return n
 
 
 Expected = Mapping[str, Any] | Callable[[Manifest], list[str]]

@@ -786,6 +786,7 @@ class Publication(Message):
     info: WireMap
     pipelined: bool = False  # see SenderTransport.pipelined
     keeps_versions: bool = False  # see SenderTransport.keeps_versions
+    senders: int = 1  # trainer ranks that write each version (a sharded session: every rank its rows)
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -848,6 +849,53 @@ class Staged(Request):
     version: int
     info: WireMap
     stage_s: float
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class Part(Message):
+    """Where a sharded version's rows go: its slot and what rank 0 announced of it."""
+
+    slot: int
+    info: WireMap
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class BeginPart(Request):
+    """A sending rank other than 0 of a sharded session: wait until rank 0 opened ``version``
+    for every rank's rows; the reply says where they go."""
+
+    reply: ClassVar[type[Message]] = Part
+    party: int
+    version: int
+    timeout: float
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class PartStaged(Request):
+    """A sending rank other than 0 wrote its rows of ``version``; ``info``: its part of the
+    version's record (the digests of the buckets it finished)."""
+
+    party: int
+    version: int
+    info: WireMap
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class Parts(Message):
+    parts: list[WireMap]
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class WaitParts(Request):
+    """Sender rank 0 of a sharded session: wait until the ``count`` other sending ranks wrote
+    their rows of ``version``; their parts. Raises naming a rank that failed or was lost
+    (the version is aborted)."""
+
+    reply: ClassVar[type[Message]] = Parts
+    party: int
+    version: int
+    count: int
+    timeout: float
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)

@@ -1,4 +1,5 @@
-"""Internal. Trainer side. Rank 0 stages and sends; other trainer ranks iterate in lockstep only.
+"""Internal. Trainer side. Rank 0 stages and sends; other trainer ranks iterate in lockstep only,
+except in a sharded session, where every rank writes its own rows (below).
 
 One version, end to end:  stage(v, named_tensors)
   -> the first version fixes the session: manifest, bucket plan, transport (transports.choose)
@@ -8,6 +9,13 @@ One version, end to end:  stage(v, named_tensors)
   -> transport.stage(v, packer): the transport fills its buckets from the packer, now or at send()
   -> coordinator.staged(v)                     ... the trainer is free again
 sync(v)  -> coordinator.begin_sync(v) -> transport.send(v) -> coordinator.wait_outcome(v)
+
+A sharded session (the first version's tensors are FSDP2 shards, manifest.shards_of, on a transport
+that takes rows: shm whole versions): rank 0 opens v (announce), every other rank joins it
+(coordinator.begin_part) and writes its rows into the same segment, reporting its part
+(coordinator.part_staged); rank 0 writes its own, collects the parts (coordinator.wait_parts:
+a rank lost meanwhile aborts v, named) and merges them into v's record. Elsewhere every rank
+gathers each DTensor with ``full_tensor()`` as the tensors are walked (manifest.gathered).
 
 Each version ends in one line through :mod:`logging` (logger ``weightsync``): INFO once it is
 committed, WARNING where it failed (the receivers write theirs, receiver.py), so a job's logs
@@ -20,6 +28,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import dataclasses
+import itertools
 import logging
 import time
 from collections.abc import Mapping
@@ -30,10 +39,23 @@ from .config import SyncConfig
 from .coordinator.client import Coordinator, HoldsMember, Member
 from .delta.policy import FULL
 from .delta.sender import DeltaSender, host_reserve, wanted
-from .errors import ConfigError, VersionError
-from .manifest import Manifest, NamedTensors, Packer, build_manifest, plan_buckets, size_text
+from .errors import ConfigError, ManifestError, VersionError
+from .manifest import (
+    Manifest,
+    NamedTensors,
+    Packer,
+    RowPlan,
+    RowWriter,
+    build_manifest,
+    gathered,
+    is_dtensor,
+    plan_buckets,
+    plan_rows,
+    shards_of,
+    size_text,
+)
 from .records import Metrics, Publication, VersionRecord
-from .transports import Announces, Deadline, GivesBack, SenderTransport, TransportContext
+from .transports import Announces, Deadline, GivesBack, SenderTransport, TransportContext, WritesRows
 
 log = logging.getLogger("weightsync")
 
@@ -153,6 +175,10 @@ class WeightSender(HoldsMember):
         # delta sync's snapshot and diff (config delta: auto / on, where the transport is slow enough)
         self._delta: DeltaSender | None = None
         self._encoded: set[int] = set()  # recent versions sent as delta-encoded buckets
+        # a sharded session: where this rank's rows go (None: rank 0 sends whole tensors);
+        # ranks other than 0 learn it from the publication, with the first version of DTensors
+        self.rows: RowPlan | None = None
+        self._learned = False
         self.open()
 
     def close(self) -> None:
@@ -204,6 +230,10 @@ class WeightSender(HoldsMember):
                                host_reserve=host_reserve(config.delta, name, plan) if delta else 0)
         transport = transports.get(name).sender(ctx)
         session = transport.session
+        sharded = (manifest.rows is not None and not delta and isinstance(transport, WritesRows)
+                   and isinstance(transport, Announces))
+        if manifest.rows is not None and not sharded:
+            manifest = manifest.whole()  # every rank gathers its shards; rank 0 sends them whole
         if config.receive_ahead == "on" and not session.ahead:
             transport.close()
             raise ConfigError(f"receive_ahead: on, but transport {name} ({session.why or reason}) takes "
@@ -214,7 +244,7 @@ class WeightSender(HoldsMember):
         # receivers may read a version as soon as it is announced (shm's segment, broadcast's ahead group)
         pipelined = isinstance(transport, Announces) and session.ahead
         publication = Publication(manifest.to_wire(), digest, plan.payload_bytes, name, reason,
-                                  session.to_wire(), pipelined, session.keeps_versions)
+                                  session.to_wire(), pipelined, session.keeps_versions, senders=manifest.senders)
         try:
             self.control.publish(publication)
         except BaseException:
@@ -222,6 +252,7 @@ class WeightSender(HoldsMember):
             raise
         self.member.remember(publication=publication)  # a restarted coordinator gets it again
         self.manifest, self.transport, self.transport_name, self.plan = manifest, transport, name, plan
+        self.rows = plan_rows(plan, manifest, 0) if sharded else None
         if self.sends and delta:
             self._delta = DeltaSender(plan, manifest, config.delta)
 
@@ -300,16 +331,24 @@ class WeightSender(HoldsMember):
 
     def _stage_counted(self, version: int, named: NamedTensors, t0: float) -> float:
         if not self.sends:
-            for _ in (named.items() if isinstance(named, Mapping) else named):
-                pass  # lockstep: the iteration itself may be a collective on this rank
+            self._walk(version, named)
             return time.perf_counter() - t0
         if self.transport is None:
             if not isinstance(named, Mapping):
                 named = list(named)  # the first version fixes the manifest: we need it whole
-            self.publish(build_manifest(named))
+            manifest = build_manifest(named)
+            shards = shards_of(list(named.items()) if isinstance(named, Mapping) else named)
+            if shards is not None and shards.rank == 0:
+                manifest = Manifest(manifest.specs, shards.rows)
+            self.publish(manifest)
         slot = self.control.begin_stage(version)
         self.member.remember(last_version=version)  # a restarted coordinator never reuses it
         try:
+            if self.rows is not None:
+                record = self._write_rows(version, slot, named)
+                stage_s = time.perf_counter() - t0
+                self.control.staged(version, record.to_wire(), stage_s)
+                return stage_s
             packer, delta = self._packer(version, named)
             if isinstance(self.transport, Announces):
                 early = self.transport.announce(version, slot)
@@ -329,10 +368,68 @@ class WeightSender(HoldsMember):
             raise
         return stage_s
 
+    def _write_rows(self, version: int, slot: int, named: NamedTensors) -> VersionRecord:
+        """Rank 0 of a sharded session: open ``version`` for every rank, write this rank's rows,
+        and once every other rank wrote theirs, the version's record from all the parts."""
+        early = self.transport.announce(version, slot)
+        self.control.stage_info(version, early.to_wire(), readable=True)  # the other ranks write from now on
+        own = self.transport.write_rows(version, RowWriter(self.rows, self.manifest, named))
+        parts = self.control.wait_parts(version, self.manifest.senders - 1, self.config.sync_timeout_s)
+        return self.transport.merge(version, [own.to_wire(), *parts])
+
+    def _walk(self, version: int, named: NamedTensors) -> None:
+        """A rank other than 0: write this rank's rows of a sharded version, or walk the tensors
+        in lockstep with rank 0 (the walk may be a collective: FSDP's ``full_tensor()``)."""
+        items = named.items() if isinstance(named, Mapping) else named
+        if not self._learned:
+            items = iter(items)
+            first = next(items, None)
+            items = itertools.chain([first] if first is not None else [], items)
+            if first is not None and is_dtensor(first[1]):
+                items = list(items)  # DTensors: local shards, no gather has run yet
+                self._learn(items)
+        if self.rows is None:
+            for _ in gathered(items):
+                pass
+            return
+        part = self.control.begin_part(version, self.config.sync_timeout_s)
+        try:
+            self.transport.join(version, transports.get(self.transport_name).version(part.info))
+            rows = self.transport.write_rows(version, RowWriter(self.rows, self.manifest, items))
+            self.control.part_staged(version, rows.to_wire())
+        except BaseException as exc:
+            try:
+                self.control.abort(version, f"{self.name} failed to write its rows: {type(exc).__name__}: {exc}")
+            except Exception:
+                pass  # aborted already, or the coordinator is gone: the version cannot commit either way
+            raise
+
+    def _learn(self, items: list) -> None:
+        """A rank other than 0, at its first version of DTensors: whether rank 0 made the session
+        sharded (then this rank writes its rows from now on) or gathers."""
+        self._learned = True
+        info = self.control.session(self.config.sync_timeout_s)
+        manifest = Manifest.from_wire(info.manifest)
+        if manifest.rows is None:
+            return
+        shards = shards_of(items)
+        if shards is None or shards.rows != manifest.rows:
+            raise ManifestError(f"{self.name}: its shards split the tensors otherwise than sender rank 0 published")
+        plan = plan_buckets(manifest, self.config.bucket_bytes, self.config.align_bytes)
+        declared = transports.get(info.transport)
+        ctx = TransportContext(config=self.config, plan=plan, manifest=manifest, digest=info.digest,
+                               session=self.session, name=self.name, rank=shards.rank, device=self.device,
+                               member=self.member)
+        self.transport = declared.rows(ctx, declared.session(info.info))
+        self.manifest, self.transport_name, self.plan = manifest, info.transport, plan
+        self.rows = plan_rows(plan, manifest, shards.rank)
+
     def _packer(self, version: int, named: NamedTensors) -> tuple[Packer, VersionRecord | None]:
         """What the transport packs ``version`` from: the tensors (a Packer), or with delta sync
         the buckets it encoded against its snapshot; and, for a delta, the record fields it adds
         (its wire plan and the version's own digest: the transport's is of the encoded bytes)."""
+        if not isinstance(named, Mapping) or any(is_dtensor(t) for t in named.values()):
+            named = gathered(named)  # FSDP2 shards, sent whole: every rank gathers them in lockstep
         if self._delta is not None:
             held = [r.serving for r in self.control.receivers(0, self.config.connect_timeout_s)]
             if self._delta.way(held) != FULL:

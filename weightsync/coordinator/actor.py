@@ -97,6 +97,8 @@ class Version:
     readable: bool = False  # a pipelined sender announced it: receivers may read while it is written
     # a relay version: where each host's relaying party writes it (its name -> segment, size)
     segments: dict[str, tuple[str, int]] = dataclasses.field(default_factory=dict)
+    # a sharded version: each other sending rank's part of the record, by its name, once written
+    parts: dict[str, WireMap] = dataclasses.field(default_factory=dict)
 
     @property
     def in_flight(self) -> bool:
@@ -708,6 +710,7 @@ class CoordinatorActor:
         self.transport_reason = ""
         self.transport_info: records.WireMap = {}  # the transport's own, for receivers only
         self.pipelined = self.keeps_versions = False  # the transport's traits (SenderTransport)
+        self.senders = 1  # trainer ranks writing each version (Publication.senders)
         self.resources: dict[str, int] = {}
         self.signals = Signals()
         self._monitor: asyncio.Task | None = None
@@ -762,9 +765,17 @@ class CoordinatorActor:
         elif p.role == "receiver":
             hit = self.table.receiver_lost(p.name, f"{p.label} {p.why}", now)
             p.reported_dead = p.reported_dead or bool(hit)
-        else:
-            hit = []
+        else:  # a sending rank of a sharded session: a version still missing its rows never completes
+            hit = self._rows_lost(p, now)
         self._poke(*hit)
+
+    def _rows_lost(self, p: PartyRecord, now: float) -> list[Version]:
+        if self.senders <= 1:
+            return []
+        hit = [v for v in self.table.in_flight() if v.state == State.STAGING and p.name not in v.parts]
+        for v in hit:
+            self.table.abort(v.version, f"{p.label} {p.why} before it wrote its rows", now)
+        return hit
 
     def _poke(self, *versions: Version) -> None:
         self.signals.poke(v.version for v in versions)
@@ -818,7 +829,7 @@ class CoordinatorActor:
             )
         self.manifest, self.digest, self.payload_bytes = pub.manifest, pub.digest, pub.payload_bytes
         self.transport, self.transport_reason, self.transport_info = pub.transport, pub.reason, dict(pub.info)
-        self.pipelined, self.keeps_versions = pub.pipelined, pub.keeps_versions
+        self.pipelined, self.keeps_versions, self.senders = pub.pipelined, pub.keeps_versions, pub.senders
         self._poke()
         return records.Done()
 
@@ -905,6 +916,73 @@ class CoordinatorActor:
         self._party(req.party)
         self._poke(self.table.staged(req.version, req.info, req.stage_s))
         return records.Done()
+
+    # -- a sharded version: every sending rank writes its rows, rank 0 collects their parts -----
+
+    @handles(records.BeginPart)
+    async def begin_part(self, req: records.BeginPart) -> records.Part:
+        p = self._party(req.party)
+        if p.role != "sender" or p.rank == 0:
+            raise ProtocolError(f"{p.label} may not write a part; sending ranks other than 0 do")
+        deadline = time.monotonic() + req.timeout
+        while True:
+            self._party(req.party, seen=False)
+            v = self.table.get(req.version)
+            if v is not None and v.state == State.ABORTED:
+                raise VersionError(f"version {req.version} was aborted: {v.reason}")
+            if v is not None and v.readable:  # rank 0 opened the slot: rows may go in
+                return records.Part(slot=v.slot, info=v.info)
+            if v is None and req.version <= max(self.table.floor, max(self.table.versions, default=-1)):
+                raise VersionError(f"version {req.version} was never staged by sender rank 0 "
+                                   f"(newer versions exist)")
+            if time.monotonic() >= deadline:
+                raise DeadlineExceeded(f"{p.label} waited {req.timeout:.1f}s for sender rank 0 to open "
+                                       f"version {req.version}")
+            await self.signals.wait(self.signals.any if v is None else self.signals.version(req.version), deadline)
+
+    @handles(records.PartStaged)
+    async def part_staged(self, req: records.PartStaged) -> records.Done:
+        p = self._party(req.party)
+        v = self.table[req.version]
+        v.parts[p.name] = dict(req.info)
+        self._poke(v)
+        return records.Done()
+
+    @handles(records.WaitParts)
+    async def wait_parts(self, req: records.WaitParts) -> records.Parts:
+        self._party(req.party)
+        deadline = time.monotonic() + req.timeout
+        v = self.table[req.version]
+        while len(v.parts) < req.count:
+            self._party(req.party, seen=False)
+            for p in self._silent_writers(v):  # lost before this version began: it never writes its rows
+                self.table.abort(req.version, f"{p.label} {p.why} before it wrote its rows", time.monotonic())
+                self._poke(v)
+            if v.state == State.ABORTED:
+                raise VersionError(f"version {req.version} was aborted: {v.reason}")
+            if time.monotonic() >= deadline:
+                missing = sorted(p.name for p in self.parties.records.values()
+                                 if p.role == "sender" and p.rank != 0 and not p.left and p.name not in v.parts)
+                reason = (f"sending ranks {missing} did not write their rows of version {req.version} "
+                          f"within {req.timeout:.1f}s")
+                self.table.abort(req.version, reason, time.monotonic())
+                self._poke(v)
+                raise VersionError(reason)
+            await self.signals.wait(self.signals.version(req.version), deadline)
+        if v.state == State.ABORTED:
+            raise VersionError(f"version {req.version} was aborted: {v.reason}")
+        return records.Parts(parts=[v.parts[n] for n in sorted(v.parts)])
+
+    def _silent_writers(self, v: Version) -> list[PartyRecord]:
+        """Sending ranks other than 0 that are dead or gone (their newest registration) and did
+        not write their rows of ``v``."""
+        names = {p.name for p in self.parties.records.values() if p.role == "sender" and p.rank != 0}
+        out = []
+        for name in sorted(names - set(v.parts)):
+            newest = [p for p in self.parties.records.values() if p.role == "sender" and p.name == name][-1]
+            if not newest.present:
+                out.append(newest)
+        return out
 
     @handles(records.Abort)
     async def abort(self, req: records.Abort) -> records.Done:

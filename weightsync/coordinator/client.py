@@ -482,6 +482,19 @@ class ControlPlane:
     def staged(self, version: int, info: records.WireMap, stage_s: float) -> None:
         self._send(records.Staged(party=self._party(), version=version, info=info, stage_s=stage_s))
 
+    def begin_part(self, version: int, timeout: float) -> records.Part:
+        """A sending rank other than 0: wait until rank 0 opened ``version``; where its rows go."""
+        return self._send(records.BeginPart(party=self._party(), version=version, timeout=timeout))
+
+    def part_staged(self, version: int, info: records.WireMap) -> None:
+        """A sending rank other than 0 wrote its rows of ``version``; ``info``: its part of the record."""
+        self._send(records.PartStaged(party=self._party(), version=version, info=info))
+
+    def wait_parts(self, version: int, count: int, timeout: float) -> list[records.WireMap]:
+        """Sender rank 0: the parts of the ``count`` other sending ranks, once all are written."""
+        return self._send(records.WaitParts(party=self._party(), version=version, count=count,
+                                            timeout=timeout)).parts
+
     def abort(self, version: int, reason: str) -> None:
         self._send(records.Abort(party=self._party(), version=version, reason=reason))
 

@@ -48,7 +48,7 @@ from typing import TYPE_CHECKING, Any, NamedTuple, Protocol, runtime_checkable
 
 from .. import config
 from ..errors import ConfigError, DeadlineExceeded, ProtocolError, VersionError
-from ..records import SessionRecord, VersionRecord
+from ..records import Message, SessionRecord, VersionRecord
 from .broadcast.records import BroadcastSession, BroadcastVersion
 from .ipc.records import IpcSession, IpcVersion, ShmStreamSession, ShmStreamVersion
 
@@ -57,7 +57,7 @@ if TYPE_CHECKING:
 
     from ..config import SyncConfig
     from ..coordinator.client import ControlPlane, Member
-    from ..manifest import BucketPlan, Manifest, Packer
+    from ..manifest import BucketPlan, Manifest, Packer, RowWriter
 
 # a view of ``nbytes`` from ``offset`` in ``bucket`` on through the next buckets, or None where
 # they do not lie back to back
@@ -242,6 +242,22 @@ class Spans(Protocol):
         """A view function over ``version`` (None: reassemble split tensors)."""
 
 
+@runtime_checkable
+class WritesRows(Protocol):
+    """Every trainer rank writes its own rows of each version (a sharded session, the manifest's
+    ``rows``): rank 0 opens the version (``Announces.announce``), every other rank joins what it
+    announced, each writes its rows, and rank 0 merges the ranks' parts into the version's record."""
+
+    def join(self, version: int, record: VersionRecord) -> None:
+        """A rank other than 0: write into ``version`` where rank 0's record says it lies."""
+
+    def write_rows(self, version: int, rows: RowWriter) -> Message:
+        """This rank's rows of ``version``; its part of the version's record."""
+
+    def merge(self, version: int, parts: list[Any]) -> VersionRecord:
+        """Rank 0: the version's record from every rank's part (its own included, as written)."""
+
+
 # -- declaring a transport --------------------------------------------------------------------
 
 COLOCATED, SAME_NODE, REMOTE = "colocated", "same node", "remote"
@@ -307,6 +323,9 @@ class Transport:
     version: Callable[[Mapping[str, Any]], VersionRecord] = VersionRecord.from_wire
     refuses: Callable[[Facts], str | None] = lambda facts: None
     auto: Callable[[Facts], Rank | None] = lambda facts: None
+    # the end a trainer rank other than 0 writes its rows with, in a sharded session of this
+    # transport (None: the transport's sessions are never sharded; versions are gathered)
+    rows: Callable[[TransportContext, SessionRecord], SenderTransport] | None = None
 
 
 # -- the built-in transports' rules --------------------------------------------------------------
@@ -419,6 +438,18 @@ def _shm_sender(ctx: TransportContext) -> SenderTransport:
     return ShmSender(ctx, mode.reason)
 
 
+def _shm_rows(ctx: TransportContext, session: SessionRecord) -> SenderTransport:
+    """A rank's writer of rows into rank 0's segments: whole versions only (a streaming ring
+    passes each bucket from one writer)."""
+    from .shm.transport import ShmSender, ShmSession
+
+    if not isinstance(session, ShmSession):
+        raise ProtocolError("shm: the session streams through a ring; its versions are not written by every rank")
+    writer = ShmSender(ctx)
+    writer.session = session  # digests of the kind rank 0 published, whatever this rank's device
+    return writer
+
+
 def _shm_receiver(ctx: TransportContext, session: SessionRecord) -> ReceiverTransport:
     """The receiver of the mode the sender published."""
     if isinstance(session, ShmStreamSession):
@@ -510,7 +541,7 @@ BUILTIN = (
     # across nodes in host memory: one copy per node, passed on from node to node
     Transport("relay", _relay_sender, _relay_receiver, relay_session, relay_version, _relay_refuses, _relay_auto),
     # whole versions in segments, or a streaming ring when they exceed the budget: the records say which
-    Transport("shm", _shm_sender, _shm_receiver, shm_session, shm_version, _shm_refuses, _shm_auto),
+    Transport("shm", _shm_sender, _shm_receiver, shm_session, shm_version, _shm_refuses, _shm_auto, _shm_rows),
 )
 
 _known: dict[str, Transport] = {t.name: t for t in BUILTIN}

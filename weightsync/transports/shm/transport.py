@@ -104,8 +104,8 @@ from ... import device as devices
 from ... import digest
 from ...config import MiB, SyncConfig
 from ...errors import CapacityError, ConfigError, ProtocolError
-from ...manifest import BucketPlan, Packer, PackViews, align_up, size_text
-from ...records import SessionRecord, VersionRecord
+from ...manifest import BucketPlan, Packer, PackViews, RowWriter, align_up, gaps, size_text
+from ...records import Message, SessionRecord, VersionRecord
 from .. import Bucket, Deadline, ReceiverTransport, SenderTransport, Span, TransportContext
 from ..ipc.wire import CONTROL_BYTES, MAX_BUFFERS, in_flight
 from .on_device import DeviceBuffers, HostCopies
@@ -607,6 +607,16 @@ class ShmVersion(VersionRecord):
         self._check("mode", self.mode == "whole", "'whole'")
 
 
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class ShmRows(Message):
+    """One trainer rank's part of a sharded version: the buckets it finished (it was the last of
+    their writers, so it digested and published them), their digests, and the bytes it wrote."""
+
+    buckets: list[int]
+    sums: list[int]
+    written: int
+
+
 # -- whole versions in segments ------------------------------------------------------------------
 
 
@@ -641,7 +651,7 @@ MAGIC = 0x5753594E43534D31  # "WSYNCSM1"
 # time (0.19 s of a 0.31 s version of 1.17 GiB, one H200); one core stays for the loading thread
 HASH_THREADS = max(1, min(4, (os.cpu_count() or 2) - 1))
 _HEAD_WORDS = 8
-_PER_BUCKET = 3  # ready, digest, verified
+_PER_BUCKET = 4  # ready, digest, verified, and the ranks done writing it (a sharded version)
 
 
 def _ready_word(b: int) -> int:
@@ -692,6 +702,7 @@ class Slots:
         reap_stale(ctx.config.shm_dir)
         self.size, self.bases = layout(ctx.plan)
         self.segments: dict[int, Segment] = {}
+        self.joined: dict[str, Segment] = {}  # another rank's segments this rank writes rows into
         self.current: tuple[int, Segment] | None = None  # (version, its segment) once opened
         self.sums: list[int] = []  # the open version's digests, in bucket order
         # bytes written into segments, all versions together (tests check where they are written)
@@ -718,9 +729,36 @@ class Slots:
         words = head[_HEAD_WORDS: _HEAD_WORDS + _PER_BUCKET * count].reshape(count, _PER_BUCKET)
         words[:, 0] = 0  # invalidate every bucket first
         words[:, 2] = 0  # and its verification
+        words[:, 3] = 0  # no rank wrote its rows yet
         head[3] = version
         self.current, self.sums = (version, seg), []
         return ShmVersion(segment=seg.ref, size=self.size)
+
+    def join(self, version: int, ref: str) -> None:
+        """Write into ``version`` as another trainer rank opened it, in the segment ``ref``
+        (a sharded session: every rank writes its own rows)."""
+        seg = self.joined.get(ref)
+        if seg is None:
+            seg = self.joined[ref] = attach(ref, self.ctx.config.shm_dir, self.size, writable=True,
+                                            header_bytes=header_bytes(self.ctx.plan))
+            self.ctx.account("shm_mappings", +1)
+        if int(seg.header[3]) != version:
+            raise ProtocolError(f"segment {seg.name} holds version {int(seg.header[3])}, not {version}")
+        self.current, self.sums = (version, seg), []
+
+    def last_writer(self, b: int, writers: int) -> bool:
+        """This rank is done writing bucket ``b`` of the open version: whether it was the last
+        of its ``writers`` ranks (then it digests and publishes the bucket)."""
+        if writers == 1:
+            return True
+        seg, word = self.current[1], _ready_word(b) + 3
+        lock_word(seg.fd, word)  # one rank at a time counts itself in; the kernel drops it if we die
+        try:
+            done = int(seg.control[word]) + 1
+            seg.control[word] = done
+        finally:
+            fcntl.lockf(seg.fd, fcntl.LOCK_UN, 8, 8 * word)
+        return done == writers
 
     def view(self, b: int, nbytes: int) -> torch.Tensor:
         """Where bucket ``b`` of the open version goes (``nbytes``: the version's length of it)."""
@@ -742,7 +780,11 @@ class Slots:
         for seg in self.segments.values():
             seg.close()
             self.ctx.account("shm_segments", -1)
+        for seg in self.joined.values():
+            seg.close()
+            self.ctx.account("shm_mappings", -1)
         self.segments.clear()
+        self.joined.clear()
         self.current = None
 
 
@@ -760,6 +802,7 @@ class ShmSender(SenderTransport):
         self.on_device = DeviceBuffers(ctx) if hashes_on_device(ctx, kind) else None
         self.slots = Slots(ctx)
         self.views = PackViews()  # where each bucket's tensors go in each slot, made once
+        self._wrote: tuple[int, Segment] | None = None  # the version whose rows this rank wrote last
 
     @property
     def packed_bytes(self) -> int:
@@ -798,6 +841,53 @@ class ShmSender(SenderTransport):
 
     def send(self, version: int, deadline: Deadline) -> str | None:
         return None  # every byte moved in stage()
+
+    # -- a sharded session (transports.WritesRows): every trainer rank writes its own rows ----
+
+    def join(self, version: int, record: VersionRecord) -> None:
+        if not isinstance(record, ShmVersion):
+            raise ProtocolError(f"shm: version {version} was opened in streaming mode; sharded versions need whole ones")
+        self.slots.join(version, record.segment)
+
+    def write_rows(self, version: int, rows: RowWriter) -> ShmRows:
+        slots, plan, kind = self.slots, self.ctx.plan, self.session.digest_kind
+        if slots.current is None or slots.current[0] != version:
+            raise ProtocolError(f"shm: rows of version {version} written before the version was opened or joined")
+        finished, sums, written = [], [], 0
+        for b in rows.buckets:
+            n = plan.buckets[b].nbytes
+            dst = slots.view(b, n)
+            written += rows.fill(b, dst)
+            if not slots.last_writer(b, rows.rows.writers[b]):
+                continue
+            value = None
+            if kind is not None:
+                for start, end in gaps(plan.buckets[b]):
+                    dst[start:end].zero_()  # padding holds an older version's bytes
+                value = digest.as_int(digest.compute(kind, dst))
+                sums.append(value)
+            finished.append(b)
+            slots.publish(b, 0, value)
+        slots.written += written
+        self._wrote, slots.current = (version, slots.current[1]), None
+        return ShmRows(buckets=finished, sums=sums, written=written)
+
+    def merge(self, version: int, parts: list[Any]) -> ShmVersion:
+        plan, kind = self.ctx.plan, self.session.digest_kind
+        sums: dict[int, int] = {}
+        for wire in parts:
+            part = ShmRows.from_wire(wire)
+            sums.update(zip(part.buckets, part.sums) if kind is not None else ((b, 0) for b in part.buckets))
+        missing = [b for b in range(plan.bucket_count) if b not in sums]
+        if missing:
+            raise ProtocolError(f"version {version}: no trainer rank finished buckets {missing[:8]}")
+        wrote, seg = self._wrote
+        if wrote != version:
+            raise ProtocolError(f"shm: version {version} merged, but this rank last wrote version {wrote}")
+        ordered = [sums[b] for b in range(plan.bucket_count)]
+        return ShmVersion(segment=seg.ref, size=self.slots.size, checksums=ordered if kind else [],
+                          packed_bytes=plan.payload_bytes,
+                          digest=digest.version_digest(kind, ordered) if kind else None)
 
     def close(self) -> None:
         self.views.clear()

@@ -1,0 +1,114 @@
+"""Every trainer rank sends its own rows (a sharded session): FSDP2 shards (DTensors, Shard(0)) on
+real gloo ranks, uneven splits included, written straight into the host's segment by each rank;
+the receivers load whole tensors, bit-exact. Elsewhere (a transport that takes no rows) the shards
+are gathered, as full_tensor() did before. A rank lost mid-version aborts it, named."""
+
+from __future__ import annotations
+
+import pytest
+import ray
+import torch
+
+from support.parties import assert_serves, rollout_actor, stop_actors, wait_until
+from support.shards import sharded_trainers
+from weightsync.errors import VersionError, WeightSyncError
+from weightsync.manifest import Manifest, TensorSpec, chunk_bounds, plan_buckets, plan_rows, row_bytes
+
+# uneven on purpose: rows not divisible by the ranks, fewer rows than ranks, a 0-dim tensor, a
+# tensor split over buckets, buckets shared by several ranks' rows
+SPECS = (TensorSpec("embed", "bfloat16", (1000, 48)), TensorSpec("norm", "float32", (10,)),
+         TensorSpec("tiny", "bfloat16", (2, 3)), TensorSpec("scale", "float32", ()),
+         TensorSpec("proj", "float32", (7, 33)), TensorSpec("count", "int64", (5,)))
+MANIFEST = Manifest(SPECS)
+CFG = {"transport": "shm", "bucket_mb": 1 / 32}
+
+
+def sharded(ranks: int) -> Manifest:
+    return Manifest(SPECS, tuple(chunk_bounds(s.shape[0], ranks) if s.shape else (0,) + (1,) * ranks
+                                 for s in SPECS))
+
+
+@pytest.mark.parametrize("ranks", [2, 3, 4])
+def test_every_byte_is_written_by_exactly_one_rank(ranks):
+    manifest = sharded(ranks)
+    plan = plan_buckets(manifest, 4096, 256)
+    seen = {b.index: torch.zeros(b.nbytes, dtype=torch.int32) for b in plan.buckets}
+    rows = [plan_rows(plan, manifest, r) for r in range(ranks)]
+    for r, rp in enumerate(rows):
+        for b, pieces in rp.pieces.items():
+            for p in pieces:
+                seen[b][p.offset: p.offset + p.nbytes] += 1
+                lo = manifest.rows[p.tensor][r] * row_bytes(manifest[p.tensor])
+                assert lo + p.src + p.nbytes <= manifest.rows[p.tensor][r + 1] * row_bytes(manifest[p.tensor])
+    for bucket in plan.buckets:
+        covered = torch.zeros(bucket.nbytes, dtype=torch.int32)
+        for s in bucket.slices:
+            covered[s.offset: s.offset + s.nbytes] = 1
+        assert torch.equal(seen[bucket.index], covered), f"bucket {bucket.index}"
+        writers = sum(bucket.index in rp.pieces for rp in rows)
+        assert writers == rows[0].writers[bucket.index]
+
+
+def _job(coordinator_factory, ranks: int, config: dict, receivers: int = 2):
+    coord = coordinator_factory(config)
+    rollouts = [rollout_actor(coord, MANIFEST, f"rollout-{i}", i, config) for i in range(receivers)]
+    return coord, rollouts, sharded_trainers(coord, MANIFEST, ranks, config, receivers)
+
+
+def _step(trainers, rollouts, version: int, gather: bool = False):
+    applied = [r.apply.remote(version) for r in rollouts]
+    ray.get([t.step.remote(version, gather) for t in trainers], timeout=120)
+    assert ray.get(applied, timeout=120) == [version] * len(rollouts)
+
+
+@pytest.mark.parametrize("ranks", [2, 3])
+def test_each_rank_writes_its_rows_and_receivers_load_them_bit_exact(coordinator_factory, ranks):
+    coord, rollouts, trainers = _job(coordinator_factory, ranks, CFG)
+    try:
+        for v in (1, 2):
+            _step(trainers, rollouts, v)
+            for r in rollouts:
+                assert_serves(r, MANIFEST, v)
+        assert ray.get([t.sharded.remote() for t in trainers]) == [True] * ranks
+        # each rank wrote exactly its own rows, two versions of them
+        manifest = sharded(ranks)
+        own = [sum((b[r + 1] - b[r]) * row_bytes(s) for s, b in zip(manifest.specs, manifest.rows))
+               for r in range(ranks)]
+        assert ray.get([t.written.remote() for t in trainers]) == [2 * n for n in own]
+    finally:
+        stop_actors([*trainers, *rollouts])
+
+
+def test_a_transport_without_rows_gathers_the_shards(coordinator_factory):
+    config = {**CFG, "transport": "broadcast", "backend": "gloo"}
+    coord, rollouts, trainers = _job(coordinator_factory, 2, config)
+    try:
+        _step(trainers, rollouts, 1)
+        for r in rollouts:
+            assert_serves(r, MANIFEST, 1)
+        assert ray.get([t.sharded.remote() for t in trainers]) == [False, False]
+    finally:
+        stop_actors([*trainers, *rollouts])
+
+
+@pytest.mark.scenario("fault", "trainer rank killed mid-version (sharded session)", transport="shm",
+                      promise="the version aborts naming the rank; receivers keep serving the last version, whole")
+def test_a_rank_killed_mid_version_aborts_it_named(coordinator_factory):
+    coord, rollouts, trainers = _job(coordinator_factory, 3, CFG)
+    try:
+        _step(trainers, rollouts, 1)
+        ray.get(trainers[2].hold_at.remote(3))
+        staged = [t.stage.remote(2) for t in trainers]
+        applying = [r.apply.remote(2) for r in rollouts]
+        assert ray.get(trainers[2].reached.remote(30))
+        ray.kill(trainers[2])
+        with pytest.raises((VersionError, WeightSyncError), match="trainer-2"):
+            ray.get(staged[0], timeout=60)
+        for r in applying:
+            with pytest.raises(Exception, match="aborted"):
+                ray.get(r, timeout=60)
+        for r in rollouts:
+            assert_serves(r, MANIFEST, 1)
+        wait_until("rank 1 is done with the aborted version", lambda: ray.wait([staged[1]], timeout=0)[0], 60)
+    finally:
+        stop_actors([*trainers, *rollouts])
