@@ -112,6 +112,11 @@ def test_recipe_syncs_versions_bit_exactly_and_bounds_staleness(groups):
         _, _, _, batch, _ = asyncio.run(pending)
         assert batch.meta_info["weight_version"] == 4
 
+        # FSDP2's shards went as they are: each actor rank wrote its own half of every version
+        written = actor_wg.weightsync_written()
+        total = sum(t.numel() * t.element_size() for t in hf_weights(0).values())
+        assert written[0] > 0 and written[1] > 0 and sum(written) == 5 * total
+
         # a skipped sync: the batch made with version 4 would train at step 6
         trainer.global_steps = 6
         with pytest.raises(StalenessError, match="2 versions old"):
@@ -156,6 +161,8 @@ def test_next_version_travels_as_soon_as_update_actor_returns(groups):
             for got in trainer.rollout_wg.weights():
                 assert_same_weights(got["weights"], hf_weights(step), f"version {step}")
             assert ray.get(trainer.rollout_wg.workers[0].weightsync_version.remote()) == step
+        # broadcast takes no rows: both ranks gathered their shards (full_tensor) for rank 0
+        assert trainer.actor_wg.weightsync_written() == [None, None]
     finally:
         trainer.actor_wg.close()
         trainer.rollout_wg.close()

@@ -1,6 +1,7 @@
 """The recipe's worker side (verl 0.6-0.7 one-step-off): the actor mixins walk the
-parameters on every rank and send from rank 0; the rollout mixin receives into vLLM. See
-recipe.py for where they go."""
+parameters on every rank; FSDP2's DTensors go to the sender as they are, so on shm every rank
+writes its own rows (no all-gather), elsewhere the sender gathers them; the rollout mixin
+receives into vLLM. See recipe.py for where they go."""
 
 from __future__ import annotations
 
@@ -48,7 +49,7 @@ class _ActorSide:
     @register(dispatch_mode=Dispatch.ONE_TO_ALL, blocking=False)
     def sync_rollout_weights(self, version: int) -> dict[str, Any]:
         sender = self._ws_sender
-        if sender.sends and sender.transport is None:
+        if sender.sends and sender.transport is None and not self.weightsync_sharded():
             manifest = self.weightsync_manifest()
             if manifest is not None:  # fixes the layout without holding a whole copy of the model
                 sender.publish(manifest)
@@ -75,6 +76,11 @@ class _ActorSide:
     def weightsync_params(self) -> contextlib.AbstractContextManager[Iterator[tuple[str, Any]]]:
         raise NotImplementedError
 
+    def weightsync_sharded(self) -> bool:
+        """Whether the parameters reach the sender as shards (then the first version fixes the
+        layout from them: it holds no whole copy of the model)."""
+        return False
+
 
 class FSDPActorWeightSyncMixin(_ActorSide):
     """For the recipe's FSDP ``DetachActorWorker`` (``_get_actor_params``)."""
@@ -90,7 +96,7 @@ class FSDPActorWeightSyncMixin(_ActorSide):
             params = self._get_actor_params()
             info = getattr(self, "_weights_info", None)
             order = [n for n, *_ in info] if info else list(params)
-            yield _full_tensors(params, order)
+            yield ((name, params[name]) for name in order)  # DTensors stay shards: the sender decides
         finally:
             if offload:
                 from verl.utils.fsdp_utils import offload_fsdp_model_to_cpu
@@ -99,12 +105,8 @@ class FSDPActorWeightSyncMixin(_ActorSide):
             _empty_device_cache()
 
 
-def _full_tensors(params: Any, order: list[str]) -> Iterator[tuple[str, Any]]:
-    for name in order:
-        tensor = params[name]
-        if hasattr(tensor, "full_tensor"):
-            tensor = tensor.full_tensor()  # collective over the FSDP ranks: every rank gets here
-        yield name, tensor
+    def weightsync_sharded(self) -> bool:
+        return any(hasattr(t, "full_tensor") for t in self._get_actor_params().values())
 
 
 class MegatronActorWeightSyncMixin(_ActorSide):
