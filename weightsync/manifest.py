@@ -127,7 +127,11 @@ class Manifest:
         return len(self.rows[0]) - 1 if self.rows else 1
 
     def whole(self) -> Manifest:
-        """This layout with rank 0 sending every tensor whole."""
+        """This layout with rank 0 sending every tensor whole.
+
+        Returns:
+            The manifest without row bounds.
+        """
         return Manifest(self.specs)
 
     def __len__(self) -> int:

@@ -137,7 +137,9 @@ class WeightSender(HoldsMember):
 
     ``rank`` is the trainer rank: rank 0 sends, every other rank must still call ``stage``
     and ``sync`` with the same versions (their tensor iteration may run collectives such as
-    FSDP's ``full_tensor()``), and sends nothing. The constructor registers with the
+    FSDP's ``full_tensor()``), and sends nothing, unless the tensors are FSDP2 shards
+    (DTensors sharded by rows) on shm: then every rank writes its own rows (docs/design.md,
+    "Sharded sessions"). The constructor registers with the
     coordinator and starts a heartbeat thread; ``close()`` (or a ``with`` block) leaves.
 
     Args:
@@ -270,6 +272,7 @@ class WeightSender(HoldsMember):
             version: The version number; greater than every version staged before.
             named_tensors: A mapping name -> tensor, or an iterable of (name, tensor) pairs,
                 in the same order and with the same names, dtypes and shapes every version.
+                A DTensor stands for its full tensor: this rank's shard of it.
             background: Pack in a thread and return at once.
 
         Returns:
