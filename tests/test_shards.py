@@ -10,22 +10,11 @@ import ray
 import torch
 
 from support.parties import assert_serves, rollout_actor, stop_actors, wait_until
-from support.shards import sharded_trainers
+from support.shards import MANIFEST, sharded, sharded_trainers
 from weightsync.errors import VersionError, WeightSyncError
-from weightsync.manifest import Manifest, TensorSpec, chunk_bounds, plan_buckets, plan_rows, row_bytes
+from weightsync.manifest import plan_buckets, plan_rows, row_bytes
 
-# uneven on purpose: rows not divisible by the ranks, fewer rows than ranks, a 0-dim tensor, a
-# tensor split over buckets, buckets shared by several ranks' rows
-SPECS = (TensorSpec("embed", "bfloat16", (1000, 48)), TensorSpec("norm", "float32", (10,)),
-         TensorSpec("tiny", "bfloat16", (2, 3)), TensorSpec("scale", "float32", ()),
-         TensorSpec("proj", "float32", (7, 33)), TensorSpec("count", "int64", (5,)))
-MANIFEST = Manifest(SPECS)
 CFG = {"transport": "shm", "bucket_mb": 1 / 32}
-
-
-def sharded(ranks: int) -> Manifest:
-    return Manifest(SPECS, tuple(chunk_bounds(s.shape[0], ranks) if s.shape else (0,) + (1,) * ranks
-                                 for s in SPECS))
 
 
 @pytest.mark.parametrize("ranks", [2, 3, 4])

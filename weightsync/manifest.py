@@ -400,6 +400,16 @@ def plan_rows(plan: BucketPlan, manifest: Manifest, rank: int) -> RowPlan:
     return RowPlan(rank, {b: tuple(p) for b, p in pieces.items()}, tuple(writers))
 
 
+def _rows_fit(spec: TensorSpec, name: str, t: Any, local: Any) -> bool:
+    """A DTensor stands for its full tensor; a plain tensor is the full one or rows of it (its
+    count is checked against this rank's bounds by the caller)."""
+    if name != spec.name or not isinstance(local, torch.Tensor) or _NAME_OF.get(local.dtype) != spec.dtype:
+        return False
+    if is_dtensor(t):
+        return tuple(t.shape) == spec.shape
+    return tuple(local.shape) == spec.shape or (bool(spec.shape) and tuple(local.shape[1:]) == spec.shape[1:])
+
+
 class RowWriter:
     """One version's rows of this trainer rank, copied into their places in the buckets it
     writes (``fill``); each tensor is checked against the manifest and its row bounds."""
@@ -412,10 +422,10 @@ class RowWriter:
             raise ManifestError(f"{len(items)} tensors given, the manifest has {len(manifest)}")
         self.local: list[torch.Tensor] = []
         for i, (name, t) in enumerate(items):
-            if name != manifest[i].name or spec_of(name, t) != manifest[i]:
-                check_one(manifest, i, name, t, {s.name for s in manifest.specs[:i]})
-            local = t.to_local() if is_dtensor(t) else t
             spec, bounds = manifest[i], manifest.rows[i]
+            local = t.to_local() if is_dtensor(t) else t
+            if not _rows_fit(spec, name, t, local):
+                check_one(manifest, i, name, t, {s.name for s in manifest.specs[:i]})
             lo, hi = bounds[rows.rank] * row_bytes(spec), bounds[rows.rank + 1] * row_bytes(spec)
             held = local.numel() * local.element_size()
             if held != spec.nbytes and held != hi - lo:

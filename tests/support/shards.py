@@ -14,10 +14,23 @@ from weightsync_bench.layouts import materialize
 
 from weightsync.config import SyncConfig
 from weightsync.coordinator.client import Coordinator
-from weightsync.manifest import Manifest
+from weightsync.manifest import Manifest, TensorSpec, chunk_bounds
 from weightsync.sender import SyncResult, WeightSender
 
 from .parties import Gate, _Party
+
+# uneven on purpose: rows not divisible by the ranks, fewer rows than ranks, a 0-dim tensor, a
+# tensor split over buckets, buckets shared by several ranks' rows
+SPECS = (TensorSpec("embed", "bfloat16", (1000, 48)), TensorSpec("norm", "float32", (10,)),
+         TensorSpec("tiny", "bfloat16", (2, 3)), TensorSpec("scale", "float32", ()),
+         TensorSpec("proj", "float32", (7, 33)), TensorSpec("count", "int64", (5,)))
+MANIFEST = Manifest(SPECS)
+
+
+def sharded(ranks: int) -> Manifest:
+    """MANIFEST split over ``ranks`` as Shard(0) splits it."""
+    return Manifest(SPECS, tuple(chunk_bounds(s.shape[0], ranks) if s.shape else (0,) + (1,) * ranks
+                                 for s in SPECS))
 
 
 def free_port() -> int:
