@@ -10,4 +10,4 @@ cd "$(dirname "$0")/../.."
 . scripts/lib/env.sh
 [ -x .venv/bin/python ] || bash scripts/setup.sh dev >&2
 [ "${1:-}" = "--prepare" ] && exit 0  # runs in the main venv: nothing to build
-.venv/bin/python -m pytest -m sim tests/test_device.py tests/test_sim_ring.py tests/test_sim_faults.py tests/test_sim_receive_ahead.py "$@"
+.venv/bin/python -m pytest -m sim tests/test_device.py tests/test_sim_ring.py tests/test_sim_faults.py tests/test_sim_receive_ahead.py tests/test_sim_shards.py "$@"
