@@ -230,6 +230,13 @@ def test_recipe_init_workers_and_fit_syncs_bit_exactly(tmp_path, ray_cluster, re
         assert versions == sorted(set(versions)) and len(versions) == VERSIONS + 1
         after = trainer.actor_wg.full_weights()[0]
         assert all(not same_bits(after[n], before[n]) for n in before), "a parameter did not change"
+        # FSDP2's shards went as they are on shm (each actor rank wrote its own rows), gathered elsewhere
+        written = trainer.actor_wg.weightsync_written()
+        if transport == "shm":
+            total = sum(t.numel() * t.element_size() for t in after.values())
+            assert all(n and n < len(versions) * total for n in written), written
+        else:
+            assert written == [None] * len(written)
     finally:
         for wg in (getattr(trainer, "actor_wg", None), getattr(trainer, "rollout_wg", None)):
             if wg is not None:

@@ -168,12 +168,6 @@ class StandInActor(FSDPActorWeightSyncMixin, Worker):
         return os.getpid()
 
     @register(dispatch_mode=Dispatch.ONE_TO_ALL)
-    def weightsync_written(self) -> int | None:
-        """Bytes this rank wrote of its own rows so far (None: the session is not sharded)."""
-        sender = self._ws_sender
-        return sender.transport.packed_bytes if sender.rows is not None else None
-
-    @register(dispatch_mode=Dispatch.ONE_TO_ALL)
     def close(self) -> None:
         if self._ws_sender is not None:
             self._ws_sender.close()

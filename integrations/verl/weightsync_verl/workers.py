@@ -66,6 +66,13 @@ class _ActorSide:
         return {"version": result.version, "bytes": result.bytes, "stage_s": result.stage_s,
                 "barrier_s": result.barrier_s, "gbps": result.gbps}
 
+    @register(dispatch_mode=Dispatch.ONE_TO_ALL)
+    def weightsync_written(self) -> int | None:
+        """Bytes of its own rows this actor rank wrote so far (None: the session gathers the
+        shards and rank 0 sends them; docs/sharded.md)."""
+        sender = self._ws_sender
+        return sender.transport.packed_bytes if sender is not None and sender.rows is not None else None
+
     def weightsync_manifest(self) -> Manifest | None:
         """The layout from the recipe's ``_weights_info`` [(name, shape, dtype)], if it has one."""
         info = getattr(self, "_weights_info", None)
