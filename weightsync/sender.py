@@ -31,7 +31,7 @@ import dataclasses
 import itertools
 import logging
 import time
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from typing import Any
 
 from . import transports
@@ -39,7 +39,7 @@ from .config import SyncConfig
 from .coordinator.client import Coordinator, HoldsMember, Member
 from .delta.policy import FULL
 from .delta.sender import DeltaSender, host_reserve, wanted
-from .errors import ConfigError, ManifestError, VersionError
+from .errors import ConfigError, ManifestError, SyncFailed, VersionError, WeightSyncError
 from .manifest import (
     Manifest,
     NamedTensors,
@@ -364,12 +364,56 @@ class WeightSender(HoldsMember):
             self._staged_digest[version] = record.digest
         except BaseException as exc:
             self._resolved(version, committed=False)
-            try:
-                self.control.abort(version, f"staging failed: {type(exc).__name__}: {exc}")
-            except Exception:
-                pass
-            raise
+            failure = self._failed(version, "staging", exc)
+            if failure is exc:
+                raise
+            raise failure from exc
         return stage_s
+
+    def _failed(self, version: int, step: str, exc: BaseException) -> BaseException:
+        """Rank 0's ``step`` of ``version`` failed: abort the version with the reason, so that
+        receivers waiting for its bytes learn at once that none will come. Returns ``exc``."""
+        try:
+            self.control.abort(version, f"{step} failed: {type(exc).__name__}: {exc}")
+        except Exception:
+            pass  # aborted already, or the coordinator is gone: the version cannot commit either way
+        return exc
+
+    def _walked(self, version: int, named: NamedTensors) -> Iterator[tuple[str, Any]]:
+        """The tensors as rank 0 walks them, DTensors gathered. Where the walk breaks because
+        another trainer rank died (a collective such as ``full_tensor()`` fails here: gloo says
+        the connection closed), wait until the coordinator sees that rank gone (heartbeat_timeout_s
+        at most) and raise a SyncFailed naming it, whichever transport was walking."""
+        walk = iter(gathered(named))
+        while True:
+            try:
+                item = next(walk)
+            except StopIteration:
+                return
+            except Exception as exc:
+                if isinstance(exc, WeightSyncError):
+                    raise
+                try:
+                    lost = self._lost_ranks()
+                except Exception:
+                    lost = {}  # the coordinator is gone too: the error says what this rank saw
+                if not lost:
+                    raise
+                raise SyncFailed(version, {**lost, self.name: f"its walk of the tensors failed: "
+                                                            f"{type(exc).__name__}: {exc}"}) from exc
+            yield item
+
+    def _lost_ranks(self) -> dict[str, str]:
+        """Trainer ranks other than 0 the coordinator finds dead, waiting for it to notice one
+        where other ranks are registered (their heartbeats lapse within heartbeat_timeout_s)."""
+        cfg = self.config
+        deadline = time.monotonic() + cfg.heartbeat_timeout_s + 2 * cfg.heartbeat_interval_s
+        while True:
+            ranks = [p for p in self.coordinator.status().parties if p.role == "sender" and p.rank != 0]
+            lost = {p.name: p.why for p in ranks if not p.alive and not p.left}
+            if lost or not ranks or time.monotonic() >= deadline:
+                return lost
+            time.sleep(cfg.heartbeat_interval_s)
 
     def _write_rows(self, version: int, slot: int, named: NamedTensors) -> VersionRecord:
         """Rank 0 of a sharded session: open ``version`` for every rank, write this rank's rows,
@@ -432,7 +476,7 @@ class WeightSender(HoldsMember):
         the buckets it encoded against its snapshot; and, for a delta, the record fields it adds
         (its wire plan and the version's own digest: the transport's is of the encoded bytes)."""
         if not isinstance(named, Mapping) or any(is_dtensor(t) for t in named.values()):
-            named = gathered(named)  # FSDP2 shards, sent whole: every rank gathers them in lockstep
+            named = self._walked(version, named)  # FSDP2 shards, sent whole: every rank gathers them in lockstep
         if self._delta is not None:
             held = [r.serving for r in self.control.receivers(0, self.config.connect_timeout_s)]
             if self._delta.way(held) != FULL:
@@ -478,7 +522,14 @@ class WeightSender(HoldsMember):
             late = None
             if self.sends:
                 self.control.begin_sync(version)
-                digest = self.transport.send(version, Deadline(version, time.monotonic() + timeout, self.control))
+                try:
+                    digest = self.transport.send(version, Deadline(version, time.monotonic() + timeout, self.control))
+                except Exception as exc:
+                    # receivers waiting for its bytes learn at once that none will come
+                    failure = self._failed(version, "sending", exc)
+                    if failure is exc:
+                        raise
+                    raise failure from exc
                 # transports that pack at the barrier know the version's digest only now: it
                 # rides with the wait for the outcome (one call less per version); a delta
                 # version's record has its own (the transport's is of the encoded bytes)
