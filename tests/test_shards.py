@@ -97,3 +97,38 @@ def test_a_rank_killed_mid_version_aborts_it_named(coordinator_factory, transpor
         ray.wait([steps[1]], timeout=60)  # rank 1 is done with the aborted version too
     finally:
         stop_actors([*trainers, *rollouts])
+
+
+def test_a_rank_still_writing_an_aborted_version_neither_counts_nor_completes_a_newer_one():
+    """Version 5 is given up while rank 1 still writes it; version 6 takes the same slot. Rank 1's
+    late count of bucket 0 must not make version 6's bucket complete before both its writers are
+    done, and once version 6 counted there, rank 1's count for 5 is refused."""
+    import torch as t
+
+    from weightsync.config import SyncConfig
+    from weightsync.errors import ProtocolError
+    from weightsync.transports import TransportContext
+    from weightsync.transports.shm.transport import Slots
+
+    manifest = sharded(2)
+    plan = plan_buckets(manifest, 4096, 256)
+    ctx = TransportContext(config=SyncConfig(), plan=plan, manifest=manifest, digest=manifest.digest(),
+                           session="s", name="trainer-0", rank=0, device=t.device("cpu"))
+    slots = Slots(ctx)
+    try:
+        slots.open(5, 0)
+        assert slots.last_writer(0, 2) is False  # rank 0 wrote bucket 0 of version 5
+        seg = slots.current[1]
+        slots.open(6, 0)  # version 5 was aborted; 6 takes the slot
+        stale = (5, seg)
+        slots.current = stale
+        assert slots.last_writer(0, 2) is True  # rank 1's late count completes only version 5's count
+        slots.current = (6, seg)
+        assert slots.last_writer(0, 2) is False  # version 6 counts afresh: one of its two writers
+        slots.current = stale
+        with pytest.raises(ProtocolError, match="version 6 took the slot"):
+            slots.last_writer(0, 2)
+        slots.current = (6, seg)
+        assert slots.last_writer(0, 2) is True
+    finally:
+        slots.close()

@@ -729,7 +729,6 @@ class Slots:
         words = head[_HEAD_WORDS: _HEAD_WORDS + _PER_BUCKET * count].reshape(count, _PER_BUCKET)
         words[:, 0] = 0  # invalidate every bucket first
         words[:, 2] = 0  # and its verification
-        words[:, 3] = 0  # no rank wrote its rows yet
         head[3] = version
         self.current, self.sums = (version, seg), []
         return ShmVersion(segment=seg.ref, size=self.size)
@@ -748,14 +747,20 @@ class Slots:
 
     def last_writer(self, b: int, writers: int) -> bool:
         """This rank is done writing bucket ``b`` of the open version: whether it was the last
-        of its ``writers`` ranks (then it digests and publishes the bucket)."""
+        of its ``writers`` ranks (then it digests and publishes the bucket). The count carries
+        its version (version << 16 | ranks done): a rank still writing an aborted version into
+        a slot that a newer one took neither counts for the newer one nor completes it."""
         if writers == 1:
             return True
-        seg, word = self.current[1], _ready_word(b) + 3
+        (version, seg), word = self.current, _ready_word(b) + 3
         lock_word(seg.fd, word)  # one rank at a time counts itself in; the kernel drops it if we die
         try:
-            done = int(seg.control[word]) + 1
-            seg.control[word] = done
+            tag = int(seg.control[word])
+            if tag >> 16 > version:
+                raise ProtocolError(f"bucket {b}: version {tag >> 16} took the slot while this rank wrote "
+                                    f"version {version} (given up)")
+            done = (tag & 0xFFFF if tag >> 16 == version else 0) + 1
+            seg.control[word] = np.uint64(version << 16 | done)
         finally:
             fcntl.lockf(seg.fd, fcntl.LOCK_UN, 8, 8 * word)
         return done == writers
