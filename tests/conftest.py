@@ -38,7 +38,9 @@ os.environ["WSTEST_RUN"] = RUN_TAG
 
 def this_run(me: bool = True) -> list[int]:
     """The pids of this session's live processes: this one and what it started, orphans included
-    (a worker whose raylet was killed), by the WSTEST_RUN tag in their environment."""
+    (a worker whose raylet was killed), by the WSTEST_RUN tag in their environment. Ray's agents
+    overwrite theirs with their process title: they are found as their raylet's children (and
+    exit with it)."""
     import psutil
 
     pids = {os.getpid()} if me else set()
