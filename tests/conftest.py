@@ -180,9 +180,8 @@ def shm_clean():
 
 
 # -- under xdist: tests that must run alone ---------------------------------------------------
-# A test marked @pytest.mark.alone measures something node-wide (the node's Shmem, a process
-# found by its name, a deadline on 2 cores) that a test running beside it would move: under xdist
-# it holds a run-wide lock exclusively, and every other test holds it shared, from its first
+# A test marked @pytest.mark.alone measures something node-wide (test_dead_job: the node's
+# Shmem) that a test running beside it would move: under xdist it holds a run-wide lock exclusively, and every other test holds it shared, from its first
 # fixture's setup to its last one's teardown (a module's job started or closed included). A
 # second lock, a turnstile, lets an alone test waiting its turn in before the other worker's next
 # test. Serial runs take no lock.
