@@ -1,5 +1,12 @@
 """Shared fixtures: one local Ray cluster for the whole run, coordinators with unique names,
-and checks that no shared-memory segment or Ray process outlives the tests."""
+and checks that no shared-memory segment or Ray process outlives the tests.
+
+Under pytest-xdist (scripts/test.sh runs the main suite with ``-n 2``) each worker is a session of
+its own: its own Ray cluster, its own checks of what it left behind (processes and segments are
+told apart by the WSTEST_RUN tag each worker puts in its environment, which every process it
+starts inherits), and tests marked ``alone`` run while no other test of the run does. The
+reliability table is written once, by the controller, from the scenarios every worker reports.
+"""
 
 from __future__ import annotations
 
@@ -22,6 +29,28 @@ for _path in (_HERE, _HERE / "sim"):
         sys.path.insert(0, str(_path))
 os.environ["PYTHONPATH"] = os.pathsep.join([str(_HERE / "sim"), str(_HERE), *filter(None, [os.environ.get("PYTHONPATH")])])
 os.environ.setdefault("WEIGHTSYNC_DEVICE_MODULES", "weightsync_sim")
+# this session's tag, inherited by every process it starts (Ray's raylet and workers, the tests'
+# subprocesses) and by nothing else: under xdist another worker runs beside it, and another run
+# of the suite may too; their processes and segments are not this session's leaks
+RUN_TAG = f"{os.getpid()}-{os.urandom(4).hex()}"
+os.environ["WSTEST_RUN"] = RUN_TAG
+
+
+def this_run(me: bool = True) -> list[int]:
+    """The pids of this session's live processes: this one and what it started, orphans included
+    (a worker whose raylet was killed), by the WSTEST_RUN tag in their environment. Ray's agents
+    overwrite theirs with their process title: they are found as their raylet's children (and
+    exit with it)."""
+    import psutil
+
+    pids = {os.getpid()} if me else set()
+    for p in psutil.process_iter():
+        try:
+            if p.pid != os.getpid() and p.environ().get("WSTEST_RUN") == RUN_TAG:
+                pids.add(p.pid)
+        except (psutil.Error, OSError):
+            pass  # gone, a zombie, or another user's
+    return sorted(pids)
 
 
 def pytest_collection_modifyitems(config, items):
@@ -43,7 +72,8 @@ def ray_cluster():
     import ray
 
     # logical CPUs only: actors in the tests take num_cpus=0 and share the 2 real cores
-    # address "local": a new cluster even where /tmp/ray names one still running (another run)
+    # address "local": a new cluster even where /tmp/ray names one still running (another run,
+    # or the other xdist worker: each worker has a cluster of its own, 600 MiB of /dev/shm each)
     ray.init(address="local", num_cpus=8, include_dashboard=False, log_to_driver=False, logging_level="ERROR",
              object_store_memory=600 * 2**20, runtime_env={"env_vars": {"RAY_DEDUP_LOGS": "0"}})
     yield ray
@@ -53,12 +83,21 @@ def ray_cluster():
     from support.parties import wait_until
 
     def running() -> list:
-        return [p for p in psutil.Process().children(recursive=True) if p.is_running()
-                and p.status() != psutil.STATUS_ZOMBIE]
+        # what this session started, orphans included; not the other xdist worker's processes
+        pids = {p.pid for p in psutil.Process().children(recursive=True)} | set(this_run(me=False))
+        left = []
+        for pid in pids:
+            try:
+                p = psutil.Process(pid)
+                if p.status() != psutil.STATUS_ZOMBIE:
+                    left.append((pid, " ".join(p.cmdline()[:3])))
+            except psutil.NoSuchProcess:
+                pass
+        return left
 
     wait_until("every process of this run has exited", lambda: not running(), timeout=20, interval=0.5, strict=False)
     left = running()
-    assert not left, f"processes left after ray.shutdown(): {[(p.pid, p.name()) for p in left]}"
+    assert not left, f"processes left after ray.shutdown(): {left}"
 
 
 @pytest.fixture
@@ -113,31 +152,24 @@ def start_job(coordinator_factory, actors):
 @pytest.fixture(scope="session", autouse=True)
 def shm_clean():
     """Fail the run if a test leaves a segment of ours behind: a file in /dev/shm (files
-    backing), or a memfd segment still held by a process of this run (memfd backing)."""
-    import time
-
-    import psutil
+    backing), or a memfd segment still held by a process of this run (memfd backing). Of this
+    run: a segment's name carries its creator's pid, and a holder is a process; each counts
+    when that process is this session's (this_run): the other xdist worker's segments, in
+    flight while this one finishes, and another run's on the same machine are not its leaks."""
     from support.parties import wait_until
 
-    started = time.time()
+    from weightsync.transports.shm.transport import SEGMENT_NAME
+
     before = set(our_segments()) | {name for _, _, name in holders()}
     yield
 
-    def this_run() -> list[int]:
-        # this process and what it started (Ray's raylet and workers with address "local"), and
-        # orphans born since the run began (a worker whose raylet was killed): another test
-        # session on the same machine holds memfds of its own, which are not this run's leaks
-        me = psutil.Process()
-        pids = {me.pid} | {c.pid for c in me.children(recursive=True)}
-        for p in psutil.process_iter(["ppid", "create_time"]):
-            if p.info["ppid"] == 1 and (p.info["create_time"] or 0) >= started:
-                pids.add(p.pid)
-        return sorted(pids)
-
     def leftover() -> tuple[set, set]:
-        reap_stale()  # segment files of processes killed on purpose by fault tests
-        files = set(our_segments()) - before
-        held = {(pid, name) for pid, _, name in holders(pids=this_run()) if name not in before}
+        # segment files of processes killed on purpose by fault tests: only those whose creator
+        # is gone, so never a live segment of the other worker
+        reap_stale()
+        pids = set(this_run())
+        files = {n for n in set(our_segments()) - before if int(SEGMENT_NAME.match(n).group(1)) in pids}
+        held = {(pid, name) for pid, _, name in holders(pids=sorted(pids)) if name not in before}
         return files, held
 
     wait_until("no segment of this run is left", lambda: not any(leftover()), timeout=10, interval=0.5, strict=False)
@@ -147,6 +179,50 @@ def shm_clean():
                     f"memfds held by live processes {sorted(held)}")
 
 
+# -- under xdist: tests that must run alone ---------------------------------------------------
+# A test marked @pytest.mark.alone measures something node-wide (test_dead_job: the node's
+# Shmem) that a test running beside it would move: under xdist it holds a run-wide lock exclusively, and every other test holds it shared, from its first
+# fixture's setup to its last one's teardown (a module's job started or closed included). A
+# second lock, a turnstile, lets an alone test waiting its turn in before the other worker's next
+# test. Serial runs take no lock.
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_configure_node(node):
+    """xdist's controller, once per worker started: the folder of the run's locks."""
+    import tempfile
+
+    config = node.config
+    if not hasattr(config, "_wstest_locks"):
+        config._wstest_locks = tempfile.mkdtemp(prefix="wstest-locks-")
+    node.workerinput["wstest_locks"] = config._wstest_locks
+
+
+def pytest_unconfigure(config):
+    import shutil
+
+    if hasattr(config, "_wstest_locks"):
+        shutil.rmtree(config._wstest_locks, ignore_errors=True)
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_protocol(item, nextitem):
+    folder = getattr(item.config, "workerinput", {}).get("wstest_locks")
+    if folder is None:
+        yield
+        return
+    import fcntl
+
+    with open(os.path.join(folder, "turnstile"), "a") as turnstile, open(os.path.join(folder, "run"), "a") as run:
+        fcntl.flock(turnstile, fcntl.LOCK_EX)
+        fcntl.flock(run, fcntl.LOCK_EX if item.get_closest_marker("alone") else fcntl.LOCK_SH)
+        fcntl.flock(turnstile, fcntl.LOCK_UN)
+        try:
+            yield
+        finally:
+            fcntl.flock(run, fcntl.LOCK_UN)
+
+
 # -- the reliability table (docs/reliability.md) is produced from these tests ---------------
 # Tests marked @pytest.mark.scenario(kind, name, promise=...) are collected with the
 # transport they ran on (their `transport` parameter, else the mark's transport=, else the
@@ -154,11 +230,19 @@ def shm_clean():
 # renders it (results/reliability.md, docs/reliability.md).
 
 _scenarios: list[dict] = []
+_ORDER = pytest.StashKey[int]()
 
 
 def pytest_configure(config):
     config.addinivalue_line("markers", "scenario(kind, name, promise=, transport=): a fault / bad-input / soak / "
                                        "security case for the reliability table")
+    config.addinivalue_line("markers", "alone: runs while no other test of the run does (pytest-xdist: -n 2)")
+
+
+def pytest_collection_finish(session):
+    # the table lists scenarios in collection order, whichever worker ran them and when
+    for i, item in enumerate(session.items):
+        item.stash[_ORDER] = i
 
 
 @pytest.hookimpl(hookwrapper=True)
@@ -176,14 +260,20 @@ def pytest_runtest_makereport(item, call):
     outcome = "skipped" if report.skipped else report.outcome
     if hasattr(report, "wasxfail"):
         outcome = "xfail" if report.skipped else "xpass"
-    _scenarios.append({"kind": mark.args[0], "name": mark.args[1], "transport": transport, "promise": promise,
-                       "variant": ", ".join(f"{k}={v}" for k, v in params.items()), "outcome": outcome,
-                       "test": item.nodeid, "seconds": round(report.duration, 2)})
+    # on the report, which xdist carries to the controller: pytest_runtest_logreport collects it there
+    report.user_properties.append(("scenario", {
+        "kind": mark.args[0], "name": mark.args[1], "transport": transport, "promise": promise,
+        "variant": ", ".join(f"{k}={v}" for k, v in params.items()), "outcome": outcome,
+        "test": item.nodeid, "seconds": round(report.duration, 2), "order": item.stash.get(_ORDER, 0)}))
+
+
+def pytest_runtest_logreport(report):
+    _scenarios.extend(dict(value) for key, value in report.user_properties if key == "scenario")
 
 
 def pytest_sessionfinish(session, exitstatus):
-    if not _scenarios:
-        return
+    if not _scenarios or hasattr(session.config, "workerinput"):
+        return  # an xdist worker: the controller writes the table, from every worker's reports
     import importlib.util
     import json
     from pathlib import Path
@@ -196,6 +286,7 @@ def pytest_sessionfinish(session, exitstatus):
     name = "reliability-sim" if session.config.option.markexpr == "sim" else "reliability"
     if all(r["test"].split("::")[0].endswith("test_hosts.py") for r in _scenarios):
         name = "reliability-hosts"
+    _scenarios.sort(key=lambda r: r.pop("order"))  # stable: sorted() keeps a test's setup before its call
     (out / f"{name}.json").write_text(json.dumps(_scenarios, indent=1))
     spec = importlib.util.spec_from_file_location("reliability_table", root / "scripts" / "reliability_table.py")
     table = importlib.util.module_from_spec(spec)

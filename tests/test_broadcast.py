@@ -7,6 +7,7 @@ The device tests run the same flow over NCCL / HCCL; on a node with two or more 
 
 from __future__ import annotations
 
+import time
 from types import SimpleNamespace
 
 import pytest
@@ -17,9 +18,10 @@ from support.parties import assert_serves, trainer_actor
 from weightsync_bench.layouts import layout
 
 from weightsync.device import ray_options
-from weightsync.errors import ConfigError
+from weightsync.errors import ConfigError, DeadlineExceeded
 from weightsync.manifest import Manifest, TensorSpec
 from weightsync.transports.broadcast.communicators import choose_backend, comm_device
+from weightsync.transports.broadcast.groups import settle
 from weightsync.transports.broadcast.transport import TRAILER, get_checksum, put_checksum
 
 TINY = layout("tiny")  # embed_tokens is 125 KiB: several buckets of the size below
@@ -53,6 +55,33 @@ def test_checksum_trailer_round_trip():
     assert get_checksum(buf, 1000) == value
     buf[3] ^= 1
     assert put_checksum(buf, 1000) != value
+
+
+class _TimedOutWork:
+    """A collective whose own timeout (the deadline's remainder when it was posted) fired."""
+
+    def __init__(self, when_done: float):
+        self.when_done = when_done
+
+    def is_completed(self) -> bool:
+        return time.monotonic() >= self.when_done
+
+    def wait(self) -> None:
+        raise RuntimeError("[gloo/transport/tcp/unbound_buffer.cc:129] Timed out waiting 2923ms for send operation")
+
+
+def test_a_collective_timed_out_at_the_deadline_is_reported_as_the_deadline():
+    """settle(): the op ends in gloo's timeout while poll() is still asking the coordinator,
+    past the deadline; the reason is DeadlineExceeded, as when settle() sees the deadline first
+    (what test_stuck_receiver_times_out_the_version promises), not the backend's RuntimeError."""
+    # settle's first look (POLL_S, 0.25 s) finds it running; poll() then takes 0.5 s, during
+    # which the deadline passes (0.5 s) and the op fails (0.6 s); the next look finds it done
+    t0 = time.monotonic()
+    with pytest.raises(DeadlineExceeded, match="bucket 0 of version 2 did not complete before the deadline"):
+        settle(_TimedOutWork(t0 + 0.6), t0 + 0.5, lambda: time.sleep(0.5), "bucket 0 of version 2")
+    # before the deadline the op's own error stands
+    with pytest.raises(RuntimeError, match="Timed out"):
+        settle(_TimedOutWork(0.0), time.monotonic() + 60, lambda: None, "bucket 0 of version 2")
 
 
 def test_ten_versions_bit_exact_one_group(start_job, actors):

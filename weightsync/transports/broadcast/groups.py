@@ -132,7 +132,15 @@ def settle(work: Any, deadline: float, poll: Callable[[], None], what: str) -> N
             raise DeadlineExceeded(f"{what} did not complete before the deadline")
         poll()
     # raises the op's own error; on a device it orders the current stream after the op
-    work.wait()
+    try:
+        work.wait()
+    except Exception as exc:
+        # the op's own timeout is what the deadline had left when it was posted: an op that
+        # ended in an error past the deadline (gloo's "Timed out waiting ..." firing while
+        # poll() was asking the coordinator) ran out of the deadline, and says so
+        if time.monotonic() >= deadline:
+            raise DeadlineExceeded(f"{what} did not complete before the deadline ({exc})") from exc
+        raise
 
 
 def retire(group: Group | None, works: list[Any], what: str) -> None:
