@@ -95,6 +95,10 @@ def _run_bench(args: argparse.Namespace) -> int:
         from . import hosts
 
         return hosts.run(args)
+    if args.trainer_ranks is not None:  # sharded sending from N trainer ranks on this host: a program of its own
+        from . import ranks
+
+        return ranks.run(args)
     device = detect_platform() if args.device == "auto" else args.device
     args.baselines = rdt_rows.expand(args.baselines, device)  # ray-rdt -> the RDT rows this device can run
     # smallest first: a size that fails or is skipped leaves the smaller ones measured

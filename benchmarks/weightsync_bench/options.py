@@ -13,6 +13,7 @@ from .expect import KEYS, parse_expectation
 from .hosts import LAYOUT as HOSTS_LAYOUT
 from .hosts import add_arguments as add_hosts_arguments
 from .layouts import LAYOUTS
+from .ranks import add_arguments as add_ranks_arguments
 from .updates import UPDATES
 
 TRANSPORTS = ("shm", "ipc", "broadcast", "auto")
@@ -52,6 +53,8 @@ def apply_preset(args: argparse.Namespace) -> argparse.Namespace:
     args.preset = name
     if not hasattr(args, "model"):
         args.model = [HOSTS_LAYOUT if getattr(args, "hosts", None) else DEFAULT_LAYOUT]
+    if not hasattr(args, "receivers"):  # a rank's rows against more than one reader of the segment
+        args.receivers = [2 if getattr(args, "trainer_ranks", None) else 1]
     for key, value in PRESETS[name].items():
         if not hasattr(args, key):
             setattr(args, key, list(value) if isinstance(value, list) else value)
@@ -81,7 +84,8 @@ def add_bench_arguments(p: argparse.ArgumentParser) -> None:
                    metavar="T", help=f"one or several of {', '.join(TRANSPORTS)} {_preset_help('transport')}")
     p.add_argument("--backend", default="auto", choices=("auto", "gloo", "nccl", "hccl"),
                    help="collective backend of broadcast (and the collective baselines)")
-    p.add_argument("--receivers", nargs="+", type=int, default=[1], metavar="N", help="receiver counts to run")
+    p.add_argument("--receivers", nargs="+", type=int, default=argparse.SUPPRESS, metavar="N",
+                   help="receiver counts to run (default: 1; with --trainer-ranks: 2)")
     p.add_argument("--bucket-mb", nargs="+", type=float, default=[SyncConfig().bucket_mb], metavar="MB",
                    help="bucket sizes to sweep")
     p.add_argument("--checksum", nargs="+", default=preset, choices=("on", "off"),
@@ -148,6 +152,7 @@ def add_bench_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--plot", metavar="PATH.png", help="write a PNG of GB/s per transport and bucket size; with "
                    "several sizes, time per version and per GB against size")
     add_hosts_arguments(p)
+    add_ranks_arguments(p)
 
 
 def _expectation(text: str):
