@@ -8,4 +8,4 @@ cd "$(dirname "$0")/../.."
 [ -x .venv/bin/python ] || bash scripts/setup.sh dev >&2
 [ "${1:-}" = "--prepare" ] && exit 0  # runs in the main venv: nothing to build
 .venv/bin/python -m pytest -m bench tests/test_bench.py tests/test_bench_delta.py tests/test_bench_extra.py \
-    tests/test_bench_quick.py "$@"
+    tests/test_bench_quick.py tests/test_bench_ranks.py "$@"
