@@ -78,6 +78,19 @@ class _PrivatePeak:
         return max(0, max(self.peak, _status_kib("RssAnon")) - self.base) * 1024
 
 
+def _trim() -> None:
+    """Hand freed heap back to the kernel (glibc's malloc_trim). glibc keeps freed blocks under
+    its mmap threshold, which rises to 32 MiB once a large block was freed: without a trim a
+    rank's freed full tensors stay resident, and the next version's full_tensor() buffers
+    reuse them unseen by RSS, so the gather's growth would be under-reported."""
+    import ctypes
+
+    try:
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):
+        pass  # not glibc: growth may be under-reported
+
+
 # -- parties ---------------------------------------------------------------------------------------
 
 def free_port() -> int:
@@ -115,6 +128,8 @@ class TrainerRank:
                 t = DTensor.from_local(d.to_local().clone(), self.mesh, d.placements, run_check=False,
                                        shape=d.shape, stride=d.stride())
             self.named[name] = t
+        del full
+        _trim()
         # the bench's update (every byte + 1 a version) applied to the rows: the same as applying
         # it to the full tensors, which the driver does to check the receivers against
         self.versions = Versions({n: t.to_local() if isinstance(t, DTensor) else t for n, t in self.named.items()})
@@ -140,6 +155,7 @@ class TrainerRank:
         named: Any = self.named
         if row == "gather":
             named = ((n, t.full_tensor() if hasattr(t, "full_tensor") else t) for n, t in self.named.items())
+        _trim()  # the last version's buffers, freed, must not hide this one's growth
         dist.barrier()
         # RSS high-water: VmHWM reset by /proc/self/clear_refs (PeakTracker; the lifetime peak where
         # the kernel refuses, which can only under-report), so peaks the private sampler could
@@ -151,7 +167,9 @@ class TrainerRank:
         staged_s = time.perf_counter() - t0
         out = {"staged_s": staged_s, "rss_growth": rss.extra(), "private_growth": private.stop()}
         result = sender.sync(version)
-        out.update(barrier_s=result.barrier_s, sharded=sender.rows is not None)
+        # rank 0's shm mode: "stream" where too little memory was free for two whole versions
+        mode = getattr(getattr(sender.transport, "session", None), "mode", None)
+        out.update(barrier_s=result.barrier_s, sharded=sender.rows is not None, mode=mode)
         return out
 
     def drop(self, row: str) -> None:
@@ -313,6 +331,12 @@ def _version(row: _Row, ranks: list, rollouts: list, reference: dict, digest: An
     _wait_all(applied)
     import ray
 
+    if outs[0]["mode"] != "whole":
+        # a streaming session moves the bytes in sync(), and shards need whole versions: the
+        # staged clock would time something else
+        raise RuntimeError(f"the {row.name} session's shm streams through a ring (mode {outs[0]['mode']!r}): its budget "
+                           f"held no two whole versions when it began (too little memory free, or shm_budget_mb); "
+                           f"free memory or set WEIGHTSYNC_SHM_BUDGET_MB")
     want = digest(reference)
     got = ray.get([r.digest.remote() for r in rollouts], timeout=TIMEOUT_S)
     row.verified = (row.verified is not False) and all(g == want for g in got)
