@@ -12,12 +12,16 @@ session's first version fixes its manifest:
 
 The clock of both: from a ``dist.barrier()`` on every rank (the end of the update) until rank
 0's ``stage()`` returned (the version is staged). Then sync(), and every receiver is checked
-bit for bit against the full tensors. The rows take turns version by version's round: each
-round runs ``--versions`` versions of each row, the order flipped every round
-(rounds.round_order), so a neighbour's load lands on both rows alike.
+bit for bit against the full tensors. The rows take turns: each round runs ``--versions``
+versions of each row, the order flipped every round (rounds.round_order), so a neighbour's load
+lands on both rows alike; ``--warmup`` versions of each row first, untimed (shm makes and maps
+its two segments).
 
-Memory: each rank's growth during stage() against its shard plus two buckets (what a rank that
-writes its own rows may need: its rows, and a bucket in flight either side of them).
+Memory: each rank's largest growth during stage(), over every version, against its shard plus
+two buckets (what a rank writing its own rows touches: its rows, and the ends of the buckets
+it shares with its neighbours, which the last writer digests whole). RSS growth counts the
+segment's pages the rank touches for the first time; private growth (RssAnon) is what the
+rank allocates: the gather's full tensors.
 """
 
 from __future__ import annotations
@@ -157,9 +161,9 @@ class TrainerRank:
             named = ((n, t.full_tensor() if hasattr(t, "full_tensor") else t) for n, t in self.named.items())
         _trim()  # the last version's buffers, freed, must not hide this one's growth
         dist.barrier()
-        # RSS high-water: VmHWM reset by /proc/self/clear_refs (PeakTracker; the lifetime peak where
-        # the kernel refuses, which can only under-report), so peaks the private sampler could
-        # miss count; it includes segment pages this rank maps for the first time
+        # RSS high-water: VmHWM, reset here through /proc/self/clear_refs (PeakTracker; where the
+        # kernel refuses, VmHWM stays the lifetime peak and the figure says little), so no peak is
+        # missed between samples; it counts the segment's pages this rank touches first, too
         rss, private = PeakTracker(), _PrivatePeak()
         rss.start()
         t0 = time.perf_counter()
@@ -234,9 +238,11 @@ class _Row:
         self.version, self.error, self.verified = 0, None, None
         self.staged: list[float] = []
         self.barrier: list[float] = []
-        self.rss: list[int] = []  # per rank: the largest growth over the timed versions
+        self.rss: list[int] = []  # per rank: the largest growth over every version
         self.private: list[int] = []
         self.sharded: list[bool] = []
+        self.shard_bytes: list[int] = []
+        self.bound: list[int] = []
 
 
 def run(args: argparse.Namespace) -> int:
@@ -346,8 +352,10 @@ def _version(row: _Row, ranks: list, rollouts: list, reference: dict, digest: An
     if timed:
         row.staged.append(outs[0]["staged_s"])
         row.barrier.append(outs[0]["barrier_s"])
-        row.rss = [max(a, o["rss_growth"]) for a, o in zip(row.rss, outs, strict=True)]
-        row.private = [max(a, o["private_growth"]) for a, o in zip(row.private, outs, strict=True)]
+    # memory over every version, warm-up too: a rank's first write into each segment is where its
+    # shared pages (its rows, and the buckets it digests) first count
+    row.rss = [max(a, o["rss_growth"]) for a, o in zip(row.rss, outs, strict=True)]
+    row.private = [max(a, o["private_growth"]) for a, o in zip(row.private, outs, strict=True)]
 
 
 def _give_up(row: _Row, ranks: list) -> None:
@@ -383,8 +391,7 @@ def _result(args: argparse.Namespace, manifest: Any, cfg: dict, n: int, k: int, 
 
     out_rows = []
     for row in rows.values():
-        shard = getattr(row, "shard_bytes", [0] * n)
-        bound = getattr(row, "bound", [0] * n)
+        shard, bound = row.shard_bytes or [0] * n, row.bound or [0] * n
         out_rows.append({
             "name": row.name, "what": WHAT[row.name], "error": row.error, "verified": bool(row.verified),
             "sharded": row.sharded, "seconds": row.staged, **spread(row.staged),
