@@ -28,5 +28,6 @@ def test_trainer_ranks_time_gather_and_shards_side_by_side_bit_exact(ray_cluster
         assert r["barrier_s"] > 0 and all(x["bound_bytes"] > x["shard_bytes"] > 0 for x in r["ranks"])
     # the shards session was sharded on every rank; the gather one, fed whole tensors, was not
     assert rows["shards"]["sharded"] == [True, True] and rows["gather"]["sharded"] == [False, False]
+    assert rows["shards"]["private_within_bound"]  # no rank allocated beyond its shard and two buckets
     assert top["gather_over_shards"] > 0
     assert "gather / shards" in capsys.readouterr().out
