@@ -138,6 +138,7 @@ class TrainerRank:
         # it to the full tensors, which the driver does to check the receivers against
         self.versions = Versions({n: t.to_local() if isinstance(t, DTensor) else t for n, t in self.named.items()})
         self.shard_bytes = sum(t.numel() * t.element_size() for t in self.versions.tensors.values())
+        self.updates = 0
         self.senders: dict[str, Any] = {}
 
     def open(self, row: str, coordinator: Any, config: dict, receivers: int) -> int:
@@ -148,14 +149,18 @@ class TrainerRank:
                                          expected_receivers=receivers)
         return self.shard_bytes
 
-    def step(self, row: str, version: int) -> dict[str, Any]:
-        """One version of ``row``: the update, the barrier that ends it, stage (timed), sync."""
+    def step(self, row: str, version: int, update: int) -> dict[str, Any]:
+        """One version of ``row``: the weights brought to ``update`` (counted over both rows, so a
+        failed version leaves no rank behind the driver's reference), the barrier that ends the
+        update, stage (timed), sync."""
         import torch.distributed as dist
 
         from .peak_memory import PeakTracker
 
         sender = self.senders[row]
-        self.versions.apply(version)
+        while self.updates < update:
+            self.updates += 1
+            self.versions.apply(self.updates)
         named: Any = self.named
         if row == "gather":
             named = ((n, t.full_tensor() if hasattr(t, "full_tensor") else t) for n, t in self.named.items())
@@ -173,7 +178,7 @@ class TrainerRank:
         result = sender.sync(version)
         # rank 0's shm mode: "stream" where too little memory was free for two whole versions
         mode = getattr(getattr(sender.transport, "session", None), "mode", None)
-        out.update(barrier_s=result.barrier_s, sharded=sender.rows is not None, mode=mode)
+        out.update(barrier_s=result.barrier_s, sharded=getattr(sender, "rows", None) is not None, mode=mode)
         return out
 
     def drop(self, row: str) -> None:
@@ -243,6 +248,7 @@ class _Row:
         self.sharded: list[bool] = []
         self.shard_bytes: list[int] = []
         self.bound: list[int] = []
+        self.pending: list = []
 
 
 def run(args: argparse.Namespace) -> int:
@@ -319,7 +325,7 @@ def _measure(args: argparse.Namespace, manifest: Any, cfg: dict, n: int, k: int)
                     row.version += 1
                     reference.apply(step)
                     try:
-                        _version(row, ranks, rollouts, reference.tensors, digest, timed=round_index >= 0)
+                        _version(row, ranks, rollouts, reference.tensors, digest, step, timed=round_index >= 0)
                     except Exception as exc:
                         row.error = describe_error(exc)
                         print(f"  {name} v{row.version}: FAILED: {row.error}", file=sys.stderr)
@@ -331,10 +337,14 @@ def _measure(args: argparse.Namespace, manifest: Any, cfg: dict, n: int, k: int)
         _close(ranks, rollouts, rows)
 
 
-def _version(row: _Row, ranks: list, rollouts: list, reference: dict, digest: Any, timed: bool) -> None:
+def _version(row: _Row, ranks: list, rollouts: list, reference: dict, digest: Any, update: int,
+             timed: bool) -> None:
     applied = [r.apply_row.remote(row.name, row.version) for r in rollouts]  # receivers wait first
-    outs = _wait_all([t.step.remote(row.name, row.version) for t in ranks])
+    steps = [t.step.remote(row.name, row.version, update) for t in ranks]
+    row.pending = applied + steps  # a failed version's other calls: _give_up collects them
+    outs = _wait_all(steps)
     _wait_all(applied)
+    row.pending = []
     import ray
 
     if outs[0]["mode"] != "whole":
@@ -369,6 +379,11 @@ def _give_up(row: _Row, ranks: list) -> None:
         pass
     row.coordinator = None
     ray.wait([t.drop.remote(row.name) for t in ranks], num_returns=len(ranks), timeout=120)
+    for ref in row.pending:  # fetched, so Ray does not log their errors as unhandled
+        try:
+            ray.get(ref, timeout=60)
+        except Exception:
+            pass
 
 
 def _close(ranks: list, rollouts: list, rows: dict[str, _Row]) -> None:
@@ -436,9 +451,11 @@ def table(result: dict[str, Any]) -> str:
                      + ("" if r["name"] != "shards" or all(r["sharded"]) else "  (the session gathered: not sharded)")
                      + (f"  FAILED later: {r['error']}" if r["error"] else ""))
     said = {True: "yes", False: "no"}
-    lines.append("within shard + 2 buckets on every rank, RSS / private: " + "; ".join(
-        f"{r['name']} {said[r['within_bound']]} / {said[r['private_within_bound']]}" for r in result["rows"]
-        if r["seconds"]) + " (RSS counts the segment's pages a rank maps: shm maps it whole, MAP_POPULATE)")
+    bounds = [f"{r['name']} {said[r['within_bound']]} / {said[r['private_within_bound']]}"
+              for r in result["rows"] if r["seconds"]]
+    if bounds:
+        lines.append(f"within shard + 2 buckets on every rank, RSS / private: {'; '.join(bounds)} (RSS counts "
+                     "the segment's pages a rank maps: shm maps it whole, MAP_POPULATE)")
     if result["gather_over_shards"]:
         lines.append(f"gather / shards (staged, medians): {result['gather_over_shards']:.1f}x")
     return "\n".join(lines)
