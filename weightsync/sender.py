@@ -364,20 +364,17 @@ class WeightSender(HoldsMember):
             self._staged_digest[version] = record.digest
         except BaseException as exc:
             self._resolved(version, committed=False)
-            failure = self._failed(version, "staging", exc)
-            if failure is exc:
-                raise
-            raise failure from exc
+            self._abort(version, "staging", exc)
+            raise
         return stage_s
 
-    def _failed(self, version: int, step: str, exc: BaseException) -> BaseException:
-        """Rank 0's ``step`` of ``version`` failed: abort the version with the reason, so that
-        receivers waiting for its bytes learn at once that none will come. Returns ``exc``."""
+    def _abort(self, version: int, step: str, exc: BaseException) -> None:
+        """This rank's ``step`` of ``version`` failed: abort the version with the reason, so that
+        receivers waiting for its bytes learn at once that none will come."""
         try:
             self.control.abort(version, f"{step} failed: {type(exc).__name__}: {exc}")
         except Exception:
             pass  # aborted already, or the coordinator is gone: the version cannot commit either way
-        return exc
 
     def _walked(self, version: int, named: NamedTensors) -> Iterator[tuple[str, Any]]:
         """The tensors as rank 0 walks them, DTensors gathered. Where the walk breaks because
@@ -445,10 +442,7 @@ class WeightSender(HoldsMember):
             rows = self.transport.write_rows(version, RowWriter(self.rows, self.manifest, items))
             self.control.part_staged(version, rows.to_wire())
         except BaseException as exc:
-            try:
-                self.control.abort(version, f"{self.name} failed to write its rows: {type(exc).__name__}: {exc}")
-            except Exception:
-                pass  # aborted already, or the coordinator is gone: the version cannot commit either way
+            self._abort(version, f"{self.name} writing its rows", exc)
             raise
 
     def _learn(self, items: list) -> None:
@@ -525,11 +519,8 @@ class WeightSender(HoldsMember):
                 try:
                     digest = self.transport.send(version, Deadline(version, time.monotonic() + timeout, self.control))
                 except Exception as exc:
-                    # receivers waiting for its bytes learn at once that none will come
-                    failure = self._failed(version, "sending", exc)
-                    if failure is exc:
-                        raise
-                    raise failure from exc
+                    self._abort(version, "sending", exc)
+                    raise
                 # transports that pack at the barrier know the version's digest only now: it
                 # rides with the wait for the outcome (one call less per version); a delta
                 # version's record has its own (the transport's is of the encoded bytes)
