@@ -50,9 +50,12 @@ def _step(trainers, rollouts, version: int, gather: bool = False):
     assert ray.get(applied, timeout=120) == [version] * len(rollouts)
 
 
-def test_each_rank_writes_its_rows_and_receivers_load_them_bit_exact(coordinator_factory):
+@pytest.mark.parametrize("transport", ["shm", "relay"])
+def test_each_rank_writes_its_rows_and_receivers_load_them_bit_exact(coordinator_factory, transport):
+    """shm: into the host's segment; relay: to the first receiver, which relays whole buckets
+    (the second receiver reads them from its host's segment)."""
     ranks = 3  # uneven: 1000, 10, 7 and 5 rows split 3 ways; 2 rows leave rank 2 none
-    coord, rollouts, trainers = _job(coordinator_factory, ranks, CFG)
+    coord, rollouts, trainers = _job(coordinator_factory, ranks, {**CFG, "transport": transport})
     try:
         for v in (1, 2):
             _step(trainers, rollouts, v)
@@ -70,9 +73,11 @@ def test_each_rank_writes_its_rows_and_receivers_load_them_bit_exact(coordinator
 
 @pytest.mark.scenario("fault", "trainer rank killed mid-version (FSDP2 shards)", promise={
     "shm": "each rank writes its rows: the version aborts naming the rank, receivers keep the last version",
+    "relay": "each rank sends its rows to the first receiver: the version aborts naming the rank, receivers keep "
+             "the last version",
     "broadcast": "the shards are gathered: rank 0's full_tensor() fails, the version aborts naming the rank",
     "ipc": "the shards are gathered at the barrier: the version aborts naming the rank, no receiver hangs"})
-@pytest.mark.parametrize("transport", ["shm", "broadcast", "ipc"])
+@pytest.mark.parametrize("transport", ["shm", "relay", "broadcast", "ipc"])
 def test_a_rank_killed_mid_version_aborts_it_named(coordinator_factory, transport):
     config = {**CFG, "transport": transport, "backend": "gloo"}
     coord, rollouts, trainers = _job(coordinator_factory, 3, config)
@@ -80,8 +85,8 @@ def test_a_rank_killed_mid_version_aborts_it_named(coordinator_factory, transpor
         _step(trainers, rollouts, 1)
         for r in rollouts:
             assert_serves(r, MANIFEST, 1)
-        # shm takes each rank's rows; broadcast and ipc take the gathered shards from rank 0
-        assert ray.get([t.sharded.remote() for t in trainers]) == [transport == "shm"] * 3
+        # shm and relay take each rank's rows; broadcast and ipc take the gathered shards from rank 0
+        assert ray.get([t.sharded.remote() for t in trainers]) == [transport in ("shm", "relay")] * 3
         ray.get(trainers[2].hold_at.remote(3))
         steps = [t.step.remote(2) for t in trainers]
         applying = [r.apply.remote(2) for r in rollouts]

@@ -369,6 +369,11 @@ class RowPlan:
     pieces: dict[int, tuple[RowPiece, ...]]  # bucket -> this rank's pieces, for the buckets it writes
     writers: tuple[int, ...]  # per bucket
 
+    def piece_bytes(self, b: int) -> int:
+        """The bytes of this rank's rows in bucket ``b`` (0 where it has none): its piece on the
+        wire where the rows travel packed (transports/relay/)."""
+        return sum(p.nbytes for p in self.pieces.get(b, ()))
+
 
 def plan_rows(plan: BucketPlan, manifest: Manifest, rank: int) -> RowPlan:
     if manifest.rows is None:
@@ -448,6 +453,29 @@ class RowWriter:
             n += p.nbytes
         batch.flush()
         return n
+
+    def pack(self, b: int, dst: torch.Tensor) -> int:
+        """Copy this rank's pieces of bucket ``b`` one after another into ``dst`` (its piece on
+        the wire, ``rows.piece_bytes(b)`` long); the bytes copied."""
+        batch, n = _Batch(), 0
+        for p in self.rows.pieces[b]:
+            src = self.local[p.tensor]
+            if src.device.type == "cpu" and dst.device.type == "cpu":
+                ctypes.memmove(dst.data_ptr() + n, src.data_ptr() + p.src, p.nbytes)  # releases the GIL
+            else:
+                batch.add(dst[n: n + p.nbytes], src[p.src: p.src + p.nbytes])
+            n += p.nbytes
+        batch.flush()
+        return n
+
+
+def unpack_piece(rows: RowPlan, b: int, piece: torch.Tensor, dst: torch.Tensor) -> None:
+    """Put the rows of ``rows.rank`` in bucket ``b``, as ``RowWriter.pack`` packed them into
+    ``piece``, into their places in ``dst`` (the whole bucket's buffer)."""
+    n = 0
+    for p in rows.pieces.get(b, ()):
+        dst[p.offset: p.offset + p.nbytes].copy_(piece[n: n + p.nbytes])
+        n += p.nbytes
 
 
 Expected = Mapping[str, Any] | Callable[[Manifest], list[str]]

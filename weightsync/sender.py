@@ -11,11 +11,14 @@ One version, end to end:  stage(v, named_tensors)
 sync(v)  -> coordinator.begin_sync(v) -> transport.send(v) -> coordinator.wait_outcome(v)
 
 A sharded session (the first version's tensors are FSDP2 shards, manifest.shards_of, on a transport
-that takes rows: shm whole versions): rank 0 opens v (announce), every other rank joins it
+that takes rows: shm whole versions, relay): on shm rank 0 opens v (announce), every other rank joins it
 (coordinator.begin_part) and writes its rows into the same segment, reporting its part
 (coordinator.part_staged); rank 0 writes its own, collects the parts (coordinator.wait_parts:
-a rank lost meanwhile aborts v, named) and merges them into v's record. Elsewhere every rank
-gathers each DTensor with ``full_tensor()`` as the tensors are walked (manifest.gathered).
+a rank lost meanwhile aborts v, named) and merges them into v's record. On relay, which moves
+versions at the barrier, every rank keeps its rows (a RowWriter: rank 0's goes to
+transport.stage in a Packer's place) and sends them in sync(v) (transport.send on rank 0,
+SendsRows.send_rows on the others, each reporting its part). Elsewhere every rank gathers each
+DTensor with ``full_tensor()`` as the tensors are walked (manifest.gathered).
 
 Each version ends in one line through :mod:`logging` (logger ``weightsync``): INFO once it is
 committed, WARNING where it failed (the receivers write theirs, receiver.py), so a job's logs
@@ -55,7 +58,7 @@ from .manifest import (
     size_text,
 )
 from .records import Metrics, Publication, VersionRecord
-from .transports import Announces, Deadline, GivesBack, SenderTransport, TransportContext, WritesRows
+from .transports import Announces, Deadline, GivesBack, SenderTransport, SendsRows, TransportContext, WritesRows
 
 log = logging.getLogger("weightsync")
 
@@ -180,6 +183,7 @@ class WeightSender(HoldsMember):
         # a sharded session: where this rank's rows go (None: rank 0 sends whole tensors);
         # ranks other than 0 learn it from the publication, with the first version of DTensors
         self.rows: RowPlan | None = None
+        self._rows_due: dict[int, RowWriter] = {}  # a rank's rows that go at the barrier (SendsRows)
         self._learned = False
         self.open()
 
@@ -232,8 +236,9 @@ class WeightSender(HoldsMember):
                                host_reserve=host_reserve(config.delta, name, plan) if delta else 0)
         transport = transports.get(name).sender(ctx)
         session = transport.session
-        sharded = (manifest.rows is not None and not delta and isinstance(transport, WritesRows)
-                   and isinstance(transport, Announces))
+        sharded = (manifest.rows is not None and not delta
+                   and (isinstance(transport, WritesRows) and isinstance(transport, Announces)
+                        or isinstance(transport, SendsRows)))
         if manifest.rows is not None and not sharded:
             manifest = manifest.whole()  # every rank gathers its shards; rank 0 sends them whole
         if config.receive_ahead == "on" and not session.ahead:
@@ -347,7 +352,7 @@ class WeightSender(HoldsMember):
         slot = self.control.begin_stage(version)
         self.member.remember(last_version=version)  # a restarted coordinator never reuses it
         try:
-            if self.rows is not None:
+            if self.rows is not None and not isinstance(self.transport, SendsRows):
                 record = self._write_rows(version, slot, named)
                 stage_s = time.perf_counter() - t0
                 self.control.staged(version, record.to_wire(), stage_s)
@@ -436,6 +441,10 @@ class WeightSender(HoldsMember):
             for _ in gathered(items):
                 pass
             return
+        if isinstance(self.transport, SendsRows):  # its rows go at the barrier (sync)
+            self._rows_due = {v: w for v, w in self._rows_due.items() if v > version}
+            self._rows_due[version] = RowWriter(self.rows, self.manifest, items)
+            return
         part = self.control.begin_part(version, self.config.sync_timeout_s)
         try:
             self.transport.join(version, transports.get(self.transport_name).version(part.info))
@@ -444,6 +453,18 @@ class WeightSender(HoldsMember):
         except BaseException as exc:
             self._abort(version, f"{self.name} writing its rows", exc)
             raise
+
+    def _send_rows(self, version: int, rows: RowWriter, deadline: Deadline) -> None:
+        """A rank other than 0 at the barrier of a sharded version whose rows move then: send
+        them and report what was sent. A failure aborts the version; the outcome's wait that
+        follows raises SyncFailed naming who failed."""
+        try:
+            part = self.transport.send_rows(version, rows, deadline)
+            self.control.part_staged(version, part.to_wire())
+        except VersionError:
+            pass  # the version is off; the coordinator has the reason, the outcome's wait raises it
+        except Exception as exc:
+            self._abort(version, f"{self.name} sending its rows", exc)
 
     def _learn(self, items: list) -> None:
         """A rank other than 0, at its first version of DTensors: whether rank 0 made the session
@@ -469,6 +490,8 @@ class WeightSender(HoldsMember):
         """What the transport packs ``version`` from: the tensors (a Packer), or with delta sync
         the buckets it encoded against its snapshot; and, for a delta, the record fields it adds
         (its wire plan and the version's own digest: the transport's is of the encoded bytes)."""
+        if self.rows is not None:  # a sharded session whose rows move at the barrier
+            return RowWriter(self.rows, self.manifest, named), None
         if not isinstance(named, Mapping) or any(is_dtensor(t) for t in named.values()):
             named = self._walked(version, named)  # FSDP2 shards, sent whole: every rank gathers them in lockstep
         if self._delta is not None:
@@ -527,6 +550,9 @@ class WeightSender(HoldsMember):
                 if (digest is not None and version not in self._encoded
                         and digest != self._staged_digest.pop(version, None)):
                     late = VersionRecord(digest=digest).to_wire()
+            elif version in self._rows_due:
+                self._send_rows(version, self._rows_due.pop(version), Deadline(version, time.monotonic() + timeout,
+                                                                               self.control))
             outcome = self.control.wait_outcome(version, timeout, info=late)
             self._resolved(version, committed=True, seconds=stage_s + time.perf_counter() - t0)
         except Exception as exc:

@@ -772,7 +772,9 @@ class CoordinatorActor:
     def _rows_lost(self, p: PartyRecord, now: float) -> list[Version]:
         if self.senders <= 1:
             return []
-        hit = [v for v in self.table.in_flight() if v.state == State.STAGING and p.name not in v.parts]
+        # on shm the rows go in while v is STAGING, on relay at its barrier: either way v misses them
+        hit = [v for v in self.table.in_flight() if v.state in (State.STAGING, State.STAGED, State.TRANSFERRING)
+               and p.name not in v.parts]
         for v in hit:
             self.table.abort(v.version, f"{p.label} {p.why} before it wrote its rows", now)
         return hit
@@ -1130,7 +1132,9 @@ class CoordinatorActor:
             p = self.parties.named(role, name)
             return (p.node_id or p.host) if p is not None else name
 
-        home = sender.node_id or sender.host
+        # a sharded session's trainer ranks each hold only their rows: none has a whole bucket to
+        # write for receivers beside it, so those are members as on any other host
+        home = (sender.node_id or sender.host) if self.senders <= 1 else None
         leaders: dict[str, GroupMember] = {}
         followers: dict[str, GroupMember] = {}
         for m in sorted(receivers, key=lambda m: (m.rank, m.name)):
@@ -1145,9 +1149,11 @@ class CoordinatorActor:
 
     @handles(records.BcastGroup)
     async def bcast_group(self, req: records.BcastGroup) -> records.BroadcastGroup:
-        """Receivers: wait for the group of ``version``; returns it with this receiver's rank."""
+        """Receivers, and a sharded session's other trainer ranks: wait for the group of ``version``;
+        returns it with the asking receiver's rank."""
         version = req.version
-        name = self._party(req.party).name
+        party = self._party(req.party)
+        name = party.name
         deadline = time.monotonic() + req.timeout
         while self.bcast.get(version) is None:
             v = self.table[version]
@@ -1161,6 +1167,8 @@ class CoordinatorActor:
             self._party(req.party, seen=False)
             await self.signals.wait(self.signals.version(version), deadline)
         group = self.bcast.get(version)
+        if party.role == "sender":
+            return group  # a trainer rank of a sharded session: it sends its rows to the first member
         if name in group.followers:
             return dataclasses.replace(group, rank=None)  # a relay follower: it reads its host's copy
         rank = group_rank(group, name)

@@ -258,6 +258,18 @@ class WritesRows(Protocol):
         """Rank 0: the version's record from every rank's part (its own included, as written)."""
 
 
+@runtime_checkable
+class SendsRows(Protocol):
+    """Every trainer rank sends its own rows of each version at the barrier (a sharded session
+    of a transport that moves versions at the barrier: relay). Rank 0's ``stage`` takes its
+    RowWriter where it takes a Packer, and its ``send`` sends those rows; every other rank
+    sends its own with ``send_rows``."""
+
+    def send_rows(self, version: int, rows: RowWriter, deadline: Deadline) -> Message:
+        """A rank other than 0: this rank's rows of ``version``, sent once rank 0 reached the
+        barrier; its part for the coordinator (what it sent)."""
+
+
 # -- declaring a transport --------------------------------------------------------------------
 
 COLOCATED, SAME_NODE, REMOTE = "colocated", "same node", "remote"
@@ -516,6 +528,13 @@ def _relay_sender(ctx: TransportContext) -> SenderTransport:
     return RelaySender(ctx)
 
 
+def _relay_rows(ctx: TransportContext, session: SessionRecord) -> SenderTransport:
+    """A rank's sender of its rows, on rank 0's store."""
+    from .relay.transport import RelaySender
+
+    return RelaySender(ctx, session)
+
+
 def _relay_receiver(ctx: TransportContext, session: SessionRecord) -> ReceiverTransport:
     from .relay.transport import RelayReceiver
 
@@ -539,7 +558,8 @@ BUILTIN = (
               BroadcastVersion.from_wire, _broadcast_refuses, _broadcast_auto),
     Transport("ipc", _ipc_sender, _ipc_receiver, IpcSession.from_wire, IpcVersion.from_wire, _ipc_refuses, _ipc_auto),
     # across nodes in host memory: one copy per node, passed on from node to node
-    Transport("relay", _relay_sender, _relay_receiver, relay_session, relay_version, _relay_refuses, _relay_auto),
+    Transport("relay", _relay_sender, _relay_receiver, relay_session, relay_version, _relay_refuses, _relay_auto,
+              _relay_rows),
     # whole versions in segments, or a streaming ring when they exceed the budget: the records say which
     Transport("shm", _shm_sender, _shm_receiver, shm_session, shm_version, _shm_refuses, _shm_auto, _shm_rows),
 )

@@ -20,6 +20,16 @@ member and who follows whom is fixed per version by the coordinator at the barri
 (records.BroadcastGroup: ``members`` in chain order, ``followers``), from where the receivers
 run.
 
+A sharded session (every trainer rank holds its rows of each tensor, docs/sharded.md): each
+trainer rank sends its own rows of each bucket, packed one after another with their digest, over
+a hop of its own to the first member, which puts every rank's rows into their places (checking
+each rank's digest), digests the whole bucket and relays it on as above. So no trainer rank
+gathers anything, each trainer host's link carries its own ranks' rows once, and every receiving
+host still takes in one payload. Receivers on a trainer host are members like any other (no
+trainer rank holds a whole bucket to write for them). The version's digest is the receivers'
+(of the whole buckets the first member checked and digested); the trainer ranks know only
+their rows'.
+
 Guarantees as everywhere: every bucket carries its digest (checked by each member on its way in
 and once per host in the segment), all-or-nothing (a member whose hop breaks names the party at
 fault and the version aborts for everyone), rollback (a receiver that fails part-way loads the
@@ -40,8 +50,9 @@ import torch.distributed as dist
 
 from ... import digest
 from ...errors import ConfigError, DeadlineExceeded, VersionError, WeightSyncError
-from ...manifest import Packer, PackViews
-from ...records import BroadcastGroup, SessionRecord, VersionRecord
+from ...errors import ChecksumError
+from ...manifest import Packer, PackViews, RowWriter, gaps, plan_rows, unpack_piece
+from ...records import BroadcastGroup, Message, SessionRecord, VersionRecord
 from .. import Aborted, Bucket, Deadline, ReceiverTransport, SenderTransport, TransportContext
 from ..broadcast.communicators import choose_communicator
 from ..broadcast.ends import BUFFERS, get_checksum, put_checksum, tell_failed
@@ -75,6 +86,17 @@ class RelayVersion(VersionRecord):
     slot: int
 
 
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class RelayPart(Message):
+    """What one trainer rank of a sharded session sent of a version: the buckets it has rows in,
+    the digest of each of its pieces, and the bytes."""
+
+    rank: int
+    buckets: list[int]
+    sums: list[int]
+    written: int
+
+
 class _End:
     """What both ends share: the store, the hop groups of the current epoch, two wire buffers."""
 
@@ -87,7 +109,7 @@ class _End:
         self.device = torch.device("cpu")
         self.trailer = TRAILER if digest.kind_of(ctx.config, "cpu") else 0
         self.store: dist.TCPStore | None = None
-        self.hops: dict[int, Group] = {}
+        self.hops: dict[str, Group] = {}  # by pair: hop<i> of the chain, rows<r> of rank r
         self.epoch: tuple[str, int] | None = None
         self.buffers: list[torch.Tensor] | None = None
         self.generation = 0  # bumped whenever the buffers go (Bucket.generation)
@@ -105,18 +127,28 @@ class _End:
     def _hop(self, group: BroadcastGroup, hop: int, rank: int, deadline: Deadline, poll: Any) -> Group:
         """The group of pair ``hop`` of the chain (its upstream party at rank 0), built once per
         epoch on the sender's store while this thread keeps polling the coordinator."""
+        chain = [group.sender, *group.members]
+        return self._pair(group, f"hop{hop}", chain[hop: hop + 2], rank, deadline, poll)
+
+    def _rows_hop(self, group: BroadcastGroup, sender: int, name: str, rank: int, deadline: Deadline,
+                  poll: Any) -> Group:
+        """The pair of trainer rank ``sender`` (named ``name``, at rank 0) and the first member:
+        that rank's rows of a sharded session."""
+        return self._pair(group, f"rows{sender}", [name, group.members[0]], rank, deadline, poll)
+
+    def _pair(self, group: BroadcastGroup, key: str, names: list[str], rank: int, deadline: Deadline,
+              poll: Any) -> Group:
         if self.epoch != (group.nonce, group.epoch):
             self._drop()
             self.epoch = (group.nonce, group.epoch)
-        got = self.hops.get(hop)
+        got = self.hops.get(key)
         if got is None:
-            chain = [group.sender, *group.members]
             prefix = (f"weightsync/{self.ctx.session}/{self.ctx.digest[:16]}/{group.nonce}/epoch{group.epoch}"
-                      f"/hop{hop}")
+                      f"/{key}")
             timeout = max(0.001, min(self.ctx.config.connect_timeout_s, deadline.left()))
-            got = self.hops[hop] = Group.build_polled("gloo", self._store(), prefix, rank, 2, self.device, timeout,
-                                                      chain[hop: hop + 2], self.communicator, poll,
-                                                      f"building relay hop {hop} of epoch {group.epoch}")
+            got = self.hops[key] = Group.build_polled("gloo", self._store(), prefix, rank, 2, self.device, timeout,
+                                                      names, self.communicator, poll,
+                                                      f"building relay {key} of epoch {group.epoch}")
             self.ctx.account("relay_hops", +1)
         return got
 
@@ -164,25 +196,37 @@ class _End:
 class RelaySender(_End, SenderTransport):
     name = "relay"
 
-    def __init__(self, ctx: TransportContext):
+    def __init__(self, ctx: TransportContext, session: RelaySession | None = None):
+        """Rank 0 hosts the session's store; another trainer rank of a sharded session joins
+        rank 0's ``session``."""
         if ctx.device.type != "cpu":
             raise ConfigError(f"transport 'relay' moves host memory over gloo; sender '{ctx.name}' runs on "
                               f"{ctx.device.type} (use 'broadcast': its collective relays on the device)")
-        self._setup(ctx, f"sender '{ctx.name}'", ctx.config.communicator)
-        self.store_id = secrets.token_hex(8)
-        kind = digest.kind_of(ctx.config, "cpu") if self.trailer else None
-        self.session = RelaySession(communicator=self.communicator, host=store_host(ctx.config.rendezvous_host),
-                                    port=self._store().port, store_id=self.store_id, digest_kind=kind,
-                                    why="relay: one copy per receiving host, passed host to host")
-        self.packers: dict[int, tuple[int, Packer]] = {}  # version -> (its slot, what to send)
+        self._setup(ctx, f"sender '{ctx.name}'", ctx.config.communicator if session is None else session.communicator)
+        if session is None:
+            self.store_id = secrets.token_hex(8)
+            kind = digest.kind_of(ctx.config, "cpu") if self.trailer else None
+            session = RelaySession(communicator=self.communicator, host=store_host(ctx.config.rendezvous_host),
+                                   port=self._store().port, store_id=self.store_id, digest_kind=kind,
+                                   why="relay: one copy per receiving host, passed host to host")
+        else:
+            self.store_id = session.store_id
+            self.trailer = TRAILER if session.digest_kind else 0  # rank 0's digests, whatever this rank's config
+        self.session = session
+        self.packed_bytes = 0  # bytes this end packed onto the wire so far: whole buckets, or its rows
+        # version -> (its slot, what to send: a Packer, or this rank's RowWriter in a sharded session)
+        self.packers: dict[int, tuple[int, Packer | RowWriter]] = {}
 
     def _store(self) -> dist.TCPStore:
         if self.store is None:
-            self.store = host_store(store_host(self.ctx.config.rendezvous_host), self.ctx.config.rendezvous_port,
-                                    self.ctx.config.connect_timeout_s)
+            if self.ctx.rank != 0:
+                self.store = connect_store(self.session.host, self.session.port, self.ctx.config.connect_timeout_s)
+            else:
+                self.store = host_store(store_host(self.ctx.config.rendezvous_host),
+                                        self.ctx.config.rendezvous_port, self.ctx.config.connect_timeout_s)
         return self.store
 
-    def stage(self, version: int, slot: int, packer: Packer) -> RelayVersion:
+    def stage(self, version: int, slot: int, packer: Packer | RowWriter) -> RelayVersion:
         # the tensors are read at the barrier, as broadcast reads them: two buckets of memory
         self.packers = {v: p for v, p in self.packers.items() if v > version}
         self.packers[version] = (slot, packer)
@@ -208,9 +252,60 @@ class RelaySender(_End, SenderTransport):
             self._failed(version, exc)
         local = group is not None and group.sender in group.followers.values()
         if group is None or (not group.members and not local):
-            packer.drain()  # nobody to send to; the coordinator records the outcome
+            if isinstance(packer, Packer):
+                packer.drain()  # nobody to send to; the coordinator records the outcome
             return None
+        if isinstance(packer, RowWriter):
+            try:
+                self._send_rows(version, group, packer, deadline)
+            except Exception as exc:
+                # not raised: sync()'s wait_outcome raises SyncFailed naming every party at fault
+                self._failed(version, exc)
+                self._drop()
+            return None  # the version's digest is the receivers' (of the buckets the first member made whole)
         return self._send(version, group, slot, packer, local, deadline)
+
+    def send_rows(self, version: int, rows: RowWriter, deadline: Deadline) -> RelayPart:
+        """A trainer rank other than 0: its rows of ``version``, to the first member, once rank 0
+        formed the version's relay at the barrier. A failure is told to the coordinator (which
+        aborts the version, naming the party at fault) and raised."""
+        try:
+            group = self.ctx.control.bcast_group(version, timeout=max(0.001, deadline.left()))
+            return self._send_rows(version, group, rows, deadline)
+        except VersionError:
+            raise  # the version is off: the coordinator has the reason
+        except Exception as exc:
+            reason = self._failed(version, exc)
+            self._drop()
+            raise VersionError(f"version {version} was aborted: {reason}") from None
+
+    def _send_rows(self, version: int, group: BroadcastGroup, rows: RowWriter, deadline: Deadline) -> RelayPart:
+        """This rank's piece of each bucket it has rows in (``RowWriter.pack``: its rows one
+        after another, then their digest), over its own hop to the first member."""
+        kind, me = self.session.digest_kind, rows.rows.rank
+
+        def poll() -> None:
+            self._poll(version)
+
+        pieces = [(b, rows.rows.piece_bytes(b)) for b in rows.buckets]
+        pieces = [(b, n) for b, n in pieces if n]
+        hop = self._rows_hop(group, me, self.ctx.name, 0, deadline, poll) if pieces else None
+        sent: list[Any] = []
+        sums: list[int] = []
+        for i, (b, n) in enumerate(pieces):
+            if i >= BUFFERS:
+                settle(sent[i - BUFFERS], deadline.at, poll, f"rows of bucket {pieces[i - BUFFERS][0]} of "
+                                                             f"version {version}")
+            wire = self._wire(i, n)
+            self.packed_bytes += rows.pack(b, wire[:n])
+            if self.trailer:
+                sums.append(digest.as_int(put_checksum(wire, n, None, kind)))
+            sent.append(hop.broadcast(wire, deadline.left()))
+            self.pending.append(sent[-1])
+        for w in sent[-BUFFERS:]:
+            settle(w, deadline.at, poll, f"the last rows of version {version}")
+        self.pending = []
+        return RelayPart(rank=me, buckets=[b for b, _ in pieces], sums=sums, written=sum(n for _, n in pieces))
 
     def _send(self, version: int, group: BroadcastGroup, slot: int, packer: Packer, local: bool,
               deadline: Deadline) -> str | None:
@@ -244,6 +339,7 @@ class RelaySender(_End, SenderTransport):
                 break
             wire = self._wire(b, n)
             value = packer.fill(b, wire[:n], kind, self.views)  # a tensor off the manifest raises here
+            self.packed_bytes += n
             if self.trailer:
                 value = digest.as_int(put_checksum(wire, n, value, kind))
                 sums.append(value)
@@ -332,26 +428,21 @@ class RelayReceiver(_End, ReceiverTransport):
 
         plan = record.moves(self.ctx.plan)  # the wire lengths its record gives
         me = group.rank
-        posted: dict[int, Any] = {}
         passed: dict[int, Any] = {}
         finished = False
         try:
-            up = self._hop(group, me - 1, 1, deadline, poll)
+            if me == 1 and self.ctx.manifest.rows is not None:
+                inflow: _FromHop | _FromRanks = _FromRanks(self, version, group, deadline, poll)
+            else:
+                inflow = _FromHop(self, version, self._hop(group, me - 1, 1, deadline, poll), deadline, poll)
             down = self._hop(group, me, 0, deadline, poll) if me < len(group.members) else None
             self.where[version] = self._write_here(version, record.slot)
             self._keep(version)
-
-            def post(b: int) -> None:
-                if b < plan.bucket_count:
-                    posted[b] = up.broadcast(self._wire(b, plan.buckets[b].nbytes), deadline.left())
-                    self.pending.append(posted[b])
-
-            for b in range(BUFFERS):
-                post(b)
+            for b in range(min(BUFFERS, plan.bucket_count)):
+                inflow.post(b, plan.buckets[b].nbytes)
             for b, bucket in enumerate(plan.buckets):
                 n = bucket.nbytes
-                settle(posted.pop(b), deadline.at, poll, f"bucket {b} of version {version}")
-                wire = self._wire(b, n)
+                wire = inflow.take(b, n)
                 if down is not None:
                     passed[b] = down.broadcast(wire, deadline.left())  # on while this host loads it
                     self.pending.append(passed[b])
@@ -361,7 +452,8 @@ class RelayReceiver(_End, ReceiverTransport):
                 yield Bucket(b, wire[:n], expected if self.digest_kind else None, "", self.generation)
                 if down is not None:  # the buffer takes bucket b + 2 once the next host has b
                     settle(passed.pop(b), deadline.at, poll, f"passing bucket {b} of version {version} on")
-                post(b + BUFFERS)
+                if b + BUFFERS < plan.bucket_count:
+                    inflow.post(b + BUFFERS, plan.buckets[b + BUFFERS].nbytes)
             self.pending = []
             finished = True
         except VersionError:
@@ -384,3 +476,73 @@ class RelayReceiver(_End, ReceiverTransport):
         self.reader.close()
         self._close_end()
         self.store = None
+
+
+class _FromHop:
+    """A member's buckets as the party before it in the chain sends them, whole, each with its
+    digest in the trailer."""
+
+    def __init__(self, end: _End, version: int, up: Group, deadline: Deadline, poll: Any):
+        self.end, self.version, self.up, self.deadline, self.poll = end, version, up, deadline, poll
+        self.posted: dict[int, Any] = {}
+
+    def post(self, b: int, n: int) -> None:
+        self.posted[b] = self.up.broadcast(self.end._wire(b, n), self.deadline.left())
+        self.end.pending.append(self.posted[b])
+
+    def take(self, b: int, n: int) -> torch.Tensor:
+        settle(self.posted.pop(b), self.deadline.at, self.poll, f"bucket {b} of version {self.version}")
+        return self.end._wire(b, n)
+
+
+class _FromRanks:
+    """The first member's buckets in a sharded session: every trainer rank's piece of each bucket
+    (its rows packed one after another, with their digest) over that rank's own hop, checked and
+    put into their places; the whole bucket then gets its own digest in the trailer, as a bucket
+    from a hop has, for the members down the chain and this host's followers."""
+
+    def __init__(self, end: _End, version: int, group: BroadcastGroup, deadline: Deadline, poll: Any):
+        ctx = end.ctx
+        self.end, self.version, self.deadline, self.poll = end, version, deadline, poll
+        self.kind = digest.kind_of(ctx.config, "cpu") if end.trailer else None
+        self.rows = [plan_rows(ctx.plan, ctx.manifest, r) for r in range(ctx.manifest.senders)]
+        # each rank's buffers: its largest piece and a trailer, two of them (a piece in flight, one taken)
+        self.hops = {}
+        self.buffers: dict[int, list[torch.Tensor]] = {}
+        for r, rows in enumerate(self.rows):
+            largest = max((rows.piece_bytes(b) for b in rows.pieces), default=0)
+            if largest:
+                self.hops[r] = end._rows_hop(group, r, f"trainer rank {r}", 1, deadline, poll)
+                self.buffers[r] = [torch.empty(largest + end.trailer, dtype=torch.uint8) for _ in range(BUFFERS)]
+        self.posted: dict[tuple[int, int], Any] = {}
+
+    def _piece(self, r: int, b: int, n: int) -> torch.Tensor:
+        return self.buffers[r][b % BUFFERS][: n + self.end.trailer]
+
+    def post(self, b: int, n: int) -> None:
+        for r, rows in enumerate(self.rows):
+            size = rows.piece_bytes(b)
+            if size:
+                self.posted[(r, b)] = self.hops[r].broadcast(self._piece(r, b, size), self.deadline.left())
+                self.end.pending.append(self.posted[(r, b)])
+
+    def take(self, b: int, n: int) -> torch.Tensor:
+        wire = self.end._wire(b, n)
+        for start, end in gaps(self.end.ctx.plan.buckets[b]):
+            wire[start:end].zero_()  # padding: the buffer held another bucket
+        for r, rows in enumerate(self.rows):
+            size = rows.piece_bytes(b)
+            if not size:
+                continue
+            settle(self.posted.pop((r, b)), self.deadline.at, self.poll,
+                   f"trainer rank {r}'s rows of bucket {b} of version {self.version}")
+            piece = self._piece(r, b, size)
+            if self.kind is not None:
+                got, sent = digest.as_int(digest.compute(self.kind, piece[:size])), get_checksum(piece, size)
+                if got != sent:
+                    raise ChecksumError(f"bucket {b} of version {self.version}: trainer rank {r}'s rows arrived "
+                                        f"with {self.kind} {got:#018x}, it sent {sent:#018x}")
+            unpack_piece(rows, b, piece, wire)
+        if self.kind is not None:
+            put_checksum(wire, n, None, self.kind)
+        return wire
