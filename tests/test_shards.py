@@ -87,6 +87,8 @@ def test_a_rank_killed_mid_version_aborts_it_named(coordinator_factory, transpor
             assert_serves(r, MANIFEST, 1)
         # shm and relay take each rank's rows; broadcast and ipc take the gathered shards from rank 0
         assert ray.get([t.sharded.remote() for t in trainers]) == [transport in ("shm", "relay")] * 3
+        gathered = f"the FSDP2 shards are gathered (transport {transport} takes no rows; shm and relay do)"
+        assert (gathered in coord.status().transport_reason) == (transport not in ("shm", "relay"))
         ray.get(trainers[2].hold_at.remote(3))
         steps = [t.step.remote(2) for t in trainers]
         applying = [r.apply.remote(2) for r in rollouts]

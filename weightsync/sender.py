@@ -241,6 +241,7 @@ class WeightSender(HoldsMember):
                         or isinstance(transport, SendsRows)))
         if manifest.rows is not None and not sharded:
             manifest = manifest.whole()  # every rank gathers its shards; rank 0 sends them whole
+            reason = f"{reason}; the FSDP2 shards are gathered ({_why_gathered(name, delta)})"
         if config.receive_ahead == "on" and not session.ahead:
             transport.close()
             raise ConfigError(f"receive_ahead: on, but transport {name} ({session.why or reason}) takes "
@@ -584,6 +585,16 @@ class WeightSender(HoldsMember):
             return None
         policy = self._delta.policy
         return {"base": self._delta.base, **({"auto": policy.describe()} if policy is not None else {})}
+
+
+def _why_gathered(name: str, delta: bool) -> str:
+    """Why a session whose first version came as shards sends whole tensors: said in its reason
+    (the log line and status()), since gathering costs more than the copy on one host."""
+    if delta:
+        return "delta sync encodes whole tensors"
+    if name == "shm":
+        return "shm streams through a ring here, the budget holding no whole version; ranks write rows into whole ones"
+    return f"transport {name} takes no rows; shm and relay do"
 
 
 def _log_sent(party: str, version: int, transport: str | None, nbytes: int, stage_s: float, barrier_s: float,
