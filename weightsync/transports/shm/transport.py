@@ -359,8 +359,9 @@ def _holder_paths(name: str, creator: int, fd: int) -> Iterable[str]:
 
 
 def attach(ref: str, directory: str, size: int, *, writable: bool = False, header_bytes: int = PAGE,
-           header_writable: bool = False) -> Segment:
-    """Map the segment ``ref`` names (as published by its creator), read-only unless ``writable``."""
+           header_writable: bool = False, populate: bool = True) -> Segment:
+    """Map the segment ``ref`` names (as published by its creator), read-only unless ``writable``;
+    every page up front unless not ``populate`` (a party that touches only part of it)."""
     flags = (os.O_RDWR if writable or header_writable else os.O_RDONLY) | os.O_CLOEXEC
     m = SEGMENT_REF.match(ref) if isinstance(ref, str) else None
     for _ in range(3):  # a holder may close its fd between locate() and open(): look again
@@ -374,7 +375,7 @@ def attach(ref: str, directory: str, size: int, *, writable: bool = False, heade
             continue
         if m.group(3) is None or os.readlink(f"/proc/self/fd/{fd}") == memfd_link(m.group(1)):
             return Segment(fd, ref, size, owner=False, writable=writable, header_bytes=header_bytes,
-                           header_writable=header_writable)
+                           header_writable=header_writable, populate=populate)
         os.close(fd)  # the fd was closed and its number reused between the check and the open
     raise ProtocolError(f"segment {m.group(1)} is gone: its holders exited while it was attached")
 
@@ -387,14 +388,15 @@ class Segment:
     and :func:`attach`."""
 
     def __init__(self, fd: int, ref: str, size: int, owner: bool, writable: bool, header_bytes: int = PAGE,
-                 header_writable: bool = False, path: str | None = None):
+                 header_writable: bool = False, path: str | None = None, populate: bool = True):
         self.fd, self.ref, self.size, self.owner, self.writable, self.path = fd, ref, size, owner, writable, path
         try:
             if not owner and os.fstat(fd).st_size < size:
                 raise ProtocolError(f"segment {self.name} is truncated: {os.fstat(fd).st_size} bytes, expected {size}")
             prot = mmap.PROT_READ | (mmap.PROT_WRITE if writable else 0)
             # MAP_POPULATE maps every page up front; the slot is reused, so this is paid once
-            self.mm = mmap.mmap(fd, size, flags=mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0), prot=prot)
+            populated = getattr(mmap, "MAP_POPULATE", 0) if populate else 0
+            self.mm = mmap.mmap(fd, size, flags=mmap.MAP_SHARED | populated, prot=prot)
             # the header pages once more, writable: the same memory as the start of self.mm
             self.control_mm = (mmap.mmap(fd, header_bytes, flags=mmap.MAP_SHARED)
                                if header_writable and not writable else None)
@@ -738,8 +740,10 @@ class Slots:
         (a sharded session: every rank writes its own rows)."""
         seg = self.joined.get(ref)
         if seg is None:
+            # not populated: this rank touches only its rows (mapping every page of the version
+            # took a rank's first version in each slot seconds instead of a quarter of one)
             seg = self.joined[ref] = attach(ref, self.ctx.config.shm_dir, self.size, writable=True,
-                                            header_bytes=header_bytes(self.ctx.plan))
+                                            header_bytes=header_bytes(self.ctx.plan), populate=False)
             self.ctx.account("shm_mappings", +1)
         if int(seg.header[3]) != version:
             raise ProtocolError(f"segment {seg.name} holds version {int(seg.header[3])}, not {version}")
