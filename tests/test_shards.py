@@ -44,9 +44,10 @@ def _job(coordinator_factory, ranks: int, config: dict, receivers: int = 2):
     return coord, rollouts, sharded_trainers(coord, MANIFEST, ranks, config, receivers)
 
 
-def _step(trainers, rollouts, version: int, gather: bool = False):
+def _step(trainers, rollouts, version: int, gather: bool = False, late0: float = 0.0):
+    """Version ``version`` on every rank; rank 0 begins ``late0`` seconds after the others."""
     applied = [r.apply.remote(version) for r in rollouts]
-    ray.get([t.step.remote(version, gather) for t in trainers], timeout=120)
+    ray.get([t.step.remote(version, gather, late0 if i == 0 else 0.0) for i, t in enumerate(trainers)], timeout=120)
     assert ray.get(applied, timeout=120) == [version] * len(rollouts)
 
 
@@ -58,7 +59,7 @@ def test_each_rank_writes_its_rows_and_receivers_load_them_bit_exact(coordinator
     coord, rollouts, trainers = _job(coordinator_factory, ranks, {**CFG, "transport": transport})
     try:
         for v in (1, 2):
-            _step(trainers, rollouts, v)
+            _step(trainers, rollouts, v, late0=1.0 if v == 2 else 0.0)  # v2: the other ranks are there first
             for r in rollouts:
                 assert_serves(r, MANIFEST, v)
         assert ray.get([t.sharded.remote() for t in trainers]) == [True] * ranks

@@ -462,9 +462,9 @@ class WeightSender(HoldsMember):
         try:
             part = self.transport.send_rows(version, rows, deadline)
             self.control.part_staged(version, part.to_wire())
-        except VersionError:
-            pass  # the version is off; the coordinator has the reason, the outcome's wait raises it
         except Exception as exc:
+            # aborted already (then this changes nothing), or not yet: the first member would wait
+            # for rows that never come
             self._abort(version, f"{self.name} sending its rows", exc)
 
     def _learn(self, items: list) -> None:

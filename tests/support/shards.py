@@ -81,8 +81,10 @@ class ShardedTrainer(_Party):
     def sync(self, version: int, timeout: float | None = None) -> SyncResult:
         return self.sender.sync(version, timeout=timeout)
 
-    def step(self, version: int, gather: bool = False) -> tuple[float, float]:
-        """(seconds from the start of staging until stage() returned, until sync() returned)."""
+    def step(self, version: int, gather: bool = False, delay_s: float = 0.0) -> tuple[float, float]:
+        """(seconds from the start of staging until stage() returned, until sync() returned),
+        staging after ``delay_s``."""
+        time.sleep(delay_s)
         t0 = time.perf_counter()
         self.stage(version, gather)
         staged = time.perf_counter() - t0

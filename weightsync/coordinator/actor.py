@@ -1156,16 +1156,21 @@ class CoordinatorActor:
         name = party.name
         deadline = time.monotonic() + req.timeout
         while self.bcast.get(version) is None:
-            v = self.table[version]
-            if v.state == State.ABORTED:
+            v = self.table.get(version)
+            # a trainer rank other than 0 may reach the barrier before rank 0 began staging v
+            if v is None and party.role != "sender":
+                v = self.table[version]  # raises: unknown to this session
+            if v is None and version <= max(self.table.floor, max(self.table.versions, default=-1)):
+                raise VersionError(f"version {version} was never staged by sender rank 0 (newer versions exist)")
+            if v is not None and v.state == State.ABORTED:
                 raise VersionError(f"version {version} was aborted: {v.reason}")
-            if v.state == State.COMMITTED:
-                raise VersionError(f"version {version} committed without receiver '{name}' in its group")
+            if v is not None and v.state == State.COMMITTED:
+                raise VersionError(f"version {version} committed without {party.label} in its group")
             if time.monotonic() >= deadline:
-                raise DeadlineExceeded(f"receiver '{name}' waited {req.timeout:.1f}s for the sender to reach the "
+                raise DeadlineExceeded(f"{party.label} waited {req.timeout:.1f}s for sender rank 0 to reach the "
                                        f"barrier of version {version}")
             self._party(req.party, seen=False)
-            await self.signals.wait(self.signals.version(version), deadline)
+            await self.signals.wait(self.signals.any if v is None else self.signals.version(version), deadline)
         group = self.bcast.get(version)
         if party.role == "sender":
             return group  # a trainer rank of a sharded session: it sends its rows to the first member
