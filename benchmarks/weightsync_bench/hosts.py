@@ -170,17 +170,9 @@ def run(args: argparse.Namespace) -> int:
     store_mb = int(4 * payload / 2**20) + 256
     shm_mb = store_mb + int(6 * payload / 2**20) + 256
     started = time.time()
-    import weightsync
-    import weightsync_bench
-
-    # where this process found both packages (a clone's checkout, or the installed ones)
-    roots = {os.path.dirname(os.path.dirname(m.__file__)) for m in (weightsync, weightsync_bench)}
-    # gloo (Ray's collective group, and ours) binds the host's own interface, as on a cluster
-    # whose hostname resolves to no routable address
-    env = {"PYTHONPATH": os.pathsep.join(sorted(roots)), "GLOO_SOCKET_IFNAME": "eth0"}
     with Cluster(hosts=args.hosts, link_gbit=args.link_gbit, shm_mb=shm_mb, object_store_mb=store_mb,
-                 num_cpus=max(2, most + 2), env=env) as cluster:
-        result = _drive(cluster, plan)
+                 num_cpus=max(2, most + 2), env=cluster_env()) as cluster:
+        result = drive(cluster, plan)
     leftovers = cluster.leftovers()
     if "error" in result:
         print(f"weightsync bench --hosts: the job failed: {result['error']}\n{result.get('trace', '')}",
@@ -203,9 +195,23 @@ def run(args: argparse.Namespace) -> int:
     return 0 if all(ln["verified"] and not ln["errors"] for ln in lines) else 1
 
 
-def _drive(cluster: Cluster, plan: dict[str, Any], timeout: float = 3600.0) -> dict[str, Any]:
-    """hosts_job inside host 0: answer its reads of the links' counters until its RESULT."""
-    proc = cluster.run(0, [cluster.python, "-u", "-m", "weightsync_bench.hosts_job"],
+def cluster_env() -> dict[str, str]:
+    """What every process of the bench's cluster needs: this process's weightsync and bench on
+    its path, gloo on the host's own interface."""
+    import weightsync
+    import weightsync_bench
+
+    # where this process found both packages (a clone's checkout, or the installed ones)
+    roots = {os.path.dirname(os.path.dirname(m.__file__)) for m in (weightsync, weightsync_bench)}
+    # gloo (Ray's collective group, and ours) binds the host's own interface, as on a cluster
+    # whose hostname resolves to no routable address
+    return {"PYTHONPATH": os.pathsep.join(sorted(roots)), "GLOO_SOCKET_IFNAME": "eth0"}
+
+
+def drive(cluster: Cluster, plan: dict[str, Any], timeout: float = 3600.0,
+           job: str = "weightsync_bench.hosts_job") -> dict[str, Any]:
+    """The job (a module) inside host 0: answer its reads of the links' counters until its RESULT."""
+    proc = cluster.run(0, [cluster.python, "-u", "-m", job],
                        env={"WS_BENCH_PLAN": json.dumps(plan)}, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
                        stderr=subprocess.STDOUT, text=True)
     lines: queue.Queue = queue.Queue()

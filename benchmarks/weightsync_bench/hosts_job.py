@@ -103,11 +103,11 @@ class Versions:
         return self.v
 
 
-def _links() -> list[list[int]]:
+def read_links() -> list[list[int]]:
     return ask("links")["links"]
 
 
-def _moved(before: list[list[int]], after: list[list[int]]) -> list[list[int]]:
+def link_delta(before: list[list[int]], after: list[list[int]]) -> list[list[int]]:
     """Per host: [bytes sent, bytes received] between the two readings."""
     return [[a[0] - b[0], a[1] - b[1]] for a, b in zip(after, before)]
 
@@ -130,9 +130,9 @@ def _session_row(case: Case, row: str, nv: Versions) -> dict[str, Any]:
 
         for _ in range(plan["warmup"]):
             version()
-        before = _links()
+        before = read_links()
         got = [version() for _ in range(plan["versions"])]
-        moved = _moved(before, _links())
+        moved = link_delta(before, read_links())
         transport = coord.status().transport
         closed = ray.get([case.trainer.close_session.remote(), *[r.close_session.remote() for r in case.rollouts]],
                          timeout=TIMEOUT_S)
@@ -149,14 +149,14 @@ def _ray_numpy_row(case: Case, nv: Versions) -> dict[str, Any]:
     seconds = []
     for i in range(case.plan["warmup"] + case.plan["versions"]):
         if i == case.plan["warmup"]:
-            before = _links()
+            before = read_links()
         v = nv()
         put = ray.get(case.trainer.ray_put.remote("ray-numpy", v), timeout=TIMEOUT_S)
         ends = ray.get([r.ray_load.remote(put["ref"]) for r in case.rollouts], timeout=TIMEOUT_S)
         if i >= case.plan["warmup"]:
             seconds.append(max(e["end"] for e in ends) - put["t0"])
         del put
-    moved = _moved(before, _links())
+    moved = link_delta(before, read_links())
     want = ray.get(case.trainer.digest.remote(), timeout=TIMEOUT_S)
     verified = ray.get([r.digest.remote() for r in case.rollouts], timeout=TIMEOUT_S) == [want] * len(case.rollouts)
     return {"seconds": seconds, "links": moved, "verified": verified}
@@ -167,7 +167,7 @@ def _rdt_row(case: Case, nv: Versions) -> dict[str, Any]:
     seconds = []
     for i in range(case.plan["warmup"] + case.plan["versions"]):
         if i == case.plan["warmup"]:
-            before = _links()
+            before = read_links()
         ray.get(trainer.bump.remote(nv()), timeout=TIMEOUT_S)
         t0 = time.monotonic()
         ref = trainer.tensors_out.options(tensor_transport="gloo").remote()
@@ -175,7 +175,7 @@ def _rdt_row(case: Case, nv: Versions) -> dict[str, Any]:
         del ref
         if i >= case.plan["warmup"]:
             seconds.append(max(e["end"] for e in ends) - t0)
-    moved = _moved(before, _links())
+    moved = link_delta(before, read_links())
     want = ray.get(trainer.digest.remote(), timeout=TIMEOUT_S)
     verified = ray.get([r.digest.remote() for r in rollouts], timeout=TIMEOUT_S) == [want] * len(rollouts)
     return {"seconds": seconds, "links": moved, "verified": verified}

@@ -44,10 +44,24 @@ TIMEOUT_S = 600.0  # one version on a loaded 2-core VM takes seconds; never hang
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("sharded sending on one host")
-    g.add_argument("--trainer-ranks", type=int, default=None, metavar="N",
+    g.add_argument("--trainer-ranks", type=trainer_ranks, default=None, metavar="N|HxN",
                    help="run N trainer ranks (gloo, a 1-D CPU mesh, Shard(0) DTensors) and time the gather and "
                         "shards rows side by side on shm (--receivers default 2; --warmup versions once before "
-                        "the rounds; first --bucket-mb and --checksum)")
+                        "the rounds; first --bucket-mb and --checksum); with --hosts, HxN: H trainer hosts of N "
+                        "ranks each, one group over all, the other hosts receiving over relay (--receivers per "
+                        "receiving host, default 1)")
+
+
+def trainer_ranks(text: str) -> tuple[int, int]:
+    """``--trainer-ranks``: ``N`` (N ranks on one host) or ``HxN`` (H hosts of N ranks each), as
+    (H, N)."""
+    try:
+        hosts, per_host = (int(x) for x in text.lower().split("x")) if "x" in text.lower() else (1, int(text))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not N or HxN") from None
+    if hosts < 1 or per_host < 1:
+        raise argparse.ArgumentTypeError(f"{text!r}: H and N must be >= 1")
+    return hosts, per_host
 
 
 # -- memory of a rank ------------------------------------------------------------------------------
@@ -97,17 +111,18 @@ def _trim() -> None:
 
 # -- parties ---------------------------------------------------------------------------------------
 
-def free_port() -> int:
+def free_port(host: str = "127.0.0.1") -> int:
     with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
+        s.bind((host, 0))
         return s.getsockname()[1]
 
 
 class TrainerRank:
     """Trainer rank ``rank`` of ``ranks``: the layout's weights (materialize, seed 0) cut to this
-    rank's rows, one WeightSender per row's session, all on one process group."""
+    rank's rows, one WeightSender per row's session, all on one process group, which meets at
+    ``master``:``port`` (rank 0's address: this host's loopback, or between hosts rank 0's host)."""
 
-    def __init__(self, manifest_wire: list, rank: int, ranks: int, port: int):
+    def __init__(self, manifest_wire: list, rank: int, ranks: int, port: int, master: str = "127.0.0.1"):
         import torch.distributed as dist
         from torch.distributed.device_mesh import init_device_mesh
         from torch.distributed.tensor import DTensor, Shard, distribute_tensor
@@ -117,8 +132,9 @@ class TrainerRank:
         from .layouts import materialize
         from .updates import Versions
 
-        os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")  # the ranks meet on this host
-        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=ranks)
+        if master == "127.0.0.1":
+            os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")  # the ranks meet on this host
+        dist.init_process_group("gloo", init_method=f"tcp://{master}:{port}", rank=rank, world_size=ranks)
         self.rank, self.mesh = rank, init_device_mesh("cpu", (ranks,))
         self.manifest = Manifest.from_wire(manifest_wire)
         full = materialize(self.manifest, seed=0)
@@ -149,10 +165,12 @@ class TrainerRank:
                                          expected_receivers=receivers)
         return self.shard_bytes
 
-    def step(self, row: str, version: int, update: int) -> dict[str, Any]:
+    def step(self, row: str, version: int, update: int, memory: bool = True) -> dict[str, Any]:
         """One version of ``row``: the weights brought to ``update`` (counted over both rows, so a
         failed version leaves no rank behind the driver's reference), the barrier that ends the
-        update, stage (timed), sync."""
+        update, stage (timed: ``staged_s``), sync (``synced_s``: from the barrier until sync()
+        returned, every receiver committed, on rank 0). ``memory``: sample this rank's growth
+        during stage() (a thread polling every 5 ms; off, the growth figures are 0)."""
         import torch.distributed as dist
 
         from .peak_memory import PeakTracker
@@ -169,13 +187,16 @@ class TrainerRank:
         # RSS high-water: VmHWM, reset here through /proc/self/clear_refs (PeakTracker; where the
         # kernel refuses, VmHWM stays the lifetime peak and the figure says little), so no peak is
         # missed between samples; it counts the segment's pages this rank touches first, too
-        rss, private = PeakTracker(), _PrivatePeak()
-        rss.start()
+        rss, private = (PeakTracker(), _PrivatePeak()) if memory else (None, None)
+        if rss is not None:
+            rss.start()
         t0 = time.perf_counter()
         sender.stage(version, named).wait()
         staged_s = time.perf_counter() - t0
-        out = {"staged_s": staged_s, "rss_growth": rss.extra(), "private_growth": private.stop()}
+        out = {"staged_s": staged_s, "rss_growth": rss.extra() if rss else 0,
+               "private_growth": private.stop() if private else 0}
         result = sender.sync(version)
+        out["synced_s"] = time.perf_counter() - t0
         # rank 0's shm mode: "stream" where too little memory was free for two whole versions
         mode = getattr(getattr(sender.transport, "session", None), "mode", None)
         out.update(barrier_s=result.barrier_s, sharded=getattr(sender, "rows", None) is not None, mode=mode)
@@ -197,7 +218,7 @@ class TrainerRank:
                 dist.destroy_process_group()
 
 
-def _rollout_class() -> type:
+def rollout_class() -> type:
     from .actors import BenchRollout
 
     class RanksRollout(BenchRollout):
@@ -223,7 +244,7 @@ def _rollout_class() -> type:
 
 # -- the run ---------------------------------------------------------------------------------------
 
-def _wait_all(refs: list, timeout: float = TIMEOUT_S) -> list:
+def wait_all(refs: list, timeout: float = TIMEOUT_S) -> list:
     """ray.get of every ref, raising the first remote error as soon as it lands (a rank that
     failed leaves the others waiting for it until their own timeout)."""
     import ray
@@ -257,7 +278,11 @@ def run(args: argparse.Namespace) -> int:
     from . import results
     from .layouts import layout
 
-    n, k = args.trainer_ranks, max(args.receivers)
+    hosts, n = args.trainer_ranks
+    k = max(args.receivers)
+    if hosts != 1:
+        raise SystemExit(f"weightsync bench: --trainer-ranks {hosts}x{n} spans {hosts} hosts: it needs --hosts "
+                         f"(at least {hosts + 1})")
     if n < 1 or k < 1:
         raise SystemExit("weightsync bench: --trainer-ranks and --receivers must be >= 1")
     label = args.model[0]
@@ -300,7 +325,7 @@ def _measure(args: argparse.Namespace, manifest: Any, cfg: dict, n: int, k: int)
     wire, opts = manifest.to_wire(), {"num_cpus": 0}
     port = free_port()
     ranks = [ray.remote(TrainerRank).options(**opts).remote(wire, r, n, port) for r in range(n)]
-    rollout = ray.remote(_rollout_class())
+    rollout = ray.remote(rollout_class())
     rollouts = [rollout.options(**opts).remote(wire, f"rollout-{i}", i, "cpu") for i in range(k)]
     # the full tensors the receivers must hold, stepped as the ranks step their rows
     reference = Versions(materialize(manifest, seed=0))
@@ -309,8 +334,8 @@ def _measure(args: argparse.Namespace, manifest: Any, cfg: dict, n: int, k: int)
     try:
         for row in rows.values():
             row.coordinator = Coordinator.create(cfg, name=f"wsbench-ranks-{os.getpid()}-{row.name}")
-            _wait_all([r.open_row.remote(row.name, row.coordinator, cfg) for r in rollouts])
-            row.shard_bytes = _wait_all([t.open.remote(row.name, row.coordinator, cfg, k) for t in ranks])
+            wait_all([r.open_row.remote(row.name, row.coordinator, cfg) for r in rollouts])
+            row.shard_bytes = wait_all([t.open.remote(row.name, row.coordinator, cfg, k) for t in ranks])
             row.rss, row.private = [0] * n, [0] * n
         step = 0
         # warm-up once (shm makes and maps its two segments), then the rounds
@@ -329,21 +354,21 @@ def _measure(args: argparse.Namespace, manifest: Any, cfg: dict, n: int, k: int)
                     except Exception as exc:
                         row.error = describe_error(exc)
                         print(f"  {name} v{row.version}: FAILED: {row.error}", file=sys.stderr)
-                        _give_up(row, ranks)
+                        give_up(row, ranks)
         for row in rows.values():
             row.bound = [s + 2 * bucket for s in row.shard_bytes]
         return rows
     finally:
-        _close(ranks, rollouts, rows)
+        close_parties(ranks, rollouts, rows)
 
 
 def _version(row: _Row, ranks: list, rollouts: list, reference: dict, digest: Any, update: int,
              timed: bool) -> None:
     applied = [r.apply_row.remote(row.name, row.version) for r in rollouts]  # receivers wait first
     steps = [t.step.remote(row.name, row.version, update) for t in ranks]
-    row.pending = applied + steps  # a failed version's other calls: _give_up collects them
-    outs = _wait_all(steps)
-    _wait_all(applied)
+    row.pending = applied + steps  # a failed version's other calls: give_up collects them
+    outs = wait_all(steps)
+    wait_all(applied)
     row.pending = []
     import ray
 
@@ -368,7 +393,7 @@ def _version(row: _Row, ranks: list, rollouts: list, reference: dict, digest: An
     row.private = [max(a, o["private_growth"]) for a, o in zip(row.private, outs, strict=True)]
 
 
-def _give_up(row: _Row, ranks: list) -> None:
+def give_up(row: _Row, ranks: list) -> None:
     """A failed row: its coordinator goes, so ranks still waiting in that session fail at once
     instead of at their timeout, and their senders close; the other row goes on."""
     import ray
@@ -386,7 +411,7 @@ def _give_up(row: _Row, ranks: list) -> None:
             pass
 
 
-def _close(ranks: list, rollouts: list, rows: dict[str, _Row]) -> None:
+def close_parties(ranks: list, rollouts: list, rows: dict[str, _Row]) -> None:
     import ray
 
     ray.wait([a.close.remote() for a in (*ranks, *rollouts)], num_returns=len(ranks) + len(rollouts), timeout=120)
