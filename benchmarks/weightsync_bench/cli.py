@@ -91,6 +91,10 @@ def _run_bench(args: argparse.Namespace) -> int:
     from . import delta_rows, growth, interleave, layout_source, progress, rdt_rows, rounds, summary
 
     apply_preset(args)
+    if args.hosts is not None and args.trainer_ranks is not None:  # sharded sending between isolated hosts
+        from . import hosts_ranks
+
+        return hosts_ranks.run(args)
     if args.hosts is not None:  # between isolated hosts on this machine: a program of its own
         from . import hosts
 

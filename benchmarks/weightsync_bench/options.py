@@ -54,7 +54,9 @@ def apply_preset(args: argparse.Namespace) -> argparse.Namespace:
     if not hasattr(args, "model"):
         args.model = [HOSTS_LAYOUT if getattr(args, "hosts", None) else DEFAULT_LAYOUT]
     if not hasattr(args, "receivers"):  # a rank's rows against more than one reader of the segment
-        args.receivers = [2 if getattr(args, "trainer_ranks", None) else 1]
+        # (between hosts: per receiving host)
+        ranks = getattr(args, "trainer_ranks", None)
+        args.receivers = [2 if ranks and not getattr(args, "hosts", None) else 1]
     for key, value in PRESETS[name].items():
         if not hasattr(args, key):
             setattr(args, key, list(value) if isinstance(value, list) else value)
@@ -85,7 +87,8 @@ def add_bench_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--backend", default="auto", choices=("auto", "gloo", "nccl", "hccl"),
                    help="collective backend of broadcast (and the collective baselines)")
     p.add_argument("--receivers", nargs="+", type=int, default=argparse.SUPPRESS, metavar="N",
-                   help="receiver counts to run (default: 1; with --trainer-ranks: 2)")
+                   help="receiver counts to run (default: 1; with --trainer-ranks: 2; with --hosts and "
+                        "--trainer-ranks: receivers per receiving host, 1)")
     p.add_argument("--bucket-mb", nargs="+", type=float, default=[SyncConfig().bucket_mb], metavar="MB",
                    help="bucket sizes to sweep")
     p.add_argument("--checksum", nargs="+", default=preset, choices=("on", "off"),

@@ -1,0 +1,162 @@
+"""Internal. The rows of ``weightsync bench --hosts N --trainer-ranks HxR``, run inside host 0 of a
+hostnet.Cluster as ``python -m weightsync_bench.hosts_ranks_job`` (hosts_ranks.py starts it and
+passes the plan as JSON in ``WS_BENCH_PLAN``).
+
+Trainer ranks 0..R-1 on host 0, R..2R-1 on host 1, ... (H trainer hosts), one gloo process group
+over all of them meeting at host 0's address; every tensor of one or more dimensions a
+``Shard(0)`` DTensor on a 1-D CPU mesh over every rank (ranks.TrainerRank). K receivers on each
+of the other hosts (ranks.rollout_class: a receiver per row's session, one engine). The
+coordinators on host 0. Two rows, each a session of its own (its own coordinator), transport
+relay:
+
+- ``gather``: every rank walks the tensors calling ``full_tensor()`` (a generator passed to
+  stage()), rank 0 sends whole tensors;
+- ``shards``: every rank passes its local DTensors to stage(); where relay takes rows, each
+  rank sends its own rows to the first receiving host at the barrier (else the sender gathers
+  them itself, and the row's ``sharded`` flags say so).
+
+A version's clock: from the ``dist.barrier()`` that ends the update on every rank until rank 0's
+``sync()`` returned (every receiver committed): stage + sync. Around each version the driver
+reads every link's counters (``ASK links`` on stdout, one JSON line back on stdin), so each
+version says what crossed each host's link. After each version every receiver's weights are
+compared with the full tensors, stepped here as the ranks step their rows.
+
+The rows take turns: ``warmup`` untimed versions of each row first (relay builds its pairs),
+then per round ``versions`` versions of each row, the order flipped every round
+(rounds.round_order). The last line is ``RESULT {...}``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import traceback
+from typing import Any
+
+import ray
+
+from .hosts_job import link_delta, on, read_links
+from .ranks import TIMEOUT_S, TrainerRank, close_parties, free_port, give_up, rollout_class, wait_all
+
+ROWS = ("gather", "shards")
+
+
+class Row:
+    """One row's session and what its versions measured."""
+
+    def __init__(self, name: str):
+        self.name, self.coordinator = name, None
+        self.version, self.error = 0, None
+        self.versions: list[dict[str, Any]] = []
+        self.pending: list = []
+        self.transport: str | None = None
+        self.reason: str | None = None
+
+
+def _progress(text: str) -> None:
+    print(f"PROGRESS {text}", flush=True)
+
+
+def run(plan: dict[str, Any]) -> dict[str, Any]:
+    from weightsync.coordinator.client import Coordinator
+
+    from .bits import digest
+    from .layouts import layout, materialize
+    from .rounds import round_order
+    from .rowkit import describe_error
+    from .updates import Versions
+
+    manifest = layout(plan["model"], plan["dtype"])
+    wire, payload = manifest.to_wire(), manifest.total_bytes
+    per_host, trainer_hosts = plan["ranks_per_host"], plan["trainer_hosts"]
+    world, receiving = per_host * trainer_hosts, plan["receiving_hosts"]
+    master = os.environ["WS_HOST_ADDRESS"]  # host 0's: rank 0 is here
+    port = free_port(master)
+    ranks = [ray.remote(TrainerRank).options(**on(r // per_host)).remote(wire, r, world, port, master)
+             for r in range(world)]
+    placed = [(h, k) for h in receiving for k in range(plan["receivers_per_host"])]
+    rollout = ray.remote(rollout_class())
+    rollouts = [rollout.options(**on(h)).remote(wire, f"rollout-h{h}-{k}", i, "cpu")
+                for i, (h, k) in enumerate(placed)]
+    hosts_of = {"ranks": [r // per_host for r in range(world)], "receivers": [h for h, _ in placed]}
+    reference = Versions(materialize(manifest, seed=0))  # the full tensors, stepped as the ranks step
+    cfg = plan["config"]
+    rows = {name: Row(name) for name in ROWS}
+    try:
+        wait_all([r.pid.remote() for r in rollouts])
+        for row in rows.values():
+            row.coordinator = Coordinator.create(cfg, name=f"wsbench-hranks-{os.getpid()}-{row.name}",
+                                                 actor_options=on(0))
+            wait_all([r.open_row.remote(row.name, row.coordinator, cfg) for r in rollouts])
+            wait_all([t.open.remote(row.name, row.coordinator, cfg, len(rollouts)) for t in ranks])
+        step = 0
+        schedule = [(-1, plan["warmup"])] + [(i, plan["versions"]) for i in range(plan["rounds"])]
+        for round_index, count in schedule:
+            for name in round_order(list(ROWS), max(0, round_index)):
+                row = rows[name]
+                for _ in range(count):
+                    if row.error:
+                        break
+                    step += 1
+                    row.version += 1
+                    reference.apply(step)
+                    try:
+                        got = _version(row, ranks, rollouts, step)
+                        want = digest(reference.tensors)
+                        seen = ray.get([r.digest.remote() for r in rollouts], timeout=TIMEOUT_S)
+                        got.update(round=round_index, bit_exact=[s == want for s in seen])
+                        row.versions.append(got)
+                        if row.transport is None:
+                            status = row.coordinator.status()
+                            row.transport, row.reason = status.transport, status.transport_reason
+                        _progress(f"{name} v{row.version}{' (warm-up)' if round_index < 0 else ''}: "
+                                  f"{got['seconds']:.3f} s ({got['seconds'] / (payload * 8 / plan['link_bits']):.2f}x "
+                                  f"link), out of each host {_mult(got['links'], 0, payload)}, into each "
+                                  f"{_mult(got['links'], 1, payload)} payloads"
+                                  f"{'' if all(got['bit_exact']) else ', receivers DIFFER'}")
+                    except Exception as exc:
+                        row.error = describe_error(exc)
+                        _progress(f"{name} v{row.version}: FAILED: {row.error}")
+                        give_up(row, ranks)
+    finally:
+        close_parties(ranks, rollouts, rows)
+    return {"payload": payload, "tensors": len(list(manifest)),
+            "uneven": any(s.shape and s.shape[0] % world for s in manifest),
+            "hosts_of": hosts_of, "master": master,
+            "rows": {name: {"error": r.error, "transport": r.transport, "transport_reason": r.reason,
+                            "versions": r.versions} for name, r in rows.items()}}
+
+
+def _mult(links: list[list[int]], way: int, payload: int) -> str:
+    return "/".join(f"{x[way] / payload:.2f}" for x in links)
+
+
+def _version(row: Row, ranks: list, rollouts: list, update: int) -> dict[str, Any]:
+    before = read_links()
+    applied = [r.apply_row.remote(row.name, row.version) for r in rollouts]  # receivers wait first
+    steps = [t.step.remote(row.name, row.version, update, False) for t in ranks]
+    row.pending = applied + steps  # a failed version's other calls: give_up collects them
+    outs = wait_all(steps)
+    wait_all(applied)
+    row.pending = []
+    moved = link_delta(before, read_links())
+    return {"version": row.version, "seconds": outs[0]["synced_s"], "staged_s": outs[0]["staged_s"],
+            "barrier_s": outs[0]["barrier_s"], "ranks_synced_s": [o["synced_s"] for o in outs],
+            "sharded": [o["sharded"] for o in outs], "links": moved}
+
+
+def main() -> int:
+    plan = json.loads(os.environ["WS_BENCH_PLAN"])
+    ray.init(address=os.environ["WS_RAY_ADDRESS"], logging_level="ERROR", log_to_driver=False)
+    try:
+        out = run(plan)
+    except Exception as exc:
+        out = {"error": f"{type(exc).__name__}: {exc}", "trace": traceback.format_exc()[-4000:]}
+    print("RESULT " + json.dumps(out), flush=True)
+    ray.shutdown()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
