@@ -550,3 +550,42 @@ def test_receivers_cut_off_from_the_coordinator_fail_when_their_control_calls_ti
     assert got["serves"] == {n: {"version": got["version"] - 1, "bit_exact": True} for n in ("rollout-0", "rollout-1")}
     assert nxt["state"] == "COMMITTED"
     assert nxt["serves"] == {n: {"version": got["version"] + 1, "bit_exact": True} for n in ("rollout-0", "rollout-1")}
+
+
+# -- sharded sending between hosts: weightsync bench --hosts 4 --trainer-ranks 2x2 ------------
+
+@pytest.fixture(scope="module")
+def hosts_ranks(can_build, tmp_path_factory):
+    """``weightsync bench --hosts 4 --trainer-ranks 2x2``, small: 2 trainer hosts of 2 ranks (one
+    gloo group over all 4, Shard(0) DTensors), 1 receiver on each of hosts 2 and 3, relay, links 1
+    Gbit/s; the tiny-uneven layout (4 MiB, first dims 4 ranks split unevenly, one with fewer rows
+    than ranks, a 0-dim tensor); one warm-up and 2 timed versions of each row. About 30 s on 2 cores."""
+    out = tmp_path_factory.mktemp("hosts-ranks") / "hosts-ranks.json"
+    proc = subprocess.run([PYTHON, "-m", "weightsync.cli", "bench", "--hosts", "4", "--trainer-ranks", "2x2",
+                           "--link-gbit", "1", "--model", "tiny-uneven", "--bucket-mb", "0.25", "--rounds", "1",
+                           "--versions", "2", "--warmup", "1", "--json", str(out), "--no-progress"],
+                          cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, (proc.stdout[-3000:], proc.stderr[-3000:])
+    got = json.loads(out.read_text())
+    assert got["layout"]["uneven"] and got["placement"]["rank_hosts"] == [0, 0, 1, 1] and \
+        got["placement"]["receiver_hosts"] == [2, 3] and got["leftovers"] == [], got
+    return got
+
+
+def test_trainer_ranks_on_two_hosts_every_version_of_both_rows_bit_exact_on_both_rollout_hosts(hosts_ranks):
+    seen = {r["name"]: [v["bit_exact"] for v in r["versions"]] for r in hosts_ranks["rows"]}
+    # the warm-up and 2 timed versions of each row, each checked on the receivers of host 2 and host 3
+    assert seen == {"gather": [[True, True]] * 3, "shards": [[True, True]] * 3}
+
+
+def test_trainer_ranks_on_two_hosts_send_their_own_rows_once_and_each_rollout_host_takes_one_payload(hosts_ranks):
+    """The shards row: no rank gathers; each trainer host's link carries its own ranks' rows
+    (within 10 % of its share: headers, control calls), each rollout host's takes in one payload."""
+    shards = next(r for r in hosts_ranks["rows"] if r["name"] == "shards")
+    share = hosts_ranks["trainer_host_share"]
+    print(f"\nshards: out of the trainer hosts {shards['trainer_hosts_out']} payloads (their rows: {share}), into the "
+          f"rollout hosts {shards['receiving_hosts_in']}")
+    assert shards["sharded"] == [True] * 4
+    assert all(out <= 1.1 * s for out, s in zip(shards["trainer_hosts_out"], share, strict=True)), (
+        shards["trainer_hosts_out"], share)
+    assert all(n <= 1.1 for n in shards["receiving_hosts_in"]), shards["receiving_hosts_in"]

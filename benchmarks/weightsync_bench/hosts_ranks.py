@@ -155,7 +155,10 @@ def result(args: argparse.Namespace, plan: dict[str, Any], raw: dict[str, Any], 
                  "checksum": plan["config"]["checksum"], "rounds": plan["rounds"], "versions": plan["versions"],
                  "warmup": plan["warmup"]},
         "layout": {"name": plan["model"], "tensors": raw["tensors"], "uneven": raw["uneven"]},
-        "payload_bytes": payload, "link_s": link_s,
+        "payload_bytes": payload, "link_s": link_s, "rank_bytes": raw["rank_bytes"],
+        # each trainer host's part of the payload: its ranks' rows, what it sends when no rank gathers
+        "trainer_host_share": [sum(n for n, h in zip(raw["rank_bytes"], raw["hosts_of"]["ranks"]) if h == host) / payload
+                               for host in trainer_hosts],
         "placement": {"master": raw["master"], "rank_hosts": raw["hosts_of"]["ranks"],
                       "receiver_hosts": raw["hosts_of"]["receivers"]},
         "rows": rows, "gather_over_shards": g / s if g and s else None, "leftovers": leftovers,
@@ -171,8 +174,10 @@ def table(out: dict[str, Any]) -> str:
              f"{a['ranks_per_host']} ranks, {len(rh)} receiving host(s) x {a['receivers_per_host']}, "
              f"{a['bucket_mb']:g} MiB buckets, {a['rounds']} rounds x {a['versions']} versions (after {a['warmup']} "
              f"warm-up)",
-             f"links {a['link_gbit']:g} Gbit/s both ways: link time {out['link_s']:.3f} s per payload; clock: from "
-             "the barrier ending the update on every rank until rank 0's sync() returned (every receiver committed)",
+             f"links {a['link_gbit']:g} Gbit/s both ways: link time {out['link_s']:.3f} s per payload; each trainer "
+             f"host's rows: {' '.join(f'{x:.2f}' for x in out['trainer_host_share'])} payloads",
+             "clock: from the barrier ending the update on every rank until rank 0's sync() returned (every receiver "
+             "committed); bytes: each link's counters per version, over the payload",
              f"{'row':<7} {'median s':>8} {'min-max s':>13} {'IQR s':>6} {'x link':>7}  "
              f"{'payloads out of ' + ' '.join(f'h{h}' for h in th):<22} {'into ' + ' '.join(f'h{h}' for h in rh):<14} "
              f"{'sharded':<8} bits"]

@@ -121,11 +121,27 @@ def run(plan: dict[str, Any]) -> dict[str, Any]:
                         give_up(row, ranks)
     finally:
         close_parties(ranks, rollouts, rows)
-    return {"payload": payload, "tensors": len(list(manifest)),
+    return {"payload": payload, "tensors": len(list(manifest)), "rank_bytes": rank_bytes(manifest, world),
             "uneven": any(s.shape and s.shape[0] % world for s in manifest),
             "hosts_of": hosts_of, "master": master,
             "rows": {name: {"error": r.error, "transport": r.transport, "transport_reason": r.reason,
                             "versions": r.versions} for name, r in rows.items()}}
+
+
+def rank_bytes(manifest: Any, ranks: int) -> list[int]:
+    """The bytes of each rank's rows as ``Shard(0)`` splits them (torch.chunk); a 0-dim tensor
+    goes with rank 0, which sends the plain tensors."""
+    from weightsync.manifest import chunk_bounds, row_bytes
+
+    out = [0] * ranks
+    for spec in manifest:
+        if not spec.shape:
+            out[0] += spec.nbytes
+            continue
+        bounds = chunk_bounds(spec.shape[0], ranks)
+        for r in range(ranks):
+            out[r] += (bounds[r + 1] - bounds[r]) * row_bytes(spec)
+    return out
 
 
 def _mult(links: list[list[int]], way: int, payload: int) -> str:

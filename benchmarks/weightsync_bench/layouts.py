@@ -81,11 +81,11 @@ LAYOUTS: dict[str, Callable[[str], list[TensorSpec]]] = {
     "link-128m": lambda dt: [TensorSpec(f"layers.{i}.mlp.weight", dt, (4096, 2048)) for i in range(8)],
     # a few MiB, for tests
     "tiny": lambda dt: _dense(1000, 64, 128, 2, 4, 2, 16, True, False, False, dt),
-    # under 1 MiB, first dims that 2, 3 and 4 ranks split unevenly (one with fewer rows than ranks)
-    # and a 0-dim tensor: sharded sending's edge cases, for tests
-    "tiny-uneven": lambda dt: [TensorSpec("embed.weight", dt, (1001, 96)), TensorSpec("layers.0.q.weight", dt, (97, 96)),
-                               TensorSpec("layers.0.k.weight", dt, (3, 96)), TensorSpec("layers.0.norm.weight", dt, (95,)),
-                               TensorSpec("layers.0.scale", dt, ()), TensorSpec("lm_head.weight", dt, (1001, 96))],
+    # 4 MiB in bf16, first dims that 2, 3 and 4 ranks split unevenly (one with fewer rows than
+    # ranks) and a 0-dim tensor: sharded sending's edge cases, for tests
+    "tiny-uneven": lambda dt: [TensorSpec("embed.weight", dt, (4001, 256)), TensorSpec("layers.0.q.weight", dt, (97, 256)),
+                               TensorSpec("layers.0.k.weight", dt, (3, 256)), TensorSpec("layers.0.norm.weight", dt, (255,)),
+                               TensorSpec("layers.0.scale", dt, ()), TensorSpec("lm_head.weight", dt, (4001, 256))],
 }
 
 
