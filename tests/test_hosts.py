@@ -579,13 +579,15 @@ def test_trainer_ranks_on_two_hosts_every_version_of_both_rows_bit_exact_on_both
 
 
 def test_trainer_ranks_on_two_hosts_send_their_own_rows_once_and_each_rollout_host_takes_one_payload(hosts_ranks):
-    """The shards row: no rank gathers; each trainer host's link carries its own ranks' rows
-    (within 10 % of its share: headers, control calls), each rollout host's takes in one payload."""
+    """The shards row: no rank gathers; each trainer host's link carries its own ranks' rows once
+    to each of the 2 heads (2 trainer hosts, 2 receiving hosts: both receiving hosts are heads),
+    within 10 % (headers, control calls); each rollout host takes in one payload and passes none on."""
     shards = next(r for r in hosts_ranks["rows"] if r["name"] == "shards")
     share = hosts_ranks["trainer_host_share"]
     print(f"\nshards: out of the trainer hosts {shards['trainer_hosts_out']} payloads (their rows: {share}), into the "
           f"rollout hosts {shards['receiving_hosts_in']}")
     assert shards["sharded"] == [True] * 4
-    assert all(out <= 1.1 * s for out, s in zip(shards["trainer_hosts_out"], share, strict=True)), (
+    assert all(out <= 1.1 * 2 * s for out, s in zip(shards["trainer_hosts_out"], share, strict=True)), (
         shards["trainer_hosts_out"], share)
     assert all(n <= 1.1 for n in shards["receiving_hosts_in"]), shards["receiving_hosts_in"]
+    assert all(n <= 0.05 for n in shards["payloads_sent"][2:]), shards["payloads_sent"]

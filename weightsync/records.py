@@ -675,6 +675,9 @@ class BroadcastGroup(Message):
     size: int
     rank: int | None = None
     followers: dict[str, str] = dataclasses.field(default_factory=dict)
+    # a sharded relay's members that take every trainer rank's rows themselves (the first
+    # ``heads``); member i after them takes its buckets from member i - heads: ``heads`` chains
+    heads: int = 1
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)

@@ -29,7 +29,7 @@ from .hostnet import Cluster, available
 SCHEMA = "weightsync.bench-hosts-ranks/1"
 WHAT = {"gather": "full_tensor() on every rank (a generator passed to stage()), rank 0 sends whole tensors",
         "shards": "every rank passes its local DTensors to stage(); relay taking rows, each rank sends its own "
-                  "rows to the first receiving host"}
+                  "rows to each head (a receiving host per trainer host)"}
 
 
 def _plan(args: argparse.Namespace) -> dict[str, Any]:

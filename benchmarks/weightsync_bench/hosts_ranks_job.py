@@ -12,7 +12,7 @@ relay:
 - ``gather``: every rank walks the tensors calling ``full_tensor()`` (a generator passed to
   stage()), rank 0 sends whole tensors;
 - ``shards``: every rank passes its local DTensors to stage(); where relay takes rows, each
-  rank sends its own rows to the first receiving host at the barrier (else the sender gathers
+  rank sends its own rows to each head (a receiving host per trainer host) at the barrier (else the sender gathers
   them itself, and the row's ``sharded`` flags say so).
 
 A version's clock: from the ``dist.barrier()`` that ends the update on every rank until rank 0's

@@ -523,7 +523,7 @@ class BroadcastGroups:
     groups: dict[int, BroadcastGroup] = dataclasses.field(default_factory=dict)
 
     def form(self, version: int, sender: GroupMember, receivers: list[GroupMember], last_failed: bool,
-             nonce: str, followers: dict[str, GroupMember] | None = None) -> BroadcastGroup:
+             nonce: str, followers: dict[str, GroupMember] | None = None, heads: int = 1) -> BroadcastGroup:
         """The group of ``version``: ``sender`` at group rank 0, ``receivers`` after it in
         (rank, name) order. ``last_failed``: the version of the previous group was aborted.
         ``followers``: a relay's receivers outside the group, each with the member (or the sender)
@@ -538,7 +538,8 @@ class BroadcastGroups:
         self.last = version
         group = BroadcastGroup(epoch=self.epoch, nonce=nonce, sender=sender.name, members=[m.name for m in members],
                                pids={m.name: m.pid for m in members} | {sender.name: sender.pid},
-                               size=len(members) + 1, followers={n: m.name for n, m in followers.items()})
+                               size=len(members) + 1, followers={n: m.name for n, m in followers.items()},
+                               heads=max(1, min(heads, len(members))))
         self.groups[version] = group
         for old in [k for k in self.groups if k < version - KEEP_GROUPS]:
             del self.groups[old]
@@ -1113,12 +1114,19 @@ class CoordinatorActor:
             members = [GroupMember(p.name, p.pid, p.rank) for p in self.parties.receivers()
                        if p.name in v.participants and p.name not in v.failed]
         followers: dict[str, GroupMember] = {}
+        heads = 1
         if self.transport == "relay":
             members, followers = self._hosts(sender, members)
+            if self.senders > 1:
+                # every trainer host sends its ranks' rows once to each of as many receiving hosts
+                # as there are trainer hosts (each takes in one payload, no trainer host sends more
+                # than one); the other receiving hosts are fed from those, in chains
+                heads = len({p.node_id or p.host for p in self.parties.records.values()
+                             if p.role == "sender" and not p.left})
         last = self.table.get(self.bcast.last) if self.bcast.last is not None else None
         group = self.bcast.form(req.version, GroupMember(sender.name, sender.pid), members,
                                 last_failed=last is not None and last.state == State.ABORTED, nonce=self.session,
-                                followers=followers)
+                                followers=followers, heads=heads)
         v.info["group"] = {"epoch": group.epoch, "members": group.members}  # shown in metrics
         self._poke(v)
         return records.Formed(group=group)
