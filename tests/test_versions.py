@@ -412,6 +412,15 @@ def test_broadcast_group_re_forms_on_new_members_or_after_a_failed_version():
     assert group_rank(groups.get(3), "r9") is None
 
 
+def test_a_relay_group_re_forms_when_its_heads_change():
+    """Who passes buckets to whom follows the heads (transports/relay/): another count must not
+    reuse the pairs of the last one."""
+    groups, members = BroadcastGroups(), [GroupMember("r0", 11, 0), GroupMember("r1", 12, 1), GroupMember("r2", 13, 2)]
+    assert groups.form(1, GroupMember("actor-0", 10), members, False, "n", heads=2).epoch == 1
+    assert groups.form(2, GroupMember("actor-0", 10), members, False, "n", heads=2).epoch == 1
+    assert groups.form(3, GroupMember("actor-0", 10), members, False, "n", heads=1).epoch == 2
+
+
 def test_broadcast_groups_forget_old_versions():
     groups = BroadcastGroups()
     for v in range(1, 12):

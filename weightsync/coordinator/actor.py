@@ -530,8 +530,10 @@ class BroadcastGroups:
         it reads the version from; a change among them re-forms the group too."""
         members = sorted(receivers, key=lambda m: (m.rank, m.name))
         followers = followers or {}
+        heads = max(1, min(heads, len(members)))
+        # the heads fix who passes buckets to whom (transports/relay/): another count, other pairs
         key = (sender.pid, tuple((m.name, m.pid) for m in members),
-               tuple(sorted((n, m.name) for n, m in followers.items())))
+               tuple(sorted((n, m.name) for n, m in followers.items())), heads)
         if key != self.key or last_failed:
             self.epoch += 1
             self.key = key
@@ -539,7 +541,7 @@ class BroadcastGroups:
         group = BroadcastGroup(epoch=self.epoch, nonce=nonce, sender=sender.name, members=[m.name for m in members],
                                pids={m.name: m.pid for m in members} | {sender.name: sender.pid},
                                size=len(members) + 1, followers={n: m.name for n, m in followers.items()},
-                               heads=max(1, min(heads, len(members))))
+                               heads=heads)
         self.groups[version] = group
         for old in [k for k in self.groups if k < version - KEEP_GROUPS]:
             del self.groups[old]
