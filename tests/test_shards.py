@@ -140,3 +140,35 @@ def test_a_rank_still_writing_an_aborted_version_neither_counts_nor_completes_a_
         assert slots.last_writer(0, 2) is True
     finally:
         slots.close()
+
+
+def test_a_rank_that_finished_an_aborted_version_late_cannot_publish_over_the_newer_one():
+    """Rank 1 was the last writer of bucket 0 of version 5 and is still digesting it when 5 is
+    given up and version 6, taking the same slot, publishes bucket 0: rank 1's publish is refused
+    and bucket 0's ready and digest words stay version 6's."""
+    import torch as t
+
+    from weightsync.config import SyncConfig
+    from weightsync.errors import ProtocolError
+    from weightsync.transports import TransportContext
+    from weightsync.transports.shm.transport import Slots, _ready_word
+
+    manifest = sharded(2)
+    plan = plan_buckets(manifest, 4096, 256)
+    ctx = TransportContext(config=SyncConfig(), plan=plan, manifest=manifest, digest=manifest.digest(),
+                           session="s", name="trainer-0", rank=0, device=t.device("cpu"))
+    slots = Slots(ctx)
+    try:
+        slots.open(5, 0)
+        assert slots.last_writer(0, 2) is False
+        seg = slots.current[1]
+        assert slots.last_writer(0, 2) is True  # rank 1: the last of version 5's writers, digesting
+        slots.open(6, 0)  # version 5 aborted; 6 takes the slot, both its writers done, it publishes
+        assert (slots.last_writer(0, 2), slots.last_writer(0, 2)) == (False, True)
+        slots.publish_last(0, 2, 0x66)
+        slots.current = (5, seg)
+        with pytest.raises(ProtocolError, match="version 6 took the slot"):
+            slots.publish_last(0, 2, 0x55)
+        assert (int(seg.header[_ready_word(0)]), int(seg.header[_ready_word(0) + 1])) == (7, 0x66)
+    finally:
+        slots.close()

@@ -754,8 +754,6 @@ class Slots:
         of its ``writers`` ranks (then it digests and publishes the bucket). The count carries
         its version (version << 16 | ranks done): a rank still writing an aborted version into
         a slot that a newer one took neither counts for the newer one nor completes it."""
-        if writers == 1:
-            return True
         (version, seg), word = self.current, _ready_word(b) + 3
         lock_word(seg.fd, word)  # one rank at a time counts itself in; the kernel drops it if we die
         try:
@@ -773,6 +771,22 @@ class Slots:
         """Where bucket ``b`` of the open version goes (``nbytes``: the version's length of it)."""
         seg = self.current[1]
         return seg.bytes[self.bases[b]: self.bases[b] + nbytes]
+
+    def publish_last(self, b: int, writers: int, value: int | None) -> None:
+        """The last of bucket ``b``'s ``writers`` publishes it, under the lock its count is kept
+        under, and only while the count is still this version's: a rank that finished writing an
+        aborted version after a newer one took the slot and published the bucket must not
+        overwrite that bucket's digest and ready words."""
+        (version, seg), word = self.current, _ready_word(b) + 3
+        lock_word(seg.fd, word)
+        try:
+            tag = int(seg.control[word])
+            if tag != version << 16 | writers:
+                raise ProtocolError(f"bucket {b}: version {tag >> 16} took the slot while this rank wrote "
+                                    f"version {version} (given up)")
+            self.publish(b, 0, value)
+        finally:
+            fcntl.lockf(seg.fd, fcntl.LOCK_UN, 8, 8 * word)
 
     def publish(self, b: int, nbytes: int, value: int | None) -> None:
         """Bucket ``b`` of the open version is written (``value``: its digest, None: off)."""
@@ -876,7 +890,7 @@ class ShmSender(SenderTransport):
                 value = digest.as_int(digest.compute(kind, dst))
                 sums.append(value)
             finished.append(b)
-            slots.publish(b, 0, value)
+            slots.publish_last(b, rows.rows.writers[b], value)
         slots.written += written
         self._wrote, slots.current = (version, slots.current[1]), None
         return ShmRows(buckets=finished, sums=sums, written=written)
