@@ -107,6 +107,26 @@ def test_a_rank_killed_mid_version_aborts_it_named(coordinator_factory, transpor
         stop_actors([*trainers, *rollouts])
 
 
+@pytest.mark.scenario("fault", "a trainer rank's rows corrupted on their way (sharded relay)", transport="relay",
+                      promise="the head checks each rank's rows against that rank's digest: the version aborts naming "
+                              "the rank's rows, receivers keep the last version")
+def test_rows_that_arrive_changed_abort_the_version_naming_the_rank(coordinator_factory):
+    config = {**CFG, "transport": "relay"}
+    coord, rollouts, trainers = _job(coordinator_factory, 3, config)
+    try:
+        _step(trainers, rollouts, 1)
+        ray.get(trainers[2].corrupt_rows_digests.remote())
+        applying = [r.apply.remote(2) for r in rollouts]
+        steps = [t.step.remote(2) for t in trainers]
+        with pytest.raises((VersionError, WeightSyncError), match="trainer rank 2's rows arrived with"):
+            ray.get(steps[0], timeout=60)
+        ray.wait(applying + steps[1:], num_returns=len(applying) + 2, timeout=60)
+        for r in rollouts:
+            assert_serves(r, MANIFEST, 1)
+    finally:
+        stop_actors([*trainers, *rollouts])
+
+
 def test_a_rank_still_writing_an_aborted_version_neither_counts_nor_completes_a_newer_one():
     """Version 5 is given up while rank 1 still writes it; version 6 takes the same slot. Rank 1's
     late count of bucket 0 must not make version 6's bucket complete before both its writers are

@@ -91,6 +91,19 @@ class ShardedTrainer(_Party):
         self.sync(version)
         return staged, time.perf_counter() - t0
 
+    def corrupt_rows_digests(self) -> None:
+        """From now on this rank sends its rows with a wrong digest (one bit off), as bytes
+        changed on their way would arrive (sharded relay: transports/relay/transport.py)."""
+        from weightsync.transports.relay import transport as relay
+
+        honest = relay.put_checksum
+
+        def wrong(buf, n, value=None, kind="xxh3"):
+            value = honest(buf, n, value, kind) ^ 1
+            return honest(buf, n, value, kind)
+
+        relay.put_checksum = wrong
+
     def sharded(self) -> bool:
         return self.sender.rows is not None
 

@@ -459,7 +459,7 @@ class RelayReceiver(_End, ReceiverTransport):
                 expected = get_checksum(wire, n) if self.trailer else None
                 self.slots.view(b, n).copy_(wire[:n])
                 self.slots.publish(b, n, expected)
-                yield Bucket(b, wire[:n], expected if self.digest_kind else None, "", self.generation)
+                yield Bucket(b, wire[:n], expected if self.digest_kind else None, inflow.checked, self.generation)
                 if down is not None:  # the buffer takes bucket b + 2 once the next host has b
                     settle(passed.pop(b), deadline.at, poll, f"passing bucket {b} of version {version} on")
                 if b + BUFFERS < plan.bucket_count:
@@ -492,6 +492,8 @@ class _FromHop:
     """A member's buckets as the party before it in the chain sends them, whole, each with its
     digest in the trailer."""
 
+    checked = ""  # the receiver checks each bucket against the digest that came with it
+
     def __init__(self, end: _End, version: int, up: Group, deadline: Deadline, poll: Any):
         self.end, self.version, self.up, self.deadline, self.poll = end, version, up, deadline, poll
         self.posted: dict[int, Any] = {}
@@ -511,13 +513,15 @@ class _FromRanks:
     put into their places; the whole bucket then gets its own digest in the trailer, as a bucket
     from a hop has, for the members down the chain and this host's followers."""
 
+    checked = "here"  # each rank's piece was checked on its way in; the bucket's digest is of these bytes
+
     def __init__(self, end: _End, version: int, group: BroadcastGroup, head: int, deadline: Deadline, poll: Any):
         ctx = end.ctx
         self.end, self.version, self.deadline, self.poll = end, version, deadline, poll
-        self.kind = digest.kind_of(ctx.config, "cpu") if end.trailer else None
+        self.kind = end.session.digest_kind if end.trailer else None
         self.rows = [plan_rows(ctx.plan, ctx.manifest, r) for r in range(ctx.manifest.senders)]
         # each rank's buffers: its largest piece and a trailer, two of them (a piece in flight, one taken)
-        self.hops = {}
+        self.hops: dict[int, Group] = {}
         self.buffers: dict[int, list[torch.Tensor]] = {}
         for r, rows in enumerate(self.rows):
             largest = max((rows.piece_bytes(b) for b in rows.pieces), default=0)
