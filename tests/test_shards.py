@@ -11,7 +11,7 @@ import torch
 
 from support.parties import assert_serves, rollout_actor, stop_actors
 from support.shards import MANIFEST, sharded, sharded_trainers
-from weightsync.errors import VersionError, WeightSyncError
+from weightsync.errors import ProtocolError, VersionError, WeightSyncError
 from weightsync.manifest import plan_buckets, plan_rows, row_bytes
 
 CFG = {"transport": "shm", "bucket_mb": 1 / 32}
@@ -127,22 +127,24 @@ def test_rows_that_arrive_changed_abort_the_version_naming_the_rank(coordinator_
         stop_actors([*trainers, *rollouts])
 
 
-def test_a_rank_still_writing_an_aborted_version_neither_counts_nor_completes_a_newer_one():
-    """Version 5 is given up while rank 1 still writes it; version 6 takes the same slot. Rank 1's
-    late count of bucket 0 must not make version 6's bucket complete before both its writers are
-    done, and once version 6 counted there, rank 1's count for 5 is refused."""
-    import torch as t
-
+def _slots():
+    """The shm slots of a 2-rank sharded session, as one process sees them: the tests below play
+    each rank by setting ``slots.current`` to the version that rank writes."""
     from weightsync.config import SyncConfig
-    from weightsync.errors import ProtocolError
     from weightsync.transports import TransportContext
     from weightsync.transports.shm.transport import Slots
 
     manifest = sharded(2)
-    plan = plan_buckets(manifest, 4096, 256)
-    ctx = TransportContext(config=SyncConfig(), plan=plan, manifest=manifest, digest=manifest.digest(),
-                           session="s", name="trainer-0", rank=0, device=t.device("cpu"))
-    slots = Slots(ctx)
+    ctx = TransportContext(config=SyncConfig(), plan=plan_buckets(manifest, 4096, 256), manifest=manifest,
+                           digest=manifest.digest(), session="s", name="trainer-0", rank=0, device=torch.device("cpu"))
+    return Slots(ctx)
+
+
+def test_a_rank_still_writing_an_aborted_version_neither_counts_nor_completes_a_newer_one():
+    """Version 5 is given up while rank 1 still writes it; version 6 takes the same slot. Rank 1's
+    late count of bucket 0 must not make version 6's bucket complete before both its writers are
+    done, and once version 6 counted there, rank 1's count for 5 is refused."""
+    slots = _slots()
     try:
         slots.open(5, 0)
         assert slots.last_writer(0, 2) is False  # rank 0 wrote bucket 0 of version 5
@@ -166,18 +168,9 @@ def test_a_rank_that_finished_an_aborted_version_late_cannot_publish_over_the_ne
     """Rank 1 was the last writer of bucket 0 of version 5 and is still digesting it when 5 is
     given up and version 6, taking the same slot, publishes bucket 0: rank 1's publish is refused
     and bucket 0's ready and digest words stay version 6's."""
-    import torch as t
+    from weightsync.transports.shm.transport import _ready_word
 
-    from weightsync.config import SyncConfig
-    from weightsync.errors import ProtocolError
-    from weightsync.transports import TransportContext
-    from weightsync.transports.shm.transport import Slots, _ready_word
-
-    manifest = sharded(2)
-    plan = plan_buckets(manifest, 4096, 256)
-    ctx = TransportContext(config=SyncConfig(), plan=plan, manifest=manifest, digest=manifest.digest(),
-                           session="s", name="trainer-0", rank=0, device=t.device("cpu"))
-    slots = Slots(ctx)
+    slots = _slots()
     try:
         slots.open(5, 0)
         assert slots.last_writer(0, 2) is False

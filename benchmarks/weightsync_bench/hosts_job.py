@@ -24,6 +24,7 @@ import os
 import sys
 import time
 import traceback
+from collections.abc import Callable
 from typing import Any
 
 import ray
@@ -216,7 +217,9 @@ def run(plan: dict[str, Any]) -> dict[str, Any]:
     return {"payload": layout(plan["model"]).total_bytes, "cases": cases}
 
 
-def main() -> int:
+def serve(run: Callable[[dict[str, Any]], dict[str, Any]]) -> int:
+    """A job inside host 0: ``run`` the driver's plan on the cluster's Ray, print ``RESULT {...}``
+    (an error as one too)."""
     plan = json.loads(os.environ["WS_BENCH_PLAN"])
     ray.init(address=os.environ["WS_RAY_ADDRESS"], logging_level="ERROR", log_to_driver=False)
     try:
@@ -226,6 +229,10 @@ def main() -> int:
     print("RESULT " + json.dumps(out), flush=True)
     ray.shutdown()
     return 0
+
+
+def main() -> int:
+    return serve(run)
 
 
 if __name__ == "__main__":

@@ -28,15 +28,13 @@ then per round ``versions`` versions of each row, the order flipped every round
 
 from __future__ import annotations
 
-import json
 import os
 import sys
-import traceback
 from typing import Any
 
 import ray
 
-from .hosts_job import link_delta, on, read_links
+from .hosts_job import link_delta, on, read_links, serve
 from .ranks import TIMEOUT_S, TrainerRank, close_parties, free_port, give_up, rollout_class, wait_all
 
 ROWS = ("gather", "shards")
@@ -63,7 +61,7 @@ def run(plan: dict[str, Any]) -> dict[str, Any]:
 
     from .bits import digest
     from .layouts import layout, materialize
-    from .rounds import round_order
+    from .rounds import schedule
     from .rowkit import describe_error
     from .updates import Versions
 
@@ -91,34 +89,32 @@ def run(plan: dict[str, Any]) -> dict[str, Any]:
             wait_all([r.open_row.remote(row.name, row.coordinator, cfg) for r in rollouts])
             wait_all([t.open.remote(row.name, row.coordinator, cfg, len(rollouts)) for t in ranks])
         step = 0
-        schedule = [(-1, plan["warmup"])] + [(i, plan["versions"]) for i in range(plan["rounds"])]
-        for round_index, count in schedule:
-            for name in round_order(list(ROWS), max(0, round_index)):
-                row = rows[name]
-                for _ in range(count):
-                    if row.error:
-                        break
-                    step += 1
-                    row.version += 1
-                    reference.apply(step)
-                    try:
-                        got = _version(row, ranks, rollouts, step)
-                        want = digest(reference.tensors)
-                        seen = ray.get([r.digest.remote() for r in rollouts], timeout=TIMEOUT_S)
-                        got.update(round=round_index, bit_exact=[s == want for s in seen])
-                        row.versions.append(got)
-                        if row.transport is None:
-                            status = row.coordinator.status()
-                            row.transport, row.reason = status.transport, status.transport_reason
-                        _progress(f"{name} v{row.version}{' (warm-up)' if round_index < 0 else ''}: "
-                                  f"{got['seconds']:.3f} s ({got['seconds'] / (payload * 8 / plan['link_bits']):.2f}x "
-                                  f"link), out of each host {_mult(got['links'], 0, payload)}, into each "
-                                  f"{_mult(got['links'], 1, payload)} payloads"
-                                  f"{'' if all(got['bit_exact']) else ', receivers DIFFER'}")
-                    except Exception as exc:
-                        row.error = describe_error(exc)
-                        _progress(f"{name} v{row.version}: FAILED: {row.error}")
-                        give_up(row, ranks)
+        for round_index, name, count in schedule(list(ROWS), plan["warmup"], plan["rounds"], plan["versions"]):
+            row = rows[name]
+            for _ in range(count):
+                if row.error:
+                    break
+                step += 1
+                row.version += 1
+                reference.apply(step)
+                try:
+                    got = _version(row, ranks, rollouts, step)
+                    want = digest(reference.tensors)
+                    seen = ray.get([r.digest.remote() for r in rollouts], timeout=TIMEOUT_S)
+                    got.update(round=round_index, bit_exact=[s == want for s in seen])
+                    row.versions.append(got)
+                    if row.transport is None:
+                        status = row.coordinator.status()
+                        row.transport, row.reason = status.transport, status.transport_reason
+                    _progress(f"{name} v{row.version}{' (warm-up)' if round_index < 0 else ''}: "
+                              f"{got['seconds']:.3f} s ({got['seconds'] / (payload * 8 / plan['link_bits']):.2f}x "
+                              f"link), out of each host {_mult(got['links'], 0, payload)}, into each "
+                              f"{_mult(got['links'], 1, payload)} payloads"
+                              f"{'' if all(got['bit_exact']) else ', receivers DIFFER'}")
+                except Exception as exc:
+                    row.error = describe_error(exc)
+                    _progress(f"{name} v{row.version}: FAILED: {row.error}")
+                    give_up(row, ranks)
     finally:
         close_parties(ranks, rollouts, rows)
     return {"payload": payload, "tensors": len(list(manifest)), "rank_bytes": rank_bytes(manifest, world),
@@ -163,15 +159,7 @@ def _version(row: Row, ranks: list, rollouts: list, update: int) -> dict[str, An
 
 
 def main() -> int:
-    plan = json.loads(os.environ["WS_BENCH_PLAN"])
-    ray.init(address=os.environ["WS_RAY_ADDRESS"], logging_level="ERROR", log_to_driver=False)
-    try:
-        out = run(plan)
-    except Exception as exc:
-        out = {"error": f"{type(exc).__name__}: {exc}", "trace": traceback.format_exc()[-4000:]}
-    print("RESULT " + json.dumps(out), flush=True)
-    ray.shutdown()
-    return 0
+    return serve(run)
 
 
 if __name__ == "__main__":

@@ -318,7 +318,7 @@ def _measure(args: argparse.Namespace, manifest: Any, cfg: dict, n: int, k: int)
 
     from .bits import digest
     from .layouts import materialize
-    from .rounds import round_order
+    from .rounds import schedule
     from .rowkit import describe_error
     from .updates import Versions
 
@@ -339,22 +339,20 @@ def _measure(args: argparse.Namespace, manifest: Any, cfg: dict, n: int, k: int)
             row.rss, row.private = [0] * n, [0] * n
         step = 0
         # warm-up once (shm makes and maps its two segments), then the rounds
-        plan = [(-1, args.warmup)] + [(i, args.versions) for i in range(args.rounds)]
-        for round_index, versions in plan:
-            for name in round_order(list(ROWS), max(0, round_index)):
-                row = rows[name]
-                for _ in range(versions):
-                    if row.error:
-                        break
-                    step += 1
-                    row.version += 1
-                    reference.apply(step)
-                    try:
-                        _version(row, ranks, rollouts, reference.tensors, digest, step, timed=round_index >= 0)
-                    except Exception as exc:
-                        row.error = describe_error(exc)
-                        print(f"  {name} v{row.version}: FAILED: {row.error}", file=sys.stderr)
-                        give_up(row, ranks)
+        for round_index, name, versions in schedule(list(ROWS), args.warmup, args.rounds, args.versions):
+            row = rows[name]
+            for _ in range(versions):
+                if row.error:
+                    break
+                step += 1
+                row.version += 1
+                reference.apply(step)
+                try:
+                    _version(row, ranks, rollouts, reference.tensors, digest, step, timed=round_index >= 0)
+                except Exception as exc:
+                    row.error = describe_error(exc)
+                    print(f"  {name} v{row.version}: FAILED: {row.error}", file=sys.stderr)
+                    give_up(row, ranks)
         for row in rows.values():
             row.bound = [s + 2 * bucket for s in row.shard_bytes]
         return rows

@@ -11,7 +11,7 @@ trusted, and a ratio between two rows counts only beyond it.
 from __future__ import annotations
 
 import statistics
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any, TypeVar
 
 from .fixed_cost import FIXED_COST, medians, pool
@@ -44,6 +44,14 @@ def round_order(items: list[T], round_index: int, twins: Callable[[T, T], bool] 
     k = round_index % len(slots)
     flip = round_index % 2 == 1
     return [item for slot in slots[k:] + slots[:k] for item in (slot[::-1] if flip else slot)]
+
+
+def schedule(names: list[str], warmup: int, rounds: int, versions: int) -> Iterator[tuple[int, str, int]]:
+    """(round index, row, how many versions): ``warmup`` versions of each row first (round -1,
+    untimed), then ``rounds`` rounds of ``versions`` each, in ``round_order``."""
+    for round_index, count in [(-1, warmup)] + [(i, versions) for i in range(rounds)]:
+        for name in round_order(list(names), max(0, round_index)):
+            yield round_index, name, count
 
 
 def quantile(values: list[float], q: float) -> float:
