@@ -55,7 +55,7 @@ import torch.distributed as dist
 from ... import digest
 from ...errors import ConfigError, DeadlineExceeded, VersionError, WeightSyncError
 from ...errors import ChecksumError
-from ...manifest import Packer, PackViews, RowWriter, gaps, plan_rows, unpack_piece
+from ...manifest import Packer, PackViews, RowPlan, RowWriter, gaps, plan_rows, unpack_piece
 from ...records import BroadcastGroup, Message, SessionRecord, VersionRecord
 from .. import Aborted, Bucket, Deadline, ReceiverTransport, SenderTransport, TransportContext
 from ..broadcast.communicators import choose_communicator
@@ -120,6 +120,7 @@ class _End:
         self.pending: list[Any] = []  # ops posted and not yet settled
         self.views = PackViews()  # the sender's: where each bucket's tensors go in each buffer
         self.slots = Slots(ctx)  # this host's copy of each version, for its followers
+        self._row_plans: list[RowPlan] | None = None
 
     def _wire(self, b: int, nbytes: int) -> torch.Tensor:
         if self.buffers is None:
@@ -171,6 +172,13 @@ class _End:
             retire(hop, self.pending, self.ctx.name)
             self.ctx.account("relay_hops", -1)
         self.hops, self.pending, self.epoch = {}, [], None
+
+    def row_plans(self) -> list[RowPlan]:
+        """Where each trainer rank's rows go in the buckets of this sharded session (fixed by its
+        plan: made once)."""
+        if self._row_plans is None:
+            self._row_plans = [plan_rows(self.ctx.plan, self.ctx.manifest, r) for r in range(self.ctx.manifest.senders)]
+        return self._row_plans
 
     def _failed(self, version: int, exc: BaseException) -> str:
         return tell_failed(self.ctx, version, exc)
@@ -519,7 +527,7 @@ class _FromRanks:
         ctx = end.ctx
         self.end, self.version, self.deadline, self.poll = end, version, deadline, poll
         self.kind = end.session.digest_kind if end.trailer else None
-        self.rows = [plan_rows(ctx.plan, ctx.manifest, r) for r in range(ctx.manifest.senders)]
+        self.rows = end.row_plans()
         # each rank's buffers: its largest piece and a trailer, two of them (a piece in flight, one taken)
         self.hops: dict[int, Group] = {}
         self.buffers: dict[int, list[torch.Tensor]] = {}
