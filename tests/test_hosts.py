@@ -572,10 +572,13 @@ def hosts_ranks(can_build, tmp_path_factory):
     return got
 
 
-def test_trainer_ranks_on_two_hosts_every_version_of_both_rows_bit_exact_on_both_rollout_hosts(hosts_ranks):
+def test_trainer_ranks_on_two_hosts_every_version_of_every_row_bit_exact_on_both_rollout_hosts(hosts_ranks):
     seen = {r["name"]: [v["bit_exact"] for v in r["versions"]] for r in hosts_ranks["rows"]}
-    # the warm-up and 2 timed versions of each row, each checked on the receivers of host 2 and host 3
-    assert seen == {"gather": [[True, True]] * 3, "shards": [[True, True]] * 3}
+    # the warm-up and 2 timed versions of each row, each checked on the receivers of host 2 and host 3;
+    # ray-numpy: every rank's rows through Ray's object store, joined on the receivers (uneven shards,
+    # a tensor with fewer rows than ranks and the 0-dim one, from rank 0 only, included)
+    assert seen == {"gather": [[True, True]] * 3, "shards": [[True, True]] * 3, "ray-numpy": [[True, True]] * 3}
+    assert [r["kind"] for r in hosts_ranks["rows"]] == ["weightsync", "weightsync", "baseline"]
 
 
 def test_trainer_ranks_on_two_hosts_send_their_own_rows_once_and_each_rollout_host_takes_one_payload(hosts_ranks):

@@ -42,6 +42,12 @@ def _calls(result: Any) -> dict[str, int | None]:
     return {"stage_calls": getattr(result, "stage_calls", None), "sync_calls": getattr(result, "sync_calls", None)}
 
 
+def numpy_views(tensors: dict[str, torch.Tensor]) -> dict[str, Any]:
+    """Each tensor's bytes as a flat uint8 numpy view: the best Ray path (the ray-numpy rows),
+    written once into the object store and read zero-copy."""
+    return {n: _flat(t.cpu()).numpy() for n, t in tensors.items()}
+
+
 class BenchTrainer:
     """Trainer rank 0: holds the model, makes each version from the one before by the run's
     update model (weightsync_bench.updates: every byte, or an AdamW step) and sends."""
@@ -147,8 +153,7 @@ class BenchTrainer:
             # what a user writes: the state dict of torch tensors, through the object store
             obj: Any = dict(self.tensors)
         else:
-            # the best Ray path: numpy views, written once into the store and read zero-copy
-            obj = {n: _flat(t.cpu()).numpy() for n, t in self.tensors.items()}
+            obj = numpy_views(self.tensors)
         ref = ray.put(obj)
         # nested in a list so Ray hands the receivers the reference, not the value
         return {"t0": t0, "put_s": time.monotonic() - t0, "ref": [ref], "changed_fraction": changed}
@@ -218,15 +223,22 @@ class BenchRollout:
         return out
 
     def ray_load(self, refs: list) -> dict[str, Any]:
+        """Load the version behind ``refs``: one ref per sender, each a map of name to a tensor or
+        its bytes (numpy). Several senders are trainer ranks, each with its own rows (``Shard(0)``)
+        in rank order: each tensor's rows are joined first, as a user assembling shards would."""
+        import numpy as np
         import ray
 
-        obj = ray.get(refs[0])
+        objs = ray.get(list(refs))
         specs = {s.name: s for s in self.manifest}
         with warnings.catch_warnings():
             warnings.simplefilter("ignore", UserWarning)  # zero-copy numpy arrays are read-only
 
             def pairs():
-                for name, value in obj.items():
+                for name in dict.fromkeys(n for obj in objs for n in obj):
+                    parts = [obj[name] for obj in objs if name in obj]
+                    value = parts[0] if len(parts) == 1 else (
+                        torch.cat(parts) if isinstance(parts[0], torch.Tensor) else np.concatenate(parts))
                     if isinstance(value, torch.Tensor):
                         yield name, value
                     else:

@@ -4,11 +4,13 @@ to ``--link-gbit`` both ways; H of them are trainer hosts of R ranks each (one g
 all H x R ranks, FSDP2-style ``Shard(0)`` DTensors on a 1-D CPU mesh spanning the hosts), the
 other N - H receive, ``--receivers`` K each (default 1), transport relay. The rows (``gather``:
 ``full_tensor()`` on every rank, rank 0 sends whole tensors; ``shards``: every rank passes its
-local DTensors) run inside host 0 (hosts_ranks_job.py); this process answers the job's reads of
-the links' counters (hosts.drive), prints the table and writes the JSON.
+local DTensors; beside them what a Ray user writes instead, ``ray-numpy``: every rank puts its
+rows into Ray's object store, every receiver gets all of them and joins the rows) run inside
+host 0 (hosts_ranks_job.py); this process answers the job's reads of the links' counters
+(hosts.drive), prints the table and writes the JSON.
 
 Figures per row, over its timed versions: the seconds from the barrier ending the update until
-rank 0's sync() returned, their median and spread, ``x link`` (seconds over the link time of one
+rank 0's sync() returned (ray-numpy: until the last receiver loaded), their median and spread, ``x link`` (seconds over the link time of one
 payload: payload x 8 / rate), and per host the bytes its link sent and received per version as
 payloads; every version, warm-up included, checked bit-exact on every receiver.
 """
@@ -26,10 +28,15 @@ from typing import Any
 
 from .hostnet import Cluster, available
 
-SCHEMA = "weightsync.bench-hosts-ranks/1"
+# /2: baseline rows beside the sessions (ray-numpy): a row's "kind" (weightsync / baseline), a
+# baseline's transport null and its versions' barrier_s / ranks_synced_s null; "over_shards" per row
+SCHEMA = "weightsync.bench-hosts-ranks/2"
+BASELINES = ("ray-numpy",)
 WHAT = {"gather": "full_tensor() on every rank (a generator passed to stage()), rank 0 sends whole tensors",
         "shards": "every rank passes its local DTensors to stage(); relay taking rows, each rank sends its own "
-                  "rows to each head (a receiving host per trainer host)"}
+                  "rows to each head (a receiving host per trainer host)",
+        "ray-numpy": "every rank ray.put()s its rows as numpy, each receiver ray.get()s every rank's refs, joins "
+                     "the rows into whole tensors and loads them"}
 
 
 def _plan(args: argparse.Namespace) -> dict[str, Any]:
@@ -75,9 +82,10 @@ def run(args: argparse.Namespace) -> int:
 
     plan = _plan(args)
     payload = layout(plan["model"], plan["dtype"]).total_bytes
-    # each host's /dev/shm: Ray's store (control objects only) and relay's segments (two slots per
+    # each host's /dev/shm: Ray's store (the ray-numpy row's rows: a version's on the trainer
+    # hosts, whole versions pulled to the receiving hosts) and relay's segments (two slots per
     # session, two sessions, on every receiving host)
-    store_mb = 256
+    store_mb = int(2 * payload / 2**20) + 256
     shm_mb = store_mb + int(6 * payload / 2**20) + 256
     started, machine = time.time(), results.machine_info()
     with Cluster(hosts=args.hosts, link_gbit=args.link_gbit, shm_mb=shm_mb, object_store_mb=store_mb,
@@ -117,7 +125,8 @@ def summarize(name: str, got: dict[str, Any], payload: int, link_s: float, train
 
     sent, received = per_host(0), per_host(1)
     line: dict[str, Any] = {
-        "name": name, "what": WHAT[name], "error": got["error"], "transport": got["transport"],
+        "name": name, "kind": "baseline" if name in BASELINES else "weightsync", "what": WHAT[name],
+        "error": got["error"], "transport": got["transport"],
         "transport_reason": got["transport_reason"],
         # every version, warm-up too, bit-exact on every receiver
         "verified": bool(timed) and all(all(v["bit_exact"]) for v in versions),
@@ -144,6 +153,8 @@ def result(args: argparse.Namespace, plan: dict[str, Any], raw: dict[str, Any], 
             for name, got in raw["rows"].items()]
     by = {r["name"]: r for r in rows}
     g, s = (by.get(n, {}).get("median_s") for n in ("gather", "shards"))
+    for r in rows:  # each row's median over the shards row's: how much slower than sending shards
+        r["over_shards"] = r["median_s"] / s if r["median_s"] and s else None
     return {
         "schema": SCHEMA, "created": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         "wall_s": time.time() - started, "note": getattr(args, "note", ""), "commit": _commit(),
@@ -178,21 +189,22 @@ def table(out: dict[str, Any]) -> str:
              f"host's rows: {' '.join(f'{x:.2f}' for x in out['trainer_host_share'])} payloads",
              "clock: from the barrier ending the update on every rank until rank 0's sync() returned (every receiver "
              "committed); bytes: each link's counters per version, over the payload",
-             f"{'row':<7} {'median s':>8} {'min-max s':>13} {'IQR s':>6} {'x link':>7}  "
+             f"{'row':<9} {'median s':>8} {'min-max s':>13} {'IQR s':>6} {'x link':>7}  "
              f"{'payloads out of ' + ' '.join(f'h{h}' for h in th):<22} {'into ' + ' '.join(f'h{h}' for h in rh):<14} "
              f"{'sharded':<8} bits"]
     for r in out["rows"]:
         if not r["seconds"]:
-            lines.append(f"{r['name']:<7} FAILED: {r['error']}")
+            lines.append(f"{r['name']:<9} FAILED: {r['error']}")
             continue
         sharded = "yes" if r["sharded"] and all(r["sharded"]) else "no"
-        lines.append(f"{r['name']:<7} {r['median_s']:>8.3f} {r['min_s']:>6.3f}-{r['max_s']:<6.3f} {r['iqr_s']:>6.3f} "
+        lines.append(f"{r['name']:<9} {r['median_s']:>8.3f} {r['min_s']:>6.3f}-{r['max_s']:<6.3f} {r['iqr_s']:>6.3f} "
                      f"{r['x_link']:>7.2f}  {' '.join(f'{x:.2f}' for x in r['trainer_hosts_out']):<22} "
                      f"{' '.join(f'{x:.2f}' for x in r['receiving_hosts_in']):<14} {sharded:<8} "
                      f"{'ok' if r['verified'] else 'DIFF'}" + (f"  FAILED later: {r['error']}" if r["error"] else ""))
     for r in out["rows"]:
         if r["transport_reason"]:
             lines.append(f"{r['name']}: transport {r['transport']} ({r['transport_reason']})")
-    if out["gather_over_shards"]:
-        lines.append(f"gather / shards (medians): {out['gather_over_shards']:.2f}x")
+    over = [f"{r['name']} {r['over_shards']:.2f}x" for r in out["rows"] if r["name"] != "shards" and r["over_shards"]]
+    if over:
+        lines.append(f"over shards (medians): {', '.join(over)}")
     return "\n".join(lines)

@@ -7,13 +7,16 @@ over all of them meeting at host 0's address; every tensor of one or more dimens
 ``Shard(0)`` DTensor on a 1-D CPU mesh over every rank (ranks.TrainerRank). K receivers on each
 of the other hosts (ranks.rollout_class: a receiver per row's session, one engine). The
 coordinators on host 0. Two rows, each a session of its own (its own coordinator), transport
-relay:
+relay, and a baseline on the same parties:
 
 - ``gather``: every rank walks the tensors calling ``full_tensor()`` (a generator passed to
   stage()), rank 0 sends whole tensors;
 - ``shards``: every rank passes its local DTensors to stage(); where relay takes rows, each
   rank sends its own rows to each head (a receiving host per trainer host) at the barrier (else the sender gathers
-  them itself, and the row's ``sharded`` flags say so).
+  them itself, and the row's ``sharded`` flags say so);
+- ``ray-numpy``: what a Ray user writes for sharded weights: after the barrier every rank
+  ``ray.put()``s its rows as numpy, each receiver ``ray.get()``s every rank's ref, joins each
+  tensor's rows and loads them (``_ray_numpy_version``).
 
 A version's clock: from the ``dist.barrier()`` that ends the update on every rank until rank 0's
 ``sync()`` returned (every receiver committed): stage + sync. Around each version the driver
@@ -37,7 +40,8 @@ import ray
 from .hosts_job import link_delta, on, read_links, serve
 from .ranks import TIMEOUT_S, TrainerRank, close_parties, free_port, give_up, rollout_class, wait_all
 
-ROWS = ("gather", "shards")
+ROWS = ("gather", "shards", "ray-numpy")
+SESSIONS = ("gather", "shards")  # weightsync sessions; the others are what a Ray user writes instead
 
 
 class Row:
@@ -83,7 +87,7 @@ def run(plan: dict[str, Any]) -> dict[str, Any]:
     rows = {name: Row(name) for name in ROWS}
     try:
         wait_all([r.pid.remote() for r in rollouts])
-        for row in rows.values():
+        for row in (rows[n] for n in SESSIONS):
             row.coordinator = Coordinator.create(cfg, name=f"wsbench-hranks-{os.getpid()}-{row.name}",
                                                  actor_options=on(0))
             wait_all([r.open_row.remote(row.name, row.coordinator, cfg) for r in rollouts])
@@ -98,12 +102,12 @@ def run(plan: dict[str, Any]) -> dict[str, Any]:
                 row.version += 1
                 reference.apply(step)
                 try:
-                    got = _version(row, ranks, rollouts, step)
+                    got = (_version if name in SESSIONS else _ray_numpy_version)(row, ranks, rollouts, step)
                     want = digest(reference.tensors)
                     seen = ray.get([r.digest.remote() for r in rollouts], timeout=TIMEOUT_S)
                     got.update(round=round_index, bit_exact=[s == want for s in seen])
                     row.versions.append(got)
-                    if row.transport is None:
+                    if row.transport is None and row.coordinator is not None:
                         status = row.coordinator.status()
                         row.transport, row.reason = status.transport, status.transport_reason
                     _progress(f"{name} v{row.version}{' (warm-up)' if round_index < 0 else ''}: "
@@ -156,6 +160,26 @@ def _version(row: Row, ranks: list, rollouts: list, update: int) -> dict[str, An
     return {"version": row.version, "seconds": outs[0]["synced_s"], "staged_s": outs[0]["staged_s"],
             "barrier_s": outs[0]["barrier_s"], "ranks_synced_s": [o["synced_s"] for o in outs],
             "sharded": [o["sharded"] for o in outs], "links": moved}
+
+
+def _ray_numpy_version(row: Row, ranks: list, rollouts: list, update: int) -> dict[str, Any]:
+    """What a Ray user writes for sharded weights: every rank puts its rows into Ray's object
+    store as numpy (after the barrier ending the update), each receiver gets every rank's ref,
+    joins the rows into whole tensors and loads them. The clock: from rank 0's barrier until
+    the last receiver loaded."""
+    before = read_links()
+    puts = [t.ray_put_rows.remote(update) for t in ranks]
+    row.pending = puts
+    outs = wait_all(puts)
+    refs = [o["ref"] for o in outs]  # nested in a list: Ray hands the receivers the references
+    loads = [r.ray_load.remote(refs) for r in rollouts]
+    row.pending = loads
+    ends = wait_all(loads)
+    row.pending = []
+    moved = link_delta(before, read_links())
+    return {"version": row.version, "seconds": max(e["end"] for e in ends) - outs[0]["t0"],
+            "staged_s": outs[0]["put_s"], "barrier_s": None, "ranks_synced_s": None,
+            "sharded": [True] * len(ranks), "links": moved}
 
 
 def main() -> int:

@@ -176,9 +176,7 @@ class TrainerRank:
         from .peak_memory import PeakTracker
 
         sender = self.senders[row]
-        while self.updates < update:
-            self.updates += 1
-            self.versions.apply(self.updates)
+        self._advance(update)
         named: Any = self.named
         if row == "gather":
             named = ((n, t.full_tensor() if hasattr(t, "full_tensor") else t) for n, t in self.named.items())
@@ -201,6 +199,26 @@ class TrainerRank:
         mode = getattr(getattr(sender.transport, "session", None), "mode", None)
         out.update(barrier_s=result.barrier_s, sharded=getattr(sender, "rows", None) is not None, mode=mode)
         return out
+
+    def _advance(self, update: int) -> None:
+        while self.updates < update:
+            self.updates += 1
+            self.versions.apply(self.updates)
+
+    def ray_put_rows(self, update: int) -> dict[str, Any]:
+        """The ray-numpy row: the weights brought to ``update``, the barrier that ends the update,
+        then this rank's rows as numpy into Ray's object store (0-dim tensors from rank 0 only),
+        as a Ray user moves sharded weights; the receivers take every rank's ref (ray_load)."""
+        import ray
+        import torch.distributed as dist
+
+        from .actors import numpy_views
+
+        self._advance(update)
+        dist.barrier()
+        t0 = time.monotonic()
+        ref = ray.put(numpy_views({n: t for n, t in self.versions.tensors.items() if t.dim() or self.rank == 0}))
+        return {"t0": t0, "put_s": time.monotonic() - t0, "ref": ref}
 
     def drop(self, row: str) -> None:
         sender = self.senders.pop(row, None)
