@@ -51,10 +51,11 @@ def _step(trainers, rollouts, version: int, gather: bool = False, late0: float =
     assert ray.get(applied, timeout=120) == [version] * len(rollouts)
 
 
-@pytest.mark.parametrize("transport", ["shm", "relay"])
+@pytest.mark.parametrize("transport", ["shm", "relay", "broadcast"])
 def test_each_rank_writes_its_rows_and_receivers_load_them_bit_exact(coordinator_factory, transport):
     """shm: into the host's segment; relay: to the first receiver, which relays whole buckets
-    (the second receiver reads them from its host's segment)."""
+    (the second receiver reads them from its host's segment); broadcast: over a group of its own
+    to every receiver."""
     ranks = 3  # uneven: 1000, 10, 7 and 5 rows split 3 ways; 2 rows leave rank 2 none
     coord, rollouts, trainers = _job(coordinator_factory, ranks, {**CFG, "transport": transport})
     try:
@@ -76,7 +77,8 @@ def test_each_rank_writes_its_rows_and_receivers_load_them_bit_exact(coordinator
     "shm": "each rank writes its rows: the version aborts naming the rank, receivers keep the last version",
     "relay": "each rank sends its rows to the first receiver: the version aborts naming the rank, receivers keep "
              "the last version",
-    "broadcast": "the shards are gathered: rank 0's full_tensor() fails, the version aborts naming the rank",
+    "broadcast": "each rank broadcasts its rows over a group of its own: the version aborts naming the rank, "
+                 "receivers keep the last version",
     "ipc": "the shards are gathered at the barrier: the version aborts naming the rank, no receiver hangs"})
 @pytest.mark.parametrize("transport", ["shm", "relay", "broadcast", "ipc"])
 def test_a_rank_killed_mid_version_aborts_it_named(coordinator_factory, transport):
@@ -86,10 +88,11 @@ def test_a_rank_killed_mid_version_aborts_it_named(coordinator_factory, transpor
         _step(trainers, rollouts, 1)
         for r in rollouts:
             assert_serves(r, MANIFEST, 1)
-        # shm and relay take each rank's rows; broadcast and ipc take the gathered shards from rank 0
-        assert ray.get([t.sharded.remote() for t in trainers]) == [transport in ("shm", "relay")] * 3
-        gathered = f"the FSDP2 shards are gathered (transport {transport} takes no rows; shm and relay do)"
-        assert (gathered in coord.status().transport_reason) == (transport not in ("shm", "relay"))
+        # shm, relay and broadcast take each rank's rows; ipc takes the gathered shards from rank 0
+        takes_rows = transport != "ipc"
+        assert ray.get([t.sharded.remote() for t in trainers]) == [takes_rows] * 3
+        gathered = f"the FSDP2 shards are gathered (transport {transport} takes no rows; shm, relay and broadcast do)"
+        assert (gathered in coord.status().transport_reason) == (not takes_rows)
         ray.get(trainers[2].hold_at.remote(3))
         steps = [t.step.remote(2) for t in trainers]
         applying = [r.apply.remote(2) for r in rollouts]
@@ -107,11 +110,14 @@ def test_a_rank_killed_mid_version_aborts_it_named(coordinator_factory, transpor
         stop_actors([*trainers, *rollouts])
 
 
-@pytest.mark.scenario("fault", "a trainer rank's rows corrupted on their way (sharded relay)", transport="relay",
-                      promise="the head checks each rank's rows against that rank's digest: the version aborts naming "
-                              "the rank's rows, receivers keep the last version")
-def test_rows_that_arrive_changed_abort_the_version_naming_the_rank(coordinator_factory):
-    config = {**CFG, "transport": "relay"}
+@pytest.mark.scenario("fault", "a trainer rank's rows corrupted on their way (FSDP2 shards)", promise={
+    "relay": "the head checks each rank's rows against that rank's digest: the version aborts naming the rank's rows, "
+             "receivers keep the last version",
+    "broadcast": "every receiver checks each rank's rows against that rank's digest: the version aborts naming the "
+                 "rank's rows, receivers keep the last version"})
+@pytest.mark.parametrize("transport", ["relay", "broadcast"])
+def test_rows_that_arrive_changed_abort_the_version_naming_the_rank(coordinator_factory, transport):
+    config = {**CFG, "transport": transport, "backend": "gloo"}
     coord, rollouts, trainers = _job(coordinator_factory, 3, config)
     try:
         _step(trainers, rollouts, 1)

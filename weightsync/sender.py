@@ -11,11 +11,11 @@ One version, end to end:  stage(v, named_tensors)
 sync(v)  -> coordinator.begin_sync(v) -> transport.send(v) -> coordinator.wait_outcome(v)
 
 A sharded session (the first version's tensors are FSDP2 shards, manifest.shards_of, on a transport
-that takes rows: shm whole versions, relay): on shm rank 0 opens v (announce), every other rank joins it
+that takes rows: shm whole versions, relay, broadcast): on shm rank 0 opens v (announce), every other rank joins it
 (coordinator.begin_part) and writes its rows into the same segment, reporting its part
 (coordinator.part_staged); rank 0 writes its own, collects the parts (coordinator.wait_parts:
-a rank lost meanwhile aborts v, named) and merges them into v's record. On relay, which moves
-versions at the barrier, every rank keeps its rows (a RowWriter: rank 0's goes to
+a rank lost meanwhile aborts v, named) and merges them into v's record. On relay and broadcast,
+which move versions at the barrier, every rank keeps its rows (a RowWriter: rank 0's goes to
 transport.stage in a Packer's place) and sends them in sync(v) (transport.send on rank 0,
 SendsRows.send_rows on the others, each reporting its part). Elsewhere every rank gathers each
 DTensor with ``full_tensor()`` as the tensors are walked (manifest.gathered).
@@ -141,8 +141,8 @@ class WeightSender(HoldsMember):
     ``rank`` is the trainer rank: rank 0 sends, every other rank must still call ``stage``
     and ``sync`` with the same versions (their tensor iteration may run collectives such as
     FSDP's ``full_tensor()``), and sends nothing, unless the tensors are FSDP2 shards
-    (DTensors sharded by rows) on shm: then every rank writes its own rows (docs/design.md,
-    "Sharded sessions"). The constructor registers with the
+    (DTensors sharded by rows) on shm, relay or broadcast: then every rank sends its own rows
+    (docs/sharded.md). The constructor registers with the
     coordinator and starts a heartbeat thread; ``close()`` (or a ``with`` block) leaves.
 
     Args:
@@ -238,10 +238,10 @@ class WeightSender(HoldsMember):
         session = transport.session
         sharded = (manifest.rows is not None and not delta
                    and (isinstance(transport, WritesRows) and isinstance(transport, Announces)
-                        or isinstance(transport, SendsRows)))
+                        or isinstance(transport, SendsRows) and not session.ahead))
         if manifest.rows is not None and not sharded:
             manifest = manifest.whole()  # every rank gathers its shards; rank 0 sends them whole
-            reason = f"{reason}; the FSDP2 shards are gathered ({_why_gathered(name, delta)})"
+            reason = f"{reason}; the FSDP2 shards are gathered ({_why_gathered(name, delta, session.ahead)})"
         if config.receive_ahead == "on" and not session.ahead:
             transport.close()
             raise ConfigError(f"receive_ahead: on, but transport {name} ({session.why or reason}) takes "
@@ -587,14 +587,16 @@ class WeightSender(HoldsMember):
         return {"base": self._delta.base, **({"auto": policy.describe()} if policy is not None else {})}
 
 
-def _why_gathered(name: str, delta: bool) -> str:
+def _why_gathered(name: str, delta: bool, ahead: bool) -> str:
     """Why a session whose first version came as shards sends whole tensors: said in its reason
     (the log line and status()), since gathering costs more than the copy on one host."""
     if delta:
         return "delta sync encodes whole tensors"
     if name == "shm":
         return "shm streams through a ring here, the budget holding no whole version; ranks write rows into whole ones"
-    return f"transport {name} takes no rows; shm and relay do"
+    if ahead:
+        return f"receive_ahead: on sends whole versions before the barrier; {name}'s ranks send their rows at it"
+    return f"transport {name} takes no rows; shm, relay and broadcast do"
 
 
 def _log_sent(party: str, version: int, transport: str | None, nbytes: int, stage_s: float, barrier_s: float,

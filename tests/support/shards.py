@@ -93,7 +93,9 @@ class ShardedTrainer(_Party):
 
     def corrupt_rows_digests(self) -> None:
         """From now on this rank sends its rows with a wrong digest (one bit off), as bytes
-        changed on their way would arrive (sharded relay: transports/relay/transport.py)."""
+        changed on their way would arrive (sharded relay and broadcast: transports/relay/transport.py,
+        transports/broadcast/rows.py)."""
+        from weightsync.transports.broadcast import rows as broadcast
         from weightsync.transports.relay import transport as relay
 
         honest = relay.put_checksum
@@ -102,7 +104,7 @@ class ShardedTrainer(_Party):
             value = honest(buf, n, value, kind) ^ 1
             return honest(buf, n, value, kind)
 
-        relay.put_checksum = wrong
+        relay.put_checksum = broadcast.put_checksum = wrong
 
     def sharded(self) -> bool:
         return self.sender.rows is not None
@@ -125,11 +127,12 @@ class ShardedTrainer(_Party):
 
 
 def sharded_trainers(coordinator: Coordinator, manifest: Manifest, ranks: int, config: dict | None = None,
-                     receivers: int | None = None) -> list:
+                     receivers: int | None = None, options: Any = None) -> list:
+    """``options(rank)``: more Ray options for that rank's actor (e.g. which simulated device it holds)."""
     import ray
 
     port = free_port()
-    return [ray.remote(ShardedTrainer).options(num_cpus=0, max_concurrency=4).remote(
+    return [ray.remote(ShardedTrainer).options(num_cpus=0, max_concurrency=4, **(options(r) if options else {})).remote(
         coordinator, manifest.to_wire(), r, ranks, port, config=config, expected_receivers=receivers)
         for r in range(ranks)]
 

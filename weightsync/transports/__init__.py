@@ -57,7 +57,7 @@ if TYPE_CHECKING:
 
     from ..config import SyncConfig
     from ..coordinator.client import ControlPlane, Member
-    from ..manifest import BucketPlan, Manifest, Packer, RowWriter
+    from ..manifest import BucketPlan, Manifest, Packer, RowPlan, RowWriter
 
 # a view of ``nbytes`` from ``offset`` in ``bucket`` on through the next buckets, or None where
 # they do not lie back to back
@@ -92,6 +92,14 @@ class TransportContext:
     @property
     def control(self) -> ControlPlane | None:
         return self.member.control if self.member is not None else None
+
+    @functools.cached_property
+    def row_plans(self) -> list[RowPlan]:
+        """Where each trainer rank's rows go in the buckets of a sharded session (fixed by its
+        plan: made once)."""
+        from ..manifest import plan_rows
+
+        return [plan_rows(self.plan, self.manifest, r) for r in range(self.manifest.senders)]
 
     def account(self, kind: str, delta: int) -> None:
         """A segment or handle opened (+1) or closed (-1): status() shows what each party holds."""
@@ -258,14 +266,25 @@ class WritesRows(Protocol):
         """Rank 0: the version's record from every rank's part (its own included, as written)."""
 
 
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class RowsSent(Message):
+    """What one trainer rank of a sharded session sent of a version (SendsRows): the buckets it
+    has rows in, the digest of each of its pieces, and the bytes."""
+
+    rank: int
+    buckets: list[int]
+    sums: list[int]
+    written: int
+
+
 @runtime_checkable
 class SendsRows(Protocol):
     """Every trainer rank sends its own rows of each version at the barrier (a sharded session
-    of a transport that moves versions at the barrier: relay). Rank 0's ``stage`` takes its
-    RowWriter where it takes a Packer, and its ``send`` sends those rows; every other rank
-    sends its own with ``send_rows``."""
+    of a transport that moves versions at the barrier: relay, broadcast). Rank 0's ``stage``
+    takes its RowWriter where it takes a Packer, and its ``send`` sends those rows; every other
+    rank sends its own with ``send_rows``."""
 
-    def send_rows(self, version: int, rows: RowWriter, deadline: Deadline) -> Message:
+    def send_rows(self, version: int, rows: RowWriter, deadline: Deadline) -> RowsSent:
         """A rank other than 0: this rank's rows of ``version``, sent once rank 0 reached the
         barrier; its part for the coordinator (what it sent)."""
 
@@ -516,6 +535,13 @@ def _broadcast_sender(ctx: TransportContext) -> SenderTransport:
     return BroadcastSender(ctx)
 
 
+def _broadcast_rows(ctx: TransportContext, session: SessionRecord) -> SenderTransport:
+    """A rank's sender of its rows, on rank 0's store."""
+    from .broadcast.transport import BroadcastSender
+
+    return BroadcastSender(ctx, session)
+
+
 def _broadcast_receiver(ctx: TransportContext, session: SessionRecord) -> ReceiverTransport:
     from .broadcast.transport import BroadcastReceiver
 
@@ -555,7 +581,7 @@ def relay_version(wire: Any) -> VersionRecord:
 
 BUILTIN = (
     Transport("broadcast", _broadcast_sender, _broadcast_receiver, BroadcastSession.from_wire,
-              BroadcastVersion.from_wire, _broadcast_refuses, _broadcast_auto),
+              BroadcastVersion.from_wire, _broadcast_refuses, _broadcast_auto, _broadcast_rows),
     Transport("ipc", _ipc_sender, _ipc_receiver, IpcSession.from_wire, IpcVersion.from_wire, _ipc_refuses, _ipc_auto),
     # across nodes in host memory: one copy per node, passed on from node to node
     Transport("relay", _relay_sender, _relay_receiver, relay_session, relay_version, _relay_refuses, _relay_auto,

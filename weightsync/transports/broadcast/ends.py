@@ -10,7 +10,7 @@ from typing import Any
 import torch
 
 from ...digest import compute, kind_of
-from ...errors import ConfigError, ProtocolError, WeightSyncError
+from ...errors import ChecksumError, ConfigError, ProtocolError, WeightSyncError
 from ...manifest import PackViews
 from ...records import BroadcastGroup
 from .. import Aborted, Deadline, TransportContext
@@ -51,7 +51,10 @@ def tell_failed(ctx: TransportContext, version: int, exc: BaseException) -> str:
     if isinstance(exc, Aborted):
         return str(exc)
     try:
+        # a killed peer may show as silent only after the heartbeat timeout: give the coordinator
+        # that long to name it; bytes whose digest is off name their own fault, nobody to wait for
         wait_s = ctx.config.heartbeat_timeout_s + 2 * ctx.config.heartbeat_interval_s
+        wait_s = 0.0 if isinstance(exc, ChecksumError) else wait_s
         return ctx.control.bcast_failed(version, f"{type(exc).__name__}: {exc}"[:2000], timeout=wait_s)
     except WeightSyncError as why:
         return f"{type(exc).__name__}: {exc} (and the coordinator could not be told: {why})"
@@ -71,6 +74,7 @@ class BroadcastEnd:
             raise ConfigError(f"{who}: {exc}") from None
         self.trailer = TRAILER if kind_of(ctx.config, self.device) else 0
         self.group: Group | None = None
+        self.row_groups: dict[int, Group] = {}  # a sharded session's: trainer rank -> its group
         self.buffers: list[torch.Tensor] | None = None
         self.generation = 0  # bumped whenever the buffers go (Bucket.generation)
         self.views = PackViews()  # the sender's: where each bucket's tensors go in each buffer
@@ -92,32 +96,51 @@ class BroadcastEnd:
     def _join(self, group: BroadcastGroup, rank: int, deadline: Deadline, poll: Callable[[], None]) -> Group:
         """The group of this version: the current one if the epoch is unchanged, else built
         anew in a helper thread while this one keeps polling the coordinator."""
-        # epochs count from 1 again in a restarted coordinator: its nonce keeps names unique
-        ident = (group.nonce, group.epoch)
-        if self.group is not None and self.group.epoch == ident:
-            return self.group
-        self._drop()
-        names = [group.sender] + list(group.members)
-        prefix = f"weightsync/{self.ctx.session}/{self.ctx.digest[:16]}/{group.nonce}/epoch{group.epoch}"
-        timeout = max(0.001, min(self.ctx.config.connect_timeout_s, deadline.left()))
-        self.group = Group.build_polled(self.backend, self._store(), prefix, rank, len(names), self.device,
-                                        timeout, names, self.communicator, poll,
-                                        f"building broadcast group epoch {group.epoch}")
-        self.group.epoch = ident
-        self.ctx.account("bcast_groups", +1)
+        if self.group is None or self.group.epoch != (group.nonce, group.epoch):
+            self._drop()
+            self.group = self._build(group, "", group.sender, rank, deadline, poll)
         return self.group
 
+    def _rows_group(self, group: BroadcastGroup, sender: int, name: str, rank: int, deadline: Deadline,
+                    poll: Callable[[], None]) -> Group:
+        """A sharded session's group of trainer rank ``sender`` (named ``name``, at rank 0) and
+        every member of the version's group after it, at their ranks there: that rank's rows."""
+        if any(g.epoch != (group.nonce, group.epoch) for g in self.row_groups.values()):
+            self._drop()  # a new epoch (a new member set, or a failed version): its groups anew
+        got = self.row_groups.get(sender)
+        if got is None:
+            got = self.row_groups[sender] = self._build(group, f"/rows{sender}", name, rank, deadline, poll)
+        return got
+
+    def _build(self, group: BroadcastGroup, key: str, root: str, rank: int, deadline: Deadline,
+               poll: Callable[[], None]) -> Group:
+        # epochs count from 1 again in a restarted coordinator: its nonce keeps names unique
+        names = [root] + list(group.members)
+        prefix = f"weightsync/{self.ctx.session}/{self.ctx.digest[:16]}/{group.nonce}/epoch{group.epoch}{key}"
+        timeout = max(0.001, min(self.ctx.config.connect_timeout_s, deadline.left()))
+        built = Group.build_polled(self.backend, self._store(), prefix, rank, len(names), self.device,
+                                   timeout, names, self.communicator, poll,
+                                   f"building broadcast group{key} epoch {group.epoch}")
+        built.epoch = (group.nonce, group.epoch)
+        self.ctx.account("bcast_groups", +1)
+        return built
+
     def _drop(self) -> None:
-        """Retire the group and, if ops are still pending on them, the buffers too."""
-        if self.group is not None:
-            self.ctx.account("bcast_groups", -1)
+        """Retire the groups and, if ops are still pending on them, the buffers too."""
         if self.pending and self.buffers is not None:
             self.ctx.account("bcast_buffers", -BUFFERS)
             self.buffers = None
             self.generation += 1
             self.views.clear()
-        retire(self.group, self.pending, self.ctx.name)
-        self.group, self.pending = None, []
+        # every group's retiring thread waits on all the pending ops: an op of one group may be
+        # stuck on a peer that is gone
+        groups = [*([self.group] if self.group is not None else []), *self.row_groups.values()]
+        for g in groups:
+            self.ctx.account("bcast_groups", -1)
+            retire(g, self.pending, self.ctx.name)
+        if not groups:
+            retire(None, self.pending, self.ctx.name)
+        self.group, self.row_groups, self.pending = None, {}, []
 
     def _failed(self, version: int, exc: BaseException) -> str:
         return tell_failed(self.ctx, version, exc)

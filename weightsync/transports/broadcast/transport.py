@@ -45,42 +45,56 @@ import torch.distributed as dist
 from ... import device as devices
 from ... import digest
 from ...errors import ChecksumError, ConfigError, DeadlineExceeded, VersionError, WeightSyncError
-from ...manifest import BucketPlan, Packer
+from ...manifest import BucketPlan, Packer, RowWriter
 from ...records import BroadcastGroup, VersionRecord
-from .. import Aborted, Bucket, Deadline, ReceiverTransport, SenderTransport, Span, TransportContext
+from .. import Aborted, Bucket, Deadline, ReceiverTransport, RowsSent, SenderTransport, Span, TransportContext
 from .ahead import AheadCopy
 from .communicators import choose_backend
 from .ends import BUFFERS, TRAILER, BroadcastEnd, get_checksum, put_checksum  # noqa: F401  (tests)
 from .groups import Group, settle
 from .records import BroadcastSession, BroadcastVersion
+from .rows import RowsIn, send_rows
 from .store import connect_store, host_store, store_host
 
 
 class BroadcastSender(BroadcastEnd, SenderTransport):
     name = "broadcast"
 
-    def __init__(self, ctx: TransportContext):
+    def __init__(self, ctx: TransportContext, session: BroadcastSession | None = None):
+        """Rank 0 hosts the session's store; another trainer rank of a sharded session joins
+        rank 0's ``session`` to send its rows (rows.py)."""
         self.ctx = ctx
+        self.store: dist.TCPStore | None = None
+        self.packers: dict[int, Packer | RowWriter] = {}
+        self.packed_bytes = 0  # bytes this end packed onto the wire so far: whole buckets, or its rows
+        self.groups_ahead: dict[int, BroadcastGroup | None] = {}  # announced versions: their group (None: gone)
+        self.sent_ahead: set[int] = set()
+        if session is not None:
+            self._setup(ctx, session.backend, f"sender '{ctx.name}'", session.communicator)
+            self.trailer = TRAILER if session.digest_kind else 0  # rank 0's digests, whatever this rank's config
+            self.store_id, self.session = session.store_id, session
+            return
         self._setup(ctx, choose_backend(ctx.config.backend, ctx.device), f"sender '{ctx.name}'")
         kind = digest.kind_of(ctx.config, self.device)  # of the buckets on the communicator's device
-        self.store: dist.TCPStore | None = None
-        self.packers: dict[int, Packer] = {}
         # tells this sender's store from a restarted sender's, even on a fixed rendezvous_port
         self.store_id = secrets.token_hex(8)
         # receive_ahead: send in stage() when every receiver keeps an ahead copy; announced
-        # versions are readable while STAGING
-        ahead = ctx.config.receive_ahead != "off" and ctx.control is not None
+        # versions are readable while STAGING. Not for shards unless asked for: their rows go
+        # at the barrier, each rank's own (receive_ahead: on gathers them instead)
+        ahead = (ctx.config.receive_ahead != "off" and ctx.control is not None
+                 and (ctx.manifest.rows is None or ctx.config.receive_ahead == "on"))
         self.session = BroadcastSession(backend=self.backend, communicator=self.communicator,
                                         communicator_reason=self.communicator_reason,
                                         host=store_host(ctx.config.rendezvous_host), port=self._store().port,
                                         store_id=self.store_id, digest_kind=kind, ahead=ahead)
-        self.groups_ahead: dict[int, BroadcastGroup | None] = {}  # announced versions: their group (None: gone)
-        self.sent_ahead: set[int] = set()
 
     def _store(self) -> dist.TCPStore:
         if self.store is None:
-            self.store = host_store(store_host(self.ctx.config.rendezvous_host),
-                                    self.ctx.config.rendezvous_port, self.ctx.config.connect_timeout_s)
+            if self.ctx.rank != 0:
+                self.store = connect_store(self.session.host, self.session.port, self.ctx.config.connect_timeout_s)
+            else:
+                self.store = host_store(store_host(self.ctx.config.rendezvous_host),
+                                        self.ctx.config.rendezvous_port, self.ctx.config.connect_timeout_s)
         return self.store
 
     def announce(self, version: int, slot: int) -> BroadcastVersion | None:
@@ -100,7 +114,7 @@ class BroadcastSender(BroadcastEnd, SenderTransport):
         self.groups_ahead[version] = group
         return BroadcastVersion(session=self.session, ahead=True)
 
-    def stage(self, version: int, slot: int, packer: Packer) -> BroadcastVersion:
+    def stage(self, version: int, slot: int, packer: Packer | RowWriter) -> BroadcastVersion:
         # Nothing moves before the barrier unless the version's group formed ahead: the tensors
         # are read, packed and sent in send(), with two buckets of memory instead of a copy of
         # the model. So the trainer must leave them unchanged until sync() returns (the recipe
@@ -126,7 +140,7 @@ class BroadcastSender(BroadcastEnd, SenderTransport):
 
     def give_back(self, version: int) -> bool:
         packer = self.packers.pop(version, None)
-        if packer is not None:
+        if isinstance(packer, Packer):
             packer.drain()
         return packer is not None
 
@@ -145,9 +159,33 @@ class BroadcastSender(BroadcastEnd, SenderTransport):
         except WeightSyncError as exc:
             self._failed(version, exc)
         if group is None or group.size == 1:
-            packer.drain()  # nobody to send to; the coordinator records the outcome
+            if isinstance(packer, Packer):
+                packer.drain()  # nobody to send to; the coordinator records the outcome
             return None
+        if isinstance(packer, RowWriter):
+            try:
+                send_rows(self, version, group, packer, deadline, lambda: self._poll(version))
+            except Exception as exc:
+                # not raised: sync()'s wait_outcome raises SyncFailed naming every party at fault
+                self._failed(version, exc)
+                self._drop()
+            return None  # the version's digest is the receivers' (of the pieces' digests)
         return self._stream(version, group, packer, deadline)
+
+    def send_rows(self, version: int, rows: RowWriter, deadline: Deadline) -> RowsSent:
+        """A trainer rank other than 0: its rows of ``version``, over its own group, once rank 0
+        reached the barrier. Raises VersionError where they could not go (the version is aborted,
+        naming the fault)."""
+        devices.set_current(self.device)
+        try:
+            group = self.ctx.control.bcast_group(version, timeout=max(0.001, deadline.left()))
+            return send_rows(self, version, group, rows, deadline, lambda: self._poll(version))
+        except VersionError:
+            raise  # the version is off: the coordinator has the reason
+        except Exception as exc:
+            reason = self._failed(version, exc)
+            self._drop()
+            raise VersionError(f"version {version} was aborted: {reason}") from None
 
     def _stream(self, version: int, group: BroadcastGroup, packer: Packer, deadline: Deadline) -> str | None:
         """Pack and send the version (_Run); its digest, or None where the transfer failed. The
@@ -168,6 +206,7 @@ class BroadcastSender(BroadcastEnd, SenderTransport):
                 if buf is None:
                     break
                 run.done(b, packer.fill(b, buf, kind, self.views))
+                self.packed_bytes += packer.plan.buckets[b].nbytes
         except BaseException as exc:
             run.fail(exc)  # the trainer's tensors are off the manifest, or its iteration failed
             raise
@@ -300,11 +339,13 @@ class BroadcastReceiver(BroadcastEnd, ReceiverTransport):
 
         devices.set_current(self.device)
         plan = record.moves(self.ctx.plan)  # the wire lengths its record gives
-        posted: dict[int, Any] = {}
         finished = False
         try:
             group = self.ctx.control.bcast_group(version, timeout=max(0.001, deadline.left()))
-            g = self._join(group, group.rank, deadline, poll)
+            if self.ctx.manifest.rows is not None:  # a sharded session: every rank's rows (rows.py)
+                inflow: _FromRoot | RowsIn = RowsIn(self, version, group, deadline, poll)
+            else:
+                inflow = _FromRoot(self, version, self._join(group, group.rank, deadline, poll), deadline, poll)
             if devices.has_streams(self.device):
                 # the buffers serve the barrier (the engine's stream) and the ahead thread (a
                 # stream of its own, ahead.py): freed with ops of either still queued, their
@@ -312,19 +353,15 @@ class BroadcastReceiver(BroadcastEnd, ReceiverTransport):
                 for buf in self._buffers():
                     devices.record_stream(buf, devices.current_stream(self.device))
 
-            def post(b: int) -> None:
-                if b < plan.bucket_count:
-                    posted[b] = g.broadcast(self._wire(b, plan.buckets[b].nbytes), deadline.left())
-                    self.pending.append(posted[b])
-
-            for b in range(BUFFERS):
-                post(b)
+            for b in range(min(BUFFERS, plan.bucket_count)):
+                inflow.post(b, plan.buckets[b].nbytes)
             for b, bucket in enumerate(plan.buckets):
-                settle(posted.pop(b), deadline.at, poll, f"bucket {b} of version {version}")
-                wire = self._wire(b, bucket.nbytes)
-                expected = get_checksum(wire, bucket.nbytes) if self.trailer else None
-                yield Bucket(b, wire[: bucket.nbytes], expected if self.digest_kind else None, "", self.generation)
-                post(b + BUFFERS)  # the consumer is done with this buffer
+                wire, expected = inflow.take(b, bucket.nbytes)
+                yield Bucket(b, wire[: bucket.nbytes], expected if self.digest_kind else None, inflow.checked,
+                             self.generation)
+                if b + BUFFERS < plan.bucket_count:
+                    inflow.post(b + BUFFERS, plan.buckets[b + BUFFERS].nbytes)  # the consumer is done with this buffer
+            inflow.finish()
             devices.synchronize(self.device)
             self.pending = []
             finished = True
@@ -401,3 +438,26 @@ class BroadcastReceiver(BroadcastEnd, ReceiverTransport):
         if self.copy is not None:
             self.ctx.account("ahead_copy_bytes", -self.copy.nbytes)
             self.copy = None
+
+
+class _FromRoot:
+    """A receiver's buckets of a whole-tensor session: broadcast whole by sender rank 0, each
+    with its digest in the trailer."""
+
+    checked = ""  # the receiver checks each bucket against the digest that came with it
+
+    def __init__(self, end: BroadcastReceiver, version: int, group: Group, deadline: Deadline, poll: Any):
+        self.end, self.version, self.group, self.deadline, self.poll = end, version, group, deadline, poll
+        self.posted: dict[int, Any] = {}
+
+    def post(self, b: int, n: int) -> None:
+        self.posted[b] = self.group.broadcast(self.end._wire(b, n), self.deadline.left())
+        self.end.pending.append(self.posted[b])
+
+    def take(self, b: int, n: int) -> tuple[torch.Tensor, Any]:
+        settle(self.posted.pop(b), self.deadline.at, self.poll, f"bucket {b} of version {self.version}")
+        wire = self.end._wire(b, n)
+        return wire, get_checksum(wire, n) if self.end.trailer else None
+
+    def finish(self) -> None:
+        pass

@@ -53,11 +53,10 @@ import torch
 import torch.distributed as dist
 
 from ... import digest
-from ...errors import ConfigError, DeadlineExceeded, VersionError, WeightSyncError
-from ...errors import ChecksumError
-from ...manifest import Packer, PackViews, RowPlan, RowWriter, gaps, plan_rows, unpack_piece
-from ...records import BroadcastGroup, Message, SessionRecord, VersionRecord
-from .. import Aborted, Bucket, Deadline, ReceiverTransport, SenderTransport, TransportContext
+from ...errors import ChecksumError, ConfigError, DeadlineExceeded, VersionError, WeightSyncError
+from ...manifest import Packer, PackViews, RowWriter, gaps, unpack_piece
+from ...records import BroadcastGroup, SessionRecord, VersionRecord
+from .. import Aborted, Bucket, Deadline, ReceiverTransport, RowsSent, SenderTransport, TransportContext
 from ..broadcast.communicators import choose_communicator
 from ..broadcast.ends import BUFFERS, get_checksum, put_checksum, tell_failed
 from ..broadcast.groups import Group, retire, settle
@@ -90,17 +89,6 @@ class RelayVersion(VersionRecord):
     slot: int
 
 
-@dataclasses.dataclass(frozen=True, kw_only=True)
-class RelayPart(Message):
-    """What one trainer rank of a sharded session sent of a version: the buckets it has rows in,
-    the digest of each of its pieces, and the bytes."""
-
-    rank: int
-    buckets: list[int]
-    sums: list[int]
-    written: int
-
-
 class _End:
     """What both ends share: the store, the hop groups of the current epoch, two wire buffers."""
 
@@ -120,7 +108,6 @@ class _End:
         self.pending: list[Any] = []  # ops posted and not yet settled
         self.views = PackViews()  # the sender's: where each bucket's tensors go in each buffer
         self.slots = Slots(ctx)  # this host's copy of each version, for its followers
-        self._row_plans: list[RowPlan] | None = None
 
     def _wire(self, b: int, nbytes: int) -> torch.Tensor:
         if self.buffers is None:
@@ -172,13 +159,6 @@ class _End:
             retire(hop, self.pending, self.ctx.name)
             self.ctx.account("relay_hops", -1)
         self.hops, self.pending, self.epoch = {}, [], None
-
-    def row_plans(self) -> list[RowPlan]:
-        """Where each trainer rank's rows go in the buckets of this sharded session (fixed by its
-        plan: made once)."""
-        if self._row_plans is None:
-            self._row_plans = [plan_rows(self.ctx.plan, self.ctx.manifest, r) for r in range(self.ctx.manifest.senders)]
-        return self._row_plans
 
     def _failed(self, version: int, exc: BaseException) -> str:
         return tell_failed(self.ctx, version, exc)
@@ -278,7 +258,7 @@ class RelaySender(_End, SenderTransport):
             return None  # the version's digest is the receivers' (of the buckets the heads made whole)
         return self._send(version, group, slot, packer, local, deadline)
 
-    def send_rows(self, version: int, rows: RowWriter, deadline: Deadline) -> RelayPart:
+    def send_rows(self, version: int, rows: RowWriter, deadline: Deadline) -> RowsSent:
         """A trainer rank other than 0: its rows of ``version``, to the heads, once rank 0
         formed the version's relay at the barrier. A failure is told to the coordinator (which
         aborts the version, naming the party at fault) and raised."""
@@ -292,7 +272,7 @@ class RelaySender(_End, SenderTransport):
             self._drop()
             raise VersionError(f"version {version} was aborted: {reason}") from None
 
-    def _send_rows(self, version: int, group: BroadcastGroup, rows: RowWriter, deadline: Deadline) -> RelayPart:
+    def _send_rows(self, version: int, group: BroadcastGroup, rows: RowWriter, deadline: Deadline) -> RowsSent:
         """This rank's piece of each bucket it has rows in (``RowWriter.pack``: its rows one
         after another, then their digest), over a pair of its own to each head."""
         kind, me = self.session.digest_kind, rows.rows.rank
@@ -320,7 +300,7 @@ class RelaySender(_End, SenderTransport):
             for w in works:
                 settle(w, deadline.at, poll, f"the last rows of version {version}")
         self.pending = []
-        return RelayPart(rank=me, buckets=[b for b, _ in pieces], sums=sums, written=sum(n for _, n in pieces))
+        return RowsSent(rank=me, buckets=[b for b, _ in pieces], sums=sums, written=sum(n for _, n in pieces))
 
     def _send(self, version: int, group: BroadcastGroup, slot: int, packer: Packer, local: bool,
               deadline: Deadline) -> str | None:
@@ -524,10 +504,9 @@ class _FromRanks:
     checked = "here"  # each rank's piece was checked on its way in; the bucket's digest is of these bytes
 
     def __init__(self, end: _End, version: int, group: BroadcastGroup, head: int, deadline: Deadline, poll: Any):
-        ctx = end.ctx
         self.end, self.version, self.deadline, self.poll = end, version, deadline, poll
         self.kind = end.session.digest_kind if end.trailer else None
-        self.rows = end.row_plans()
+        self.rows = end.ctx.row_plans
         # each rank's buffers: its largest piece and a trailer, two of them (a piece in flight, one taken)
         self.hops: dict[int, Group] = {}
         self.buffers: dict[int, list[torch.Tensor]] = {}
