@@ -559,7 +559,8 @@ def hosts_ranks(can_build, tmp_path_factory):
     """``weightsync bench --hosts 4 --trainer-ranks 2x2``, small: 2 trainer hosts of 2 ranks (one
     gloo group over all 4, Shard(0) DTensors), 1 receiver on each of hosts 2 and 3, relay, links 1
     Gbit/s; the tiny-uneven layout (4 MiB, first dims 4 ranks split unevenly, one with fewer rows
-    than ranks, a 0-dim tensor); one warm-up and 2 timed versions of each row. About 30 s on 2 cores."""
+    than ranks, a 0-dim tensor); one warm-up and 2 timed versions of each row (4 rows: gather, shards and
+    the ray-numpy and ray-rdt-gloo baselines). About 50 s on 2 cores."""
     out = tmp_path_factory.mktemp("hosts-ranks") / "hosts-ranks.json"
     proc = subprocess.run([PYTHON, "-m", "weightsync.cli", "bench", "--hosts", "4", "--trainer-ranks", "2x2",
                            "--link-gbit", "1", "--model", "tiny-uneven", "--bucket-mb", "0.25", "--rounds", "1",
@@ -575,10 +576,11 @@ def hosts_ranks(can_build, tmp_path_factory):
 def test_trainer_ranks_on_two_hosts_every_version_of_every_row_bit_exact_on_both_rollout_hosts(hosts_ranks):
     seen = {r["name"]: [v["bit_exact"] for v in r["versions"]] for r in hosts_ranks["rows"]}
     # the warm-up and 2 timed versions of each row, each checked on the receivers of host 2 and host 3;
-    # ray-numpy: every rank's rows through Ray's object store, joined on the receivers (uneven shards,
+    # ray-numpy and ray-rdt-gloo: every rank's rows through Ray, joined on the receivers (uneven shards,
     # a tensor with fewer rows than ranks and the 0-dim one, from rank 0 only, included)
-    assert seen == {"gather": [[True, True]] * 3, "shards": [[True, True]] * 3, "ray-numpy": [[True, True]] * 3}
-    assert [r["kind"] for r in hosts_ranks["rows"]] == ["weightsync", "weightsync", "baseline"]
+    assert seen == {"gather": [[True, True]] * 3, "shards": [[True, True]] * 3, "ray-numpy": [[True, True]] * 3,
+                    "ray-rdt-gloo": [[True, True]] * 3}
+    assert [r["kind"] for r in hosts_ranks["rows"]] == ["weightsync", "weightsync", "baseline", "baseline"]
 
 
 def test_trainer_ranks_on_two_hosts_send_their_own_rows_once_and_each_rollout_host_takes_one_payload(hosts_ranks):

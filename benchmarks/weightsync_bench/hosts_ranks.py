@@ -5,12 +5,14 @@ all H x R ranks, FSDP2-style ``Shard(0)`` DTensors on a 1-D CPU mesh spanning th
 other N - H receive, ``--receivers`` K each (default 1), transport relay. The rows (``gather``:
 ``full_tensor()`` on every rank, rank 0 sends whole tensors; ``shards``: every rank passes its
 local DTensors; beside them what a Ray user writes instead, ``ray-numpy``: every rank puts its
-rows into Ray's object store, every receiver gets all of them and joins the rows) run inside
+rows into Ray's object store, every receiver gets all of them and joins the rows, and
+``ray-rdt-gloo``: the same over Ray Direct Transport) run inside
 host 0 (hosts_ranks_job.py); this process answers the job's reads of the links' counters
 (hosts.drive), prints the table and writes the JSON.
 
 Figures per row, over its timed versions: the seconds from the barrier ending the update until
-rank 0's sync() returned (ray-numpy: until the last receiver loaded), their median and spread, ``x link`` (seconds over the link time of one
+rank 0's sync() returned (the baselines: until the last receiver loaded; ray-rdt-gloo from the
+driver's call, its ranks already stepped), their median and spread, ``x link`` (seconds over the link time of one
 payload: payload x 8 / rate), and per host the bytes its link sent and received per version as
 payloads; every version, warm-up included, checked bit-exact on every receiver.
 """
@@ -28,15 +30,18 @@ from typing import Any
 
 from .hostnet import Cluster, available
 
-# /2: baseline rows beside the sessions (ray-numpy): a row's "kind" (weightsync / baseline), a
-# baseline's transport null and its versions' barrier_s / ranks_synced_s null; "over_shards" per row
+# /2: baseline rows beside the sessions (ray-numpy, ray-rdt-gloo): a row's "kind" (weightsync /
+# baseline), a baseline's transport null and its versions' barrier_s / ranks_synced_s null (and
+# staged_s: ray-numpy the time of rank 0's put, ray-rdt-gloo null); "over_shards" per row
 SCHEMA = "weightsync.bench-hosts-ranks/2"
-BASELINES = ("ray-numpy",)
+BASELINES = ("ray-numpy", "ray-rdt-gloo")
 WHAT = {"gather": "full_tensor() on every rank (a generator passed to stage()), rank 0 sends whole tensors",
         "shards": "every rank passes its local DTensors to stage(); relay taking rows, each rank sends its own "
                   "rows to each head (a receiving host per trainer host)",
         "ray-numpy": "every rank ray.put()s its rows as numpy, each receiver ray.get()s every rank's refs, joins "
-                     "the rows into whole tensors and loads them"}
+                     "the rows into whole tensors and loads them",
+        "ray-rdt-gloo": "every rank's method returns its rows over Ray Direct Transport (gloo), each receiver "
+                        "takes every rank's ref, joins the rows and loads them (parties of its own)"}
 
 
 def _plan(args: argparse.Namespace) -> dict[str, Any]:
@@ -135,7 +140,8 @@ def summarize(name: str, got: dict[str, Any], payload: int, link_s: float, train
         "x_link": st["median_s"] / link_s if seconds else None,
         "x_link_min": min(seconds) / link_s if seconds else None,
         "x_link_max": max(seconds) / link_s if seconds else None,
-        "staged_s": statistics.median(v["staged_s"] for v in timed) if timed else None,
+        "staged_s": statistics.median(staged) if (staged := [v["staged_s"] for v in timed
+                                                              if v["staged_s"] is not None]) else None,
         "payloads_sent": sent, "payloads_received": received,
         "trainer_hosts_out": [sent[h] for h in trainer_hosts] if timed else [],
         "receiving_hosts_in": [received[h] for h in receiving_hosts] if timed else [],
@@ -188,16 +194,17 @@ def table(out: dict[str, Any]) -> str:
              f"links {a['link_gbit']:g} Gbit/s both ways: link time {out['link_s']:.3f} s per payload; each trainer "
              f"host's rows: {' '.join(f'{x:.2f}' for x in out['trainer_host_share'])} payloads",
              "clock: from the barrier ending the update on every rank until rank 0's sync() returned (every receiver "
-             "committed); bytes: each link's counters per version, over the payload",
-             f"{'row':<9} {'median s':>8} {'min-max s':>13} {'IQR s':>6} {'x link':>7}  "
+             "committed; ray-numpy: until the last receiver loaded; ray-rdt-gloo: from the driver's call, its ranks "
+             "stepped, until the last receiver loaded); bytes: each link's counters per version, over the payload",
+             f"{'row':<12} {'median s':>8} {'min-max s':>13} {'IQR s':>6} {'x link':>7}  "
              f"{'payloads out of ' + ' '.join(f'h{h}' for h in th):<22} {'into ' + ' '.join(f'h{h}' for h in rh):<14} "
              f"{'sharded':<8} bits"]
     for r in out["rows"]:
         if not r["seconds"]:
-            lines.append(f"{r['name']:<9} FAILED: {r['error']}")
+            lines.append(f"{r['name']:<12} FAILED: {r['error']}")
             continue
         sharded = "yes" if r["sharded"] and all(r["sharded"]) else "no"
-        lines.append(f"{r['name']:<9} {r['median_s']:>8.3f} {r['min_s']:>6.3f}-{r['max_s']:<6.3f} {r['iqr_s']:>6.3f} "
+        lines.append(f"{r['name']:<12} {r['median_s']:>8.3f} {r['min_s']:>6.3f}-{r['max_s']:<6.3f} {r['iqr_s']:>6.3f} "
                      f"{r['x_link']:>7.2f}  {' '.join(f'{x:.2f}' for x in r['trainer_hosts_out']):<22} "
                      f"{' '.join(f'{x:.2f}' for x in r['receiving_hosts_in']):<14} {sharded:<8} "
                      f"{'ok' if r['verified'] else 'DIFF'}" + (f"  FAILED later: {r['error']}" if r["error"] else ""))

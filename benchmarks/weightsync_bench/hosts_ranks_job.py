@@ -7,7 +7,7 @@ over all of them meeting at host 0's address; every tensor of one or more dimens
 ``Shard(0)`` DTensor on a 1-D CPU mesh over every rank (ranks.TrainerRank). K receivers on each
 of the other hosts (ranks.rollout_class: a receiver per row's session, one engine). The
 coordinators on host 0. Two rows, each a session of its own (its own coordinator), transport
-relay, and a baseline on the same parties:
+relay, and two baselines:
 
 - ``gather``: every rank walks the tensors calling ``full_tensor()`` (a generator passed to
   stage()), rank 0 sends whole tensors;
@@ -16,7 +16,9 @@ relay, and a baseline on the same parties:
   them itself, and the row's ``sharded`` flags say so);
 - ``ray-numpy``: what a Ray user writes for sharded weights: after the barrier every rank
   ``ray.put()``s its rows as numpy, each receiver ``ray.get()``s every rank's ref, joins each
-  tensor's rows and loads them (``_ray_numpy_version``).
+  tensor's rows and loads them (``_ray_numpy_version``);
+- ``ray-rdt-gloo``: the same over Ray Direct Transport (gloo), on parties of its own on the same
+  hosts (``_rdt_version``).
 
 A version's clock: from the ``dist.barrier()`` that ends the update on every rank until rank 0's
 ``sync()`` returned (every receiver committed): stage + sync. Around each version the driver
@@ -39,8 +41,9 @@ import ray
 
 from .hosts_job import link_delta, on, read_links, serve
 from .ranks import TIMEOUT_S, TrainerRank, close_parties, free_port, give_up, rollout_class, wait_all
+from .rdt_rows import RdtRanks, unavailable
 
-ROWS = ("gather", "shards", "ray-numpy")
+ROWS = ("gather", "shards", "ray-numpy", "ray-rdt-gloo")
 SESSIONS = ("gather", "shards")  # weightsync sessions; the others are what a Ray user writes instead
 
 
@@ -54,6 +57,7 @@ class Row:
         self.pending: list = []
         self.transport: str | None = None
         self.reason: str | None = None
+        self.rdt: Any = None  # ray-rdt-gloo: its own parties (rdt_rows.RdtRanks)
 
 
 def _progress(text: str) -> None:
@@ -85,8 +89,14 @@ def run(plan: dict[str, Any]) -> dict[str, Any]:
     reference = Versions(materialize(manifest, seed=0))  # the full tensors, stepped as the ranks step
     cfg = plan["config"]
     rows = {name: Row(name) for name in ROWS}
+    rdt = rows["ray-rdt-gloo"]
+    rdt.error = unavailable("ray-rdt-gloo", "cpu")
+    if rdt.error is None:  # started now, so that its parties make their models while the others do
+        rdt.rdt = RdtRanks(wire, hosts_of["ranks"], hosts_of["receivers"], on)
     try:
         wait_all([r.pid.remote() for r in rollouts])
+        if rdt.rdt is not None:
+            rdt.rdt.ready(TIMEOUT_S)
         for row in (rows[n] for n in SESSIONS):
             row.coordinator = Coordinator.create(cfg, name=f"wsbench-hranks-{os.getpid()}-{row.name}",
                                                  actor_options=on(0))
@@ -102,9 +112,10 @@ def run(plan: dict[str, Any]) -> dict[str, Any]:
                 row.version += 1
                 reference.apply(step)
                 try:
-                    got = (_version if name in SESSIONS else _ray_numpy_version)(row, ranks, rollouts, step)
+                    got = VERSION[name](row, ranks, rollouts, step)
                     want = digest(reference.tensors)
-                    seen = ray.get([r.digest.remote() for r in rollouts], timeout=TIMEOUT_S)
+                    seen = ray.get([r.digest.remote() for r in (row.rdt.rollouts if row.rdt else rollouts)],
+                                   timeout=TIMEOUT_S)
                     got.update(round=round_index, bit_exact=[s == want for s in seen])
                     row.versions.append(got)
                     if row.transport is None and row.coordinator is not None:
@@ -120,6 +131,8 @@ def run(plan: dict[str, Any]) -> dict[str, Any]:
                     _progress(f"{name} v{row.version}: FAILED: {row.error}")
                     give_up(row, ranks)
     finally:
+        if rdt.rdt is not None:
+            rdt.rdt.close()
         close_parties(ranks, rollouts, rows)
     return {"payload": payload, "tensors": len(list(manifest)), "rank_bytes": rank_bytes(manifest, world),
             "uneven": any(s.shape and s.shape[0] % world for s in manifest),
@@ -180,6 +193,21 @@ def _ray_numpy_version(row: Row, ranks: list, rollouts: list, update: int) -> di
     return {"version": row.version, "seconds": max(e["end"] for e in ends) - outs[0]["t0"],
             "staged_s": outs[0]["put_s"], "barrier_s": None, "ranks_synced_s": None,
             "sharded": [True] * len(ranks), "links": moved}
+
+
+def _rdt_version(row: Row, ranks: list, rollouts: list, update: int) -> dict[str, Any]:
+    """Ray Direct Transport over gloo (rdt_rows.RdtRanks: parties of its own on the same hosts):
+    every rank's method returns its rows with ``tensor_transport="gloo"``, each receiver takes
+    every rank's ref as an argument, joins the rows and loads them. The clock: from the driver's
+    calls (the ranks already at the update) until the last receiver loaded."""
+    before = read_links()
+    got = row.rdt.version(update, TIMEOUT_S)
+    moved = link_delta(before, read_links())
+    return {"version": row.version, "seconds": got["seconds"], "staged_s": None, "barrier_s": None,
+            "ranks_synced_s": None, "sharded": [True] * len(ranks), "links": moved}
+
+
+VERSION = {"gather": _version, "shards": _version, "ray-numpy": _ray_numpy_version, "ray-rdt-gloo": _rdt_version}
 
 
 def main() -> int:

@@ -239,3 +239,112 @@ def row(bench: Any, kind: str, receivers: int) -> dict[str, Any]:
         bench._rdt.pop(kind).close()
     row["changed_fraction"] = changed
     return bench._finish(row, seconds)
+
+
+# -- between hosts, every trainer rank sending its own rows (bench --hosts --trainer-ranks) --------
+
+def rows_sent(manifest: Any, rank: int, ranks: int) -> list[tuple[str, int, int]]:
+    """(name, first row, end row) of each tensor part trainer rank ``rank`` of ``ranks`` sends, in
+    the manifest's order: its rows as ``Shard(0)`` cuts them (torch.chunk), none where it has no
+    rows; a 0-dim tensor whole from rank 0 only (every rank holds it)."""
+    from weightsync.manifest import chunk_bounds
+
+    out = []
+    for spec in manifest:
+        if not spec.shape:
+            if rank == 0:
+                out.append((spec.name, 0, 0))
+            continue
+        bounds = chunk_bounds(spec.shape[0], ranks)
+        if bounds[rank + 1] > bounds[rank]:
+            out.append((spec.name, bounds[rank], bounds[rank + 1]))
+    return out
+
+
+class RdtRank:
+    """Trainer rank ``rank`` of ``ranks`` for ``ray-rdt-gloo`` between hosts: its rows of the
+    layout (materialize, seed 0, cut as ``rows_sent`` says), stepped by the bench's update as
+    ranks.TrainerRank steps its rows. No process group of its own: Ray's collective group is
+    this process's default one."""
+
+    def __init__(self, manifest_wire: list, rank: int, ranks: int):
+        from weightsync.manifest import Manifest
+
+        from .layouts import materialize
+        from .updates import Versions
+
+        manifest = Manifest.from_wire(manifest_wire)
+        full = materialize(manifest, seed=0)
+        # the clones let the full tensors go (a row range is a view of one)
+        self.versions = Versions({name: full[name][lo:hi].clone() if full[name].dim() else full[name]
+                                  for name, lo, hi in rows_sent(manifest, rank, ranks)})
+        self.updates = 0
+
+    def pid(self) -> int:
+        return os.getpid()
+
+    def advance(self, update: int) -> None:
+        while self.updates < update:
+            self.updates += 1
+            self.versions.apply(self.updates)
+
+    def rows_out(self) -> list:
+        """This rank's rows as it holds them; the caller picks ``tensor_transport``."""
+        return list(self.versions.tensors.values())
+
+
+class RdtRowsRollout(RdtRollout):
+    """An RDT rollout that takes every rank's rows (one RDT ref per rank, passed as arguments in
+    rank order), joins each tensor's rows and loads the whole tensors, as a user would."""
+
+    def load_rdt_rows(self, *per_rank: list) -> dict[str, Any]:
+        import torch
+
+        parts: dict[str, list] = {spec.name: [] for spec in self.manifest}
+        for rank, tensors in enumerate(per_rank):
+            for (name, _, _), t in zip(rows_sent(self.manifest, rank, len(per_rank)), tensors, strict=True):
+                parts[name].append(t)
+        return self.load_rdt([p[0] if len(p) == 1 else torch.cat(p) for p in parts.values()])
+
+
+class RdtRanks:
+    """The ``ray-rdt-gloo`` parties between hosts: an RdtRank per trainer rank on its rank's host
+    and an RdtRowsRollout per receiver on its host, tensor transport enabled, all in one Ray
+    collective group (gloo); apart from the bench's own parties (see RdtPair). ``on(host)``:
+    the Ray options that place an actor on a host."""
+
+    def __init__(self, manifest_wire: list, rank_hosts: list[int], receiver_hosts: list[int], on: Any):
+        remote = ray.remote(enable_tensor_transport=True)
+        ranks = len(rank_hosts)
+        self.ranks = [remote(RdtRank).options(**on(h)).remote(manifest_wire, r, ranks)
+                      for r, h in enumerate(rank_hosts)]
+        self.rollouts = [remote(RdtRowsRollout).options(**on(h)).remote(manifest_wire, f"rdt-rows-{i}", i, "cpu")
+                         for i, h in enumerate(receiver_hosts)]
+        self.group = None
+
+    def ready(self, timeout: float) -> None:
+        from ray.experimental.collective import create_collective_group
+
+        if self.group is None:
+            ray.get([a.pid.remote() for a in (*self.ranks, *self.rollouts)], timeout=timeout)
+            self.group = create_collective_group([*self.ranks, *self.rollouts], backend="gloo")
+
+    def version(self, update: int, timeout: float) -> dict[str, Any]:
+        """The ranks brought to ``update`` (untimed), then from the driver's call until the last
+        receiver loaded: every rank's rows out by RDT gloo, each receiver taking every rank's ref."""
+        ray.get([a.advance.remote(update) for a in self.ranks], timeout=timeout)
+        t0 = time.monotonic()
+        refs = [a.rows_out.options(tensor_transport="gloo").remote() for a in self.ranks]
+        ends = ray.get([r.load_rdt_rows.remote(*refs) for r in self.rollouts], timeout=timeout)
+        del refs
+        return {"seconds": max(e["end"] for e in ends) - t0}
+
+    def close(self) -> None:
+        if self.group is not None:
+            with contextlib.suppress(Exception):
+                from ray.experimental.collective import destroy_collective_group
+
+                destroy_collective_group(self.group)
+        for a in (*self.ranks, *self.rollouts):
+            with contextlib.suppress(Exception):
+                ray.kill(a)
