@@ -559,8 +559,8 @@ def hosts_ranks(can_build, tmp_path_factory):
     """``weightsync bench --hosts 4 --trainer-ranks 2x2``, small: 2 trainer hosts of 2 ranks (one
     gloo group over all 4, Shard(0) DTensors), 1 receiver on each of hosts 2 and 3, relay, links 1
     Gbit/s; the tiny-uneven layout (4 MiB, first dims 4 ranks split unevenly, one with fewer rows
-    than ranks, a 0-dim tensor); one warm-up and 2 timed versions of each row (4 rows: gather, shards and
-    the ray-numpy and ray-rdt-gloo baselines). About 50 s on 2 cores."""
+    than ranks, a 0-dim tensor); one warm-up and 2 timed versions of each row (5 rows: gather, shards on
+    relay and on broadcast, and the ray-numpy and ray-rdt-gloo baselines). About 60 s on 2 cores."""
     out = tmp_path_factory.mktemp("hosts-ranks") / "hosts-ranks.json"
     proc = subprocess.run([PYTHON, "-m", "weightsync.cli", "bench", "--hosts", "4", "--trainer-ranks", "2x2",
                            "--link-gbit", "1", "--model", "tiny-uneven", "--bucket-mb", "0.25", "--rounds", "1",
@@ -578,19 +578,23 @@ def test_trainer_ranks_on_two_hosts_every_version_of_every_row_bit_exact_on_both
     # the warm-up and 2 timed versions of each row, each checked on the receivers of host 2 and host 3;
     # ray-numpy and ray-rdt-gloo: every rank's rows through Ray, joined on the receivers (uneven shards,
     # a tensor with fewer rows than ranks and the 0-dim one, from rank 0 only, included)
-    assert seen == {"gather": [[True, True]] * 3, "shards": [[True, True]] * 3, "ray-numpy": [[True, True]] * 3,
+    assert seen == {"gather": [[True, True]] * 3, "shards": [[True, True]] * 3,
+                    "shards-broadcast": [[True, True]] * 3, "ray-numpy": [[True, True]] * 3,
                     "ray-rdt-gloo": [[True, True]] * 3}
-    assert [r["kind"] for r in hosts_ranks["rows"]] == ["weightsync", "weightsync", "baseline", "baseline"]
+    assert [r["kind"] for r in hosts_ranks["rows"]] == ["weightsync"] * 3 + ["baseline"] * 2
 
 
-def test_trainer_ranks_on_two_hosts_send_their_own_rows_once_and_each_rollout_host_takes_one_payload(hosts_ranks):
-    """The shards row: no rank gathers; each trainer host's link carries its own ranks' rows once
-    to each of the 2 heads (2 trainer hosts, 2 receiving hosts: both receiving hosts are heads),
-    within 10 % (headers, control calls); each rollout host takes in one payload and passes none on."""
-    shards = next(r for r in hosts_ranks["rows"] if r["name"] == "shards")
+@pytest.mark.parametrize("row", ["shards", "shards-broadcast"])
+def test_trainer_ranks_on_two_hosts_send_their_own_rows_once_and_each_rollout_host_takes_one_payload(hosts_ranks, row):
+    """The shards rows: no rank gathers; each trainer host's link carries its own ranks' rows once
+    to each of the 2 rollout hosts (relay: both receiving hosts are heads; broadcast: gloo's root
+    sends to each member), within 10 % (headers, control calls); each rollout host takes in one
+    payload and passes none on."""
+    shards = next(r for r in hosts_ranks["rows"] if r["name"] == row)
     share = hosts_ranks["trainer_host_share"]
-    print(f"\nshards: out of the trainer hosts {shards['trainer_hosts_out']} payloads (their rows: {share}), into the "
+    print(f"\n{row}: out of the trainer hosts {shards['trainer_hosts_out']} payloads (their rows: {share}), into the "
           f"rollout hosts {shards['receiving_hosts_in']}")
+    assert shards["transport"] == {"shards": "relay", "shards-broadcast": "broadcast"}[row]
     assert shards["sharded"] == [True] * 4
     assert all(out <= 1.1 * 2 * s for out, s in zip(shards["trainer_hosts_out"], share, strict=True)), (
         shards["trainer_hosts_out"], share)

@@ -4,7 +4,7 @@ to ``--link-gbit`` both ways; H of them are trainer hosts of R ranks each (one g
 all H x R ranks, FSDP2-style ``Shard(0)`` DTensors on a 1-D CPU mesh spanning the hosts), the
 other N - H receive, ``--receivers`` K each (default 1), transport relay. The rows (``gather``:
 ``full_tensor()`` on every rank, rank 0 sends whole tensors; ``shards``: every rank passes its
-local DTensors; beside them what a Ray user writes instead, ``ray-numpy``: every rank puts its
+local DTensors; ``shards-broadcast``: the same on transport broadcast over gloo; beside them what a Ray user writes instead, ``ray-numpy``: every rank puts its
 rows into Ray's object store, every receiver gets all of them and joins the rows, and
 ``ray-rdt-gloo``: the same over Ray Direct Transport) run inside
 host 0 (hosts_ranks_job.py); this process answers the job's reads of the links' counters
@@ -38,6 +38,8 @@ BASELINES = ("ray-numpy", "ray-rdt-gloo")
 WHAT = {"gather": "full_tensor() on every rank (a generator passed to stage()), rank 0 sends whole tensors",
         "shards": "every rank passes its local DTensors to stage(); relay taking rows, each rank sends its own "
                   "rows to each head (a receiving host per trainer host)",
+        "shards-broadcast": "every rank passes its local DTensors to stage(); broadcast (gloo) taking rows, each rank "
+                            "broadcasts its own rows over a group of its own to every receiver",
         "ray-numpy": "every rank ray.put()s its rows as numpy, each receiver ray.get()s every rank's refs, joins "
                      "the rows into whole tensors and loads them",
         "ray-rdt-gloo": "every rank's method returns its rows over Ray Direct Transport (gloo), each receiver "

@@ -6,14 +6,16 @@ Trainer ranks 0..R-1 on host 0, R..2R-1 on host 1, ... (H trainer hosts), one gl
 over all of them meeting at host 0's address; every tensor of one or more dimensions a
 ``Shard(0)`` DTensor on a 1-D CPU mesh over every rank (ranks.TrainerRank). K receivers on each
 of the other hosts (ranks.rollout_class: a receiver per row's session, one engine). The
-coordinators on host 0. Two rows, each a session of its own (its own coordinator), transport
-relay, and two baselines:
+coordinators on host 0. Three rows, each a session of its own (its own coordinator), and two
+baselines:
 
 - ``gather``: every rank walks the tensors calling ``full_tensor()`` (a generator passed to
   stage()), rank 0 sends whole tensors;
 - ``shards``: every rank passes its local DTensors to stage(); where relay takes rows, each
   rank sends its own rows to each head (a receiving host per trainer host) at the barrier (else the sender gathers
   them itself, and the row's ``sharded`` flags say so);
+- ``shards-broadcast``: the same on transport broadcast (gloo): each rank broadcasts its rows
+  over a group of its own to every receiver;
 - ``ray-numpy``: what a Ray user writes for sharded weights: after the barrier every rank
   ``ray.put()``s its rows as numpy, each receiver ``ray.get()``s every rank's ref, joins each
   tensor's rows and loads them (``_ray_numpy_version``);
@@ -43,8 +45,9 @@ from .hosts_job import link_delta, on, read_links, serve
 from .ranks import TIMEOUT_S, TrainerRank, close_parties, free_port, give_up, rollout_class, wait_all
 from .rdt_rows import RdtRanks, unavailable
 
-ROWS = ("gather", "shards", "ray-numpy", "ray-rdt-gloo")
-SESSIONS = ("gather", "shards")  # weightsync sessions; the others are what a Ray user writes instead
+ROWS = ("gather", "shards", "shards-broadcast", "ray-numpy", "ray-rdt-gloo")
+SESSIONS = ("gather", "shards", "shards-broadcast")  # weightsync sessions; the others are what a Ray user writes instead
+TRANSPORT = {"shards-broadcast": {"transport": "broadcast", "backend": "gloo"}}  # the others: the plan's (relay)
 
 
 class Row:
@@ -100,8 +103,9 @@ def run(plan: dict[str, Any]) -> dict[str, Any]:
         for row in (rows[n] for n in SESSIONS):
             row.coordinator = Coordinator.create(cfg, name=f"wsbench-hranks-{os.getpid()}-{row.name}",
                                                  actor_options=on(0))
-            wait_all([r.open_row.remote(row.name, row.coordinator, cfg) for r in rollouts])
-            wait_all([t.open.remote(row.name, row.coordinator, cfg, len(rollouts)) for t in ranks])
+            config = {**cfg, **TRANSPORT.get(row.name, {})}
+            wait_all([r.open_row.remote(row.name, row.coordinator, config) for r in rollouts])
+            wait_all([t.open.remote(row.name, row.coordinator, config, len(rollouts)) for t in ranks])
         step = 0
         for round_index, name, count in schedule(list(ROWS), plan["warmup"], plan["rounds"], plan["versions"]):
             row = rows[name]
@@ -207,7 +211,7 @@ def _rdt_version(row: Row, ranks: list, rollouts: list, update: int) -> dict[str
             "ranks_synced_s": None, "sharded": [True] * len(ranks), "links": moved}
 
 
-VERSION = {"gather": _version, "shards": _version, "ray-numpy": _ray_numpy_version, "ray-rdt-gloo": _rdt_version}
+VERSION = {"gather": _version, "shards": _version, "shards-broadcast": _version, "ray-numpy": _ray_numpy_version, "ray-rdt-gloo": _rdt_version}
 
 
 def main() -> int:
