@@ -9,7 +9,7 @@ import pytest
 import ray
 import torch
 
-from support.parties import assert_serves, rollout_actor, stop_actors
+from support.parties import assert_serves, rollout_actor, stop_actors, wait_until
 from support.shards import MANIFEST, sharded, sharded_trainers
 from weightsync.errors import ProtocolError, VersionError, WeightSyncError
 from weightsync.manifest import plan_buckets, plan_rows, row_bytes
@@ -51,18 +51,31 @@ def _step(trainers, rollouts, version: int, gather: bool = False, late0: float =
     assert ray.get(applied, timeout=120) == [version] * len(rollouts)
 
 
-@pytest.mark.parametrize("transport", ["shm", "relay", "broadcast"])
-def test_each_rank_writes_its_rows_and_receivers_load_them_bit_exact(coordinator_factory, transport):
+WAYS = {"shm": {"transport": "shm"}, "relay": {"transport": "relay"},
+        "broadcast": {"transport": "broadcast", "receive_ahead": "off"},
+        "broadcast-ahead": {"transport": "broadcast", "receive_ahead": "on"}}
+
+
+@pytest.mark.parametrize("way", list(WAYS))
+def test_each_rank_writes_its_rows_and_receivers_load_them_bit_exact(coordinator_factory, way):
     """shm: into the host's segment; relay: to the first receiver, which relays whole buckets
     (the second receiver reads them from its host's segment); broadcast: over a group of its own
-    to every receiver."""
+    to every receiver, at the barrier, or (receive_ahead) in every rank's stage(), into the
+    receivers' ahead copies."""
     ranks = 3  # uneven: 1000, 10, 7 and 5 rows split 3 ways; 2 rows leave rank 2 none
-    coord, rollouts, trainers = _job(coordinator_factory, ranks, {**CFG, "transport": transport})
+    coord, rollouts, trainers = _job(coordinator_factory, ranks, {**CFG, **WAYS[way]})
     try:
         for v in (1, 2):
             _step(trainers, rollouts, v, late0=1.0 if v == 2 else 0.0)  # v2: the other ranks are there first
             for r in rollouts:
                 assert_serves(r, MANIFEST, v)
+            if way.startswith("broadcast"):  # v2 sent before the barrier (the ahead threads are up), or at it
+                m = coord.metrics(v)
+                assert [m.info.get("ahead", False), *(r.received_ahead for r in m.receivers.values())] == \
+                    [way == "broadcast-ahead" and v == 2] * 3, m
+            if way == "broadcast-ahead" and v == 1:
+                wait_until("the receivers' ahead threads came up",
+                           lambda: all(p.ahead for p in coord.status().parties if p.role == "receiver"), timeout=30)
         assert ray.get([t.sharded.remote() for t in trainers]) == [True] * ranks
         # each rank wrote exactly its own rows, two versions of them
         manifest = sharded(ranks)

@@ -11,7 +11,7 @@ import torch
 from weightsync_bench.layouts import materialize
 
 from faultjob import THREADED, sim_env
-from support.parties import assert_same_weights, assert_serves, rollout_actor, stop_actors
+from support.parties import assert_same_weights, assert_serves, rollout_actor, stop_actors, wait_until
 from support.shards import MANIFEST, sharded, sharded_trainers
 from weightsync import device as devices
 from weightsync.errors import VersionError, WeightSyncError
@@ -43,27 +43,37 @@ def test_rows_copied_from_the_device_have_landed_when_fill_returns(ranks):
 SIM = {"transport": "broadcast", "backend": "auto", "bucket_mb": 1 / 32, "device": "sim"}
 
 
-def _job(coordinator_factory, ranks: int, receivers: int = 2):
+def _job(coordinator_factory, ranks: int, receivers: int = 2, receive_ahead: str = "off"):
     """A sharded broadcast job on the sim device, one simulated device per party (trainer rank r
     holds device r, receiver i device ranks + i), as the device collective needs."""
-    coord = coordinator_factory(SIM)
-    rollouts = [rollout_actor(coord, MANIFEST, f"rollout-{i}", i, SIM, {**THREADED, **sim_env(ranks + i)}, device="sim")
+    cfg = {**SIM, "receive_ahead": receive_ahead}
+    coord = coordinator_factory(cfg)
+    rollouts = [rollout_actor(coord, MANIFEST, f"rollout-{i}", i, cfg, {**THREADED, **sim_env(ranks + i)}, device="sim")
                 for i in range(receivers)]
-    trainers = sharded_trainers(coord, MANIFEST, ranks, SIM, receivers, options=lambda r: sim_env(r))
+    trainers = sharded_trainers(coord, MANIFEST, ranks, cfg, receivers, options=lambda r: sim_env(r))
     return coord, rollouts, trainers
 
 
-def test_each_rank_broadcasts_its_rows_over_the_device_collective_bit_exact(coordinator_factory):
+@pytest.mark.parametrize("receive_ahead", ["off", "on"])
+def test_each_rank_broadcasts_its_rows_over_the_device_collective_bit_exact(coordinator_factory, receive_ahead):
     """Sharded broadcast with every party on the simulated accelerator: each rank's pieces packed
     into device buffers and broadcast over its own group of the device collective, each receiver
-    putting them in place on the device and comparing the pieces' device digests at the end."""
+    putting them in place on the device and comparing the pieces' device digests at the end; at
+    the barrier, or (receive_ahead on, version 2) in every rank's stage() into the receivers'
+    ahead copies, on their ahead threads' own streams."""
     ranks = 3
-    coord, rollouts, trainers = _job(coordinator_factory, ranks)
+    coord, rollouts, trainers = _job(coordinator_factory, ranks, receive_ahead=receive_ahead)
     try:
         for v in (1, 2):
             test_shards._step(trainers, rollouts, v, late0=1.0 if v == 2 else 0.0)
             for r in rollouts:
                 assert_serves(r, MANIFEST, v)
+            m = coord.metrics(v)
+            assert [m.info.get("ahead", False), *(r.received_ahead for r in m.receivers.values())] == \
+                [receive_ahead == "on" and v == 2] * 3, m
+            if receive_ahead == "on" and v == 1:
+                wait_until("the receivers' ahead threads came up",
+                           lambda: all(p.ahead for p in coord.status().parties if p.role == "receiver"), timeout=30)
         assert ray.get([t.sharded.remote() for t in trainers]) == [True] * ranks
         assert coord.status().group["backend"] == "simccl"  # the sim device's collective, not gloo
     finally:

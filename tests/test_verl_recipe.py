@@ -131,8 +131,8 @@ def test_recipe_syncs_versions_bit_exactly_and_bounds_staleness(groups):
 
 def test_next_version_travels_as_soon_as_update_actor_returns(groups):
     """broadcast, receive_ahead auto (the adapter's default): the hooked update_actor stages
-    the next version on both actor ranks (FSDP gathers in lockstep) and sends it into the
-    rollout's shadow at once; the step's sync then only completes the barrier. Bit-exact,
+    the next version on both actor ranks (each sends its own FSDP2 rows) into the rollout's
+    shadow at once; the step's sync then only completes the barrier. Bit-exact,
     and every such version is marked staged ahead and received ahead."""
     import ray
     from support.parties import assert_same_weights, wait_until
@@ -161,8 +161,11 @@ def test_next_version_travels_as_soon_as_update_actor_returns(groups):
             for got in trainer.rollout_wg.weights():
                 assert_same_weights(got["weights"], hf_weights(step), f"version {step}")
             assert ray.get(trainer.rollout_wg.workers[0].weightsync_version.remote()) == step
-        # broadcast takes no rows: both ranks gathered their shards (full_tensor) for rank 0
-        assert trainer.actor_wg.weightsync_written() == [None, None]
+        # FSDP2's shards went as they are, ahead too: each actor rank broadcast its own half of
+        # versions 0..3 (version 0 at the barrier, the others from the hooked update_actor)
+        written = trainer.actor_wg.weightsync_written()
+        total = sum(t.numel() * t.element_size() for t in hf_weights(0).values())
+        assert written[0] > 0 and written[1] > 0 and sum(written) == 4 * total, written
     finally:
         trainer.actor_wg.close()
         trainer.rollout_wg.close()

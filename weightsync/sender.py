@@ -58,7 +58,16 @@ from .manifest import (
     size_text,
 )
 from .records import Metrics, Publication, VersionRecord
-from .transports import Announces, Deadline, GivesBack, SenderTransport, SendsRows, TransportContext, WritesRows
+from .transports import (
+    Announces,
+    Deadline,
+    GivesBack,
+    SenderTransport,
+    SendsRows,
+    SendsRowsAhead,
+    TransportContext,
+    WritesRows,
+)
 
 log = logging.getLogger("weightsync")
 
@@ -238,10 +247,10 @@ class WeightSender(HoldsMember):
         session = transport.session
         sharded = (manifest.rows is not None and not delta
                    and (isinstance(transport, WritesRows) and isinstance(transport, Announces)
-                        or isinstance(transport, SendsRows) and not session.ahead))
+                        or isinstance(transport, SendsRows)))
         if manifest.rows is not None and not sharded:
             manifest = manifest.whole()  # every rank gathers its shards; rank 0 sends them whole
-            reason = f"{reason}; the FSDP2 shards are gathered ({_why_gathered(name, delta, session.ahead)})"
+            reason = f"{reason}; the FSDP2 shards are gathered ({_why_gathered(name, delta)})"
         if config.receive_ahead == "on" and not session.ahead:
             transport.close()
             raise ConfigError(f"receive_ahead: on, but transport {name} ({session.why or reason}) takes "
@@ -442,9 +451,14 @@ class WeightSender(HoldsMember):
             for _ in gathered(items):
                 pass
             return
-        if isinstance(self.transport, SendsRows):  # its rows go at the barrier (sync)
+        if isinstance(self.transport, SendsRows):  # its rows go at the barrier (sync), or now if v goes ahead
+            rows = RowWriter(self.rows, self.manifest, items)
+            if self._ahead(version):
+                self._send_rows(version, rows, Deadline(version, time.monotonic() + self.config.sync_timeout_s,
+                                                        self.control))
+                return
             self._rows_due = {v: w for v, w in self._rows_due.items() if v > version}
-            self._rows_due[version] = RowWriter(self.rows, self.manifest, items)
+            self._rows_due[version] = rows
             return
         part = self.control.begin_part(version, self.config.sync_timeout_s)
         try:
@@ -454,6 +468,19 @@ class WeightSender(HoldsMember):
         except BaseException as exc:
             self._abort(version, f"{self.name} writing its rows", exc)
             raise
+
+    def _ahead(self, version: int) -> bool:
+        """A rank other than 0 of a session whose versions may go before the barrier: whether
+        rank 0 sends ``version`` now (its stage() formed the group ahead), as its record says once
+        rank 0 announced or staged it."""
+        if not (isinstance(self.transport, SendsRowsAhead) and self.transport.session.ahead):
+            return False
+        try:
+            info = self.control.begin_part(version, self.config.sync_timeout_s).info
+        except Exception as exc:
+            self._abort(version, f"{self.name} waiting for rank 0 to stage", exc)
+            raise
+        return self.transport.went_ahead(transports.get(self.transport_name).version(info))
 
     def _send_rows(self, version: int, rows: RowWriter, deadline: Deadline) -> None:
         """A rank other than 0 at the barrier of a sharded version whose rows move then: send
@@ -587,15 +614,13 @@ class WeightSender(HoldsMember):
         return {"base": self._delta.base, **({"auto": policy.describe()} if policy is not None else {})}
 
 
-def _why_gathered(name: str, delta: bool, ahead: bool) -> str:
+def _why_gathered(name: str, delta: bool) -> str:
     """Why a session whose first version came as shards sends whole tensors: said in its reason
     (the log line and status()), since gathering costs more than the copy on one host."""
     if delta:
         return "delta sync encodes whole tensors"
     if name == "shm":
         return "shm streams through a ring here, the budget holding no whole version; ranks write rows into whole ones"
-    if ahead:
-        return f"receive_ahead: on sends whole versions before the barrier; {name}'s ranks send their rows at it"
     return f"transport {name} takes no rows; shm, relay and broadcast do"
 
 

@@ -198,15 +198,15 @@ def table(out: dict[str, Any]) -> str:
              "clock: from the barrier ending the update on every rank until rank 0's sync() returned (every receiver "
              "committed; ray-numpy: until the last receiver loaded; ray-rdt-gloo: from the driver's call, its ranks "
              "stepped, until the last receiver loaded); bytes: each link's counters per version, over the payload",
-             f"{'row':<12} {'median s':>8} {'min-max s':>13} {'IQR s':>6} {'x link':>7}  "
+             f"{'row':<16} {'median s':>8} {'min-max s':>13} {'IQR s':>6} {'x link':>7}  "
              f"{'payloads out of ' + ' '.join(f'h{h}' for h in th):<22} {'into ' + ' '.join(f'h{h}' for h in rh):<14} "
              f"{'sharded':<8} bits"]
     for r in out["rows"]:
         if not r["seconds"]:
-            lines.append(f"{r['name']:<12} FAILED: {r['error']}")
+            lines.append(f"{r['name']:<16} FAILED: {r['error']}")
             continue
         sharded = "yes" if r["sharded"] and all(r["sharded"]) else "no"
-        lines.append(f"{r['name']:<12} {r['median_s']:>8.3f} {r['min_s']:>6.3f}-{r['max_s']:<6.3f} {r['iqr_s']:>6.3f} "
+        lines.append(f"{r['name']:<16} {r['median_s']:>8.3f} {r['min_s']:>6.3f}-{r['max_s']:<6.3f} {r['iqr_s']:>6.3f} "
                      f"{r['x_link']:>7.2f}  {' '.join(f'{x:.2f}' for x in r['trainer_hosts_out']):<22} "
                      f"{' '.join(f'{x:.2f}' for x in r['receiving_hosts_in']):<14} {sharded:<8} "
                      f"{'ok' if r['verified'] else 'DIFF'}" + (f"  FAILED later: {r['error']}" if r["error"] else ""))

@@ -935,7 +935,9 @@ class CoordinatorActor:
             v = self.table.get(req.version)
             if v is not None and v.state == State.ABORTED:
                 raise VersionError(f"version {req.version} was aborted: {v.reason}")
-            if v is not None and v.readable:  # rank 0 opened the slot: rows may go in
+            # rank 0 opened the slot (rows may go in), or staged v for its barrier (its record says
+            # where the rows go then: broadcast's, sent ahead or not)
+            if v is not None and (v.readable or v.state in (State.STAGED, State.TRANSFERRING)):
                 return records.Part(slot=v.slot, info=v.info)
             if v is None and req.version <= max(self.table.floor, max(self.table.versions, default=-1)):
                 raise VersionError(f"version {req.version} was never staged by sender rank 0 "

@@ -285,8 +285,18 @@ class SendsRows(Protocol):
     rank sends its own with ``send_rows``."""
 
     def send_rows(self, version: int, rows: RowWriter, deadline: Deadline) -> RowsSent:
-        """A rank other than 0: this rank's rows of ``version``, sent once rank 0 reached the
-        barrier; its part for the coordinator (what it sent)."""
+        """A rank other than 0: this rank's rows of ``version``, sent once rank 0 formed its group
+        (at the barrier, or ahead: SendsRowsAhead); its part for the coordinator (what it sent)."""
+
+
+@runtime_checkable
+class SendsRowsAhead(Protocol):
+    """A SendsRows transport whose rank 0 may send a version in ``stage()``, before the barrier
+    (broadcast with receive_ahead): every other rank then sends its rows in its ``stage()`` too,
+    with ``send_rows``, once rank 0's record of the version says so."""
+
+    def went_ahead(self, record: VersionRecord) -> bool:
+        """Whether rank 0's record of a version says it goes before the barrier."""
 
 
 # -- declaring a transport --------------------------------------------------------------------

@@ -57,10 +57,12 @@ class _ActorSide:
             with self.weightsync_params() as named:
                 sender.stage(version, named)
         self._ws_ahead = None
-        if not sender.sends:
-            # ranks other than 0 only walk the parameters: the coordinator answers
-            # wait_outcome(v) with "never staged" while rank 0 has not begun v, the normal
-            # order for a rank that packs nothing; rank 0's sync reports for the group
+        if not sender.sends and sender.rows is None:
+            # ranks other than 0 of a session that gathers only walk the parameters: the
+            # coordinator answers wait_outcome(v) with "never staged" while rank 0 has not begun
+            # v, the normal order for a rank that packs nothing; rank 0's sync reports for the
+            # group. A sharded session's rank sends its own rows, at the barrier on relay and
+            # broadcast: it syncs as rank 0 does
             return {}
         result = sender.sync(version)
         return {"version": result.version, "bytes": result.bytes, "stage_s": result.stage_s,

@@ -78,11 +78,9 @@ class BroadcastSender(BroadcastEnd, SenderTransport):
         kind = digest.kind_of(ctx.config, self.device)  # of the buckets on the communicator's device
         # tells this sender's store from a restarted sender's, even on a fixed rendezvous_port
         self.store_id = secrets.token_hex(8)
-        # receive_ahead: send in stage() when every receiver keeps an ahead copy; announced
-        # versions are readable while STAGING. Not for shards unless asked for: their rows go
-        # at the barrier, each rank's own (receive_ahead: on gathers them instead)
-        ahead = (ctx.config.receive_ahead != "off" and ctx.control is not None
-                 and (ctx.manifest.rows is None or ctx.config.receive_ahead == "on"))
+        # receive_ahead: send in stage() when every receiver keeps an ahead copy (a sharded
+        # session: every rank its rows, in its stage()); announced versions are readable while STAGING
+        ahead = ctx.config.receive_ahead != "off" and ctx.control is not None
         self.session = BroadcastSession(backend=self.backend, communicator=self.communicator,
                                         communicator_reason=self.communicator_reason,
                                         host=store_host(ctx.config.rendezvous_host), port=self._store().port,
@@ -124,10 +122,15 @@ class BroadcastSender(BroadcastEnd, SenderTransport):
         if version in self.groups_ahead:
             group = self.groups_ahead.pop(version)
             if group is None:
-                packer.drain()
+                if isinstance(packer, Packer):
+                    packer.drain()
                 return BroadcastVersion(session=self.session, ahead=True)
             # a failed transfer is not raised: the version is aborted, naming the fault, and sync() raises it
-            sent = self._stream(version, group, packer, self._deadline(version))
+            if isinstance(packer, RowWriter):  # the other ranks send theirs in their stage() (went_ahead)
+                self._send_rows(version, group, packer, self._deadline(version))
+                sent = None
+            else:
+                sent = self._stream(version, group, packer, self._deadline(version))
             self.sent_ahead.add(version)
             return BroadcastVersion(session=self.session, ahead=True, digest=sent)
         self.packers[version] = packer
@@ -163,19 +166,26 @@ class BroadcastSender(BroadcastEnd, SenderTransport):
                 packer.drain()  # nobody to send to; the coordinator records the outcome
             return None
         if isinstance(packer, RowWriter):
-            try:
-                send_rows(self, version, group, packer, deadline, lambda: self._poll(version))
-            except Exception as exc:
-                # not raised: sync()'s wait_outcome raises SyncFailed naming every party at fault
-                self._failed(version, exc)
-                self._drop()
+            self._send_rows(version, group, packer, deadline)
             return None  # the version's digest is the receivers' (of the pieces' digests)
         return self._stream(version, group, packer, deadline)
 
+    def _send_rows(self, version: int, group: BroadcastGroup, rows: RowWriter, deadline: Deadline) -> None:
+        """Rank 0's rows (rows.py). A failure is not raised: the version is aborted, naming the
+        fault, and sync()'s wait_outcome raises SyncFailed naming every party at fault."""
+        try:
+            send_rows(self, version, group, rows, deadline, lambda: self._poll(version))
+        except Exception as exc:
+            self._failed(version, exc)
+            self._drop()
+
+    def went_ahead(self, record: VersionRecord) -> bool:
+        return isinstance(record, BroadcastVersion) and record.ahead
+
     def send_rows(self, version: int, rows: RowWriter, deadline: Deadline) -> RowsSent:
         """A trainer rank other than 0: its rows of ``version``, over its own group, once rank 0
-        reached the barrier. Raises VersionError where they could not go (the version is aborted,
-        naming the fault)."""
+        formed the version's group (at the barrier, or ahead in its stage()). Raises VersionError
+        where they could not go (the version is aborted, naming the fault)."""
         devices.set_current(self.device)
         try:
             group = self.ctx.control.bcast_group(version, timeout=max(0.001, deadline.left()))
@@ -411,7 +421,7 @@ class BroadcastReceiver(BroadcastEnd, ReceiverTransport):
                     into.copy_(bucket.data)
                     expected = None if bucket.digest is None else digest.as_int(bucket.digest)
                     copy.digests.append(expected)
-                    if bad is None and expected is not None:
+                    if bad is None and expected is not None and not bucket.checked:
                         try:
                             # the copy is what the barrier loads: verify that one, now
                             # (off the barrier: this thread may wait for the device)
