@@ -369,8 +369,8 @@ class BroadcastReceiver(BroadcastEnd, ReceiverTransport):
                 wire, expected = inflow.take(b, bucket.nbytes)
                 yield Bucket(b, wire[: bucket.nbytes], expected if self.digest_kind else None, inflow.checked,
                              self.generation)
-                if b + BUFFERS < plan.bucket_count:
-                    inflow.post(b + BUFFERS, plan.buckets[b + BUFFERS].nbytes)  # the consumer is done with this buffer
+                if b + BUFFERS < plan.bucket_count:  # the consumer is done with this buffer
+                    inflow.post(b + BUFFERS, plan.buckets[b + BUFFERS].nbytes)
             inflow.finish()
             devices.synchronize(self.device)
             self.pending = []
