@@ -566,7 +566,9 @@ def hosts_ranks(can_build, tmp_path_factory):
                            "--link-gbit", "1", "--model", "tiny-uneven", "--bucket-mb", "0.25", "--rounds", "1",
                            "--versions", "2", "--warmup", "1", "--json", str(out), "--no-progress"],
                           cwd=ROOT, capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 0, (proc.stdout[-3000:], proc.stderr[-3000:])
+    failed = [(r["name"], r["error"]) for r in json.loads(out.read_text())["rows"]
+              if r["error"] or not r["verified"]] if out.exists() else []
+    assert proc.returncode == 0, (failed, proc.stdout[-3000:], proc.stderr[-3000:])
     got = json.loads(out.read_text())
     assert got["layout"]["uneven"] and got["placement"]["rank_hosts"] == [0, 0, 1, 1] and \
         got["placement"]["receiver_hosts"] == [2, 3] and got["leftovers"] == [], got
