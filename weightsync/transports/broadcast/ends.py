@@ -16,7 +16,7 @@ from ...records import BroadcastGroup
 from .. import Aborted, Deadline, TransportContext
 from ..ipc.wire import in_flight
 from .communicators import choose_communicator, comm_device
-from .groups import Group, retire
+from .groups import Group, retire, settle
 
 TRAILER = 8  # bytes of the digest that follows a bucket's payload
 # per side: one bucket in flight while the other is packed (or loaded); see in_flight in transports/ipc/wire.py
@@ -160,3 +160,27 @@ class BroadcastEnd:
             self.buffers = None
             self.generation += 1
             self.views.clear()
+
+
+class WholeIn:
+    """A receiving end's buckets as one group sends them whole, each with its digest in the
+    trailer: broadcast's from sender rank 0, relay's from the party before it in the chain."""
+
+    checked = ""  # the receiver checks each bucket against the digest that came with it
+
+    def __init__(self, end: Any, version: int, group: Group, deadline: Deadline, poll: Callable[[], None]):
+        self.end, self.version, self.group, self.deadline, self.poll = end, version, group, deadline, poll
+        self.posted: dict[int, Any] = {}
+
+    def post(self, b: int, n: int) -> None:
+        self.posted[b] = self.group.broadcast(self.end._wire(b, n), self.deadline.left())
+        self.end.pending.append(self.posted[b])
+
+    def take(self, b: int, n: int) -> tuple[torch.Tensor, Any]:
+        """Bucket ``b`` (``n`` bytes) with its trailer, and the digest that came with it (None: digests off)."""
+        settle(self.posted.pop(b), self.deadline.at, self.poll, f"bucket {b} of version {self.version}")
+        wire = self.end._wire(b, n)
+        return wire, get_checksum(wire, n) if self.end.trailer else None
+
+    def finish(self) -> None:
+        pass

@@ -9,8 +9,9 @@ For each bucket it has rows in, rank r packs them one after another (``RowWriter
 broadcasts it; two pieces in flight, as two buckets are in a whole-tensor session. No rank
 gathers; each sends only its rows, and the device collectives carry them as they carry buckets.
 
-A receiver posts, for each bucket, one broadcast per rank that has rows in it, into buffers of
-that rank's own (two deep); then checks each piece against its rank's digest, puts the rows in
+A receiver (``RowsIn``; a sharded relay's heads take the ranks' rows the same way, over pairs)
+posts, for each bucket, one broadcast per rank that has rows in it, into buffers of that rank's
+own (two deep); then checks each piece against its rank's digest, puts the rows in
 their places in the bucket (``unpack_piece``), zeroes the padding and yields the bucket. In host
 memory each piece is checked as it is taken; on a device its digest is computed on the device
 behind the copy that filled it, and every piece's is compared in one read when the version is
@@ -73,22 +74,25 @@ def send_rows(end: BroadcastEnd, version: int, group: BroadcastGroup, rows: RowW
 
 
 class RowsIn:
-    """A receiver's buckets of one sharded version: every rank's piece over that rank's group,
-    checked and put in place (see the module's docstring)."""
+    """A receiving end's buckets of one sharded version: every rank's piece over that rank's own
+    group (``join(r)``), checked and put in place (see the module's docstring). Broadcast's
+    receivers, and relay's heads, which then digest the whole bucket into its trailer
+    (``whole_digest``) for the members down their chain and their host's followers."""
 
-    checked = "here"  # each piece was checked against its rank's digest on its way in
-
-    def __init__(self, end: BroadcastEnd, version: int, group: BroadcastGroup, deadline: Deadline,
-                 poll: Callable[[], None]):
+    def __init__(self, end: Any, version: int, join: Callable[[int], Group], deadline: Deadline,
+                 poll: Callable[[], None], whole_digest: bool = False):
         self.end, self.version, self.deadline, self.poll = end, version, deadline, poll
         self.kind = end.session.digest_kind if end.trailer else None
+        self.whole_digest = whole_digest
+        # each piece was checked against its rank's digest on its way in; a whole digest is of these bytes
+        self.checked = "here"
         self.rows = end.ctx.row_plans
         self.groups: dict[int, Group] = {}
-        self.buffers: dict[int, list[torch.Tensor]] = {}
+        self.buffers: dict[int, list[torch.Tensor]] = {}  # each rank's: its largest piece and a trailer, two deep
         for r, rows in enumerate(self.rows):
             largest = max((rows.piece_bytes(b) for b in rows.pieces), default=0)
             if largest:
-                self.groups[r] = end._rows_group(group, r, f"trainer rank {r}", group.rank, deadline, poll)
+                self.groups[r] = join(r)
                 self.buffers[r] = [torch.empty(largest + end.trailer, dtype=torch.uint8, device=end.device)
                                    for _ in range(BUFFERS)]
         self.posted: dict[tuple[int, int], Any] = {}
@@ -106,7 +110,8 @@ class RowsIn:
                 self.end.pending.append(self.posted[(r, b)])
 
     def take(self, b: int, n: int) -> tuple[torch.Tensor, Any]:
-        """Bucket ``b`` whole, in the end's buffer, and its digest (None: digests off)."""
+        """Bucket ``b`` whole, in the end's buffer, and its digest (None: digests off): of its
+        pieces' digests, or with ``whole_digest`` of its bytes, also written into its trailer."""
         wire = self.end._wire(b, n)
         for start, stop in gaps(self.end.ctx.plan.buckets[b]):
             wire[start:stop].zero_()  # padding: the buffer held another bucket
@@ -121,6 +126,8 @@ class RowsIn:
             if self.kind is not None:
                 sums.append(self._check(r, b, piece, size))
             unpack_piece(self.rows[r], b, piece, wire)
+        if self.whole_digest and self.kind is not None:
+            return wire, put_checksum(wire, n, None, self.kind)
         return wire, self._bucket_digest(sums)
 
     def _check(self, r: int, b: int, piece: torch.Tensor, size: int) -> Any:

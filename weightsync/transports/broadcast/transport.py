@@ -50,7 +50,7 @@ from ...records import BroadcastGroup, VersionRecord
 from .. import Aborted, Bucket, Deadline, ReceiverTransport, RowsSent, SenderTransport, Span, TransportContext
 from .ahead import AheadCopy
 from .communicators import choose_backend
-from .ends import BUFFERS, TRAILER, BroadcastEnd, get_checksum, put_checksum  # noqa: F401  (tests)
+from .ends import BUFFERS, TRAILER, BroadcastEnd, WholeIn, get_checksum, put_checksum  # noqa: F401  (tests)
 from .groups import Group, settle
 from .records import BroadcastSession, BroadcastVersion
 from .rows import RowsIn, send_rows
@@ -353,9 +353,12 @@ class BroadcastReceiver(BroadcastEnd, ReceiverTransport):
         try:
             group = self.ctx.control.bcast_group(version, timeout=max(0.001, deadline.left()))
             if self.ctx.manifest.rows is not None:  # a sharded session: every rank's rows (rows.py)
-                inflow: _FromRoot | RowsIn = RowsIn(self, version, group, deadline, poll)
+                def join(r: int) -> Group:
+                    return self._rows_group(group, r, f"trainer rank {r}", group.rank, deadline, poll)
+
+                inflow: WholeIn | RowsIn = RowsIn(self, version, join, deadline, poll)
             else:
-                inflow = _FromRoot(self, version, self._join(group, group.rank, deadline, poll), deadline, poll)
+                inflow = WholeIn(self, version, self._join(group, group.rank, deadline, poll), deadline, poll)
             if devices.has_streams(self.device):
                 # the buffers serve the barrier (the engine's stream) and the ahead thread (a
                 # stream of its own, ahead.py): freed with ops of either still queued, their
@@ -449,25 +452,3 @@ class BroadcastReceiver(BroadcastEnd, ReceiverTransport):
             self.ctx.account("ahead_copy_bytes", -self.copy.nbytes)
             self.copy = None
 
-
-class _FromRoot:
-    """A receiver's buckets of a whole-tensor session: broadcast whole by sender rank 0, each
-    with its digest in the trailer."""
-
-    checked = ""  # the receiver checks each bucket against the digest that came with it
-
-    def __init__(self, end: BroadcastReceiver, version: int, group: Group, deadline: Deadline, poll: Any):
-        self.end, self.version, self.group, self.deadline, self.poll = end, version, group, deadline, poll
-        self.posted: dict[int, Any] = {}
-
-    def post(self, b: int, n: int) -> None:
-        self.posted[b] = self.group.broadcast(self.end._wire(b, n), self.deadline.left())
-        self.end.pending.append(self.posted[b])
-
-    def take(self, b: int, n: int) -> tuple[torch.Tensor, Any]:
-        settle(self.posted.pop(b), self.deadline.at, self.poll, f"bucket {b} of version {self.version}")
-        wire = self.end._wire(b, n)
-        return wire, get_checksum(wire, n) if self.end.trailer else None
-
-    def finish(self) -> None:
-        pass

@@ -53,13 +53,14 @@ import torch
 import torch.distributed as dist
 
 from ... import digest
-from ...errors import ChecksumError, ConfigError, DeadlineExceeded, VersionError, WeightSyncError
-from ...manifest import Packer, PackViews, RowWriter, gaps, unpack_piece
+from ...errors import ConfigError, DeadlineExceeded, VersionError, WeightSyncError
+from ...manifest import Packer, PackViews, RowWriter
 from ...records import BroadcastGroup, SessionRecord, VersionRecord
 from .. import Aborted, Bucket, Deadline, ReceiverTransport, RowsSent, SenderTransport, TransportContext
 from ..broadcast.communicators import choose_communicator
-from ..broadcast.ends import BUFFERS, get_checksum, put_checksum, tell_failed
+from ..broadcast.ends import BUFFERS, WholeIn, put_checksum, tell_failed
 from ..broadcast.groups import Group, retire, settle
+from ..broadcast.rows import RowsIn
 from ..broadcast.store import connect_store, host_store, store_host
 from ..shm.transport import ShmReceiver, ShmSession, ShmVersion, Slots
 
@@ -447,9 +448,12 @@ class RelayReceiver(_End, ReceiverTransport):
             # heading a chain of the members after it, ``heads`` apart
             heads = group.heads if self.ctx.manifest.rows is not None else 1
             if me <= heads and self.ctx.manifest.rows is not None:
-                inflow: _FromHop | _FromRanks = _FromRanks(self, version, group, me, deadline, poll)
+                def join(r: int) -> Group:
+                    return self._rows_hop(group, r, f"trainer rank {r}", me, 1, deadline, poll)
+
+                inflow: WholeIn | RowsIn = RowsIn(self, version, join, deadline, poll, whole_digest=True)
             else:
-                inflow = _FromHop(self, version, self._hop(group, me - heads, me, 1, deadline, poll), deadline, poll)
+                inflow = WholeIn(self, version, self._hop(group, me - heads, me, 1, deadline, poll), deadline, poll)
             down = self._hop(group, me, me + heads, 0, deadline, poll) if me + heads <= len(group.members) else None
             self.where[version] = self._write_here(version, record.slot)
             self._keep(version)
@@ -457,7 +461,7 @@ class RelayReceiver(_End, ReceiverTransport):
                 inflow.post(b, plan.buckets[b].nbytes)
             for b, bucket in enumerate(plan.buckets):
                 n = bucket.nbytes
-                wire = inflow.take(b, n)
+                wire, expected = inflow.take(b, n)
                 if down is not None:  # on while this host loads it, from a copy (PASSING)
                     if b >= PASSING:
                         settle(passed.pop(b - PASSING), deadline.at, poll,
@@ -466,12 +470,12 @@ class RelayReceiver(_End, ReceiverTransport):
                     out.copy_(wire)
                     passed[b] = down.broadcast(out, deadline.left())
                     self.pending.append(passed[b])
-                expected = get_checksum(wire, n) if self.trailer else None
                 self.slots.view(b, n).copy_(wire[:n])
                 self.slots.publish(b, n, expected)
                 yield Bucket(b, wire[:n], expected if self.digest_kind else None, inflow.checked, self.generation)
                 if b + BUFFERS < plan.bucket_count:
                     inflow.post(b + BUFFERS, plan.buckets[b + BUFFERS].nbytes)
+            inflow.finish()
             for b in sorted(passed):
                 settle(passed.pop(b), deadline.at, poll, f"passing bucket {b} of version {version} on")
             self.pending = []
@@ -497,75 +501,3 @@ class RelayReceiver(_End, ReceiverTransport):
         self._close_end()
         self.store = None
 
-
-class _FromHop:
-    """A member's buckets as the party before it in the chain sends them, whole, each with its
-    digest in the trailer."""
-
-    checked = ""  # the receiver checks each bucket against the digest that came with it
-
-    def __init__(self, end: _End, version: int, up: Group, deadline: Deadline, poll: Any):
-        self.end, self.version, self.up, self.deadline, self.poll = end, version, up, deadline, poll
-        self.posted: dict[int, Any] = {}
-
-    def post(self, b: int, n: int) -> None:
-        self.posted[b] = self.up.broadcast(self.end._wire(b, n), self.deadline.left())
-        self.end.pending.append(self.posted[b])
-
-    def take(self, b: int, n: int) -> torch.Tensor:
-        settle(self.posted.pop(b), self.deadline.at, self.poll, f"bucket {b} of version {self.version}")
-        return self.end._wire(b, n)
-
-
-class _FromRanks:
-    """A head's buckets in a sharded session: every trainer rank's piece of each bucket
-    (its rows packed one after another, with their digest) over that rank's own hop, checked and
-    put into their places; the whole bucket then gets its own digest in the trailer, as a bucket
-    from a hop has, for the members down the chain and this host's followers."""
-
-    checked = "here"  # each rank's piece was checked on its way in; the bucket's digest is of these bytes
-
-    def __init__(self, end: _End, version: int, group: BroadcastGroup, head: int, deadline: Deadline, poll: Any):
-        self.end, self.version, self.deadline, self.poll = end, version, deadline, poll
-        self.kind = end.session.digest_kind if end.trailer else None
-        self.rows = end.ctx.row_plans
-        # each rank's buffers: its largest piece and a trailer, two of them (a piece in flight, one taken)
-        self.hops: dict[int, Group] = {}
-        self.buffers: dict[int, list[torch.Tensor]] = {}
-        for r, rows in enumerate(self.rows):
-            largest = max((rows.piece_bytes(b) for b in rows.pieces), default=0)
-            if largest:
-                self.hops[r] = end._rows_hop(group, r, f"trainer rank {r}", head, 1, deadline, poll)
-                self.buffers[r] = [torch.empty(largest + end.trailer, dtype=torch.uint8) for _ in range(BUFFERS)]
-        self.posted: dict[tuple[int, int], Any] = {}
-
-    def _piece(self, r: int, b: int, n: int) -> torch.Tensor:
-        return self.buffers[r][b % BUFFERS][: n + self.end.trailer]
-
-    def post(self, b: int, n: int) -> None:
-        for r, rows in enumerate(self.rows):
-            size = rows.piece_bytes(b)
-            if size:
-                self.posted[(r, b)] = self.hops[r].broadcast(self._piece(r, b, size), self.deadline.left())
-                self.end.pending.append(self.posted[(r, b)])
-
-    def take(self, b: int, n: int) -> torch.Tensor:
-        wire = self.end._wire(b, n)
-        for start, end in gaps(self.end.ctx.plan.buckets[b]):
-            wire[start:end].zero_()  # padding: the buffer held another bucket
-        for r, rows in enumerate(self.rows):
-            size = rows.piece_bytes(b)
-            if not size:
-                continue
-            settle(self.posted.pop((r, b)), self.deadline.at, self.poll,
-                   f"trainer rank {r}'s rows of bucket {b} of version {self.version}")
-            piece = self._piece(r, b, size)
-            if self.kind is not None:
-                got, sent = digest.as_int(digest.compute(self.kind, piece[:size])), get_checksum(piece, size)
-                if got != sent:
-                    raise ChecksumError(f"bucket {b} of version {self.version}: trainer rank {r}'s rows arrived "
-                                        f"with {self.kind} {got:#018x}, it sent {sent:#018x}")
-            unpack_piece(rows, b, piece, wire)
-        if self.kind is not None:
-            put_checksum(wire, n, None, self.kind)
-        return wire
