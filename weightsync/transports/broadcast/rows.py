@@ -69,6 +69,8 @@ def send_rows(end: BroadcastEnd, version: int, group: BroadcastGroup, rows: RowW
         settle(sent[i], deadline.at, poll, f"the last rows of version {version}")
     devices.synchronize(end.device)
     end.pending = []
+    if sums and isinstance(sums[0], torch.Tensor):  # device digests: one read for the version, not one per piece
+        sums = torch.stack([s.reshape(()) for s in sums]).cpu().tolist()
     return RowsSent(rank=me, buckets=[b for b, _ in pieces], sums=[digest.as_int(s) for s in sums],
                     written=sum(n for _, n in pieces))
 
