@@ -42,7 +42,9 @@ def test_every_byte_is_written_by_exactly_one_rank(ranks):
 def _job(coordinator_factory, ranks: int, config: dict, receivers: int = 2):
     coord = coordinator_factory(config)
     rollouts = [rollout_actor(coord, MANIFEST, f"rollout-{i}", i, config) for i in range(receivers)]
-    return coord, rollouts, sharded_trainers(coord, MANIFEST, ranks, config, receivers)
+    trainers = sharded_trainers(coord, MANIFEST, ranks, config, receivers)
+    ray.get([r.pid.remote() for r in rollouts], timeout=300)  # up, as the trainers are: no version times their start
+    return coord, rollouts, trainers
 
 
 def _step(trainers, rollouts, version: int, gather: bool = False, late0: float = 0.0):

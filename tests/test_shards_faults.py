@@ -23,29 +23,28 @@ from weightsync.errors import VersionError, WeightSyncError
 @pytest.mark.parametrize("transport", ["shm", "relay", "broadcast", "ipc"])
 def test_a_rank_killed_mid_version_aborts_it_named(coordinator_factory, transport):
     config = {**CFG, "transport": transport, "backend": "gloo"}
-    coord, rollouts, trainers = _job(coordinator_factory, 3, config)
+    coord, rollouts, trainers = _job(coordinator_factory, 2, config)  # rank 1 is lost; 2 ranks show it, as 3 would
     try:
         _step(trainers, rollouts, 1)
         for r in rollouts:
             assert_serves(r, MANIFEST, 1)
         # shm, relay and broadcast take each rank's rows; ipc takes the gathered shards from rank 0
         takes_rows = transport != "ipc"
-        assert ray.get([t.sharded.remote() for t in trainers]) == [takes_rows] * 3
+        assert ray.get([t.sharded.remote() for t in trainers]) == [takes_rows] * 2
         gathered = f"the FSDP2 shards are gathered (transport {transport} takes no rows; shm, relay and broadcast do)"
         assert (gathered in coord.status().transport_reason) == (not takes_rows)
-        ray.get(trainers[2].hold_at.remote(3))
+        ray.get(trainers[1].hold_at.remote(3))
         steps = [t.step.remote(2) for t in trainers]
         applying = [r.apply.remote(2) for r in rollouts]
-        assert ray.get(trainers[2].reached.remote(30))
-        ray.kill(trainers[2])
-        with pytest.raises((VersionError, WeightSyncError), match="trainer-2"):
+        assert ray.get(trainers[1].reached.remote(30))
+        ray.kill(trainers[1])
+        with pytest.raises((VersionError, WeightSyncError), match="trainer-1"):
             ray.get(steps[0], timeout=60)
         for r in applying:
-            with pytest.raises(Exception, match="trainer-2"):
+            with pytest.raises(Exception, match="trainer-1"):
                 ray.get(r, timeout=60)
         for r in rollouts:
             assert_serves(r, MANIFEST, 1)
-        ray.wait([steps[1]], timeout=60)  # rank 1 is done with the aborted version too
     finally:
         stop_actors([*trainers, *rollouts])
 

@@ -46,6 +46,7 @@ class ShardedTrainer(_Party):
     def __init__(self, coordinator: Coordinator, manifest_wire: list, rank: int, ranks: int, port: int,
                  config: dict | None = None, expected_receivers: int | None = None):
         import torch.distributed as dist
+        import torch.distributed.tensor  # noqa: F401  an FSDP2 trainer has it loaded before its first version
         from torch.distributed.device_mesh import init_device_mesh
 
         os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")  # the ranks meet on this host
@@ -128,11 +129,15 @@ class ShardedTrainer(_Party):
 
 def sharded_trainers(coordinator: Coordinator, manifest: Manifest, ranks: int, config: dict | None = None,
                      receivers: int | None = None, options: Any = None) -> list:
-    """``options(rank)``: more Ray options for that rank's actor (e.g. which simulated device it holds)."""
+    """``options(rank)``: more Ray options for that rank's actor (e.g. which simulated device it holds).
+    Returns once every rank is up: on a loaded machine starting a rank (torch, its process group, DTensor)
+    takes tens of seconds, which must not count against a version's sync timeout."""
     import ray
 
     port = free_port()
-    return [ray.remote(ShardedTrainer).options(num_cpus=0, max_concurrency=4, **(options(r) if options else {})).remote(
+    trainers = [ray.remote(ShardedTrainer).options(num_cpus=0, max_concurrency=4, **(options(r) if options else {})).remote(
         coordinator, manifest.to_wire(), r, ranks, port, config=config, expected_receivers=receivers)
         for r in range(ranks)]
+    ray.get([t.pid.remote() for t in trainers], timeout=300)
+    return trainers
 
