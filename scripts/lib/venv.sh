@@ -31,10 +31,7 @@ venv_start() {
     [ -x "$1/bin/python" ] || "${PYTHON:-python3}" -m venv "$1"
     # shellcheck disable=SC1091
     . "$1/bin/activate"
-    # --no-compile: byte-compiling every module of torch, vLLM and transformers (about a minute of CPU
-    # per venv on 2 cores) competes with the tiers that run while these venvs build; a tier compiles
-    # the modules it imports, a fraction of them
-    pip_q="pip install --quiet --disable-pip-version-check --no-compile"
+    pip_q="pip install --quiet --disable-pip-version-check"
     # a pip.conf may list index locations that do not exist: pip warns once per package about them
     exec 2> >(grep --line-buffered -v "is neither a file nor a directory" >&2)
 }

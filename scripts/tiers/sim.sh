@@ -10,6 +10,4 @@ cd "$(dirname "$0")/../.."
 . scripts/lib/env.sh
 [ -x .venv/bin/python ] || bash scripts/setup.sh dev >&2
 [ "${1:-}" = "--prepare" ] && exit 0  # runs in the main venv: nothing to build
-# two workers, a file each, as the main suite: the sim tests wait on processes and simulated lags far
-# more than they compute (6.0 min serially, 4.6 min so on a quiet 2-core machine)
-.venv/bin/python -m pytest -n 2 --dist loadfile -m sim tests/test_device.py tests/test_sim_ring.py tests/test_sim_faults.py tests/test_sim_receive_ahead.py tests/test_sim_shards.py "$@"
+.venv/bin/python -m pytest -m sim tests/test_device.py tests/test_sim_ring.py tests/test_sim_faults.py tests/test_sim_receive_ahead.py tests/test_sim_shards.py "$@"
