@@ -271,6 +271,14 @@ def as_int(value: int | torch.Tensor) -> int:
     return value & MASK
 
 
+def as_ints(values: list[int | torch.Tensor]) -> list[int]:
+    """Digests as unsigned 64-bit Python ints, the device values among them read in one copy to
+    the host (one synchronization for all, not one per value)."""
+    on_device = [v.reshape(()) for v in values if isinstance(v, torch.Tensor)]
+    read = iter(torch.stack(on_device).cpu().tolist() if on_device else ())
+    return [(next(read) if isinstance(v, torch.Tensor) else v) & MASK for v in values]
+
+
 def compute(kind: str, buf: torch.Tensor) -> int | torch.Tensor:
     """The digest of ``buf`` in ``kind``; a torch digest stays a device value."""
     if kind == "xxh3":
@@ -331,13 +339,11 @@ class Checks:
         Raises:
             ChecksumError: the first bucket, in plan order, whose bytes differ from the sender's.
         """
-        deferred = [v for _, _, got, exp in self._seen for v in (got, exp) if isinstance(v, torch.Tensor)]
-        values = iter(torch.stack([v.reshape(()) for v in deferred]).cpu().tolist() if deferred else ())
+        values = iter(as_ints([v for _, _, got, exp in self._seen for v in (got, exp) if v is not None]))
         out = []
         for b, kind, got, exp in self._seen:
-            if isinstance(got, torch.Tensor):
-                got = next(values) & MASK
-            exp = (next(values) if isinstance(exp, torch.Tensor) else exp) & MASK
+            got = next(values) if got is not None else None
+            exp = next(values)
             if got is not None and got != exp:
                 raise _mismatch(kind, b, self.version, got, exp)
             out.append(exp)

@@ -69,9 +69,7 @@ def send_rows(end: BroadcastEnd, version: int, group: BroadcastGroup, rows: RowW
         settle(sent[i], deadline.at, poll, f"the last rows of version {version}")
     devices.synchronize(end.device)
     end.pending = []
-    if sums and isinstance(sums[0], torch.Tensor):  # device digests: one read for the version, not one per piece
-        sums = torch.stack([s.reshape(()) for s in sums]).cpu().tolist()
-    return RowsSent(rank=me, buckets=[b for b, _ in pieces], sums=[digest.as_int(s) for s in sums],
+    return RowsSent(rank=me, buckets=[b for b, _ in pieces], sums=digest.as_ints(sums),
                     written=sum(n for _, n in pieces))
 
 
@@ -159,9 +157,9 @@ class RowsIn:
         """
         if not self.deferred:
             return
-        values = torch.stack([v.reshape(()) for _, _, got, sent in self.deferred for v in (got, sent)]).cpu().tolist()
+        values = digest.as_ints([v for _, _, got, sent in self.deferred for v in (got, sent)])
         for i, (r, b, _, _) in enumerate(self.deferred):
-            got, sent = values[2 * i] & digest.MASK, values[2 * i + 1] & digest.MASK
+            got, sent = values[2 * i], values[2 * i + 1]
             if got != sent:
                 raise _bad_rows(self.kind, r, b, self.version, got, sent)
         self.deferred = []
