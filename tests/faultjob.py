@@ -18,8 +18,8 @@ from typing import Any
 import pytest
 import ray
 from support.parties import (
-    JOB_DEFAULTS,
     RolloutWorker,
+    job_config,
     new_coordinator,
     rollout_actor,
     serves,
@@ -79,8 +79,8 @@ class Job:
         """``device="sim"``: every party on the simulated accelerator, one device for all (ipc,
         shm) or one each (broadcast: a device collective holds a device once)."""
         self.transport, self.manifest, self.device = transport, manifest, device
-        self.cfg = {**JOB_DEFAULTS, "transport": transport, "bucket_mb": bucket_mb, "sync_timeout_s": DEADLINE_S,
-                    "device": device, **extra}
+        self.cfg = job_config({"transport": transport, "bucket_mb": bucket_mb, "sync_timeout_s": DEADLINE_S,
+                               "device": device, **extra})
         self.coord = new_coordinator(self.cfg, "ws-faults", actor_options=coordinator_options)
         self.buckets = plan_buckets(manifest, int(bucket_mb * 2**20), 256).bucket_count
         self.actors: list[Any] = []

@@ -11,7 +11,7 @@ import torch
 from weightsync_bench.layouts import materialize
 
 from faultjob import THREADED, sim_env
-from support.parties import assert_same_weights, assert_serves, rollout_actor, stop_actors, wait_until
+from support.parties import assert_same_weights, assert_serves, job_config, rollout_actor, stop_actors, wait_until
 from support.shards import MANIFEST, sharded, sharded_trainers
 from weightsync import device as devices
 from weightsync.errors import VersionError, WeightSyncError
@@ -46,7 +46,7 @@ SIM = {"transport": "broadcast", "backend": "auto", "bucket_mb": 1 / 32, "device
 def _job(coordinator_factory, ranks: int, receivers: int = 2, receive_ahead: str = "off"):
     """A sharded broadcast job on the sim device, one simulated device per party (trainer rank r
     holds device r, receiver i device ranks + i), as the device collective needs."""
-    cfg = {**SIM, "receive_ahead": receive_ahead}
+    cfg = job_config({**SIM, "receive_ahead": receive_ahead})
     coord = coordinator_factory(cfg)
     rollouts = [rollout_actor(coord, MANIFEST, f"rollout-{i}", i, cfg, {**THREADED, **sim_env(ranks + i)}, device="sim")
                 for i in range(receivers)]

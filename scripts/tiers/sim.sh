@@ -10,4 +10,6 @@ cd "$(dirname "$0")/../.."
 . scripts/lib/env.sh
 [ -x .venv/bin/python ] || bash scripts/setup.sh dev >&2
 [ "${1:-}" = "--prepare" ] && exit 0  # runs in the main venv: nothing to build
-.venv/bin/python -m pytest -m sim tests/test_device.py tests/test_sim_ring.py tests/test_sim_faults.py tests/test_sim_receive_ahead.py tests/test_sim_shards.py "$@"
+# two workers, a file each, as the main suite: the sim tests wait on processes and simulated lags far
+# more than they compute (the sim jobs' liveness bound, tests/support/parties.py, allows for it)
+.venv/bin/python -m pytest -n 2 --dist loadfile -m sim tests/test_device.py tests/test_sim_ring.py tests/test_sim_faults.py tests/test_sim_receive_ahead.py tests/test_sim_shards.py "$@"

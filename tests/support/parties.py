@@ -247,6 +247,17 @@ def assert_serves(rollout: Any, expected: Manifest | Mapping[str, torch.Tensor],
 # would pick cuda for some parties (those Ray gives a GPU, or all of them) and not others
 JOB_DEFAULTS = {"heartbeat_interval_s": 0.2, "heartbeat_timeout_s": 2.0, "sync_timeout_s": 60.0,
                 "connect_timeout_s": 60.0, "device": "cpu"}
+# A party on the simulated device runs each of its streams as a Python thread of its own process; under
+# load (two test workers on 2 cores, venvs building beside them) they starved a healthy party's heartbeat
+# thread for 2.2 s in a first version. Its jobs get a looser bound; a lost party is still named by it.
+SIM_HEARTBEAT_TIMEOUT_S = 5.0
+
+
+def job_config(config: dict | None = None) -> dict:
+    """``JOB_DEFAULTS`` under ``config``, with the simulated device's liveness bound where it runs."""
+    config = config or {}
+    sim = {"heartbeat_timeout_s": SIM_HEARTBEAT_TIMEOUT_S} if config.get("device") == "sim" else {}
+    return {**JOB_DEFAULTS, **sim, **config}
 _job_ids = itertools.count()
 
 
@@ -272,8 +283,8 @@ def wait_until(what: str, cond: Any, timeout: float = 30.0, interval: float = 0.
 
 
 def new_coordinator(config: dict | None = None, prefix: str = "ws-test", **kwargs: Any) -> Coordinator:
-    """A coordinator under a name no other job on the cluster has, ``JOB_DEFAULTS`` under ``config``."""
-    return Coordinator.create({**JOB_DEFAULTS, **(config or {})}, name=f"{prefix}-{os.getpid()}-{next(_job_ids)}",
+    """A coordinator under a name no other job on the cluster has, configured by ``job_config(config)``."""
+    return Coordinator.create(job_config(config), name=f"{prefix}-{os.getpid()}-{next(_job_ids)}",
                               **kwargs)
 
 
