@@ -1,4 +1,4 @@
-"""weightsync as a verl checkpoint-engine backend (verl >= 0.8), so current verl needs no patch:
+"""weightsync as a verl checkpoint-engine backend (verl >= 0.8): no change to verl's files:
 
     actor_rollout_ref.rollout.checkpoint_engine.backend=weightsync
     actor_rollout_ref.rollout.checkpoint_engine.custom_backend_module=weightsync_verl.checkpoint_engine
@@ -9,6 +9,10 @@ init_process_group -> send_weights (every actor rank) || receive_weights (every 
 worker) -> finalize. One weightsync session lives across syncs: actor rank 0 starts the
 coordinator at its first ``prepare`` and the topology hands its name and token to everyone;
 later calls find the parties already registered and reuse them (plan, buffers, segments).
+
+Importing this module also gives verl's actor worker a branch for this backend
+(engine_shards.py): an FSDP2 actor hands ``send_weights`` each rank's own shards, and every
+rank of such a session sends its rows.
 
 Staged ahead (weightsync_verl.stage_ahead): right after ``update_actor`` the trainer arms the
 actor ranks (``arm_ahead``) and calls their ``update_weights`` for the next step: the
