@@ -258,6 +258,8 @@ def job_config(config: dict | None = None) -> dict:
     config = config or {}
     sim = {"heartbeat_timeout_s": SIM_HEARTBEAT_TIMEOUT_S} if config.get("device") == "sim" else {}
     return {**JOB_DEFAULTS, **sim, **config}
+
+
 _job_ids = itertools.count()
 
 
